@@ -1,0 +1,67 @@
+"""The prefix block hash that engine, cache index and router must agree on.
+
+A prompt is cut into fixed blocks of ``block_size`` tokens (16 by default).
+Block ``i`` is named by::
+
+    h[i] = H(seed, h[i-1], tokens[i*B:(i+1)*B])      with h[-1] = 0
+
+where ``seed = H(model id, cache salt)`` and H is BLAKE2b with an 8-byte digest
+read as an unsigned little-endian integer (a proto ``uint64``). Because every
+hash folds in its parent, equal hashes mean equal prefixes: the router can ask
+"how many of these leading blocks do you hold?" without sending tokens twice.
+Only full blocks are hashed; a trailing partial block has no name.
+
+Token ids are encoded as little-endian uint32, so the hash does not depend on
+the host or on how the caller stores ids. Changing anything here invalidates
+every cache index: tests pin golden values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+DEFAULT_BLOCK_SIZE = 16
+_DIGEST_BYTES = 8
+_NO_PARENT = 0
+
+
+def _digest(*parts: bytes) -> int:
+    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    for part in parts:
+        # Length-prefix each part so that ("ab", "c") and ("a", "bc") differ.
+        hasher.update(struct.pack("<I", len(part)))
+        hasher.update(part)
+    return int.from_bytes(hasher.digest(), "little")
+
+
+def hash_seed(model: str, cache_salt: str = "") -> int:
+    """Seed of a model's hash chain; anything that changes the KV belongs in it."""
+    return _digest(b"cachet-block-hash-v1", model.encode(), cache_salt.encode())
+
+
+def hash_block(seed: int, parent_hash: int, token_ids: Sequence[int]) -> int:
+    """Hash of one full block given the hash of the block before it (0 for the first)."""
+    tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return _digest(seed.to_bytes(8, "little"), parent_hash.to_bytes(8, "little"), tokens)
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    model: str,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    cache_salt: str = "",
+    start_parent: int = _NO_PARENT,
+) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``, block 0 first."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    seed = hash_seed(model, cache_salt)
+    hashes: list[int] = []
+    parent = start_parent
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(seed, parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

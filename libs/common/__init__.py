@@ -1,0 +1,1 @@
+"""Messages shared by several services (generated stubs under v1/)."""

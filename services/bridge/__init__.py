@@ -1,0 +1,1 @@
+"""Cachet bridge service."""

@@ -1,0 +1,1 @@
+"""Cachet engine service."""

@@ -1,0 +1,84 @@
+"""A request's life inside the engine, and the one table of finish reasons."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after RUNNING... is terminal (see ``is_finished``)."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> common_pb2.FinishReason.ValueType:
+        return _FINISH_REASONS.get(self, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
+    RequestStatus.FINISHED_ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation as the scheduler and KV cache manager see it.
+
+    ``num_computed_tokens`` counts leading tokens whose KV is in the cache
+    (cached prefix included); ``num_cached_tokens`` is fixed when the request is
+    first scheduled and is what usage reports as cached.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    interactive: bool = True
+    cache_salt: str = ""
+    arrival_time: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    block_hashes: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        # Prompts stay out of logs.
+        return (
+            f"Request(id={self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens} tok, "
+            f"output={len(self.output_token_ids)} tok, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,93 @@
+"""The one typed object the scheduler hands the model runner each step.
+
+It is also what rank 0 broadcasts to the other ranks of a sharded replica, so
+it holds only plain, picklable data and sends *diffs*: a request's prompt and
+sampling parameters travel once (in ``new_requests``); afterwards only the
+blocks it gained and its computed-token count do. The runner keeps the rest.
+
+Token accounting, for one request in one step::
+
+    all tokens:   [ .... computed .... | ... scheduled ... | not yet ]
+                  0          num_computed_tokens    num_computed + num_scheduled
+
+The runner computes KV for the scheduled span and samples one token when the
+span reaches the end of the request's known tokens (a prefill chunk that stops
+mid-prompt samples nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cachet.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has not seen (or must rebuild after preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; recomputed like prompt tokens.
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    def __repr__(self) -> str:
+        return (
+            f"NewRequest(id={self.request_id!r}, prompt={len(self.prompt_token_ids)} tok, "
+            f"blocks={len(self.block_ids)}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass(frozen=True)
+class RunningRequestDiff:
+    """What changed for a request the runner already holds."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the runner needs for one forward pass."""
+
+    new_requests: list[NewRequest] = field(default_factory=list)
+    running: list[RunningRequestDiff] = field(default_factory=list)
+    # request id -> tokens to compute this step (new and running alike).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests that ended or were preempted since the last step: the runner drops them.
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"StepPlan(new={len(self.new_requests)}, running={len(self.running)}, "
+            f"tokens={self.total_scheduled_tokens}, finished={len(self.finished_request_ids)})"
+        )
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token and, when asked for, its log-probabilities."""
+
+    token_id: int
+    logprob: float | None = None
+    # (token id, logprob) of the most likely alternatives, best first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the runner returns: a token for every request that sampled this step."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""Cachet usage service."""
