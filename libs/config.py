@@ -1,0 +1,108 @@
+"""One frozen, typed settings object per service, read from ``CACHET_*`` variables.
+
+Shared knobs keep their documented names (``CACHET_DATA_DIR``, ``CACHET_MODEL``,
+``CACHET_DTYPE``...); a service's own knobs carry its name
+(``CACHET_TOKENIZER_PORT``). Settings are validated when built, so a typo in a
+value fails at start-up with the variable's name, not in the middle of a request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOOPBACK = "127.0.0.1"
+
+
+def _shared(name: str):
+    return AliasChoices(name, name.removeprefix("CACHET_").lower())
+
+
+class ServiceSettings(BaseSettings):
+    """Fields every service has."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    host: str = LOOPBACK
+    port: int = Field(default=0, ge=0, le=65535)
+    data_dir: Path = Field(default=Path("data"), validation_alias=_shared("CACHET_DATA_DIR"))
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", validation_alias=_shared("CACHET_LOG_LEVEL")
+    )
+    # Bounded so one bad client cannot make a service buffer gigabytes.
+    max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Seconds a SIGTERM'd server lets in-flight calls finish before cancelling them.
+    drain_seconds: float = Field(default=10.0, ge=0)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class TokenizerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_TOKENIZER_")
+
+    port: int = Field(default=50051, ge=0, le=65535)
+    # Model ids or checkpoint directories to serve; the default model when empty.
+    models: list[str] = Field(default_factory=list)
+    default_model: str = Field(default="", validation_alias=_shared("CACHET_MODEL"))
+    # Longest text accepted by Encode, in characters.
+    max_input_chars: int = Field(default=4 * 1024 * 1024, ge=1)
+
+
+class EngineSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_ENGINE_")
+
+    port: int = Field(default=50061, ge=0, le=65535)
+    model: str = Field(default="", validation_alias=_shared("CACHET_MODEL"))
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", validation_alias=_shared("CACHET_DTYPE")
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", validation_alias=_shared("CACHET_DEVICE"))
+    kv_cache_gb: float = Field(default=0.5, gt=0, validation_alias=_shared("CACHET_KV_CACHE_GB"))
+    block_size: int = Field(default=16, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=512, ge=16)
+    max_waiting: int = Field(default=256, ge=1)
+    max_model_len: int | None = Field(default=None, ge=16)
+    tensor_parallel_size: int = Field(default=1, ge=1, validation_alias=_shared("CACHET_TP"))
+    expert_parallel_size: int = Field(default=1, ge=1, validation_alias=_shared("CACHET_EP"))
+    load_report_interval_ms: int = Field(default=200, ge=10)
+
+
+class CacheSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_CACHE_")
+
+    port: int = Field(default=50071, ge=0, le=65535)
+    # Engines to follow from the start (more can be added with WatchReplica).
+    engine_addresses: list[str] = Field(default_factory=list)
+
+
+class UsageSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_USAGE_")
+
+    port: int = Field(default=50081, ge=0, le=65535)
+    # SQLite file; defaults to <data_dir>/usage.sqlite3.
+    database: Path | None = None
+
+
+class RouterSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_ROUTER_")
+
+    port: int = Field(default=50091, ge=0, le=65535)
+    tokenizer_address: str = f"{LOOPBACK}:50051"
+    cache_address: str = f"{LOOPBACK}:50071"
+    usage_address: str = f"{LOOPBACK}:50081"
+    engine_addresses: list[str] = Field(default_factory=list)
+
+
+class BridgeSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_BRIDGE_")
+
+    port: int = Field(default=8080, ge=0, le=65535, validation_alias=_shared("CACHET_PORT"))
+    router_address: str = f"{LOOPBACK}:50091"
+    # "key=account" pairs; none configured means open development mode on loopback.
+    api_keys: dict[str, str] = Field(default_factory=dict)

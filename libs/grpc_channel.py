@@ -1,0 +1,20 @@
+"""Client channels to other Cachet services: traced, with the same message bounds."""
+
+from __future__ import annotations
+
+import grpc
+
+from cachet.tracing import client_interceptors
+
+_DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def create_channel(address: str, max_message_bytes: int = _DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Loopback services restart in tests and in run-local: reconnect quickly.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+    return grpc.aio.insecure_channel(address, options=options, interceptors=client_interceptors())

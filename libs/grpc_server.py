@@ -1,0 +1,158 @@
+"""The grpc.aio server every service (and every test) starts the same way.
+
+What it adds around a service's servicers: the standard health service,
+server reflection (so grpcurl works without .proto files), bounded message
+sizes, OpenTelemetry spans with W3C context from metadata, one interceptor that
+turns domain errors into status codes, and a graceful drain on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+
+from cachet.config import ServiceSettings
+from cachet.errors import ERROR_INFO_METADATA_KEY, CachetError
+from cachet.logs import get_logger
+from cachet.tracing import server_interceptors
+
+log = get_logger(__name__)
+
+Registrar = Callable[[grpc.aio.Server], None]
+
+
+def _trace_id() -> str:
+    context = trace.get_current_span().get_span_context()
+    return format(context.trace_id, "032x") if context.is_valid else "none"
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    if isinstance(error, CachetError):
+        metadata = ((ERROR_INFO_METADATA_KEY, error.error_info().SerializeToString()),)
+        await context.abort(error.status, error.message, metadata)
+    # Anything else is our bug: log it whole, tell the caller only how to find it.
+    log.exception("unhandled error in handler")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (trace id {_trace_id()})")
+
+
+class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps ``CachetError`` subclasses to their status codes, in one place."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            self._wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+        )
+
+    @staticmethod
+    def _wrap_unary(behavior):
+        async def wrapped(request, context):
+            try:
+                return await behavior(request, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as error:  # noqa: BLE001 - the one place errors become statuses
+                await _abort_with(context, error)
+
+        return wrapped
+
+    @staticmethod
+    def _wrap_stream(behavior):
+        async def wrapped(request, context):
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as error:  # noqa: BLE001 - the one place errors become statuses
+                await _abort_with(context, error)
+
+        return wrapped
+
+
+@dataclass
+class RunningServer:
+    """A started server, its bound port and its health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def create_server(
+    settings: ServiceSettings,
+    registrars: Iterable[Registrar],
+    service_names: Iterable[str],
+) -> RunningServer:
+    """Build, bind and start a server; ``settings.port`` 0 picks a free port (tests)."""
+    options = [
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(interceptors=[*server_interceptors(), DomainErrorInterceptor()], options=options)
+    for register in registrars:
+        register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    await server.start()
+    running = RunningServer(server=server, port=port, health=health_servicer, service_names=names)
+    await running.set_serving(True)
+    log.info("grpc server started", address=f"{settings.host}:{port}", services=names)
+    return running
+
+
+async def serve_until_signalled(
+    running: RunningServer, drain_seconds: float, on_stop: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT, then report NOT_SERVING, drain in-flight calls and stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("draining", grace_seconds=drain_seconds)
+    await running.stop(grace=drain_seconds)
+    if on_stop is not None:
+        await on_stop()
+    log.info("stopped")

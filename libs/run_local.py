@@ -1,0 +1,140 @@
+"""`cachet run-local`: every service on this machine, the default model, SQLite.
+
+Processes are supervised by honcho (output multiplexed with a name prefix; if
+one dies, the rest are stopped; Ctrl-C or SIGTERM stops all). A watcher thread
+polls each service's health and prints the REST URL once everything is up.
+Services are started by module name, so this file knows their names and ports,
+never their code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from honcho.manager import Manager
+
+from cachet.config import LOOPBACK
+
+TOKENIZER_PORT = 50051
+ENGINE_BASE_PORT = 50061
+CACHE_PORT = 50071
+USAGE_PORT = 50081
+ROUTER_PORT = 50091
+HEALTH_TIMEOUT_SECONDS = 600
+
+
+@dataclass(frozen=True)
+class PlannedService:
+    name: str
+    module: str
+    env: dict[str, str] = field(default_factory=dict)
+    grpc_port: int | None = None
+    http_port: int | None = None
+
+
+def _service_exists(module: str) -> bool:
+    return importlib.util.find_spec(f"{module}.main") is not None
+
+
+def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[PlannedService]:
+    """The processes to start, with the addresses each needs; only services that exist yet."""
+    engines = [f"{LOOPBACK}:{ENGINE_BASE_PORT + i}" for i in range(replicas)]
+    model_env = {"CACHET_MODEL": str(model_dir)}
+    plan = [
+        PlannedService("tokenizer", "cachet.tokenizer",
+                       {**model_env, "CACHET_TOKENIZER_PORT": str(TOKENIZER_PORT)}, grpc_port=TOKENIZER_PORT),
+        PlannedService("usage", "cachet.usage", {"CACHET_USAGE_PORT": str(USAGE_PORT)}, grpc_port=USAGE_PORT),
+    ]
+    plan += [
+        PlannedService(f"engine{i}", "cachet.engine",
+                       {**model_env, "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i)},
+                       grpc_port=ENGINE_BASE_PORT + i)
+        for i in range(replicas)
+    ]
+    plan += [
+        PlannedService("cache", "cachet.cache",
+                       {"CACHET_CACHE_PORT": str(CACHE_PORT), "CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(engines)},
+                       grpc_port=CACHE_PORT),
+        PlannedService("router", "cachet.router", {
+            "CACHET_ROUTER_PORT": str(ROUTER_PORT),
+            "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps(engines),
+            "CACHET_ROUTER_TOKENIZER_ADDRESS": f"{LOOPBACK}:{TOKENIZER_PORT}",
+            "CACHET_ROUTER_CACHE_ADDRESS": f"{LOOPBACK}:{CACHE_PORT}",
+            "CACHET_ROUTER_USAGE_ADDRESS": f"{LOOPBACK}:{USAGE_PORT}",
+        }, grpc_port=ROUTER_PORT),
+        PlannedService("bridge", "cachet.bridge", {
+            "CACHET_PORT": str(rest_port),
+            "CACHET_BRIDGE_ROUTER_ADDRESS": f"{LOOPBACK}:{ROUTER_PORT}",
+        }, http_port=rest_port),
+    ]
+    return [service for service in plan if _service_exists(service.module)]
+
+
+def _grpc_healthy(port: int) -> bool:
+    try:
+        with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _http_healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/health", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def is_healthy(service: PlannedService) -> bool:
+    if service.http_port is not None:
+        return _http_healthy(service.http_port)
+    return service.grpc_port is not None and _grpc_healthy(service.grpc_port)
+
+
+def entry_url(services: list[PlannedService]) -> str:
+    bridge = next((s for s in services if s.http_port is not None), None)
+    if bridge is not None:
+        return f"Cachet REST API on http://{LOOPBACK}:{bridge.http_port}"
+    # Until the REST bridge exists, the tokenizer's gRPC address is the way in.
+    tokenizer = next(s for s in services if s.name == "tokenizer")
+    return f"Cachet tokenizer gRPC API on {LOOPBACK}:{tokenizer.grpc_port}"
+
+
+def _announce_when_healthy(manager: Manager, services: list[PlannedService]) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_SECONDS
+    pending = list(services)
+    while pending and time.monotonic() < deadline:
+        pending = [service for service in pending if not is_healthy(service)]
+        if pending:
+            time.sleep(0.5)
+    if pending:
+        names = ", ".join(s.name for s in pending)
+        print(f"run-local: not healthy after {HEALTH_TIMEOUT_SECONDS} s: {names}; stopping", flush=True)
+        manager.terminate()
+        return
+    print(entry_url(services), flush=True)
+
+
+def run_local(rest_port: int, replicas: int, model_dir: Path) -> int:
+    services = plan_services(rest_port, replicas, model_dir)
+    manager = Manager()
+    python = shlex.quote(sys.executable)
+    for service in services:
+        manager.add_process(service.name, f"exec {python} -m {service.module}", env={**os.environ, **service.env})
+    watcher = threading.Thread(target=_announce_when_healthy, args=(manager, services), daemon=True)
+    watcher.start()
+    manager.loop()
+    return manager.returncode or 0

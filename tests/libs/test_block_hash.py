@@ -1,0 +1,59 @@
+import pytest
+
+from cachet.block_hash import DEFAULT_BLOCK_SIZE, block_hashes, hash_block, hash_seed
+
+MODEL = "smollm2-135m-instruct"
+
+
+def test_golden_values() -> None:
+    # Pinned: every service and every stored cache index depends on these.
+    assert block_hashes(list(range(40)), MODEL) == [7906599310257278436, 9715039457657459474]
+    assert block_hashes(list(range(12)), MODEL, block_size=4) == [
+        495026264763325614,
+        13047274819268275995,
+        4176899890928161455,
+    ]
+
+
+def test_only_full_blocks_are_hashed() -> None:
+    assert block_hashes(list(range(15)), MODEL) == []
+    assert len(block_hashes(list(range(16)), MODEL)) == 1
+    assert len(block_hashes(list(range(47)), MODEL)) == 2
+
+
+def test_change_in_block_k_changes_every_later_hash_and_no_earlier_one() -> None:
+    tokens = list(range(100, 100 + 6 * DEFAULT_BLOCK_SIZE))
+    base = block_hashes(tokens, MODEL)
+    for k in range(6):
+        changed = list(tokens)
+        changed[k * DEFAULT_BLOCK_SIZE + 3] += 1
+        hashes = block_hashes(changed, MODEL)
+        assert hashes[:k] == base[:k]
+        assert all(a != b for a, b in zip(hashes[k:], base[k:], strict=True))
+
+
+def test_seed_separates_models_and_salts() -> None:
+    tokens = list(range(32))
+    assert block_hashes(tokens, MODEL) != block_hashes(tokens, "other-model")
+    assert block_hashes(tokens, MODEL) != block_hashes(tokens, MODEL, cache_salt="tenant-a")
+    assert block_hashes(tokens, MODEL, cache_salt="a") == block_hashes(tokens, MODEL, cache_salt="a")
+
+
+def test_chain_is_incremental() -> None:
+    tokens = list(range(64))
+    full = block_hashes(tokens, MODEL)
+    seed = hash_seed(MODEL)
+    parent = 0
+    for i, expected in enumerate(full):
+        parent = hash_block(seed, parent, tokens[i * 16 : (i + 1) * 16])
+        assert parent == expected
+    assert block_hashes(tokens[32:], MODEL, start_parent=full[1]) == full[2:]
+
+
+def test_hashes_fit_uint64() -> None:
+    assert all(0 <= h < 2**64 for h in block_hashes(list(range(1000)), MODEL))
+
+
+def test_block_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes([1, 2], MODEL, block_size=0)
