@@ -1,0 +1,215 @@
+"""A fixed pool of KV block ids: ref counts, an LRU free list, and the hash map
+that makes freed-but-intact blocks findable again (prefix caching).
+
+Ownership contract:
+
+* A block with ``ref_count > 0`` is *used*: one reference per request block
+  table that holds it. Only the KV cache manager takes (``allocate``,
+  ``touch``) and drops (``free``) references.
+* A block with ``ref_count == 0`` is *free* and sits in the free list. If it
+  carries a hash it is also *cached*: its KV is intact and ``lookup`` finds it,
+  until ``allocate`` takes it from the head of the free list and evicts it.
+* The hash map holds exactly the blocks that carry a hash, used or free.
+
+Every change to the set of findable hashes is recorded as a ``KvEvent``, in
+order, so a follower (the cache service) that replays the events holds
+exactly the set ``cached_hashes()``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlocksStored:
+    """Full blocks became findable under these chained hashes, in prefix order."""
+
+    block_hashes: tuple[int, ...]
+    # Hash of the block before the first one; None for a sequence's first block.
+    parent_block_hash: int | None
+
+
+@dataclass(frozen=True)
+class BlocksRemoved:
+    """These hashes no longer resolve (their blocks were evicted)."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every hash was dropped at once (prefix cache reset)."""
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
+
+
+class NoFreeBlocks(RuntimeError):
+    """``allocate`` was asked for more blocks than are free; callers check first."""
+
+
+class BlockPool:
+    """Block ids ``0 .. num_blocks-1`` with ref counts and an LRU of free blocks.
+
+    The free list is an ``OrderedDict`` used as a doubly-linked list: head =
+    next to be reused (least recently freed), tail = most recently freed; every
+    operation is O(1) per block.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[int | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        self._events: list[KvEvent] = []
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached-but-free blocks count: they are evictable)."""
+        return len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hashes[block_id]
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block cached under ``block_hash``, used or free, or None."""
+        return self._by_hash.get(block_hash)
+
+    def cached_hashes(self) -> set[int]:
+        return set(self._by_hash)
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in eviction order (head first); for tests and debugging."""
+        return list(self._free)
+
+    # -------------------------------------------------------------- ref counts
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks from the free-list head, each with ref count 1.
+
+        Cached blocks taken this way are evicted: their hashes are dropped and
+        reported in one ``BlocksRemoved`` event. The caller owns the references.
+        """
+        if num_blocks > len(self._free):
+            raise NoFreeBlocks(f"asked for {num_blocks} blocks, {len(self._free)} free")
+        block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
+        evicted = [h for h in map(self._drop_hash, block_ids) if h is not None]
+        if evicted:
+            self._events.append(BlocksRemoved(tuple(evicted)))
+        for block_id in block_ids:
+            self._ref_counts[block_id] = 1
+        return block_ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each (cached) block; free ones leave the free list."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per block, in the given order.
+
+        A block whose count reaches zero joins the free list. One that carries a
+        hash goes to the tail (evicted last, so it can still be hit); one without
+        goes to the head, because reusing it first costs no cached prefix.
+        Callers pass a sequence's blocks tail-first so its tail is evicted first.
+        """
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise AssertionError(f"block {block_id} freed with ref count {self._ref_counts[block_id]}")
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self._hashes[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    # ----------------------------------------------------------------- caching
+
+    def cache_blocks(self, block_ids: Sequence[int], hashes: Sequence[int], parent_hash: int | None) -> None:
+        """Register used, full blocks under their chained hashes (``hashes[i]`` names ``block_ids[i]``).
+
+        ``parent_hash`` is the hash of the block before ``block_ids[0]`` (None at a
+        sequence start). A hash already held by another block is not registered
+        again (two requests computed the same prefix at once): that block stays
+        unnamed and is reused first once freed. Each run of newly named blocks is
+        reported as one ``BlocksStored`` event with its parent.
+        """
+        if not self.enable_caching:
+            return
+        run: list[int] = []
+        run_parent = parent_hash
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+            if self._hashes[block_id] is not None or self._ref_counts[block_id] == 0:
+                raise AssertionError(f"block {block_id} cached twice or while free")
+            if block_hash in self._by_hash:
+                self._emit_stored(run, run_parent)
+                run, run_parent = [], block_hash
+                continue
+            self._hashes[block_id] = block_hash
+            self._by_hash[block_hash] = block_id
+            run.append(block_hash)
+        self._emit_stored(run, run_parent)
+
+    def reset(self) -> bool:
+        """Forget every cached hash, if no block is in use; True when it did."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block_id in list(self._by_hash.values()):
+            self._hashes[block_id] = None
+        self._by_hash.clear()
+        self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KvEvent]:
+        """Events since the last call, oldest first; the pool forgets them."""
+        events, self._events = self._events, []
+        return events
+
+    def _emit_stored(self, run: list[int], parent: int | None) -> None:
+        if run:
+            self._events.append(BlocksStored(tuple(run), parent))
+
+    def _drop_hash(self, block_id: int) -> int | None:
+        block_hash = self._hashes[block_id]
+        if block_hash is not None:
+            self._hashes[block_id] = None
+            del self._by_hash[block_hash]
+        return block_hash
+
+    # -------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+        refs = self._ref_counts
+        negative = [b for b, r in enumerate(refs) if r < 0]
+        assert not negative, f"negative ref counts on blocks {negative}"
+        zero = {b for b, r in enumerate(refs) if r == 0}
+        assert set(self._free) == zero, (
+            f"free list {sorted(self._free)} != blocks with ref 0 {sorted(zero)}"
+        )
+        used = sum(1 for r in refs if r > 0)
+        assert used + len(self._free) == self.num_blocks, (
+            f"{used} used + {len(self._free)} free != {self.num_blocks} blocks"
+        )
+        named = {b: h for b, h in enumerate(self._hashes) if h is not None}
+        assert len(named) == len(self._by_hash), (
+            f"{len(named)} blocks carry a hash but the hash map has {len(self._by_hash)}"
+        )
+        for block_hash, block_id in self._by_hash.items():
+            assert named.get(block_id) == block_hash, (
+                f"hash map sends {block_hash} to block {block_id}, which carries {named.get(block_id)}"
+            )
+        assert self.enable_caching or not named, "caching is off but blocks carry hashes"

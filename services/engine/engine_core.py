@@ -1,0 +1,175 @@
+"""The engine's life: ``step()`` = schedule -> run the model -> postprocess.
+
+One EngineCore per replica, driven by one loop (rank 0); it is not thread-safe:
+the caller serialises ``add_request``, ``abort`` and ``step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenizers import Tokenizer
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.block_pool import BlockPool, KvEvent
+from cachet.engine.errors import InvalidRequest
+from cachet.engine.kv_cache_manager import KVCacheManager
+from cachet.engine.request import Request, RequestStatus
+from cachet.engine.sampling_params import InvalidSamplingParams
+from cachet.engine.scheduler import Scheduler, SchedulerConfig
+from cachet.engine.step_plan import SampledToken, StepPlan, StepResult
+from cachet.engine.stop_strings import StopStringChecker
+
+# Prompt tokens decoded ahead of the output so its first token decodes as it
+# would in context (e.g. SentencePiece's leading space).
+_STOP_CONTEXT_TOKENS = 5
+
+
+class Runner(Protocol):
+    """What the engine needs from a model runner (``model_runner.ModelRunner``)."""
+
+    num_kv_blocks: int
+    block_size: int
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request; the last one has a terminal status."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # One per new token, only for requests that asked for logprobs.
+    logprobs: list[SampledToken]
+    status: RequestStatus
+    # The stop string that ended generation, if one did.
+    matched_stop: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_completion_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> common_pb2.FinishReason.ValueType:
+        return self.status.finish_reason
+
+
+@dataclass
+class EngineCore:
+    """Owns the scheduler (and through it the KV cache) and drives the runner.
+
+    ``kv_event_sink`` receives each step's KV events (stored / removed /
+    cleared), in order; without one they are dropped.
+    """
+
+    runner: Runner
+    model: str
+    scheduler_config: SchedulerConfig
+    tokenizer: Tokenizer | None = None
+    enable_prefix_caching: bool = True
+    kv_event_sink: Callable[[list[KvEvent]], None] | None = None
+    scheduler: Scheduler = field(init=False)
+    _stop_checkers: dict[str, StopStringChecker] = field(init=False, default_factory=dict)
+    _pending: list[RequestOutput] = field(init=False, default_factory=list)
+    _busy: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
+        kv = KVCacheManager(pool, model=self.model, block_size=self.runner.block_size)
+        self.scheduler = Scheduler(kv, self.scheduler_config)
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises InvalidRequest or EngineOverloaded."""
+        try:
+            request.sampling.validate()
+        except InvalidSamplingParams as exc:
+            raise InvalidRequest(str(exc)) from exc
+        if request.sampling.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need the engine to have a tokenizer")
+        self.scheduler.add_request(request)
+        if request.sampling.stop:
+            self._stop_checkers[request.request_id] = StopStringChecker(
+                request.sampling.stop, self._decode, request.prompt_token_ids[-_STOP_CONTEXT_TOKENS:]
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Abort now (blocks freed at once); its final output comes with the next step. RequestNotFound if unknown."""
+        request = self.scheduler.abort(request_id)
+        self._stop_checkers.pop(request_id, None)
+        self._pending.append(self._output(request, []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # -------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over this step's batch; outputs of every request that changed."""
+        plan = self.scheduler.schedule()
+        result = StepResult() if plan.is_empty else self.runner.execute(plan)
+        outputs = self._postprocess(plan, result)
+        self._check_when_idle()
+        return outputs
+
+    def _postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        matched_stops = self._match_stop_strings(result)
+        updates = self.scheduler.update_from_step(plan, result, matched_stops)
+        outputs, self._pending = self._pending, []
+        for update in updates:
+            outputs.append(self._output(update.request, [update.sampled]))
+            if update.request.is_finished:
+                self._stop_checkers.pop(update.request.request_id, None)
+        self._publish_kv_events()
+        return outputs
+
+    def _match_stop_strings(self, result: StepResult) -> dict[str, str]:
+        """Feed each sampled token to its request's stop checker; request id -> stop string matched."""
+        matched: dict[str, str] = {}
+        for request_id, sampled in result.sampled.items():
+            checker = self._stop_checkers.get(request_id)
+            if checker is not None and (match := checker.append(sampled.token_id)) is not None:
+                matched[request_id] = match.stop
+        return matched
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.kv.take_events()
+        if events and self.kv_event_sink is not None:
+            self.kv_event_sink(events)
+
+    def _check_when_idle(self) -> None:
+        """Verify every invariant each time the engine runs out of work."""
+        busy = self.scheduler.has_unfinished_requests()
+        if self._busy and not busy:
+            self.scheduler.check_invariants()
+        self._busy = busy
+
+    def _decode(self, token_ids: list[int]) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(token_ids)
+
+    @staticmethod
+    def _output(request: Request, sampled: list[SampledToken]) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[s.token_id for s in sampled],
+            logprobs=sampled if request.sampling.logprobs else [],
+            status=request.status,
+            matched_stop=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_completion_tokens=len(request.output_token_ids),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (emits a cleared event); only when no request holds blocks."""
+        done = self.scheduler.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return done

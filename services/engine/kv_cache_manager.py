@@ -1,0 +1,175 @@
+"""Per-request block tables on top of the block pool, with automatic prefix caching.
+
+A request's KV lives in the blocks of its block table, token ``t`` in block
+``t // block_size``. Blocks are named by the chained prefix hash of
+``cachet.block_hash`` (seed = model id + the request's cache salt), so any later
+request whose tokens start the same way finds them and shares them: sharing is
+a ref-count increment, never a copy.
+
+Ownership contract: a request holds exactly one reference on every block of its
+table, from ``allocate_slots`` until ``free``. A block is named (registered in
+the pool's hash map) only once it is full *and* its KV has been computed, so a
+cache hit never reads KV that a forward pass has not written yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from cachet.block_hash import DEFAULT_BLOCK_SIZE, hash_block, hash_seed
+from cachet.engine.block_pool import BlockPool, KvEvent
+from cachet.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables of live requests; hides the pool from the scheduler."""
+
+    def __init__(self, pool: BlockPool, *, model: str, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.pool = pool
+        self.model = model
+        self.block_size = block_size
+        self._tables: dict[str, list[int]] = {}
+        # Leading blocks of each table already named (or found already named elsewhere).
+        self._num_named: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (empty when it holds none)."""
+        return list(self._tables.get(request_id, ()))
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether KV for ``num_tokens`` tokens fits in the pool with nothing else in it."""
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    # --------------------------------------------------------------- allocation
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Leading cached blocks of a request that holds none yet, and the tokens they cover.
+
+        The request's last token is never taken from the cache: the forward pass
+        must compute it to produce logits. So at most ``num_tokens - 1`` tokens
+        come from the cache, rounded down to a block boundary. Takes no reference.
+        """
+        if not self.pool.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens; return the newly allocated block ids.
+
+        ``new_computed_blocks`` (from ``get_computed_blocks``, first call only) join
+        the table first and gain one reference each. Returns None, changing
+        nothing, when the pool cannot supply the blocks: the caller preempts or waits.
+        """
+        table = self._tables.get(request.request_id, [])
+        if new_computed_blocks and table:
+            raise AssertionError(f"{request.request_id}: cache hits after blocks were allocated")
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(new_computed_blocks)
+        # Hits on free cached blocks take them off the free list: they are not
+        # available for the fresh allocation below.
+        num_revived = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)
+        if max(num_needed, 0) > self.pool.num_free_blocks - num_revived:
+            return None
+        # Touch before allocating: the hits must leave the free list before
+        # allocate() can evict them from its head.
+        self.pool.touch(new_computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        if request.request_id not in self._tables:
+            self._num_named[request.request_id] = len(new_computed_blocks)
+        self._tables[request.request_id] = table + list(new_computed_blocks) + new_blocks
+        return new_blocks
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Name every block that is now full and computed (call after num_computed_tokens advances)."""
+        table = self._tables.get(request.request_id)
+        if table is None or not self.pool.enable_caching:
+            return
+        start = self._num_named[request.request_id]
+        end = min(request.num_computed_tokens // self.block_size, len(table))
+        if end <= start:
+            return
+        self._update_block_hashes(request)
+        parent = request.block_hashes[start - 1] if start else None
+        self.pool.cache_blocks(table[start:end], request.block_hashes[start:end], parent)
+        self._num_named[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references, tail block first, so its tail is evicted first."""
+        table = self._tables.pop(request.request_id, [])
+        self._num_named.pop(request.request_id, None)
+        self.pool.free(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (only when no request holds blocks); True when done."""
+        return self.pool.reset()
+
+    def take_events(self) -> list[KvEvent]:
+        """KV events since the last call, oldest first (the engine publishes them)."""
+        return self.pool.take_events()
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
+        num_full = request.num_tokens // self.block_size
+        if len(request.block_hashes) >= num_full:
+            return
+        seed = hash_seed(self.model, request.cache_salt)
+        tokens = request.all_token_ids
+        parent = request.block_hashes[-1] if request.block_hashes else 0
+        for i in range(len(request.block_hashes), num_full):
+            parent = hash_block(seed, parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            request.block_hashes.append(parent)
+
+    # -------------------------------------------------------------- invariants
+
+    def check_invariants(self, requests: Iterable[Request] = ()) -> None:
+        """Pool invariants, ref count == number of tables holding the block, and per request
+        that its table covers its computed tokens and its named blocks carry its hashes."""
+        self.pool.check_invariants()
+        holders = [0] * self.pool.num_blocks
+        for request_id, table in self._tables.items():
+            assert len(set(table)) == len(table), f"{request_id} holds a block twice: {table}"
+            for block_id in table:
+                holders[block_id] += 1
+        for block_id, count in enumerate(holders):
+            ref = self.pool.ref_count(block_id)
+            assert ref == count, f"block {block_id} has ref count {ref} but {count} tables hold it"
+        for request in requests:
+            self._check_request(request)
+
+    def _check_request(self, request: Request) -> None:
+        table = self._tables.get(request.request_id, [])
+        rid = request.request_id
+        assert len(table) * self.block_size >= request.num_computed_tokens, (
+            f"{rid}: {len(table)} blocks cannot hold {request.num_computed_tokens} computed tokens"
+        )
+        for i, block_id in enumerate(table[: self._num_named.get(rid, 0)]):
+            block_hash = self.pool.block_hash(block_id)
+            assert block_hash in (None, request.block_hashes[i]), (
+                f"{rid}: block {block_id} at position {i} carries a foreign hash"
+            )

@@ -1,0 +1,329 @@
+"""Continuous batching with a per-step token budget and chunked prefill.
+
+Each step spends at most ``max_num_batched_tokens`` tokens. There is no prefill
+or decode phase: every running request asks for the tokens it has not computed
+yet (1 when decoding, the rest of its prompt when prefilling) and gets what the
+budget still holds, so a long prompt is computed in chunks across steps.
+Decoding requests are served first, so a long prompt never stalls them.
+
+When the KV pool runs dry, the most recently arrived running request (batch
+work before interactive work) is preempted by recompute: its blocks are freed
+and it goes back to the front of the waiting queue; when it resumes it
+re-prefills prompt + output, mostly from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
+from cachet.engine.kv_cache_manager import KVCacheManager
+from cachet.engine.request import Request, RequestStatus
+from cachet.engine.step_plan import NewRequest, RunningRequestDiff, SampledToken, StepPlan, StepResult
+from cachet.engine.waiting_queue import WaitingQueue
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one replica's scheduler; validated when built."""
+
+    # Longest prompt + completion the model accepts (its context window).
+    max_model_len: int
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_waiting: int = 256
+    # The model's end-of-sequence ids; ignored by requests with ignore_eos.
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if min(self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs) < 1 or self.max_waiting < 0:
+            raise ValueError(f"scheduler limits must be positive: {self}")
+        # Every decoding request gets its token each step only if the budget covers them all.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+
+@dataclass(frozen=True)
+class TokenUpdate:
+    """What one step did to one request that sampled a token."""
+
+    request: Request
+    sampled: SampledToken
+
+
+@dataclass
+class _PlanBuilder:
+    """The step plan under construction; a preempted request can be taken back out."""
+
+    budget: int
+    new_requests: dict[str, NewRequest] = field(default_factory=dict)
+    running: dict[str, RunningRequestDiff] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    def add_new(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
+        self.new_requests[request.request_id] = NewRequest(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling=request.sampling,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+        self._spend(request.request_id, num_tokens)
+
+    def add_running(self, request: Request, new_block_ids: list[int], num_tokens: int) -> None:
+        self.running[request.request_id] = RunningRequestDiff(
+            request.request_id, new_block_ids, request.num_computed_tokens
+        )
+        self._spend(request.request_id, num_tokens)
+
+    def drop(self, request_id: str) -> None:
+        self.budget += self.tokens.pop(request_id, 0)
+        self.new_requests.pop(request_id, None)
+        self.running.pop(request_id, None)
+
+    def build(self, finished_request_ids: set[str]) -> StepPlan:
+        return StepPlan(
+            list(self.new_requests.values()), list(self.running.values()), self.tokens, finished_request_ids
+        )
+
+    def _spend(self, request_id: str, num_tokens: int) -> None:
+        self.tokens[request_id] = num_tokens
+        self.budget -= num_tokens
+
+
+class Scheduler:
+    """Owns every live request (waiting or running) and decides each step's work.
+
+    Requests enter with ``add_request`` and leave when they finish
+    (``update_from_step``, ``finish_request``) or are aborted (``abort``); either
+    way their blocks are freed at once and their id is reported to the runner
+    in the next plan's ``finished_request_ids``.
+    """
+
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
+        self.kv = kv
+        self.config = config
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        # Arrival order; breaks ties between equal arrival times when picking a victim.
+        self._arrival_seq: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._finished_ids: set[str] = set()
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; InvalidRequest if it can never run, EngineOverloaded if the queue is full."""
+        self._validate(request)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise EngineOverloaded(f"{len(self.waiting)} requests already waiting")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._arrival_seq[request.request_id] = next(self._counter)
+        self.waiting.push(request)
+
+    def abort(self, request_id: str) -> Request:
+        """Finish a waiting or running request as aborted, freeing its blocks now."""
+        if request_id not in self._requests:
+            raise RequestNotFound(request_id)
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str = "") -> Request:
+        """End a live request with a terminal ``status``; frees its blocks."""
+        assert status.is_finished, status
+        request = self._requests.pop(request_id)
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self._arrival_seq.pop(request_id)
+        self._finished_ids.add(request_id)
+        return request
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def _validate(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._requests:
+            raise InvalidRequest(f"request id {rid!r} is already in use")
+        if not request.prompt_token_ids:
+            raise InvalidRequest("the prompt is empty")
+        if request.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be >= 1")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise InvalidRequest(
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room in the "
+                f"{self.config.max_model_len}-token context window"
+            )
+        # The last sampled token is never computed, so KV is needed for one token less.
+        max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+        if not self.kv.can_ever_fit(max_len - 1):
+            raise InvalidRequest(f"{max_len} tokens can never fit in {self.kv.num_blocks} KV blocks")
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan:
+        """Spend this step's token budget: running requests first, then waiting ones.
+
+        Finished ids are handed to the runner only with a plan that has work, so
+        a caller may skip the runner on an empty plan without losing them. The
+        runner drops ``finished_request_ids`` before it adds ``new_requests``.
+        """
+        plan = _PlanBuilder(budget=self.config.max_num_batched_tokens)
+        num_running = len(self.running)
+        self._schedule_running(plan)
+        # After a preemption blocks are short: admitting more would only thrash
+        # (and could resume the victim in the very plan that drops it).
+        if len(self.running) == num_running:
+            self._schedule_waiting(plan)
+        if not plan.tokens:
+            return StepPlan()
+        finished, self._finished_ids = self._finished_ids, set()
+        return plan.build(finished)
+
+    def _schedule_running(self, plan: _PlanBuilder) -> None:
+        """Give each running request its tokens, decoding ones first (sorted is stable)."""
+        for request in sorted(self.running, key=self._is_prefilling):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            if num_tokens <= 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_tokens, plan)
+            if new_blocks is not None:
+                plan.add_running(request, new_blocks, num_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _PlanBuilder) -> list[int] | None:
+        """Allocate blocks for ``request``, preempting victims until it fits; None if it was the victim."""
+        while (new_blocks := self.kv.allocate_slots(request, num_tokens)) is None:
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+        return new_blocks
+
+    def _schedule_waiting(self, plan: _PlanBuilder) -> None:
+        """Admit waiting requests in queue order while budget, seats and blocks last."""
+        while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if request is None:
+                return
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget)
+            if self.kv.allocate_slots(request, num_tokens, hits) is None:
+                return  # keep queue order: wait for blocks rather than let others pass
+            self._admit(self.waiting.pop(), num_hit_tokens)
+            plan.add_new(request, self.kv.block_ids(request.request_id), num_tokens)
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            # Billing reports the hits of the first admission only.
+            request.num_cached_tokens = num_hit_tokens
+        self.running.append(request)
+
+    def _pick_victim(self) -> Request:
+        """Batch work before interactive work, then the most recent arrival."""
+        return max(
+            self.running,
+            key=lambda r: (not r.interactive, r.arrival_time, self._arrival_seq[r.request_id]),
+        )
+
+    def _preempt(self, request: Request, plan: _PlanBuilder) -> None:
+        """Free the request's blocks and send it to the front of the waiting queue."""
+        plan.drop(request.request_id)
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.push_front(request)
+        # The runner drops its state; the request comes back as a NewRequest.
+        self._finished_ids.add(request.request_id)
+
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        return request.num_tokens - request.num_computed_tokens > 1
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_step(
+        self, plan: StepPlan, result: StepResult, matched_stops: dict[str, str] | None = None
+    ) -> list[TokenUpdate]:
+        """Advance computed tokens, append sampled tokens, and finish requests that are done.
+
+        ``matched_stops`` maps request id -> stop string that the caller's text
+        check found in the token sampled this step. Requests that ended while
+        the step ran (aborted) are skipped.
+        """
+        updates: list[TokenUpdate] = []
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            self.kv.cache_computed_blocks(request)
+            sampled = result.sampled.get(request_id)
+            if sampled is None:
+                continue  # a prefill chunk that stopped mid-prompt
+            if request.num_computed_tokens != request.num_tokens:
+                raise RuntimeError(f"runner sampled for {request_id} before its last token")
+            request.output_token_ids.append(sampled.token_id)
+            self._maybe_finish(request, (matched_stops or {}).get(request_id))
+            updates.append(TokenUpdate(request, sampled))
+        return updates
+
+    def _maybe_finish(self, request: Request, matched_stop: str | None) -> None:
+        token = request.output_token_ids[-1]
+        sampling = request.sampling
+        eos = () if sampling.ignore_eos else (*self.config.eos_token_ids, *sampling.extra_stop_token_ids)
+        if token in sampling.stop_token_ids or token in eos:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif matched_stop is not None:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, matched_stop)
+        elif (
+            len(request.output_token_ids) >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+
+    # ------------------------------------------------------------------- stats
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def check_invariants(self) -> None:
+        """KV invariants plus: every live request is in exactly one of waiting/running,
+        with a status to match, and waiting requests hold no blocks."""
+        self.kv.check_invariants(self.running)
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), f"running twice: {running_ids}"
+        assert set(running_ids).isdisjoint(waiting_ids), "a request is both running and waiting"
+        assert set(running_ids) | set(waiting_ids) == set(self._requests), "live requests lost or leaked"
+        assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
+        self._check_statuses(self.running, (RequestStatus.RUNNING,))
+        self._check_statuses(self.waiting, (RequestStatus.WAITING, RequestStatus.PREEMPTED))
+        for request in self.waiting:
+            assert not self.kv.block_ids(request.request_id), f"waiting {request.request_id} holds blocks"
+
+    @staticmethod
+    def _check_statuses(requests: Iterable[Request], allowed: tuple[RequestStatus, ...]) -> None:
+        for request in requests:
+            assert request.status in allowed, f"{request.request_id} is {request.status.name}"
