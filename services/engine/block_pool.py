@@ -197,9 +197,7 @@ class BlockPool:
         negative = [b for b, r in enumerate(refs) if r < 0]
         assert not negative, f"negative ref counts on blocks {negative}"
         zero = {b for b, r in enumerate(refs) if r == 0}
-        assert set(self._free) == zero, (
-            f"free list {sorted(self._free)} != blocks with ref 0 {sorted(zero)}"
-        )
+        assert set(self._free) == zero, f"free list {sorted(self._free)} != blocks with ref 0 {sorted(zero)}"
         used = sum(1 for r in refs if r > 0)
         assert used + len(self._free) == self.num_blocks, (
             f"{used} used + {len(self._free)} free != {self.num_blocks} blocks"

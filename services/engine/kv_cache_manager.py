@@ -90,7 +90,9 @@ class KVCacheManager:
         if new_computed_blocks and table:
             raise AssertionError(f"{request.request_id}: cache hits after blocks were allocated")
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(new_computed_blocks)
+        num_needed = (
+            cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(new_computed_blocks)
+        )
         # Hits on free cached blocks take them off the free list: they are not
         # available for the fresh allocation below.
         num_revived = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)

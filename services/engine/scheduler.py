@@ -38,7 +38,10 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if min(self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs) < 1 or self.max_waiting < 0:
+        if (
+            min(self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs) < 1
+            or self.max_waiting < 0
+        ):
             raise ValueError(f"scheduler limits must be positive: {self}")
         # Every decoding request gets its token each step only if the budget covers them all.
         if self.max_num_batched_tokens < self.max_num_seqs:
