@@ -1,0 +1,5 @@
+"""``python -m cachet.cache``: run the cache index service until SIGTERM."""
+
+from cachet.cache.main import main
+
+main()

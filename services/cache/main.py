@@ -1,0 +1,79 @@
+"""Entry point of the cache service: the index, its engine followers and the gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from cachet.cache.followers import Followers
+from cachet.cache.metrics import serve_metrics
+from cachet.cache.prefix_index import PrefixIndex
+from cachet.cache.servicer import CacheIndexServicer, registrar
+from cachet.cache.v1 import cache_pb2
+from cachet.config import CacheSettings
+from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
+from cachet.logs import configure_logging, get_logger
+from cachet.tracing import configure_tracing
+
+log = get_logger(__name__)
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheIndexService"].full_name
+
+
+@dataclass(kw_only=True)
+class CacheServer(RunningServer):
+    """The running server plus what must stop with it: the followers and the metrics endpoint."""
+
+    index: PrefixIndex
+    followers: Followers
+    metrics_server: WSGIServer | None = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.server_port if self.metrics_server is not None else None
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await super().stop(grace)
+        await self.followers.stop_all()
+        if self.metrics_server is not None:
+            # shutdown() blocks until the serving thread notices; keep it off the event loop.
+            await asyncio.to_thread(self.metrics_server.shutdown)
+            self.metrics_server.server_close()
+
+
+async def start(settings: CacheSettings, *, metrics_port: int | None = None) -> CacheServer:
+    """Serve the index on ``settings.port`` and follow every ``settings.engine_addresses``.
+
+    ``metrics_port`` (0: a free one) also serves Prometheus figures over HTTP.
+    """
+    index = PrefixIndex()
+    followers = Followers(index)
+    running = await create_server(settings, [registrar(CacheIndexServicer(index, followers))], [SERVICE_NAME])
+    for address in settings.engine_addresses:
+        followers.watch(address)
+    metrics_server = None
+    if metrics_port is not None:
+        metrics_server = serve_metrics(index, followers, metrics_port, settings.host)
+    return CacheServer(
+        server=running.server,
+        port=running.port,
+        health=running.health,
+        service_names=running.service_names,
+        index=index,
+        followers=followers,
+        metrics_server=metrics_server,
+    )
+
+
+async def _serve(settings: CacheSettings, metrics_port: int | None) -> None:
+    running = await start(settings, metrics_port=metrics_port)
+    log.info("cache index serving", engines=settings.engine_addresses, metrics_port=running.metrics_port)
+    await serve_until_signalled(running, settings.drain_seconds)
+
+
+def main(port: int | None = None, metrics_port: int | None = None) -> None:
+    settings = CacheSettings() if port is None else CacheSettings(port=port)
+    configure_logging("cache", settings.log_level)
+    configure_tracing("cache")
+    asyncio.run(_serve(settings, metrics_port))

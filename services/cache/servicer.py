@@ -1,0 +1,79 @@
+"""CacheIndexService over gRPC: proto in, index or followers, proto out."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import grpc
+
+from cachet.cache.followers import Followers
+from cachet.cache.prefix_index import PrefixIndex
+from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
+from cachet.errors import InvalidArgument
+
+
+def parse_loopback_address(address: str) -> str:
+    """``host:port`` with a loopback host, or InvalidArgument.
+
+    WatchReplica makes this service open connections on a caller's say-so;
+    restricting it to loopback keeps it from being pointed at other hosts.
+    Engines on other machines are configured at start (``engine_addresses``).
+    """
+    host, separator, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not separator or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"engine address must be host:port, got {address!r}", param="address")
+    if host != "localhost":
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise InvalidArgument(f"engine address must be on loopback, got {address!r}", param="address")
+    return address
+
+
+class CacheIndexServicer(cache_pb2_grpc.CacheIndexServiceServicer):
+    def __init__(self, index: PrefixIndex, followers: Followers) -> None:
+        self._index = index
+        self._followers = followers
+
+    async def MatchPrefix(
+        self, request: cache_pb2.MatchPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.MatchPrefixResponse:
+        if not request.model:
+            raise InvalidArgument("model is required", param="model")
+        if not request.block_hashes:
+            raise InvalidArgument("block_hashes must name at least one block", param="block_hashes")
+        matches = self._index.match(request.model, request.block_hashes)
+        return cache_pb2.MatchPrefixResponse(
+            matches=[cache_pb2.ReplicaMatch(address=m.address, matched_blocks=m.matched_blocks) for m in matches]
+        )
+
+    async def WatchReplica(
+        self, request: cache_pb2.WatchReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.WatchReplicaResponse:
+        added = self._followers.watch(parse_loopback_address(request.address))
+        return cache_pb2.WatchReplicaResponse(added=added)
+
+    async def ListReplicas(
+        self, request: cache_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.ListReplicasResponse:
+        replicas = [
+            cache_pb2.ReplicaState(
+                address=status.address,
+                replica_id=status.replica_id,
+                connected=status.connected,
+                cached_blocks=self._index.replica_blocks(status.address),
+                last_sequence_number=status.last_sequence_number,
+            )
+            for status in self._followers.statuses()
+        ]
+        return cache_pb2.ListReplicasResponse(replicas=replicas)
+
+
+def registrar(servicer: CacheIndexServicer):
+    def register(server: grpc.aio.Server) -> None:
+        cache_pb2_grpc.add_CacheIndexServiceServicer_to_server(servicer, server)
+
+    return register
