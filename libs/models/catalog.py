@@ -1,0 +1,114 @@
+"""Which model a deployment serves: catalog ids, or any Hugging Face directory.
+
+`CACHET_MODEL` (passed in as `model`) is either a catalog id -- whose checkpoint lives under
+`<data_dir>/models/<id>` and is created on first use -- or a path to an existing Hugging Face
+checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachet.models._fs import file_lock, is_complete_checkpoint, read_json, sweep_abandoned_partials
+from cachet.models.convert_gguf import MODEL_ID_KEY, convert_gguf, find_default_gguf
+from cachet.models.tiny import TINY_MODEL_IDS, write_tiny_model
+
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+TINY_LLAMA_ID = TINY_MODEL_IDS["llama"]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    model_id: str
+    path: Path
+
+
+def _make_default(path: Path, progress: bool) -> None:
+    convert_gguf(find_default_gguf(), path, progress=progress, model_id=DEFAULT_MODEL_ID, overwrite=path.exists())
+
+
+def _make_tiny_llama(path: Path, progress: bool) -> None:
+    write_tiny_model(path, family="llama", overwrite=path.exists())
+
+
+# Catalog ids and how to materialise each under <data_dir>/models/<id>.
+_CATALOG: dict[str, Callable[[Path, bool], None]] = {
+    DEFAULT_MODEL_ID: _make_default,
+    TINY_LLAMA_ID: _make_tiny_llama,
+}
+
+
+def known_model_ids() -> list[str]:
+    return sorted(_CATALOG)
+
+
+def models_dir(data_dir: Path) -> Path:
+    return Path(data_dir) / "models"
+
+
+def _looks_like_path(model: str) -> bool:
+    return os.sep in model or model.startswith((".", "~")) or (os.altsep is not None and os.altsep in model)
+
+
+def model_id_of_directory(path: Path) -> str:
+    """The id a checkpoint directory is served under: its `cachet_model_id`, else its name lowercased."""
+    config = read_json(path / "config.json")
+    stamped = config.get(MODEL_ID_KEY)
+    if isinstance(stamped, str) and stamped:
+        return stamped
+    return path.resolve().name.lower()
+
+
+def resolve_model(model: str | None, data_dir: Path) -> ResolvedModel:
+    """Turn a model setting into an id and a checkpoint directory (which may not exist yet for catalog ids).
+
+    `None` or "" means the default model. A catalog id maps to `<data_dir>/models/<id>`. Anything
+    else must be an existing Hugging Face directory with a config.json.
+    """
+    name = (model or "").strip() or DEFAULT_MODEL_ID
+    if name.lower() in _CATALOG and not _looks_like_path(name):
+        model_id = name.lower()
+        return ResolvedModel(model_id=model_id, path=models_dir(data_dir) / model_id)
+    candidate = Path(name).expanduser()
+    if candidate.is_dir():
+        if not (candidate / "config.json").is_file():
+            raise ValueError(
+                f"model directory {candidate} has no config.json; it must be a Hugging Face checkpoint "
+                f"(config.json, *.safetensors, tokenizer.json, tokenizer_config.json)"
+            )
+        return ResolvedModel(model_id=model_id_of_directory(candidate), path=candidate.resolve())
+    if _looks_like_path(name) or candidate.exists():
+        raise ValueError(f"model path {name!r} is not an existing directory")
+    raise ValueError(
+        f"unknown model {name!r}: use one of {', '.join(known_model_ids())} "
+        f"or the path of a Hugging Face checkpoint directory"
+    )
+
+
+def ensure_model(model: str | None, data_dir: Path, *, progress: bool = True) -> ResolvedModel:
+    """Resolve `model` and, for a catalog id, create its checkpoint if it is missing or incomplete."""
+    resolved = resolve_model(model, data_dir)
+    make = _CATALOG.get(resolved.model_id)
+    if make is None or resolved.path.parent != models_dir(data_dir):
+        if not any(resolved.path.glob("*.safetensors")):
+            raise ValueError(f"model directory {resolved.path} has no *.safetensors weights")
+        return resolved
+    if is_complete_checkpoint(resolved.path):
+        return resolved
+    # Services started together would otherwise each spend half a minute and 1 GB converting.
+    with file_lock(models_dir(data_dir) / f".{resolved.model_id}.lock"):
+        if not is_complete_checkpoint(resolved.path):
+            sweep_abandoned_partials(resolved.path)
+            if progress:
+                print(f"[models] preparing {resolved.model_id} in {resolved.path}", file=sys.stderr)
+            make(resolved.path, progress)
+    return resolved
+
+
+def ensure_default_model(data_dir: Path, *, progress: bool = True) -> Path:
+    """The default model's checkpoint directory, converted from the GGUF on first use."""
+    return ensure_model(DEFAULT_MODEL_ID, data_dir, progress=progress).path

@@ -1,0 +1,123 @@
+"""Tiny random-weight checkpoints for tests and CI, with the default model's real tokenizer.
+
+A tiny model is a few MB and written in about a second, yet it is an ordinary Hugging Face directory
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the chat template,
+generation_config.json), so every service loads it through the same code path as a real model. Its
+text is gibberish, but tokenization, chat templates and stop tokens are the real SmolLM2 ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cachet.models._fs import atomic_directory, read_json, write_json
+from cachet.models.convert_gguf import MODEL_ID_KEY, find_default_gguf, generation_config
+from cachet.models.gguf_tokenizer import copy_tokenizer_files, extract_tokenizer, special_tokens_from_hf_dir
+
+TINY_MODEL_IDS = {"llama": "tiny-llama"}
+
+# Small enough to write and load in well under a second, large enough to exercise grouped-query
+# attention (4 query heads over 2 KV heads) and more than one layer.
+_LLAMA_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+
+
+def write_tiny_model(
+    out_dir: Path,
+    *,
+    family: str = "llama",
+    seed: int = 0,
+    vocab_from: Path | None = None,
+    overwrite: bool = False,
+    tokenizer_cache_dir: Path | None = None,
+) -> Path:
+    """Write a tiny random-weight checkpoint of `family` to `out_dir` and return `out_dir`.
+
+    `vocab_from` is where the tokenizer comes from: a GGUF file (its metadata is extracted once and
+    cached in `tokenizer_cache_dir`), or a Hugging Face directory with tokenizer.json and
+    tokenizer_config.json (for example a converted default model). Default: the SmolLM2 GGUF.
+    Equal `seed`s give byte-identical weights.
+    """
+    if family not in TINY_MODEL_IDS:
+        raise ValueError(f"unknown tiny model family {family!r}; known: {sorted(TINY_MODEL_IDS)}")
+    tokenizer_dir = _tokenizer_source(vocab_from, tokenizer_cache_dir)
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir, overwrite=overwrite) as staging:
+        specials = copy_tokenizer_files(tokenizer_dir, staging)
+        vocab_size = _vocab_size(staging / "tokenizer.json")
+        _write_llama(staging, vocab_size=vocab_size, seed=seed, specials=specials, model_id=TINY_MODEL_IDS[family])
+    return out_dir
+
+
+def _tokenizer_source(vocab_from: Path | None, cache_dir: Path | None) -> Path:
+    source = Path(vocab_from) if vocab_from is not None else find_default_gguf()
+    if source.is_file():
+        return extract_tokenizer(source, cache_dir=cache_dir)
+    if source.is_dir():
+        missing = [n for n in ("tokenizer.json", "tokenizer_config.json") if not (source / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"vocab_from={source} lacks {', '.join(missing)}")
+        if not (source / "special_tokens.json").is_file():
+            # A full checkpoint rather than our extraction cache: derive the description, but write
+            # it into a scratch copy, never into the user's model directory.
+            return _describe_hf_dir(source, cache_dir)
+        return source
+    raise FileNotFoundError(f"vocab_from={source} is neither a GGUF file nor a directory")
+
+
+def _describe_hf_dir(source: Path, cache_dir: Path | None) -> Path:
+    import hashlib
+    import shutil
+
+    from cachet.models.gguf_tokenizer import default_cache_dir
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    digest = hashlib.sha256((source / "tokenizer.json").read_bytes())
+    digest.update((source / "tokenizer_config.json").read_bytes())
+    target = root / f"hf-{digest.hexdigest()[:16]}"
+    if not (target / "special_tokens.json").is_file():
+        with atomic_directory(target, overwrite=target.exists()) as staging:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(source / name, staging / name)
+            write_json(staging / "special_tokens.json", special_tokens_from_hf_dir(source))
+    return target
+
+
+def _vocab_size(tokenizer_json: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+
+
+def _write_llama(out_dir: Path, *, vocab_size: int, seed: int, specials: dict, model_id: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = specials["ids"]
+    eos_ids: list[int] = specials["eos_token_ids"]
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        bos_token_id=ids.get("bos_token"),
+        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        pad_token_id=ids.get("pad_token"),
+        **_LLAMA_SHAPE,
+    )
+    # A private RNG stream: the caller's global torch seed stays as it was, and equal seeds give equal
+    # weights whatever ran before.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+    saved = read_json(out_dir / "config.json")
+    saved[MODEL_ID_KEY] = model_id
+    write_json(out_dir / "config.json", saved)
+    write_json(out_dir / "generation_config.json", generation_config(ids, eos_ids, saved))
