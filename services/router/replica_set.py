@@ -1,0 +1,180 @@
+"""The engine replicas: what each serves, how busy it is, whether it is up.
+
+Per engine address one background task asks ``GetEngineInfo`` and then follows
+``StreamLoadReports``, keeping only the latest report. A replica is *available*
+while that stream is up and its last report is fresh (younger than
+``stale_seconds``, measured on the router's own monotonic clock so that clock skew
+between machines does not matter). When the stream fails the task reconnects with
+capped exponential backoff; until it does, placement does not see the replica.
+
+Load reports lag by up to one interval, so requests placed in a burst would all
+see the same numbers. The router therefore also counts the requests it has itself
+in flight on each replica, and placement uses the larger of the two counts: exact
+for a single router, and never below what the engine reports for several routers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.grpc_channel import create_channel
+from cachet.logs import get_logger
+from cachet.router.placement import ReplicaLoad
+
+log = get_logger(__name__)
+
+_MIN_BACKOFF_SECONDS = 0.1
+_MAX_BACKOFF_SECONDS = 2.0
+_INFO_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass
+class _Latest:
+    """The newest report of one replica and when it arrived (monotonic seconds)."""
+
+    report: engine_pb2.LoadReport
+    received_at: float
+
+
+class Replica:
+    """One engine address: its channel, its facts and its latest load."""
+
+    def __init__(self, address: str, stale_seconds: float, report_interval_ms: int) -> None:
+        self.address = address
+        self.channel = create_channel(address)
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self.info: engine_pb2.EngineInfo | None = None
+        self.in_flight = 0
+        self._stale_seconds = stale_seconds
+        self._interval_ms = report_interval_ms
+        self._latest: _Latest | None = None
+        self._reported = asyncio.Event()
+
+    def available(self, now: float | None = None) -> bool:
+        if self.info is None or self._latest is None:
+            return False
+        now = time.monotonic() if now is None else now
+        return now - self._latest.received_at <= self._stale_seconds
+
+    def load(self) -> ReplicaLoad:
+        """Placement's view; only meaningful while ``available()``."""
+        assert self._latest is not None
+        report = self._latest.report
+        running, waiting = report.running_requests, report.waiting_requests
+        # Our own in-flight requests not yet in a report count as running (they will be soon).
+        return ReplicaLoad(
+            address=self.address,
+            running=max(running, self.in_flight - waiting),
+            waiting=waiting,
+            max_running=report.max_running_requests,
+            max_waiting=report.max_waiting_requests,
+        )
+
+    async def wait_reported(self) -> None:
+        await self._reported.wait()
+
+    async def follow(self) -> None:
+        """Keep the info and the latest report current until cancelled."""
+        backoff = _MIN_BACKOFF_SECONDS
+        while True:
+            try:
+                await self._subscribe()
+            except grpc.aio.AioRpcError as error:
+                log.warning("engine load stream failed", address=self.address, code=error.code().name)
+            self._latest = None
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_SECONDS)
+
+    async def _subscribe(self) -> None:
+        self.info = await self.stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=_INFO_TIMEOUT_SECONDS)
+        call = self.stub.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=self._interval_ms))
+        try:
+            async for report in call:
+                if report.replica_id != self.info.replica_id:
+                    # The engine restarted behind the same address: its facts may have changed.
+                    self.info = await self.stub.GetEngineInfo(
+                        engine_pb2.GetEngineInfoRequest(), timeout=_INFO_TIMEOUT_SECONDS
+                    )
+                self._latest = _Latest(report, time.monotonic())
+                self._reported.set()
+        finally:
+            call.cancel()
+        log.warning("engine load stream ended", address=self.address)
+
+    @contextlib.contextmanager
+    def track_request(self) -> Iterator[None]:
+        """Count one of our requests as in flight here for its whole life."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+class ReplicaSet:
+    """Every configured engine replica, followed in the background."""
+
+    def __init__(self, addresses: list[str], stale_seconds: float = 2.0, report_interval_ms: int = 0) -> None:
+        self._replicas = {address: Replica(address, stale_seconds, report_interval_ms) for address in addresses}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(replica.follow()) for replica in self._replicas.values()]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for replica in self._replicas.values():
+            await replica.channel.close()
+
+    async def wait_all_reported(self, timeout: float) -> bool:
+        """Wait (bounded) until every replica has reported once; False on timeout."""
+        waits = [replica.wait_reported() for replica in self._replicas.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._replicas)
+
+    def get(self, address: str) -> Replica:
+        return self._replicas[address]
+
+    def available(self, model: str | None = None) -> list[Replica]:
+        """Replicas up right now, optionally only those serving ``model``."""
+        now = time.monotonic()
+        return [
+            replica
+            for replica in self._replicas.values()
+            if replica.available(now) and (model is None or replica.info.model == model)  # type: ignore[union-attr]
+        ]
+
+    def addresses_serving(self, model: str) -> list[str]:
+        """Configured replicas last known to serve ``model``, up or not (a session's home set)."""
+        return [r.address for r in self._replicas.values() if r.info is not None and r.info.model == model]
+
+    def engine_info(self, model: str) -> engine_pb2.EngineInfo | None:
+        """Facts of some replica serving ``model`` (replicas of one model share them)."""
+        for replica in self._replicas.values():
+            if replica.info is not None and replica.info.model == model:
+                return replica.info
+        return None
+
+    def models(self) -> list[engine_pb2.EngineInfo]:
+        """One EngineInfo per model served by an available replica."""
+        seen: dict[str, engine_pb2.EngineInfo] = {}
+        for replica in self.available():
+            assert replica.info is not None
+            seen.setdefault(replica.info.model, replica.info)
+        return list(seen.values())
