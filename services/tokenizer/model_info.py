@@ -1,0 +1,137 @@
+"""What the router needs to know about a model, read from its checkpoint directory.
+
+- Context window: ``max_position_embeddings`` from config.json (or its
+  ``text_config`` for multimodal checkpoints), else the tokenizer's
+  ``model_max_length`` when that is a real number rather than transformers'
+  "no limit" sentinel (1e30).
+- Stop token ids: the end-of-sequence ids of generation_config.json and
+  config.json, the tokenizer's eos, and the end-of-turn tokens chat templates
+  write (``<|im_end|>``, ``<|eot_id|>``...) when the vocabulary has them as
+  special tokens. A chat model whose eos is ``<|endoftext|>`` still ends its
+  turn with ``<|im_end|>``; without it generation would run on into a new turn.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+# Chat templates close an assistant turn with one of these.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+# model_max_length above this is a placeholder, not a limit (transformers uses 1e30).
+_SANE_MAX_LENGTH = 10_000_000
+
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+@dataclass(frozen=True)
+class SpecialToken:
+    text: str
+    token_id: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A loaded model's identity and limits; immutable once loaded."""
+
+    model_id: str
+    context_window: int
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    special_tokens: tuple[SpecialToken, ...]
+    template_supports_tools: bool
+    bos_token_id: int | None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        value = json.load(handle)
+    return value if isinstance(value, dict) else {}
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
+    return []
+
+
+def context_window(config: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> int:
+    """Longest prompt plus completion the model was built for."""
+    for section in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    max_length = getattr(tokenizer, "model_max_length", None)
+    if isinstance(max_length, int) and 0 < max_length <= _SANE_MAX_LENGTH:
+        return max_length
+    raise ValueError(
+        "cannot tell the model's context window: config.json has no max_position_embeddings "
+        "and the tokenizer's model_max_length is unset"
+    )
+
+
+def special_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[SpecialToken, ...]:
+    """Every special token of the vocabulary, by id."""
+    found = {
+        token_id: added.content for token_id, added in tokenizer.added_tokens_decoder.items() if added.special
+    }
+    for text in tokenizer.all_special_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        # An unknown text maps to the unk id: keep only tokens that really are in the vocabulary.
+        if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == text:
+            found.setdefault(token_id, text)
+    return tuple(SpecialToken(text=text, token_id=token_id) for token_id, text in sorted(found.items()))
+
+
+def stop_token_ids(
+    config: dict[str, Any],
+    generation_config: dict[str, Any],
+    tokenizer: PreTrainedTokenizerBase,
+    specials: tuple[SpecialToken, ...],
+) -> tuple[int, ...]:
+    """End-of-sequence and end-of-turn ids, without duplicates, in a stable order."""
+    ids = [
+        *_as_id_list(generation_config.get("eos_token_id")),
+        *_as_id_list(config.get("eos_token_id")),
+        *_as_id_list(tokenizer.eos_token_id),
+    ]
+    by_text = {special.text: special.token_id for special in specials}
+    ids.extend(by_text[text] for text in END_OF_TURN_TOKENS if text in by_text)
+    return tuple(dict.fromkeys(ids))
+
+
+def bos_token_id(
+    config: dict[str, Any], generation_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+) -> int | None:
+    for candidate in (tokenizer.bos_token_id, generation_config.get("bos_token_id"), config.get("bos_token_id")):
+        if isinstance(candidate, int) and not isinstance(candidate, bool):
+            return candidate
+    return None
+
+
+def read_model_info(
+    model_id: str, path: Path, tokenizer: PreTrainedTokenizerBase, *, template_supports_tools: bool
+) -> ModelInfo:
+    """Collect a model's metadata from its directory and its loaded tokenizer."""
+    config = _read_json(path / "config.json")
+    generation_config = _read_json(path / "generation_config.json")
+    specials = special_tokens(tokenizer)
+    return ModelInfo(
+        model_id=model_id,
+        context_window=context_window(config, tokenizer),
+        vocab_size=len(tokenizer),
+        stop_token_ids=stop_token_ids(config, generation_config, tokenizer, specials),
+        special_tokens=specials,
+        template_supports_tools=template_supports_tools,
+        bos_token_id=bos_token_id(config, generation_config, tokenizer),
+    )

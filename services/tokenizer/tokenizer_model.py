@@ -1,0 +1,144 @@
+"""One model's tokenizer and chat template, loaded from a local checkpoint directory.
+
+Everything goes through transformers' ``AutoTokenizer`` with ``local_files_only``:
+the same tokenizer.json, the same Jinja chat template (rendered by
+transformers' own sandboxed renderer, so prompts equal what the model's authors
+tested), never a download. Decoding never applies
+``clean_up_tokenization_spaces``: that BERT-era heuristic rewrites text (" ." to
+".") and would make a streamed decode differ from a full one.
+
+Thread safety: the methods are called from worker threads concurrently. The
+Rust tokenizer is shared read-only; transformers only mutates it when a call asks
+for truncation or padding, which nothing here does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from cachet.errors import InvalidArgument
+from cachet.tokenizer.generic_tool_prompt import rewrite_for_generic_tools, template_supports_tools
+from cachet.tokenizer.incremental_detokenizer import IncrementalDetokenizer
+from cachet.tokenizer.model_info import ModelInfo, read_model_info
+
+# Any non-empty list makes transformers pick a checkpoint's "tool_use" template
+# when it ships several named ones.
+_TOOLS_PROBE: list[dict[str, Any]] = [{"type": "function", "function": {"name": "probe"}}]
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A conversation rendered through the chat template, and its tokens."""
+
+    prompt: str
+    token_ids: list[int]
+
+
+class TokenizerModel:
+    """Encode, decode, count and chat-template for one model; immutable after ``load``."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> None:
+        self._tokenizer = tokenizer
+        self.info = info
+
+    @classmethod
+    def load(cls, model_id: str, path: Path) -> TokenizerModel:
+        """Load the tokenizer files of ``path`` (config.json, tokenizer.json, tokenizer_config.json)."""
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        source = _template_source(tokenizer, tools=_TOOLS_PROBE)
+        supports_tools = source is not None and template_supports_tools(source)
+        info = read_model_info(model_id, Path(path), tokenizer, template_supports_tools=supports_tools)
+        return cls(tokenizer, info)
+
+    @property
+    def model_id(self) -> str:
+        return self.info.model_id
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+        return self._tokenizer.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
+        """Raise ``InvalidArgument`` naming the first id outside the vocabulary."""
+        vocab_size = self.info.vocab_size
+        for index, token_id in enumerate(token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidArgument(
+                    f"{field}[{index}]: token id {token_id} is not in the vocabulary of "
+                    f"{self.model_id} (size {vocab_size})",
+                    param=field,
+                )
+
+    def detokenizer(self, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool) -> IncrementalDetokenizer:
+        """A streaming decoder whose output joins up exactly with ``decode``."""
+
+        def decode(token_ids: Sequence[int]) -> str:
+            return self.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        return IncrementalDetokenizer(decode, prompt_token_ids)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+    ) -> RenderedChat:
+        """Render template dicts (see ``chat_messages``) through the model's template, then tokenize."""
+        if add_generation_prompt and continue_final_message:
+            raise InvalidArgument(
+                "continue_final_message: cannot be combined with add_generation_prompt",
+                param="continue_final_message",
+            )
+        source = _template_source(self._tokenizer, tools=tools or None)
+        if source is None:
+            raise InvalidArgument(f"model: {self.model_id} has no chat template; use Encode", param="model")
+        # Decided per call: a checkpoint with several named templates may use a
+        # different one when no tools are offered.
+        if not template_supports_tools(source):
+            messages = rewrite_for_generic_tools(messages, tools)
+            tools = []
+        try:
+            prompt = self._tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+            )
+        except jinja2.TemplateError as error:
+            # Templates reject conversations they cannot render with raise_exception().
+            raise InvalidArgument(
+                f"messages: the chat template of {self.model_id} rejected the conversation: {error}",
+                param="messages",
+            ) from None
+        except ValueError as error:
+            # transformers' own checks, e.g. continue_final_message on a message the template hides.
+            raise InvalidArgument(f"messages: {error}", param="messages") from None
+        # The template wrote the special tokens itself (BOS, turn markers): adding
+        # them again would double the BOS. transformers tokenizes the same way.
+        return RenderedChat(prompt=prompt, token_ids=self.encode(prompt, add_special_tokens=False))
+
+
+def _template_source(tokenizer: PreTrainedTokenizerBase, *, tools: list[dict[str, Any]] | None) -> str | None:
+    """The template transformers would use for this call, or None when the checkpoint has none."""
+    if not tokenizer.chat_template:
+        return None
+    try:
+        return tokenizer.get_chat_template(None, tools)
+    except ValueError:
+        return None
