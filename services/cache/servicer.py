@@ -20,8 +20,12 @@ def parse_loopback_address(address: str) -> str:
     Engines on other machines are configured at start (``engine_addresses``).
     """
     host, separator, port = address.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not separator or not port.isdigit() or not 0 < int(port) < 65536:
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    # An IPv6 host must be bracketed, or "::1:50061" would be ambiguous.
+    well_formed = separator and (bracketed or ":" not in host) and port.isascii() and port.isdigit()
+    if not well_formed or not 0 < int(port) < 65536:
         raise InvalidArgument(f"engine address must be host:port, got {address!r}", param="address")
     if host != "localhost":
         try:
