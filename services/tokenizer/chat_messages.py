@@ -53,7 +53,9 @@ def _content(message: common_pb2.ChatMessage, field: str) -> str:
     for index, part in enumerate(message.content):
         kind = part.WhichOneof("part")
         if kind == "image_url":
-            raise _invalid(f"{field}.content[{index}].image_url", "image input needs a model with a vision encoder")
+            raise _invalid(
+                f"{field}.content[{index}].image_url", "image input needs a model with a vision encoder"
+            )
         if kind == "text":
             texts.append(part.text)
     return "\n".join(texts)
@@ -84,7 +86,8 @@ def message_to_dict(message: common_pb2.ChatMessage, index: int) -> dict[str, An
         converted["name"] = message.name
     if message.tool_calls:
         converted["tool_calls"] = [
-            _tool_call(call, f"{field}.tool_calls[{number}]") for number, call in enumerate(message.tool_calls)
+            _tool_call(call, f"{field}.tool_calls[{number}]")
+            for number, call in enumerate(message.tool_calls)
         ]
     if message.role == "tool":
         converted["tool_call_id"] = message.tool_call_id

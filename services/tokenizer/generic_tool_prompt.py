@@ -82,7 +82,9 @@ def _tool_response(message: dict[str, Any]) -> str:
     return f"<tool_response>\n{message['content']}\n</tool_response>"
 
 
-def rewrite_for_generic_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def rewrite_for_generic_tools(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The conversation as a tool-less template should see it (see the module docstring)."""
     rewritten: list[dict[str, Any]] = []
     previous_was_tool = False

@@ -48,7 +48,11 @@ class IncrementalDetokenizer:
     """Incremental decoding of one output sequence; not thread-safe (one per stream)."""
 
     def __init__(self, decode: Decode, prompt_token_ids: Sequence[int] = ()) -> None:
-        context = list(prompt_token_ids[len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS :]) if prompt_token_ids else []
+        context = (
+            list(prompt_token_ids[len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS :])
+            if prompt_token_ids
+            else []
+        )
         self._decode = decode
         self._tokens: list[int] = context
         self._context_len = len(context)

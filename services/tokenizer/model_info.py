@@ -113,7 +113,11 @@ def stop_token_ids(
 def bos_token_id(
     config: dict[str, Any], generation_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
 ) -> int | None:
-    for candidate in (tokenizer.bos_token_id, generation_config.get("bos_token_id"), config.get("bos_token_id")):
+    for candidate in (
+        tokenizer.bos_token_id,
+        generation_config.get("bos_token_id"),
+        config.get("bos_token_id"),
+    ):
         if isinstance(candidate, int) and not isinstance(candidate, bool):
             return candidate
     return None

@@ -82,7 +82,9 @@ class TokenizerModel:
                     param=field,
                 )
 
-    def detokenizer(self, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool) -> IncrementalDetokenizer:
+    def detokenizer(
+        self, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool
+    ) -> IncrementalDetokenizer:
         """A streaming decoder whose output joins up exactly with ``decode``."""
 
         def decode(token_ids: Sequence[int]) -> str:

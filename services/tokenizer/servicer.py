@@ -1,0 +1,159 @@
+"""The TokenizerService gRPC servicer: proto in, domain call, proto out.
+
+Tokenizer work (encode, decode, template rendering, hashing) runs in worker
+threads via ``asyncio.to_thread`` so that a 100k-token prompt never stalls the
+event loop that every other call shares; the Rust tokenizer releases the GIL
+for its heavy part. Domain errors (``InvalidArgument``, ``NotFound``) are raised
+as they are; ``cachet.grpc_server``'s interceptor maps them to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cachet.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
+from cachet.errors import InvalidArgument
+from cachet.tokenizer.chat_messages import messages_to_dicts, tools_to_dicts
+from cachet.tokenizer.detokenize_session import DetokenizeSession
+from cachet.tokenizer.model_info import ModelInfo
+from cachet.tokenizer.model_registry import ModelRegistry
+from cachet.tokenizer.tokenizer_model import RenderedChat, TokenizerModel
+from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+
+
+def _check_text(text: str, field: str, max_chars: int) -> None:
+    if not text:
+        raise InvalidArgument(f"{field}: must not be empty", param=field)
+    if len(text) > max_chars:
+        raise InvalidArgument(
+            f"{field}: {len(text)} characters is over the limit of {max_chars}", param=field
+        )
+
+
+def _model_info_proto(info: ModelInfo) -> tokenizer_pb2.ModelInfo:
+    return tokenizer_pb2.ModelInfo(
+        model=info.model_id,
+        context_window=info.context_window,
+        vocab_size=info.vocab_size,
+        stop_token_ids=info.stop_token_ids,
+        special_tokens=[
+            tokenizer_pb2.SpecialToken(text=special.text, token_id=special.token_id)
+            for special in info.special_tokens
+        ],
+        template_supports_tools=info.template_supports_tools,
+        bos_token_id=info.bos_token_id,
+    )
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    """Thin adapter over a ``ModelRegistry``; holds no per-call state of its own."""
+
+    def __init__(self, registry: ModelRegistry, *, max_input_chars: int) -> None:
+        self._registry = registry
+        self._max_input_chars = max_input_chars
+
+    def register(self, server: grpc.aio.Server) -> None:
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(self, server)
+
+    async def Encode(
+        self, request: tokenizer_pb2.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.EncodeResponse:
+        model = self._registry.get(request.model)
+        _check_text(request.text, "text", self._max_input_chars)
+        token_ids = await asyncio.to_thread(
+            model.encode, request.text, add_special_tokens=request.add_special_tokens
+        )
+        return tokenizer_pb2.EncodeResponse(token_ids=token_ids)
+
+    async def Decode(
+        self, request: tokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.DecodeResponse:
+        model = self._registry.get(request.model)
+        model.check_token_ids(request.token_ids, "token_ids")
+        text = await asyncio.to_thread(
+            model.decode, request.token_ids, skip_special_tokens=request.skip_special_tokens
+        )
+        return tokenizer_pb2.DecodeResponse(text=text)
+
+    async def ApplyChatTemplate(
+        self, request: tokenizer_pb2.ApplyChatTemplateRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.ApplyChatTemplateResponse:
+        model = self._registry.get(request.model)
+        size = sum(len(part.text) for message in request.messages for part in message.content)
+        if size > self._max_input_chars:
+            raise InvalidArgument(
+                f"messages: {size} characters of content is over the limit of {self._max_input_chars}",
+                param="messages",
+            )
+        rendered = await asyncio.to_thread(self._render, model, request)
+        return tokenizer_pb2.ApplyChatTemplateResponse(prompt=rendered.prompt, token_ids=rendered.token_ids)
+
+    @staticmethod
+    def _render(model: TokenizerModel, request: tokenizer_pb2.ApplyChatTemplateRequest) -> RenderedChat:
+        return model.apply_chat_template(
+            messages_to_dicts(request.messages),
+            tools_to_dicts(request.tools),
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
+
+    async def DetokenizeStream(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]:
+        # One response per request message, so a caller can pair them up.
+        session: DetokenizeSession | None = None
+        async for request in request_iterator:
+            if session is None:
+                model = self._registry.get(request.model)
+                session = DetokenizeSession(
+                    model, request.prompt_token_ids, skip_special_tokens=request.skip_special_tokens
+                )
+            elif request.model or request.prompt_token_ids:
+                field = "model" if request.model else "prompt_token_ids"
+                raise InvalidArgument(f"{field}: set on the first message of a stream only", param=field)
+            delta = await asyncio.to_thread(session.feed, request.token_ids, flush=request.flush)
+            yield tokenizer_pb2.DetokenizeStreamResponse(
+                text_delta=delta.text, tokens_consumed=delta.tokens_consumed
+            )
+
+    async def CountTokens(
+        self, request: tokenizer_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.CountTokensResponse:
+        model = self._registry.get(request.model)
+        _check_text(request.text, "text", self._max_input_chars)
+        count = await asyncio.to_thread(model.count_tokens, request.text)
+        return tokenizer_pb2.CountTokensResponse(count=count)
+
+    async def BlockHashes(
+        self, request: tokenizer_pb2.BlockHashesRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.BlockHashesResponse:
+        # Seed with the id of the model actually used: an empty request id means the default one.
+        model = self._registry.get(request.model)
+        block_size = request.block_size or DEFAULT_BLOCK_SIZE
+        hashes = await asyncio.to_thread(
+            block_hashes,
+            request.token_ids,
+            model.model_id,
+            block_size=block_size,
+            cache_salt=request.cache_salt,
+        )
+        return tokenizer_pb2.BlockHashesResponse(block_hashes=hashes, block_size=block_size)
+
+    async def GetModelInfo(
+        self, request: tokenizer_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.ModelInfo:
+        return _model_info_proto(self._registry.get(request.model).info)
+
+    async def ListModels(
+        self, request: tokenizer_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.ListModelsResponse:
+        return tokenizer_pb2.ListModelsResponse(
+            models=[_model_info_proto(m.info) for m in self._registry.models()]
+        )
