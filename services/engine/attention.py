@@ -1,0 +1,201 @@
+"""Paged attention over a block-structured KV cache, for a whole step at once.
+
+The cache of one layer is one tensor ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (K then V). A token at position ``p`` of a request lives in slot
+``block_ids[p // block_size] * block_size + p % block_size``; the block table is
+owned by the scheduler's KV cache manager, the runner only follows it.
+
+A step mixes prefill chunks (many queries, causal against the request's cached
+prefix) and decode tokens (one query each). Each request's K/V is gathered
+through its block table into a padded ``[batch, max_kv_len]`` tensor and all
+requests go through one ``scaled_dot_product_attention`` call with a mask.
+Decodes and prefill chunks are separate groups: padding a batch of decodes to a
+512-token prefill chunk's query length would waste ~all of that call's work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended in one padded SDPA call; tensors live on the model's device."""
+
+    # [n] indices into the step's flat token axis, and where each lands in the
+    # group's padded [batch * max_query_len] query layout.
+    token_index: torch.Tensor
+    padded_index: torch.Tensor
+    # [batch, max_kv_len // block_size rounded up] block ids, padded with block 0.
+    block_table: torch.Tensor
+    # [batch, 1, max_query_len, max_kv_len]: True where a query may see a key.
+    mask: torch.Tensor
+    batch_size: int
+    max_query_len: int
+    max_kv_len: int
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner, shared by every layer."""
+
+    # [T] cache slot of each new token.
+    slot_mapping: torch.Tensor
+    # [T] total length (cached + this step) of the request each token belongs to;
+    # dynamic-NTK RoPE scales by it.
+    token_seq_lens: torch.Tensor
+    groups: list[AttentionGroup]
+    # [S] flat token indices whose logits are needed, in request order.
+    sample_indices: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SequenceSpan:
+    """One request's part of a step: ``num_computed`` cached tokens, then ``num_new`` to compute."""
+
+    num_computed: int
+    num_new: int
+    block_ids: list[int]
+    sample: bool
+
+
+def build_attention_metadata(
+    spans: list[SequenceSpan], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Lay out the flat token axis in ``spans`` order and group requests for attention."""
+    starts, offset = [], 0
+    for span in spans:
+        starts.append(offset)
+        offset += span.num_new
+    slots = torch.cat([_slots(span, block_size) for span in spans])
+    seq_lens = torch.cat(
+        [torch.full((s.num_new,), s.num_computed + s.num_new, dtype=torch.int64) for s in spans]
+    )
+    # The last token of a span is the one whose logits predict the next token.
+    sample = [starts[i] + s.num_new - 1 for i, s in enumerate(spans) if s.sample]
+    decode = [i for i, s in enumerate(spans) if s.num_new == 1]
+    prefill = [i for i, s in enumerate(spans) if s.num_new > 1]
+    groups = [
+        _build_group([spans[i] for i in members], [starts[i] for i in members], block_size, device)
+        for members in (decode, prefill)
+        if members
+    ]
+    return AttentionMetadata(
+        slot_mapping=slots.to(device),
+        token_seq_lens=seq_lens.to(device),
+        groups=groups,
+        sample_indices=torch.tensor(sample, dtype=torch.int64, device=device),
+    )
+
+
+def _slots(span: SequenceSpan, block_size: int) -> torch.Tensor:
+    positions = torch.arange(span.num_computed, span.num_computed + span.num_new)
+    needed = (span.num_computed + span.num_new + block_size - 1) // block_size
+    if len(span.block_ids) < needed:
+        raise ValueError(f"span of {span.num_computed + span.num_new} tokens needs {needed} blocks, has {len(span.block_ids)}")
+    blocks = torch.tensor(span.block_ids[:needed], dtype=torch.int64)
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def _build_group(
+    spans: list[SequenceSpan], starts: list[int], block_size: int, device: torch.device
+) -> AttentionGroup:
+    batch = len(spans)
+    query_lens = torch.tensor([s.num_new for s in spans])
+    computed = torch.tensor([s.num_computed for s in spans])
+    max_q = int(query_lens.max())
+    max_kv = int((computed + query_lens).max())
+    max_blocks = (max_kv + block_size - 1) // block_size
+    table = torch.zeros(batch, max_blocks, dtype=torch.int64)
+    for row, span in enumerate(spans):
+        needed = (span.num_computed + span.num_new + block_size - 1) // block_size
+        table[row, :needed] = torch.tensor(span.block_ids[:needed], dtype=torch.int64)
+    token_index = torch.cat([torch.arange(st, st + s.num_new) for st, s in zip(starts, spans, strict=True)])
+    padded_index = torch.cat([torch.arange(row * max_q, row * max_q + s.num_new) for row, s in enumerate(spans)])
+    # Query row i of a request sits at absolute position computed + i and sees keys 0..that position.
+    # Padding rows (i >= query_len) would see past the request's end; capping at seq_len - 1
+    # keeps them finite (their output is dropped) and never lets real rows see stale slots.
+    q_pos = computed[:, None] + torch.arange(max_q)[None, :]
+    q_pos = torch.minimum(q_pos, (computed + query_lens - 1)[:, None])
+    mask = torch.arange(max_kv)[None, None, :] <= q_pos[:, :, None]
+    return AttentionGroup(
+        token_index=token_index.to(device),
+        padded_index=padded_index.to(device),
+        block_table=table.to(device),
+        mask=mask[:, None].to(device),
+        batch_size=batch,
+        max_query_len=max_q,
+        max_kv_len=max_kv,
+    )
+
+
+def allocate_kv_cache(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:
+    """One tensor for all layers: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+
+    Zeroed rather than empty: padded gathers read unused slots, and uninitialised
+    memory could hold NaNs, which a masked-out score does not neutralise.
+    """
+    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+class PagedAttention(nn.Module):
+    """Writes the step's new K/V into the cache, then attends every query of the step.
+
+    ``kv_cache`` is bound by the model runner (a view of this layer's slice of the
+    preallocated cache); it is a plain attribute, not a buffer, so it stays out of
+    state dicts and out of DeepSpeed's parameter sharding.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
+        if self.kv_cache is None:
+            raise RuntimeError("PagedAttention has no KV cache bound; the model runner binds it")
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        out = torch.empty_like(q)
+        for group in meta.groups:
+            out[group.token_index] = _attend_group(q, k_cache, v_cache, group)
+        return out
+
+
+def _attend_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+) -> torch.Tensor:
+    batch, max_q, max_kv = group.batch_size, group.max_query_len, group.max_kv_len
+    num_heads, head_dim = q.shape[1:]
+    padded_q = q.new_zeros(batch * max_q, num_heads, head_dim)
+    padded_q[group.padded_index] = q[group.token_index]
+    padded_q = padded_q.view(batch, max_q, num_heads, head_dim).transpose(1, 2)
+    keys = _gather(k_cache, group.block_table, max_kv)
+    values = _gather(v_cache, group.block_table, max_kv)
+    out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=group.mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)[group.padded_index]
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, max_kv: int) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] through [B, nb] -> [B, H, max_kv, D]."""
+    batch, num_blocks = block_table.shape
+    block_size, num_heads, head_dim = cache.shape[1:]
+    gathered = cache[block_table].view(batch, num_blocks * block_size, num_heads, head_dim)
+    return gathered[:, :max_kv].transpose(1, 2)

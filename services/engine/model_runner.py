@@ -1,0 +1,193 @@
+"""Runs the model for one step plan: flat batch in, one sampled token per finishing span out.
+
+The runner mirrors, per request, what it needs to run without being told twice:
+token ids (prompt, then every token it sampled), block table, sampling params
+and the seeded generator. The scheduler sends only diffs (see ``step_plan``);
+the runner appends its own sampled tokens, so a decode step needs no token ids
+from the scheduler at all.
+
+This is the one module that will import torch.distributed / DeepSpeed when a
+replica is sharded; today it runs a single rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cachet.engine.attention import (
+    SequenceSpan,
+    allocate_kv_cache,
+    build_attention_metadata,
+    kv_cache_bytes_per_block,
+)
+from cachet.engine.models.config import ModelConfig, load_eos_token_ids
+from cachet.engine.sampler import SamplingRow, sample, skip_draws
+from cachet.engine.sampling_params import SamplingParams
+from cachet.engine.step_plan import NewRequest, StepPlan, StepResult
+from cachet.engine.weights import load_model
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 wherever it is native: on this CPU it measured 1.8x faster than fp32.
+
+    Pre-Ampere GPUs lack bf16 and get fp16. Pass float32 explicitly for exact
+    parity with a float32 reference.
+    """
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+@dataclass
+class _RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_bytes: int,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.config = ModelConfig.from_model_dir(Path(model_dir))
+        self.vocab_size = self.config.vocab_size
+        self.eos_token_ids = load_eos_token_ids(Path(model_dir), self.config)
+        self.model = load_model(Path(model_dir), self.config, dtype=dtype, device=self.device)
+        self.num_kv_blocks = self._fit_blocks(kv_cache_bytes)
+        self.max_model_len = self._resolve_max_model_len(max_model_len)
+        self.kv_cache = allocate_kv_cache(
+            self.config.num_hidden_layers, self.num_kv_blocks, block_size,
+            self.model.num_local_kv_heads(), self.config.head_dim, dtype, self.device,
+        )
+        for layer_cache, attention in zip(self.kv_cache, self.model.attention_layers(), strict=True):
+            attention.kv_cache = layer_cache
+        self._requests: dict[str, _RequestState] = {}
+
+    def _fit_blocks(self, kv_cache_bytes: int) -> int:
+        per_block = kv_cache_bytes_per_block(
+            self.config.num_hidden_layers, self.block_size, self.model.num_local_kv_heads(),
+            self.config.head_dim, self.dtype,
+        )
+        blocks = kv_cache_bytes // per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block (one block needs {per_block} bytes)")
+        return blocks
+
+    def _resolve_max_model_len(self, requested: int | None) -> int:
+        capacity = self.num_kv_blocks * self.block_size
+        if requested is None:
+            return min(self.config.max_position_embeddings, capacity)
+        if requested > capacity:
+            raise ValueError(f"max_model_len={requested} exceeds the KV cache's {capacity} token slots")
+        # Dynamic NTK RoPE exists to run past the trained window; every other variant degrades there.
+        if requested > self.config.max_position_embeddings and self.config.rope.rope_type != "dynamic":
+            raise ValueError(
+                f"max_model_len={requested} exceeds the model's max_position_embeddings="
+                f"{self.config.max_position_embeddings}"
+            )
+        return requested
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def execute(self, plan: StepPlan, logit_masks: Mapping[str, torch.Tensor] | None = None) -> StepResult:
+        """Run one step. ``logit_masks`` (request id -> bool [vocab], True = allowed) applies to
+        requests that sample this step; masks for requests that do not are ignored."""
+        self._apply_diffs(plan)
+        if plan.is_empty:
+            return StepResult()
+        spans, input_ids, positions, samplers = self._prepare(plan)
+        meta = build_attention_metadata(spans, self.block_size, self.device)
+        with torch.inference_mode():
+            logits = self.model(
+                torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                torch.cat(positions).to(self.device),
+                meta,
+            )
+            rows = [self._sampling_row(rid, logit_masks) for rid in samplers]
+            tokens = sample(logits, rows)
+        for rid, num_new in plan.num_scheduled_tokens.items():
+            self._requests[rid].num_computed_tokens += num_new
+        for rid, token in zip(samplers, tokens, strict=True):
+            self._requests[rid].token_ids.append(token.token_id)
+        return StepResult(sampled=dict(zip(samplers, tokens, strict=True)))
+
+    def _apply_diffs(self, plan: StepPlan) -> None:
+        # Drop before adding: a preempted request can come back as new in the same plan.
+        for rid in plan.finished_request_ids:
+            self._requests.pop(rid, None)
+        for new in plan.new_requests:
+            self._requests[new.request_id] = self._new_state(new)
+        for diff in plan.running:
+            state = self._requests[diff.request_id]
+            state.block_ids.extend(diff.new_block_ids)
+            state.num_computed_tokens = diff.num_computed_tokens
+
+    def _new_state(self, new: NewRequest) -> _RequestState:
+        generator = None
+        if new.sampling.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(new.sampling.seed)
+            if not new.sampling.greedy:
+                skip_draws(generator, len(new.output_token_ids), self.vocab_size)
+        return _RequestState(
+            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            block_ids=list(new.block_ids),
+            sampling=new.sampling,
+            generator=generator,
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    def _prepare(
+        self, plan: StepPlan
+    ) -> tuple[list[SequenceSpan], list[int], list[torch.Tensor], list[str]]:
+        spans, input_ids, positions, samplers = [], [], [], []
+        for rid, num_new in plan.num_scheduled_tokens.items():
+            state = self._requests.get(rid)
+            if state is None:
+                raise KeyError(f"request {rid!r} is scheduled but the runner does not hold it")
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
+            if num_new < 1 or end > len(state.token_ids) or end > self.max_model_len:
+                raise ValueError(
+                    f"request {rid!r}: span [{start}, {end}) is invalid for {len(state.token_ids)} known "
+                    f"tokens and max_model_len={self.max_model_len}"
+                )
+            reaches_end = end == len(state.token_ids)
+            spans.append(SequenceSpan(start, num_new, state.block_ids, sample=reaches_end))
+            input_ids.extend(state.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            if reaches_end:
+                samplers.append(rid)
+        return spans, input_ids, positions, samplers
+
+    def _sampling_row(self, rid: str, logit_masks: Mapping[str, torch.Tensor] | None) -> SamplingRow:
+        state = self._requests[rid]
+        allowed = logit_masks.get(rid) if logit_masks is not None else None
+        if allowed is not None and tuple(allowed.shape) != (self.vocab_size,):
+            raise ValueError(f"logit mask for {rid!r} has shape {tuple(allowed.shape)}, want ({self.vocab_size},)")
+        return SamplingRow(
+            params=state.sampling,
+            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            output_token_ids=state.token_ids[state.num_prompt_tokens :],
+            generator=state.generator,
+            allowed=allowed,
+        )

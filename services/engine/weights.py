@@ -1,0 +1,98 @@
+"""Loads Hugging Face safetensors checkpoints into the engine's own model code.
+
+The model is built on the meta device (no memory, no random init), materialised
+empty on the target device in the target dtype, and then every parameter is
+filled from the checkpoint, one tensor at a time, so peak host memory stays at
+one tensor rather than one model. Anything the checkpoint lacks or has in excess
+is an error: a silently half-loaded model produces fluent garbage.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from cachet.engine.models import ModelConfig, model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Older exports saved RoPE tables as state; the model recomputes them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot fill the model; the message names the tensors."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.exists()]
+        if absent:
+            raise CheckpointError(f"{INDEX_FILE} names shards that are missing: {absent}")
+        return files
+    if (model_dir / SINGLE_FILE).exists():
+        return [model_dir / SINGLE_FILE]
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name, casting to its dtype."""
+    params = dict(model.named_parameters())  # tied parameters appear once, under their owner
+    aliases: dict[str, str] = model.tied_parameter_aliases() if hasattr(model, "tied_parameter_aliases") else {}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    deferred: dict[str, Path] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name in aliases:
+                    # A tied copy: used only if the owner's own name is absent.
+                    deferred[aliases[name]] = path
+                elif name in params:
+                    _copy(params[name], f.get_tensor(name), name)
+                    loaded.add(name)
+                elif not name.endswith(_IGNORED_SUFFIXES):
+                    unexpected.append(name)
+    for owner, path in deferred.items():
+        if owner not in loaded:
+            alias = next(a for a, o in aliases.items() if o == owner)
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                _copy(params[owner], f.get_tensor(alias), alias)
+            loaded.add(owner)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint in {model_dir} does not match the model: "
+            f"missing {_summary(missing)}, unexpected {_summary(sorted(unexpected))}"
+        )
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def _summary(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{len(names)} ({', '.join(names[:limit])}{more})"
