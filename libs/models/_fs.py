@@ -36,11 +36,18 @@ def _partial_prefix(target: Path) -> str:
     return f".{target.name}{_PARTIAL_MARK}{socket.gethostname()}-{os.getpid()}-"
 
 
-def _fsync_tree(root: Path) -> None:
-    # Rename is atomic, but without flushing the files first a power cut right after it could leave a
-    # complete-looking directory of empty files.
+def _seal_tree(root: Path) -> None:
+    """Flush every file and give the tree ordinary read permissions before it is renamed into place."""
+    # mkdtemp makes 0700 directories and safetensors writes 0600 files; services running as another
+    # user must still be able to read the checkpoint.
+    root.chmod(0o755)
     for path in root.rglob("*"):
-        if path.is_file():
+        if path.is_dir():
+            path.chmod(0o755)
+        elif path.is_file():
+            path.chmod(0o644)
+            # Rename is atomic, but without flushing first a power cut right after it could leave a
+            # complete-looking directory of empty files.
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
     fd = os.open(root, os.O_RDONLY)
@@ -64,7 +71,7 @@ def atomic_directory(target: Path, *, overwrite: bool = False) -> Iterator[Path]
     staging = Path(tempfile.mkdtemp(prefix=_partial_prefix(target), dir=target.parent))
     try:
         yield staging
-        _fsync_tree(staging)
+        _seal_tree(staging)
         if target.exists():
             # Move the old copy aside first: rename cannot replace a non-empty directory.
             retired = Path(tempfile.mkdtemp(prefix=_partial_prefix(target), dir=target.parent))

@@ -13,7 +13,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -120,7 +120,8 @@ def convert_gguf(
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        with atomic_directory(out_dir, overwrite=overwrite) as staging:
+        with ExitStack() as commit:
+            staging = commit.enter_context(atomic_directory(out_dir, overwrite=overwrite))
             with bar.phase(_PHASES[0]):
                 config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
                 tokenizer_dir = extract_tokenizer(gguf_path, cache_dir=tokenizer_cache_dir)
@@ -139,7 +140,8 @@ def convert_gguf(
             with bar.phase(_PHASES[4]):
                 _finish_configs(staging, model_id=model_id, specials=specials, source=gguf_path.name)
             with bar.phase(_PHASES[5]):
-                pass  # the fsync and rename happen as the atomic_directory block closes
+                # Flushes, fixes permissions and renames the staging directory into place.
+                commit.close()
     finally:
         bar.close()
         if previous_bars and not progress:
@@ -157,6 +159,9 @@ def _finish_configs(model_dir: Path, *, model_id: str, specials: dict, source: s
     # GGUF loading leaves the file's general.name here ("Smollm2 135M 8k ..."), which is no path.
     config.pop("_name_or_path", None)
     config.pop("_model_name_or_path", None)
+    # transformers records the GGUF it read as a quantisation config even with hf_quantizer cleared;
+    # the saved tensors are plain fp32, and a loader that honoured the entry would look for the GGUF.
+    config.pop("quantization_config", None)
     ids = specials["ids"]
     eos_ids = specials["eos_token_ids"]
     if eos_ids:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachet.models._fs import write_json
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from cachet.models._fs import write_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens.json")
 
