@@ -16,9 +16,7 @@ for a single router, and never below what the engine reports for several routers
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -51,6 +49,8 @@ class Replica:
         self.channel = create_channel(address)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.info: engine_pb2.EngineInfo | None = None
+        # Unix time the current engine process was first seen (ListModels' "created").
+        self.loaded_at = 0.0
         self.in_flight = 0
         self._stale_seconds = stale_seconds
         self._interval_ms = report_interval_ms
@@ -92,30 +92,26 @@ class Replica:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _MAX_BACKOFF_SECONDS)
 
+    async def _refresh_info(self) -> None:
+        info = await self.stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=_INFO_TIMEOUT_SECONDS)
+        if self.info is None or info.replica_id != self.info.replica_id:
+            self.loaded_at = time.time()
+        self.info = info
+
     async def _subscribe(self) -> None:
-        self.info = await self.stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=_INFO_TIMEOUT_SECONDS)
+        await self._refresh_info()
+        assert self.info is not None
         call = self.stub.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=self._interval_ms))
         try:
             async for report in call:
                 if report.replica_id != self.info.replica_id:
                     # The engine restarted behind the same address: its facts may have changed.
-                    self.info = await self.stub.GetEngineInfo(
-                        engine_pb2.GetEngineInfoRequest(), timeout=_INFO_TIMEOUT_SECONDS
-                    )
+                    await self._refresh_info()
                 self._latest = _Latest(report, time.monotonic())
                 self._reported.set()
         finally:
             call.cancel()
         log.warning("engine load stream ended", address=self.address)
-
-    @contextlib.contextmanager
-    def track_request(self) -> Iterator[None]:
-        """Count one of our requests as in flight here for its whole life."""
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
 
 
 class ReplicaSet:
@@ -171,10 +167,11 @@ class ReplicaSet:
                 return replica.info
         return None
 
-    def models(self) -> list[engine_pb2.EngineInfo]:
-        """One EngineInfo per model served by an available replica."""
-        seen: dict[str, engine_pb2.EngineInfo] = {}
+    def models(self) -> list[tuple[engine_pb2.EngineInfo, float]]:
+        """Per model served by an available replica: its facts and when it was first loaded."""
+        seen: dict[str, tuple[engine_pb2.EngineInfo, float]] = {}
         for replica in self.available():
             assert replica.info is not None
-            seen.setdefault(replica.info.model, replica.info)
+            info, loaded_at = seen.get(replica.info.model, (replica.info, replica.loaded_at))
+            seen[info.model] = (info, min(loaded_at, replica.loaded_at))
         return list(seen.values())

@@ -1,0 +1,111 @@
+"""Entry point of the router: ``python -m cachet.router`` or ``cachet serve router``."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from functools import partial
+
+import grpc
+from prometheus_client import start_http_server
+
+from cachet.cache.v1 import cache_pb2_grpc
+from cachet.config import RouterSettings
+from cachet.grpc_channel import create_channel
+from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
+from cachet.logs import configure_logging, get_logger
+from cachet.router.caller import AccountDirectory
+from cachet.router.placement import PlacementPolicy
+from cachet.router.prompt import PromptBuilder
+from cachet.router.replica_set import ReplicaSet
+from cachet.router.request_pipeline import RequestPipeline
+from cachet.router.servicer import SERVICE_NAME, InferenceServicer
+from cachet.router.settings import RouterServiceSettings, router_service_settings
+from cachet.router.usage_recorder import UsageRecorder
+from cachet.router.v1 import router_pb2_grpc
+from cachet.tokenizer.v1 import tokenizer_pb2_grpc
+from cachet.tracing import configure_tracing
+from cachet.usage.v1 import usage_pb2_grpc
+
+log = get_logger(__name__)
+
+
+@dataclass
+class RouterClients:
+    """What the router holds open besides its server; closed after the server stops."""
+
+    replicas: ReplicaSet
+    usage: UsageRecorder
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+
+    async def close(self, drain_seconds: float) -> None:
+        await self.usage.drain(drain_seconds)
+        await self.replicas.close()
+        for channel in self.channels:
+            await channel.close()
+
+
+@dataclass
+class RunningRouter(RunningServer):
+    """A started router: the server plus the clients it must close when it stops."""
+
+    clients: RouterClients | None = None
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await super().stop(grace)
+        if self.clients is not None:
+            await self.clients.close(drain_seconds=grace or 0.0)
+
+
+async def start(settings: RouterSettings) -> RunningServer:
+    """Connect to the dependencies, follow the engines and serve; ``port`` 0 picks a free port."""
+    options = router_service_settings(settings)
+    tokenizer_channel = create_channel(options.tokenizer_address, options.max_message_bytes)
+    cache_channel = create_channel(options.cache_address)
+    usage_channel = create_channel(options.usage_address)
+    replicas = ReplicaSet(options.engine_addresses, options.report_stale_seconds, options.load_report_interval_ms)
+    usage = UsageRecorder(usage_pb2_grpc.UsageServiceStub(usage_channel), options.dependency_timeout_seconds)
+    clients = RouterClients(replicas, usage, [tokenizer_channel, cache_channel, usage_channel])
+    tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(tokenizer_channel)
+    pipeline = RequestPipeline(
+        replicas=replicas,
+        prompts=PromptBuilder(tokenizer, options.dependency_timeout_seconds),
+        tokenizer=tokenizer,
+        cache=cache_pb2_grpc.CacheIndexServiceStub(cache_channel),
+        usage=usage,
+        policy=_policy(options),
+        cache_timeout_seconds=options.cache_timeout_seconds,
+    )
+    replicas.start()
+    # Engines started alongside us report within one interval; waiting (bounded) for them
+    # keeps the first requests from being refused. Engines that come later join when up.
+    if not await replicas.wait_all_reported(options.startup_wait_seconds):
+        log.warning("serving before every engine reported", engines=options.engine_addresses)
+    servicer = InferenceServicer(pipeline, AccountDirectory(options.api_keys))
+    try:
+        running = await create_server(
+            options, [partial(router_pb2_grpc.add_InferenceServiceServicer_to_server, servicer)], [SERVICE_NAME]
+        )
+    except BaseException:
+        await clients.close(drain_seconds=0)
+        raise
+    if options.metrics_port:
+        start_http_server(options.metrics_port, addr=options.host)
+    return RunningRouter(running.server, running.port, running.health, running.service_names, clients=clients)
+
+
+def _policy(options: RouterServiceSettings) -> PlacementPolicy:
+    return PlacementPolicy(load_epsilon=options.load_epsilon, load_penalty_tokens=options.load_penalty_tokens)
+
+
+async def _serve(settings: RouterServiceSettings) -> None:
+    # RunningRouter.stop (called by serve_until_signalled) also closes the clients.
+    await serve_until_signalled(await start(settings), settings.drain_seconds)
+
+
+def main(port: int | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; ``port`` overrides ``CACHET_ROUTER_PORT``."""
+    settings = RouterServiceSettings(port=port) if port is not None else RouterServiceSettings()
+    configure_logging("router", settings.log_level)
+    configure_tracing("router")
+    asyncio.run(_serve(settings))

@@ -1,0 +1,105 @@
+"""Requests checked and turned into prompt token ids.
+
+Validation here covers what the router itself relies on (a model, messages, a
+prompt, sampling values it forwards) and the context window; everything the
+engine checks again (penalties, top-k...) it is left to report, with its own
+message, as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2
+from cachet.errors import InvalidArgument
+from cachet.router.upstream_errors import domain_error
+from cachet.router.v1 import router_pb2
+from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_STOP_STRINGS = 16
+
+
+def validate_model(model: str) -> None:
+    if not model:
+        raise InvalidArgument("model is required", param="model")
+
+
+def validate_chat(request: router_pb2.ChatCompletionRequest) -> None:
+    validate_model(request.model)
+    if not request.messages:
+        raise InvalidArgument("messages must hold at least one message", param="messages")
+    for index, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            raise InvalidArgument(
+                f"messages[{index}].role must be one of {', '.join(sorted(ROLES))}; got {message.role!r}",
+                param=f"messages[{index}].role",
+            )
+    validate_sampling(request.sampling)
+
+
+def validate_completion(request: router_pb2.CompletionRequest) -> None:
+    validate_model(request.model)
+    if bool(request.prompt) == bool(request.prompt_token_ids):
+        raise InvalidArgument("give exactly one of prompt and prompt_token_ids", param="prompt")
+    validate_sampling(request.sampling)
+
+
+def validate_sampling(sampling: common_pb2.SamplingParams) -> None:
+    if sampling.HasField("temperature") and not 0.0 <= sampling.temperature <= 2.0:
+        raise InvalidArgument("temperature must be in [0, 2]", param="temperature")
+    if sampling.HasField("top_p") and not 0.0 < sampling.top_p <= 1.0:
+        raise InvalidArgument("top_p must be in (0, 1]", param="top_p")
+    if sampling.HasField("max_tokens") and sampling.max_tokens < 1:
+        raise InvalidArgument("max_tokens must be at least 1", param="max_tokens")
+    if len(sampling.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    if any(not stop for stop in sampling.stop):
+        raise InvalidArgument("stop strings must not be empty", param="stop")
+
+
+def check_context_window(
+    prompt_tokens: int, sampling: common_pb2.SamplingParams, engine: engine_pb2.EngineInfo
+) -> None:
+    """Refuse prompts the model cannot take, before any replica spends time on them."""
+    window = engine.context_window
+    if window and prompt_tokens >= window:
+        raise InvalidArgument(
+            f"the prompt is {prompt_tokens} tokens; {engine.model}'s context window is {window}",
+            param="messages",
+        )
+    if window and sampling.HasField("max_tokens") and prompt_tokens + sampling.max_tokens > window:
+        raise InvalidArgument(
+            f"prompt ({prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) exceeds "
+            f"{engine.model}'s context window of {window}",
+            param="max_tokens",
+        )
+
+
+class PromptBuilder:
+    """Chat templates and plain prompts, through the tokenizer service."""
+
+    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub, timeout_seconds: float) -> None:
+        self._tokenizer = tokenizer
+        self._timeout = timeout_seconds
+
+    async def chat(self, request: router_pb2.ChatCompletionRequest) -> list[int]:
+        template = tokenizer_pb2.ApplyChatTemplateRequest(
+            model=request.model, messages=request.messages, tools=request.tools, add_generation_prompt=True
+        )
+        try:
+            rendered = await self._tokenizer.ApplyChatTemplate(template, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            raise domain_error(error, "tokenizer") from error
+        return list(rendered.token_ids)
+
+    async def completion(self, request: router_pb2.CompletionRequest) -> list[int]:
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        encode = tokenizer_pb2.EncodeRequest(model=request.model, text=request.prompt, add_special_tokens=True)
+        try:
+            encoded = await self._tokenizer.Encode(encode, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            raise domain_error(error, "tokenizer") from error
+        return list(encoded.token_ids)

@@ -1,0 +1,425 @@
+"""One completion request from validation to its last chunk.
+
+::
+
+    validate → template / encode (tokenizer) → block hashes (cachet.block_hash, local)
+      → MatchPrefix (cache index; down → score by load alone) → choose a replica
+      → engine Generate stream ─┐
+                                └→ DetokenizeStream → stop strings → output parser → chunks
+      → RecordUsage once (request id is the ledger key)
+
+``RequestPipeline.start_*`` runs everything up to the engine's first message, so
+that every refusal (bad request, unknown model, no capacity) is an error status
+before any chunk is sent. The returned ``Generation`` then streams chunks; it owns
+the engine call, and ``close()`` (called when the stream ends, fails, or the
+client goes away) aborts the engine request if it is still running and records
+the usage of whatever was produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from cachet.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
+from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
+from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2
+from cachet.errors import NotFound, ResourceExhausted, Unavailable
+from cachet.logs import get_logger
+from cachet.router import metrics
+from cachet.router.caller import Caller
+from cachet.router.detokenizer import DetokenizeSession
+from cachet.router.output_parser import OutputDelta, PlainTextParser
+from cachet.router.placement import Placement, PlacementPolicy, choose_replica
+from cachet.router.prompt import PromptBuilder, check_context_window, validate_chat, validate_completion
+from cachet.router.replica_set import Replica, ReplicaSet
+from cachet.router.stop_strings import StopStringFilter
+from cachet.router.upstream_errors import domain_error
+from cachet.router.usage_recorder import UsageRecorder
+from cachet.router.v1 import router_pb2
+from cachet.tokenizer.v1 import tokenizer_pb2_grpc
+from cachet.usage.v1 import usage_pb2
+
+log = get_logger(__name__)
+
+# Engine answers after which the request may go to one other replica: it was never started.
+_RETRY_ELSEWHERE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+# How long the last chunk waits for the usage record to land (it keeps retrying after that).
+_USAGE_WAIT_SECONDS = 1.0
+_ABORT_TIMEOUT_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request: all the pipeline needs, whichever API it came from."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    response_format: common_pb2.ResponseFormat
+    caller: Caller
+    role: str  # announced on the first chunk: "assistant" for chat, "" for text completions
+    arrived_at: float  # monotonic seconds
+
+
+class _Refused(Exception):
+    """An engine turned the request away before starting it; another replica may take it."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(error.details())
+        self.error = error
+
+
+class RequestPipeline:
+    """Starts generations; shared by every call of the servicer."""
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        prompts: PromptBuilder,
+        tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub,
+        cache: cache_pb2_grpc.CacheIndexServiceStub,
+        usage: UsageRecorder,
+        policy: PlacementPolicy,
+        cache_timeout_seconds: float,
+    ) -> None:
+        self._replicas = replicas
+        self._prompts = prompts
+        self._tokenizer = tokenizer
+        self._cache = cache
+        self.usage = usage
+        self._policy = policy
+        self._cache_timeout = cache_timeout_seconds
+        # Strong references to fire-and-forget engine aborts.
+        self._aborts: set[asyncio.Task[None]] = set()
+
+    async def start_chat(self, request: router_pb2.ChatCompletionRequest, caller: Caller) -> Generation:
+        arrived = time.monotonic()
+        with _counting_failures():
+            validate_chat(request)
+            engine = self._engine_for(request.model)
+            prompt = await self._prompts.chat(request)
+            generation = GenerationRequest(
+                request.request_id or f"chatcmpl-{uuid.uuid4().hex}", request.model, prompt,
+                request.sampling, request.response_format, caller, "assistant", arrived,
+            )
+            return await self._start(generation, engine)
+
+    async def start_completion(self, request: router_pb2.CompletionRequest, caller: Caller) -> Generation:
+        arrived = time.monotonic()
+        with _counting_failures():
+            validate_completion(request)
+            engine = self._engine_for(request.model)
+            prompt = await self._prompts.completion(request)
+            generation = GenerationRequest(
+                request.request_id or f"cmpl-{uuid.uuid4().hex}", request.model, prompt,
+                request.sampling, request.response_format, caller, "", arrived,
+            )
+            return await self._start(generation, engine)
+
+    def list_models(self) -> list[router_pb2.ModelCard]:
+        return [
+            router_pb2.ModelCard(id=info.model, context_window=info.context_window,
+                                 created=int(loaded_at), owned_by="cachet")
+            for info, loaded_at in self._replicas.models()
+        ]
+
+    def abort_in_background(self, replica: Replica, request_id: str) -> None:
+        task = asyncio.create_task(self._abort(replica, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, replica: Replica, request_id: str) -> None:
+        try:
+            await replica.stub.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=_ABORT_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            # Cancelling the Generate call already aborts it; this is the belt to those braces.
+            log.info("engine abort failed", request_id=request_id, code=error.code().name)
+
+    def _engine_for(self, model: str) -> engine_pb2.EngineInfo:
+        info = self._replicas.engine_info(model)
+        if info is not None:
+            return info
+        if not any(self._replicas.get(a).info for a in self._replicas.addresses):
+            raise Unavailable("no engine replica is reachable yet; retry shortly")
+        raise NotFound(f"model {model!r} is not served here; see ListModels", param="model")
+
+    async def _start(self, request: GenerationRequest, engine: engine_pb2.EngineInfo) -> Generation:
+        check_context_window(len(request.prompt_token_ids), request.sampling, engine)
+        cached = await self._cached_prefix_tokens(engine, request.prompt_token_ids)
+        refused: list[str] = []
+        while True:
+            placement = self._place(request, cached, refused)
+            replica = self._replicas.get(placement.address)
+            try:
+                return await self._open(request, replica, placement)
+            except _Refused as refusal:
+                refused.append(placement.address)
+                log.info("engine refused request", request_id=request.request_id, address=placement.address,
+                         code=refusal.error.code().name)
+                if len(refused) > 1:
+                    raise _final_refusal(refusal.error) from refusal
+                metrics.ENGINE_RETRIES.inc()
+
+    def _place(self, request: GenerationRequest, cached: dict[str, int], refused: Sequence[str]) -> Placement:
+        available = [replica.load() for replica in self._replicas.available(request.model)]
+        try:
+            placement = choose_replica(
+                available, cached, session_id=request.caller.session_id,
+                all_addresses=self._replicas.addresses_serving(request.model),
+                exclude=refused, policy=self._policy,
+            )
+        except Unavailable:
+            if refused:
+                # The only other replica just refused for capacity: that is what the client should hear.
+                raise ResourceExhausted("every engine replica is at capacity; retry shortly",
+                                        retry_after_seconds=self._policy.retry_after_seconds) from None
+            raise
+        metrics.PLACEMENTS.labels(placement.reason).inc()
+        return placement
+
+    async def _cached_prefix_tokens(self, engine: engine_pb2.EngineInfo, prompt: Sequence[int]) -> dict[str, int]:
+        block_size = engine.block_size or DEFAULT_BLOCK_SIZE
+        hashes = block_hashes(prompt, engine.model, block_size=block_size)
+        if not hashes:
+            return {}
+        query = cache_pb2.MatchPrefixRequest(model=engine.model, block_hashes=hashes)
+        try:
+            reply = await self._cache.MatchPrefix(query, timeout=self._cache_timeout)
+        except grpc.aio.AioRpcError as error:
+            # The index only improves placement: without it, requests are placed by load.
+            log.warning("cache index unavailable; placing by load", code=error.code().name)
+            return {}
+        return {match.address: match.matched_blocks * block_size for match in reply.matches}
+
+    async def _open(self, request: GenerationRequest, replica: Replica, placement: Placement) -> Generation:
+        """Send the request to ``replica`` and wait for its first message (or its refusal)."""
+        call = replica.stub.Generate(engine_pb2.GenerateRequest(
+            request_id=request.request_id, model=request.model, prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling, response_format=request.response_format,
+            priority=common_pb2.PRIORITY_INTERACTIVE,
+        ))
+        replica.in_flight += 1
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as error:
+            replica.in_flight -= 1
+            if error.code() in _RETRY_ELSEWHERE:
+                raise _Refused(error) from error
+            raise domain_error(error, "engine") from error
+        except BaseException:
+            # Cancelled while the engine was prefilling: stop the work we asked for.
+            replica.in_flight -= 1
+            call.cancel()
+            self.abort_in_background(replica, request.request_id)
+            raise
+        if first is grpc.aio.EOF:
+            replica.in_flight -= 1
+            raise Unavailable("the engine ended the request without an answer; retry")
+        detokenizer = DetokenizeSession(self._tokenizer, request.model, request.prompt_token_ids)
+        return Generation(self, request, replica, placement, call, first, detokenizer)
+
+
+class Generation:
+    """A started request: streams its chunks, then (or when cut short) closes once."""
+
+    def __init__(
+        self,
+        pipeline: RequestPipeline,
+        request: GenerationRequest,
+        replica: Replica,
+        placement: Placement,
+        call: grpc.aio.UnaryStreamCall,
+        first: engine_pb2.GenerateResponse,
+        detokenizer: DetokenizeSession,
+    ) -> None:
+        self.request = request
+        self.replica_address = replica.address
+        self.placement = placement
+        self.created = int(time.time())
+        self._pipeline = pipeline
+        self._replica = replica
+        self._call = call
+        self._first = first
+        self._detokenizer = detokenizer
+        self._stop = StopStringFilter(request.sampling.stop)
+        self._parser = PlainTextParser()
+        self._prompt_tokens = len(request.prompt_token_ids)
+        self._cached_tokens = first.usage.cached_tokens if first.HasField("usage") else 0
+        self._completion_tokens = 0
+        self._role_sent = False
+        self._first_chunk_sent = False
+        self._engine_done = False  # the engine sent its last message
+        self._finished = False  # the last chunk was built
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[router_pb2.ChatCompletionChunk]:
+        """The stream of chunks; the last carries finish_reason and usage."""
+        error: BaseException | None = None
+        try:
+            async for chunk in self._produce():
+                if not self._first_chunk_sent:
+                    self._first_chunk_sent = True
+                    metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - self.request.arrived_at)
+                yield chunk
+        except BaseException as failure:
+            error = failure
+            raise
+        finally:
+            self.close(error)
+
+    async def collect(self) -> router_pb2.ChatCompletion:
+        """The whole completion, built from the same chunks a stream would get."""
+        result = router_pb2.ChatCompletion(
+            id=self.request.request_id, model=self.request.model, created=self.created,
+            replica_address=self.replica_address,
+        )
+        content: list[str] = []
+        reasoning: list[str] = []
+        async for chunk in self.chunks():
+            content.append(chunk.content_delta)
+            reasoning.append(chunk.reasoning_delta)
+            result.logprobs.extend(chunk.logprobs)
+            if chunk.finish_reason:
+                result.finish_reason = chunk.finish_reason
+            if chunk.HasField("usage"):
+                result.usage.CopyFrom(chunk.usage)
+        result.content, result.reasoning_content = "".join(content), "".join(reasoning)
+        return result
+
+    def close(self, error: BaseException | None = None) -> None:
+        """End the request exactly once: abort the engine if it still runs, record usage.
+
+        Safe to call from a gRPC done-callback (it only schedules work): that is how a
+        client that goes away while its stream is idle still aborts the engine.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._replica.in_flight -= 1
+        if not self._engine_done:
+            self._call.cancel()
+            self._pipeline.abort_in_background(self._replica, self.request.request_id)
+        if not self._finished:
+            self._detokenizer.cancel()
+            self._submit_usage()
+        outcome = metrics.outcome_of(error) if error is not None or self._finished else "cancelled"
+        metrics.REQUESTS.labels(outcome).inc()
+
+    async def _produce(self) -> AsyncIterator[router_pb2.ChatCompletionChunk]:
+        response = self._first
+        while True:
+            self._completion_tokens += len(response.token_ids)
+            text = self._stop.feed(await self._detokenizer.push(response.token_ids)) if response.token_ids else ""
+            finish = response.finish_reason
+            if finish:
+                self._engine_done = True
+                yield await self._last_chunk(text, finish, response)
+                return
+            if self._stop.matched is not None:
+                # We saw the stop string before the engine did: end here (close() aborts the engine).
+                yield await self._last_chunk(text, common_pb2.FINISH_REASON_STOP, None)
+                return
+            chunk = self._chunk(self._parser.feed(text), response.logprobs)
+            if chunk is not None:
+                yield chunk
+            response = await self._read()
+
+    async def _read(self) -> engine_pb2.GenerateResponse:
+        try:
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as error:
+            self._engine_done = True
+            raise domain_error(error, "engine") from error
+        if response is grpc.aio.EOF:
+            self._engine_done = True
+            raise Unavailable("the engine ended the stream before the request finished; retry")
+        return response
+
+    async def _last_chunk(
+        self,
+        text: str,
+        finish: common_pb2.FinishReason.ValueType,
+        last: engine_pb2.GenerateResponse | None,
+    ) -> router_pb2.ChatCompletionChunk:
+        if self._stop.matched is None:
+            # The engine finished: release what the detokenizer and the stop filter held back.
+            text += self._stop.feed(await self._detokenizer.finish())
+            text += self._stop.flush()
+        else:
+            self._detokenizer.cancel()
+        delta = _merge(self._parser.feed(text), self._parser.finish())
+        if last is not None and last.HasField("usage"):
+            self._cached_tokens = last.usage.cached_tokens
+            self._completion_tokens = max(self._completion_tokens, last.usage.completion_tokens)
+        self._finished = True
+        usage = self._usage()
+        await asyncio.wait({self._submit_usage()}, timeout=_USAGE_WAIT_SECONDS)
+        chunk = self._chunk(delta, last.logprobs if last is not None else (), finish)
+        assert chunk is not None  # a finish reason always makes a chunk
+        chunk.usage.CopyFrom(usage)
+        return chunk
+
+    def _chunk(
+        self,
+        delta: OutputDelta,
+        logprobs: Sequence[common_pb2.TokenLogprob] = (),
+        finish: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED,
+    ) -> router_pb2.ChatCompletionChunk | None:
+        if not delta and not logprobs and not finish:
+            return None
+        chunk = router_pb2.ChatCompletionChunk(
+            id=self.request.request_id, model=self.request.model, created=self.created,
+            content_delta=delta.content, reasoning_delta=delta.reasoning, tool_call_deltas=delta.tool_calls,
+            logprobs=logprobs, finish_reason=finish,
+        )
+        if not self._role_sent:
+            chunk.role = self.request.role
+            self._role_sent = True
+        return chunk
+
+    def _usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=self._prompt_tokens, cached_tokens=self._cached_tokens,
+                                completion_tokens=self._completion_tokens)
+
+    def _submit_usage(self) -> asyncio.Task[None]:
+        usage = self._usage()
+        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
+        metrics.CACHED_TOKENS.inc(usage.cached_tokens)
+        metrics.COMPLETION_TOKENS.inc(usage.completion_tokens)
+        return self._pipeline.usage.submit(usage_pb2.UsageRecord(
+            request_id=self.request.request_id, account_id=self.request.caller.account_id,
+            model=self.request.model, session_id=self.request.caller.session_id,
+            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens, finished_at_ms=int(time.time() * 1000),
+            replica_address=self.replica_address, priority="interactive",
+        ))
+
+
+def _merge(first: OutputDelta, second: OutputDelta) -> OutputDelta:
+    return OutputDelta(first.content + second.content, first.reasoning + second.reasoning,
+                       [*first.tool_calls, *second.tool_calls])
+
+
+def _final_refusal(error: grpc.aio.AioRpcError) -> Exception:
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"engine replicas are at capacity ({error.details()}); retry shortly")
+    return Unavailable("engine replicas are unavailable; retry shortly")
+
+
+@contextlib.contextmanager
+def _counting_failures() -> Iterator[None]:
+    """Count requests refused before they reach an engine under their outcome label."""
+    try:
+        yield
+    except BaseException as error:
+        metrics.REQUESTS.labels(metrics.outcome_of(error)).inc()
+        raise

@@ -1,0 +1,64 @@
+"""InferenceService: proto in, pipeline, proto out. No logic of its own.
+
+The serving replica of a stream goes out in the initial metadata
+(``x-cachet-replica``), since chunks have no field for it; whole completions
+carry it in ``replica_address``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cachet.router.caller import AccountDirectory
+from cachet.router.request_pipeline import Generation, RequestPipeline
+from cachet.router.v1 import router_pb2, router_pb2_grpc
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+REPLICA_METADATA_KEY = "x-cachet-replica"
+_QUEUE_LATER = "the queued (async) API is not available yet; use the synchronous calls"
+
+
+class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, pipeline: RequestPipeline, accounts: AccountDirectory) -> None:
+        self._pipeline = pipeline
+        self._accounts = accounts
+
+    async def CreateChatCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
+        caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
+        return await _owned(await self._pipeline.start_chat(request, caller), context).collect()
+
+    async def StreamChatCompletion(self, request, context) -> AsyncIterator[router_pb2.ChatCompletionChunk]:  # noqa: N802
+        caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
+        generation = _owned(await self._pipeline.start_chat(request, caller), context)
+        await context.send_initial_metadata(((REPLICA_METADATA_KEY, generation.replica_address),))
+        async for chunk in generation.chunks():
+            yield chunk
+
+    async def CreateCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
+        caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
+        return await _owned(await self._pipeline.start_completion(request, caller), context).collect()
+
+    async def StreamCompletion(self, request, context) -> AsyncIterator[router_pb2.ChatCompletionChunk]:  # noqa: N802
+        caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
+        generation = _owned(await self._pipeline.start_completion(request, caller), context)
+        await context.send_initial_metadata(((REPLICA_METADATA_KEY, generation.replica_address),))
+        async for chunk in generation.chunks():
+            yield chunk
+
+    async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:  # noqa: N802
+        return router_pb2.ListModelsResponse(models=self._pipeline.list_models())
+
+    async def QueueRequests(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _QUEUE_LATER)
+
+    async def GetQueuedBatch(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _QUEUE_LATER)
+
+
+def _owned(generation: Generation, context: grpc.aio.ServicerContext) -> Generation:
+    # Whatever way the call ends (finished, failed, client gone while we were idle),
+    # the generation is closed: the engine request aborted if still running, usage recorded.
+    context.add_done_callback(lambda _context: generation.close())
+    return generation
