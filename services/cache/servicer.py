@@ -10,6 +10,7 @@ from cachet.cache.followers import Followers
 from cachet.cache.prefix_index import PrefixIndex
 from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.errors import InvalidArgument
+from cachet.grpc_server import Registrar
 
 
 def parse_loopback_address(address: str) -> str:
@@ -76,7 +77,7 @@ class CacheIndexServicer(cache_pb2_grpc.CacheIndexServiceServicer):
         return cache_pb2.ListReplicasResponse(replicas=replicas)
 
 
-def registrar(servicer: CacheIndexServicer):
+def registrar(servicer: CacheIndexServicer) -> Registrar:
     def register(server: grpc.aio.Server) -> None:
         cache_pb2_grpc.add_CacheIndexServiceServicer_to_server(servicer, server)
 
