@@ -1,0 +1,400 @@
+"""The REST API: OpenAI and Workers AI routes, each one REST body -> one router call -> JSON or SSE.
+
+``create_app(settings)`` builds it; the gRPC channels open in the app's lifespan
+(uvicorn runs it; tests enter ``app.router.lifespan_context(app)``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import grpc
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cachet.bridge import convert, schemas
+from cachet.bridge.auth import Authenticator, Caller
+from cachet.bridge.calls import Render, SSEResponse, read_chunk, unary_until_disconnect
+from cachet.bridge.errors import ERROR_RESPONSES, BridgeError, from_rpc_error, install_error_handlers
+from cachet.bridge.metrics import CONTENT_TYPE, BridgeMetrics
+from cachet.bridge.middleware import BodyLimitMiddleware, TelemetryMiddleware, current_trace_id
+from cachet.bridge.settings import BridgeServiceSettings, is_loopback
+from cachet.config import BridgeSettings
+from cachet.grpc_channel import create_channel
+from cachet.logs import get_logger
+from cachet.router.v1 import router_pb2, router_pb2_grpc
+from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
+
+log = get_logger(__name__)
+
+_GROUP_BY = ("account", "model", "day", "session")
+
+
+@dataclass
+class Backends:
+    """The gRPC channels and stubs of one app, open between lifespan start and end."""
+
+    settings: BridgeServiceSettings
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+    inference: Any = None
+    usage: Any = None
+    health: Any = None
+
+    def open(self) -> None:
+        router = create_channel(self.settings.router_address, self.settings.max_message_bytes)
+        usage = create_channel(self.settings.usage_address, self.settings.max_message_bytes)
+        self.channels = [router, usage]
+        self.inference = router_pb2_grpc.InferenceServiceStub(router)
+        self.health = health_pb2_grpc.HealthStub(router)
+        self.usage = usage_pb2_grpc.UsageServiceStub(usage)
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+        self.channels = []
+
+
+# ---------------------------------------------------------------- dependencies
+
+_bearer = HTTPBearer(auto_error=False, description="API key (any value in open development mode).")
+
+
+def _caller(
+    request: Request,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    x_session_affinity: Annotated[
+        str | None, Header(description="Session id: keeps a session on one replica.")
+    ] = None,
+) -> Caller:
+    # The security scheme is declared for /openapi.json; the raw header is what gets checked and passed on.
+    auth: Authenticator = request.app.state.auth
+    return auth.identify(request.headers.get("authorization"), x_session_affinity)
+
+
+CallerDep = Annotated[Caller, Depends(_caller)]
+
+
+def _backends(request: Request) -> Backends:
+    backends: Backends = request.app.state.backends
+    if backends.inference is None:
+        raise RuntimeError("bridge backends are not open (the app's lifespan has not started)")
+    return backends
+
+
+BackendsDep = Annotated[Backends, Depends(_backends)]
+
+
+async def _rpc(awaitable: Awaitable[Any]) -> Any:
+    try:
+        return await awaitable
+    except grpc.aio.AioRpcError as error:
+        raise from_rpc_error(error, current_trace_id()) from None
+
+
+async def _unary(request: Request, method: Any, message: Any, caller: Caller) -> Any:
+    return await _rpc(unary_until_disconnect(method(message, metadata=caller.metadata()), request))
+
+
+async def _stream(
+    request: Request, method: Any, message: Any, caller: Caller, render: Render, role: bool
+) -> SSEResponse:
+    started = time.perf_counter()
+    call = method(message, metadata=caller.metadata())
+    try:
+        first = await _rpc(read_chunk(call))
+    except BaseException:
+        call.cancel()
+        raise
+    if role and first is not None and not first.role:
+        # OpenAI's first chunk always announces the role; make that hold whatever the router sent.
+        first.role = "assistant"
+    return SSEResponse(call, first, render, request.app.state.metrics, _route(request), started)
+
+
+def _route(request: Request) -> str:
+    return getattr(request.scope.get("route"), "path", request.url.path)
+
+
+# ---------------------------------------------------------------- routes
+
+api = APIRouter(responses=ERROR_RESPONSES)
+
+_CHAT_SSE = {
+    200: {
+        "content": {
+            "text/event-stream": {"schema": {"$ref": "#/components/schemas/ChatCompletionChunkResponse"}}
+        }
+    }
+}
+_TEXT_SSE = {
+    200: {
+        "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/TextCompletionResponse"}}}
+    }
+}
+_WORKERS_SSE = {
+    200: {"content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/WorkersAIStreamEvent"}}}}
+}
+
+
+@api.post("/v1/chat/completions", response_model=schemas.ChatCompletionResponse, responses=_CHAT_SSE)
+async def chat_completions(
+    body: schemas.ChatCompletionBody, request: Request, caller: CallerDep, backends: BackendsDep
+) -> Response:
+    """OpenAI chat completions; ``stream: true`` answers Server-Sent Events (``chat.completion.chunk``)."""
+    message = convert.chat_request_to_proto(body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _stream(
+            request,
+            backends.inference.StreamChatCompletion,
+            message,
+            caller,
+            lambda chunk: convert.chat_chunk_to_json(chunk, include_usage),
+            role=True,
+        )
+    completion = await _unary(request, backends.inference.CreateChatCompletion, message, caller)
+    request.app.state.metrics.observe_usage(completion.usage)
+    return JSONResponse(convert.chat_completion_to_json(completion))
+
+
+@api.post("/v1/completions", response_model=schemas.TextCompletionResponse, responses=_TEXT_SSE)
+async def completions(
+    body: schemas.CompletionBody, request: Request, caller: CallerDep, backends: BackendsDep
+) -> Response:
+    """OpenAI (legacy) text completions; ``stream: true`` answers Server-Sent Events."""
+    message = convert.completion_request_to_proto(body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _stream(
+            request,
+            backends.inference.StreamCompletion,
+            message,
+            caller,
+            lambda chunk: convert.text_chunk_to_json(chunk, include_usage),
+            role=False,
+        )
+    completion = await _unary(request, backends.inference.CreateCompletion, message, caller)
+    request.app.state.metrics.observe_usage(completion.usage)
+    return JSONResponse(convert.text_completion_to_json(completion))
+
+
+@api.get("/v1/models", response_model=schemas.ModelList)
+async def list_models(request: Request, caller: CallerDep, backends: BackendsDep) -> Response:
+    """Models the router serves."""
+    models = await _unary(request, backends.inference.ListModels, router_pb2.ListModelsRequest(), caller)
+    return JSONResponse(convert.models_to_json(models))
+
+
+@api.post("/ai/run/{model:path}", response_model=schemas.WorkersAIResponse, responses=_WORKERS_SSE)
+async def workers_ai_run(
+    model: str,
+    body: schemas.WorkersAIBody,
+    request: Request,
+    caller: CallerDep,
+    backends: BackendsDep,
+    queue_request: Annotated[
+        bool, Query(alias="queueRequest", description="Queue (or poll) a batch.")
+    ] = False,
+) -> Response:
+    """Workers AI: run a model (``stream: true`` for SSE), or with ``queueRequest=true`` queue / poll a batch."""
+    if queue_request:
+        return await _queue(model, body, request, caller, backends)
+    if body.requests is not None or body.request_id is not None:
+        raise BridgeError(400, "requests and request_id need ?queueRequest=true.", param="queueRequest")
+    message = convert.workers_ai_request_to_proto(model, body)
+    chat = isinstance(message, router_pb2.ChatCompletionRequest)
+    if body.stream:
+        method = backends.inference.StreamChatCompletion if chat else backends.inference.StreamCompletion
+        return await _stream(request, method, message, caller, convert.workers_ai_chunk_to_json, role=False)
+    method = backends.inference.CreateChatCompletion if chat else backends.inference.CreateCompletion
+    completion = await _unary(request, method, message, caller)
+    request.app.state.metrics.observe_usage(completion.usage)
+    return JSONResponse(convert.workers_ai_result_to_json(completion))
+
+
+@api.post(
+    "/client/v4/accounts/{account_id}/ai/run/{model:path}",
+    response_model=schemas.WorkersAIResponse,
+    responses=_WORKERS_SSE,
+)
+async def workers_ai_account_run(
+    account_id: str,
+    model: str,
+    body: schemas.WorkersAIBody,
+    request: Request,
+    caller: CallerDep,
+    backends: BackendsDep,
+    queue_request: Annotated[
+        bool, Query(alias="queueRequest", description="Queue (or poll) a batch.")
+    ] = False,
+) -> Response:
+    """Workers AI under Cloudflare's account path; the key must belong to ``account_id``."""
+    if not request.app.state.auth.dev_mode and account_id != caller.account_id:
+        raise BridgeError(
+            403, "This API key does not belong to that account.", "permission_error", param="account_id"
+        )
+    return await workers_ai_run(model, body, request, caller, backends, queue_request)
+
+
+async def _queue(
+    model: str, body: schemas.WorkersAIBody, request: Request, caller: Caller, backends: Backends
+) -> Response:
+    if body.request_id is not None:
+        poll = router_pb2.GetQueuedBatchRequest(request_id=body.request_id)
+        batch = await _unary(request, backends.inference.GetQueuedBatch, poll, caller)
+        return JSONResponse(convert.queued_batch_to_json(batch))
+    if body.requests is None:
+        raise BridgeError(
+            400, "queueRequest needs requests (to queue) or request_id (to poll).", param="requests"
+        )
+    message = convert.queue_request_to_proto(model, body)
+    batch = await _unary(request, backends.inference.QueueRequests, message, caller)
+    return JSONResponse(convert.queued_batch_to_json(batch, model=model))
+
+
+@api.get("/v1/usage", response_model=schemas.UsageReport)
+async def usage(
+    request: Request,
+    caller: CallerDep,
+    backends: BackendsDep,
+    group_by: Annotated[
+        list[str], Query(description="Any of account, model, day, session; repeated or comma-separated.")
+    ] = [],  # noqa: B006 - FastAPI copies query defaults per request
+    model: Annotated[str, Query(description="Only this model.")] = "",
+    session: Annotated[str, Query(description="Only this session (x-session-affinity).")] = "",
+    start: Annotated[
+        str | None, Query(description="From (inclusive): Unix seconds or ISO 8601, UTC.")
+    ] = None,
+    end: Annotated[str | None, Query(description="Until (exclusive): Unix seconds or ISO 8601, UTC.")] = None,
+) -> Response:
+    """The caller's account's tokens and cost (cached input priced apart), grouped as asked."""
+    groups = [g.strip() for value in group_by for g in value.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in _GROUP_BY]
+    if unknown:
+        raise BridgeError(
+            400, f"group_by accepts {', '.join(_GROUP_BY)}; got {unknown[0]!r}.", param="group_by"
+        )
+    query = usage_pb2.QueryUsageRequest(
+        account_id=caller.account_id,
+        model=model,
+        session_id=session,
+        start_ms=_time_ms(start, "start"),
+        end_ms=_time_ms(end, "end"),
+        group_by=groups,
+    )
+    report = await _unary(request, backends.usage.QueryUsage, query, caller)
+    return JSONResponse(convert.usage_report_to_json(report))
+
+
+def _time_ms(value: str | None, param: str) -> int:
+    if not value:
+        return 0
+    try:
+        if value.lstrip("-").replace(".", "", 1).isdigit():
+            return int(float(value) * 1000)
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise BridgeError(400, f"{param} must be Unix seconds or an ISO 8601 time.", param=param) from None
+    # A time without a zone is UTC, as the usage service's days are.
+    moment = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+@api.get("/health", response_model=schemas.HealthResponse)
+async def health(request: Request, backends: BackendsDep) -> Response:
+    """200 when the router answers its gRPC health check with SERVING, else 503."""
+    timeout = request.app.state.settings.health_timeout_seconds
+    try:
+        reply = await backends.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.aio.AioRpcError as error:
+        raise BridgeError(
+            503, f"router unreachable: {error.code().name}", "service_unavailable", retry_after_seconds=1
+        ) from None
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise BridgeError(503, "router is not serving", "service_unavailable", retry_after_seconds=1)
+    return JSONResponse({"status": "ok"})
+
+
+@api.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition."""
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------- the app
+
+
+def create_app(settings: BridgeSettings) -> FastAPI:
+    """The bridge's ASGI app. Refuses open development mode (no API keys) on a non-loopback host."""
+    config = BridgeServiceSettings.from_settings(settings)
+    auth = Authenticator(dict(config.api_keys))
+    if auth.dev_mode and not is_loopback(config.host):
+        raise ValueError(
+            f"no API keys configured (CACHET_BRIDGE_API_KEYS): open development mode may only bind loopback, "
+            f"not {config.host!r}"
+        )
+    if auth.dev_mode:
+        log.warning(
+            "OPEN DEVELOPMENT MODE: no API keys configured, every request is accepted as account 'anonymous'",
+            host=config.host,
+        )
+    backends = Backends(config)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        backends.open()
+        try:
+            yield
+        finally:
+            await backends.close()
+
+    app = FastAPI(
+        title="Cachet",
+        summary="OpenAI- and Workers-AI-compatible inference, with prefix caching you can see.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = config
+    app.state.auth = auth
+    app.state.backends = backends
+    app.state.metrics = BridgeMetrics()
+    install_error_handlers(app)
+    app.include_router(api)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    # Added last, so outermost: its span and its 500 cover everything inside.
+    app.add_middleware(TelemetryMiddleware, metrics=app.state.metrics)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the SSE event models that only appear under text/event-stream."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (
+            schemas.ChatCompletionChunkResponse,
+            schemas.TextCompletionResponse,
+            schemas.WorkersAIStreamEvent,
+        ):
+            definition = model.model_json_schema(
+                ref_template="#/components/schemas/{model}", mode="serialization"
+            )
+            components.update(definition.pop("$defs", {}))
+            components.setdefault(model.__name__, definition)
+        # Validation errors answer 400 with ErrorResponse (errors.py), never FastAPI's 422.
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

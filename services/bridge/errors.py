@@ -1,0 +1,181 @@
+"""Every failure the bridge answers, OpenAI-shaped, with the HTTP status that fits.
+
+``{"error": {"message", "type", "param", "code"}}`` whether the request failed
+validation here, a service refused it (its gRPC status and ``ErrorInfo`` mapped
+by the one table below), or the bridge itself broke (500, generic message, the
+trace id to find the log line). Nothing else in the bridge builds error JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from cachet.bridge.schemas import ErrorResponse
+from cachet.errors import error_info_from_metadata
+
+# gRPC status -> (HTTP status, OpenAI error type used when the service gave none).
+STATUS_TABLE: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
+    # The client went away; nobody reads this answer, but logs and metrics do (nginx's 499).
+    grpc.StatusCode.CANCELLED: (499, "request_cancelled"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (503, "service_unavailable"),
+}
+# INTERNAL, UNKNOWN, DATA_LOSS and anything unlisted: a server bug, shown without its details.
+_SERVER_ERROR = (500, "server_error")
+# Statuses a client should retry after a pause; Retry-After is always sent with them.
+_RETRYABLE = {429, 503}
+
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+}
+
+
+@dataclass
+class BridgeError(Exception):
+    """A failure to answer as ``{"error": ...}`` with ``status``; raised anywhere in a handler."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    retry_after_seconds: int = 0
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError, trace_id: str) -> BridgeError:
+    """The one mapping from a failed gRPC call (status, details, ErrorInfo) to an HTTP error."""
+    status, default_type = STATUS_TABLE.get(error.code(), _SERVER_ERROR)
+    info = error_info_from_metadata(error.trailing_metadata())
+    if status == 500:
+        # The service's details may describe its internals; the trace id finds them in its logs.
+        return BridgeError(500, internal_message(trace_id), "server_error")
+    retry_after = info.retry_after_seconds or (1 if status in _RETRYABLE else 0)
+    return BridgeError(
+        status=status,
+        message=error.details() or error.code().name.lower(),
+        type=info.type or default_type,
+        param=info.param or None,
+        code=info.code or None,
+        retry_after_seconds=retry_after,
+    )
+
+
+def internal_message(trace_id: str) -> str:
+    return f"The server had an error while processing your request (trace id {trace_id})."
+
+
+def validation_error(error: RequestValidationError) -> BridgeError:
+    """Pydantic's first complaint, as OpenAI words it: 400 naming the field (``messages[2].content``)."""
+    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return BridgeError(400, "We could not parse the JSON body of your request.", code="invalid_json")
+    missing = first.get("type") == "missing"
+    param = field_path(first.get("loc", ()), getattr(error, "body", None), missing)
+    if missing:
+        return BridgeError(
+            400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+        )
+    message = str(first.get("msg", "invalid request"))
+    text = f"Invalid value for '{param}': {message}" if param else message
+    return BridgeError(400, text, param=param, code="invalid_value")
+
+
+def field_path(loc: tuple[Any, ...] | list[Any], body: Any = None, missing: bool = False) -> str | None:
+    """``("body", "messages", 2, "content", "str")`` -> ``messages[2].content``.
+
+    Pydantic puts the name of the union member it tried into ``loc`` ("str",
+    "list[...]", "NamedToolChoice", a discriminator value). Walking the request
+    body tells real fields (present in the input) from those tags; a field that
+    is absent is kept only when it is the missing one the error is about.
+    """
+    parts = list(loc)
+    where = parts.pop(0) if parts and parts[0] in ("body", "query", "path", "header") else "body"
+    node = body if where == "body" else None
+    path = ""
+    for position, part in enumerate(parts):
+        last = position == len(parts) - 1
+        if isinstance(part, int) and (node is None or (isinstance(node, list) and part < len(node))):
+            path += f"[{part}]"
+            node = node[part] if node is not None else None
+        elif isinstance(part, str) and (node is None or (isinstance(node, dict) and part in node)):
+            path += f".{part}" if path else part
+            node = node.get(part) if isinstance(node, dict) else None
+        elif last and missing and isinstance(part, str):
+            path += f".{part}" if path else part
+    return path or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-shaped answers for our errors, validation (400, not FastAPI's 422) and routing (404/405/413)."""
+
+    async def on_bridge_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, BridgeError)
+        return error.response()
+
+    async def on_validation_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError)
+        return validation_error(error).response()
+
+    async def on_http_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, HTTPException)
+        message = error.detail if isinstance(error.detail, str) else "request failed"
+        bridge_error = BridgeError(
+            error.status_code, message, _HTTP_TYPES.get(error.status_code, "api_error")
+        )
+        response = bridge_error.response()
+        for name, value in (error.headers or {}).items():
+            response.headers[name] = value
+        return response
+
+    app.add_exception_handler(BridgeError, on_bridge_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+
+
+# Declared on every route so /openapi.json lists the error shape with its statuses.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": description, "model": ErrorResponse}
+    for status, description in {
+        400: "Invalid request (the field is named in error.param).",
+        401: "Missing or unknown API key.",
+        403: "The key's account may not use this resource.",
+        404: "Unknown model or resource.",
+        413: "Request body over the size limit.",
+        429: "Over capacity; retry after the Retry-After header's seconds.",
+        500: "Server error; the message carries a trace id.",
+        501: "Not implemented yet.",
+        503: "A backing service is unavailable; retry after Retry-After seconds.",
+    }.items()
+}

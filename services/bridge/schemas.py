@@ -1,0 +1,521 @@
+"""Pydantic models of the REST bodies the bridge accepts and the JSON it answers.
+
+Request models validate what OpenAI (and Workers AI) validate, so a bad request
+is refused here with the field named, before it costs a gRPC hop. Unknown fields
+are ignored rather than refused: SDKs send newer OpenAI parameters (``store``,
+``metadata``...) that change nothing here. Response models exist so that
+``/openapi.json`` describes what the converters really produce; they forbid
+extra fields so the tests that validate converter output against them fail
+when the two drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- chat messages
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Body):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class FunctionCall(_Body):
+    name: str = Field(min_length=1)
+    # OpenAI sends arguments as JSON text; it is passed on unparsed.
+    arguments: str = ""
+
+
+class ToolCall(_Body):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None is legal for an assistant turn that only called tools.
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # Reasoning from an earlier turn, given back to templates that render it.
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required unless an assistant message carries tool_calls")
+        return self
+
+
+# ---------------------------------------------------------------- tools and formats
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool = False
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaSpec(_Body):
+    name: str = Field(default="response", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool = False
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(_Body):
+    """Cachet extension: output matching a regular expression."""
+
+    type: Literal["regex"]
+    regex: str = Field(min_length=1)
+
+
+class EbnfFormat(_Body):
+    """Cachet extension: output derived from a GBNF grammar."""
+
+    type: Literal["ebnf"]
+    ebnf: str = Field(min_length=1)
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat | EbnfFormat, Field(discriminator="type")
+]
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+class _SamplingBody(_Body):
+    """Sampling fields shared by chat and text completions (OpenAI ranges, plus vLLM's extras)."""
+
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, le=UINT32_MAX)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    stop: str | list[str] | None = None
+    # Only one choice per request: the engine samples one sequence per request.
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionBody(_SamplingBody):
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    # OpenAI's newer name for max_tokens; it wins when both are given.
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionBody:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+                )
+        return self
+
+
+class CompletionBody(_SamplingBody):
+    model: str = Field(min_length=1)
+    # Text, a one-element list of texts, or token ids; one prompt per request.
+    prompt: str | list[str] | list[int] = Field(min_length=1)
+    # OpenAI's legacy default for /v1/completions.
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
+    # The legacy API's logprobs is a count of alternatives (0-5), not a flag.
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: Literal[1] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionBody:
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise ValueError("only one prompt per request is supported")
+        return self
+
+
+class WorkersAITool(_Body):
+    """Workers AI accepts tools flat (name, description, parameters) or OpenAI-style."""
+
+    type: Literal["function"] | None = None
+    function: FunctionDefinition | None = None
+    name: str | None = Field(default=None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> WorkersAITool:
+        if (self.function is None) == (self.name is None):
+            raise ValueError("a tool needs either function or name")
+        return self
+
+    def definition(self) -> FunctionDefinition:
+        if self.function is not None:
+            return self.function
+        return FunctionDefinition(
+            name=self.name or "", description=self.description, parameters=self.parameters
+        )
+
+
+class WorkersAIRunBody(_Body):
+    """One ``/ai/run/{model}`` request: ``messages`` (chat) or ``prompt`` (one user turn, or raw text)."""
+
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: str | None = Field(default=None, min_length=1)
+    # With raw, prompt goes to the model untemplated (a text completion).
+    raw: bool = False
+    stream: bool = False
+    # Workers AI's documented default for text generation.
+    max_tokens: int = Field(default=256, ge=1, le=UINT32_MAX)
+    temperature: float | None = Field(default=None, ge=0, le=5)
+    top_p: float | None = Field(default=None, gt=0, le=2)
+    top_k: int | None = Field(default=None, ge=0, le=UINT32_MAX)
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    stop: str | list[str] | None = None
+    tools: list[WorkersAITool] | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _messages_or_prompt(self) -> WorkersAIRunBody:
+        _check_messages_or_prompt(self)
+        return self
+
+
+def _check_messages_or_prompt(body: WorkersAIRunBody) -> None:
+    if (body.messages is None) == (body.prompt is None):
+        raise ValueError("give exactly one of messages or prompt")
+    if body.raw and body.prompt is None:
+        raise ValueError("raw applies to prompt, not to messages")
+
+
+class WorkersAIBody(WorkersAIRunBody):
+    """The body of ``/ai/run/{model}``: a run, or with ``?queueRequest=true`` a batch or a poll."""
+
+    # Batch to queue (queueRequest=true).
+    requests: list[WorkersAIRunBody] | None = Field(default=None, min_length=1)
+    # Batch to poll (queueRequest=true).
+    request_id: str | None = Field(default=None, min_length=1)
+    # Where to announce the batch's end; the account default when absent.
+    webhook_url: str | None = None
+
+    @model_validator(mode="after")
+    def _messages_or_prompt(self) -> WorkersAIBody:
+        # A batch or a poll carries its runs in requests (each checked on its own), not at the top.
+        if self.requests is None and self.request_id is None:
+            _check_messages_or_prompt(self)
+        return self
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(_Answer):
+    cached_tokens: int
+
+
+class UsageInfo(_Answer):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprobInfo(_Answer):
+    # The proto carries token ids, not texts; tokens are rendered "token_id:<id>" (vLLM's convention).
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobInfo(_Answer):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprobInfo]
+
+
+class ChoiceLogprobs(_Answer):
+    content: list[TokenLogprobInfo]
+
+
+class FunctionCallOut(_Answer):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Answer):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+FinishReasonOut = Literal["stop", "length", "tool_calls", "abort", "error"]
+
+
+class AssistantMessage(_Answer):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(_Answer):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: FinishReasonOut | None
+
+
+class ChatCompletionResponse(_Answer):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class FunctionCallDelta(_Answer):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDeltaOut(_Answer):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatDelta(_Answer):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
+
+
+class ChatChunkChoice(_Answer):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: FinishReasonOut | None
+
+
+class ChatCompletionChunkResponse(_Answer):
+    """One SSE event of a streamed chat completion (``data: <this JSON>``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    # Present (null until the last event) only with stream_options.include_usage.
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(_Answer):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+
+
+class TextChoice(_Answer):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReasonOut | None
+
+
+class TextCompletionResponse(_Answer):
+    """A text completion, and (without usage until the last) each SSE event of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelInfo(_Answer):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    # Cachet extension: longest prompt plus completion.
+    context_window: int
+
+
+class ModelList(_Answer):
+    object: Literal["list"]
+    data: list[ModelInfo]
+
+
+class WorkersAIToolCall(_Answer):
+    name: str
+    arguments: str
+
+
+class WorkersAIResult(_Answer):
+    response: str
+    tool_calls: list[WorkersAIToolCall] | None = None
+    usage: UsageInfo
+
+
+class WorkersAIQueuedResult(_Answer):
+    request_id: str
+    status: Literal["unspecified", "queued", "running", "done", "cancelled"]
+    model: str | None = None
+    # Per request, in order, once the batch has finished.
+    responses: list[WorkersAIBatchItem] | None = None
+
+
+class WorkersAIBatchItem(_Answer):
+    id: int
+    success: bool
+    result: WorkersAIResult | None = None
+    errors: list[WorkersAIMessage]
+
+
+class WorkersAIMessage(_Answer):
+    code: int
+    message: str
+
+
+class WorkersAIResponse(_Answer):
+    result: WorkersAIResult | WorkersAIQueuedResult
+    success: Literal[True]
+    errors: list[WorkersAIMessage]
+    messages: list[WorkersAIMessage]
+
+
+class WorkersAIStreamEvent(_Answer):
+    """One SSE event of a streamed ``/ai/run`` (``data: <this JSON>``); usage on the last."""
+
+    response: str
+    tool_calls: list[WorkersAIToolCall] | None = None
+    usage: UsageInfo | None = None
+
+
+class UsageRowOut(_Answer):
+    account_id: str | None
+    model: str | None
+    day: str | None
+    session_id: str | None
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    # Exact integers in pico-USD (1e-12 USD), and the same as a decimal string in USD.
+    cost_picousd: int
+    cost_usd: str
+    cache_savings_picousd: int
+
+
+class UsageReport(_Answer):
+    object: Literal["list"]
+    data: list[UsageRowOut]
+
+
+class ErrorDetail(_Answer):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Answer):
+    error: ErrorDetail
+
+
+class HealthResponse(_Answer):
+    status: Literal["ok"]
+
+
+WorkersAIQueuedResult.model_rebuild()
