@@ -20,7 +20,7 @@ PROMPT_CONTEXT_TOKENS = 16
 
 
 class DetokenizeSession:
-    """Text for one generation; ``push`` and ``finish`` must not overlap (one reader)."""
+    """Text for one generation; one ``push`` at a time (each message gets exactly one answer)."""
 
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, model: str, prompt_ids: Sequence[int]) -> None:
         self._call = stub.DetokenizeStream()
@@ -28,13 +28,11 @@ class DetokenizeSession:
             model=model, prompt_token_ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True
         )
 
-    async def push(self, token_ids: Sequence[int]) -> str:
-        return await self._exchange(tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids)))
-
-    async def finish(self) -> str:
-        """Flush text held back for incomplete characters and end the call."""
-        text = await self._exchange(tokenizer_pb2.DetokenizeStreamRequest(flush=True))
-        await self._call.done_writing()
+    async def push(self, token_ids: Sequence[int], *, last: bool = False) -> str:
+        """Text for ``token_ids``; ``last`` also flushes what was held back and ends the call."""
+        text = await self._exchange(tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids), flush=last))
+        if last:
+            await self._call.done_writing()
         return text
 
     def cancel(self) -> None:

@@ -318,8 +318,10 @@ class Generation:
         response = self._first
         while True:
             self._completion_tokens += len(response.token_ids)
-            text = self._stop.feed(await self._detokenizer.push(response.token_ids)) if response.token_ids else ""
             finish = response.finish_reason
+            text = ""
+            if response.token_ids or finish:
+                text = self._stop.feed(await self._detokenizer.push(response.token_ids, last=bool(finish)))
             if finish:
                 self._engine_done = True
                 yield await self._last_chunk(text, finish, response)
@@ -351,8 +353,7 @@ class Generation:
         last: engine_pb2.GenerateResponse | None,
     ) -> router_pb2.ChatCompletionChunk:
         if self._stop.matched is None:
-            # The engine finished: release what the detokenizer and the stop filter held back.
-            text += self._stop.feed(await self._detokenizer.finish())
+            # No stop string after all: release the tail held back in case it became one.
             text += self._stop.flush()
         else:
             self._detokenizer.cancel()
