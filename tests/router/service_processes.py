@@ -1,0 +1,165 @@
+"""Real Cachet processes over loopback, for the router's end-to-end tests (and anyone else's).
+
+(A module with a unique name, not conftest.py: every test folder has a conftest, and
+with pytest's default import mode only one module named ``conftest`` can be imported.)
+
+``start_service("usage", {...}, log_dir)`` runs ``python -m cachet.usage`` on a free
+port and returns once gRPC health says SERVING; ``ServiceProcess.stop()`` ends it.
+``CachetStack`` starts the whole request path: tokenizer, usage, two engines on the
+tiny model, the cache index following them, and the router.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+TINY_MODEL_ID = "tiny-llama"
+ENGINE_SERVER_BUILT = importlib.util.find_spec("cachet.engine.main") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ServiceProcess:
+    """One ``python -m cachet.<service>`` process and where it listens."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    address: str
+    log_path: Path
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+            try:
+                return self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def start_service(
+    service: str,
+    env: dict[str, str],
+    log_dir: Path,
+    *,
+    name: str | None = None,
+    port: int | None = None,
+    timeout: float = 120.0,
+) -> ServiceProcess:
+    """Start ``python -m cachet.<service>`` with ``env`` on a free port; wait until it is SERVING.
+
+    The inherited environment loses every ``CACHET_*`` variable (the test decides them
+    all) and gets one thread per math library: the test box has two shared cores.
+    """
+    name = name or service
+    port = port or free_port()
+    base = {key: value for key, value in os.environ.items() if not key.startswith("CACHET_")}
+    base |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CACHET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+    full_env = base | {f"CACHET_{service.upper()}_PORT": str(port)} | env
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"cachet.{service}"], env=full_env, stdout=sink, stderr=subprocess.STDOUT
+        )
+    running = ServiceProcess(name, process, f"127.0.0.1:{port}", log_path)
+    try:
+        wait_serving(running, timeout)
+    except BaseException:
+        running.stop(signal.SIGKILL)
+        raise
+    return running
+
+
+def wait_serving(running: ServiceProcess, timeout: float) -> None:
+    """Poll the standard gRPC health service until SERVING, failing fast if the process dies."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(running.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if running.process.poll() is not None:
+                pytest.fail(f"{running.name} exited with {running.process.returncode}:\n{running.log_tail()}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    pytest.fail(f"{running.name} not serving after {timeout} s:\n{running.log_tail()}")
+
+
+@dataclass
+class CachetStack:
+    """Every service of the request path, started in dependency order."""
+
+    log_dir: Path
+    model_dir: Path
+    processes: dict[str, ServiceProcess] = field(default_factory=dict)
+
+    def start(self, engines: int = 2) -> CachetStack:
+        try:
+            self._start(engines)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, engines: int) -> None:
+        self._add(start_service("tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(self.model_dir)])},
+                                self.log_dir))
+        self._add(start_service("usage", {"CACHET_DATA_DIR": str(self.log_dir / "usage-data")}, self.log_dir))
+        for index in range(engines):
+            self._add(start_service("engine", {"CACHET_MODEL": str(self.model_dir)}, self.log_dir,
+                                    name=f"engine{index}", timeout=300))
+        self._add(start_service("cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(self.engine_addresses)},
+                                self.log_dir))
+        self._add(self.start_router())
+
+    def start_router(self, name: str = "router", **overrides: str) -> ServiceProcess:
+        """A router wired to this stack; ``overrides`` replace its CACHET_ROUTER_* variables."""
+        env = {
+            "CACHET_ROUTER_TOKENIZER_ADDRESS": self.processes["tokenizer"].address,
+            "CACHET_ROUTER_USAGE_ADDRESS": self.processes["usage"].address,
+            "CACHET_ROUTER_CACHE_ADDRESS": self.processes["cache"].address,
+            "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps(self.engine_addresses),
+        } | overrides
+        return start_service("router", env, self.log_dir, name=name)
+
+    @property
+    def engine_addresses(self) -> list[str]:
+        return [p.address for name, p in self.processes.items() if name.startswith("engine")]
+
+    def address(self, name: str) -> str:
+        return self.processes[name].address
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name} ---\n{p.log_tail()}" for name, p in self.processes.items())
+
+    def stop(self) -> None:
+        # Reverse start order: the router goes before what it depends on.
+        for process in reversed(list(self.processes.values())):
+            process.stop()
+
+    def _add(self, process: ServiceProcess) -> None:
+        self.processes[process.name] = process

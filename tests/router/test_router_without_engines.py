@@ -1,0 +1,94 @@
+"""The router as a real process whose engines are all down: it must refuse cleanly, not hang.
+
+Real tokenizer and usage processes; the engine and cache addresses point at ports
+nobody listens on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from service_processes import TINY_MODEL_ID, ServiceProcess, free_port, start_service
+
+from cachet.common.v1 import common_pb2
+from cachet.errors import error_info_from_metadata
+from cachet.grpc_channel import create_channel
+from cachet.models.tiny import write_tiny_model
+from cachet.router.v1 import router_pb2, router_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    root = tmp_path_factory.mktemp("router-no-engines")
+    model_dir = write_tiny_model(root / TINY_MODEL_ID)
+    tokenizer = start_service("tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(model_dir)])}, root)
+    usage = start_service("usage", {"CACHET_DATA_DIR": str(root / "usage")}, root)
+    router = start_service("router", {
+        "CACHET_ROUTER_TOKENIZER_ADDRESS": tokenizer.address,
+        "CACHET_ROUTER_USAGE_ADDRESS": usage.address,
+        "CACHET_ROUTER_CACHE_ADDRESS": f"127.0.0.1:{free_port()}",
+        "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps([f"127.0.0.1:{free_port()}"]),
+        "CACHET_ROUTER_STARTUP_WAIT_SECONDS": "0.2",
+    }, root)
+    yield router
+    for process in (router, usage, tokenizer):
+        process.stop()
+    print(router.log_tail())
+
+
+@pytest.fixture
+async def inference(router: ServiceProcess):
+    async with create_channel(router.address) as channel:
+        yield router_pb2_grpc.InferenceServiceStub(channel)
+
+
+def chat(**fields) -> router_pb2.ChatCompletionRequest:
+    message = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text="Hi")])
+    return router_pb2.ChatCompletionRequest(**({"model": TINY_MODEL_ID, "messages": [message]} | fields))
+
+
+async def test_no_engine_is_unavailable_with_retry_hint(inference) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await inference.CreateChatCompletion(chat(), timeout=10)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info_from_metadata(failed.value.trailing_metadata()).retry_after_seconds >= 1
+    with pytest.raises(grpc.aio.AioRpcError) as streamed:
+        async for _ in inference.StreamChatCompletion(chat(), timeout=10):
+            pass
+    assert streamed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_invalid_requests_are_refused_before_any_engine_is_needed(inference) -> None:
+    cases = [
+        (chat(messages=[]), "messages"),
+        (chat(model=""), "model"),
+        (chat(messages=[common_pb2.ChatMessage(role="robot")]), "messages[0].role"),
+        (chat(sampling=common_pb2.SamplingParams(stop=[""])), "stop"),
+        (chat(sampling=common_pb2.SamplingParams(temperature=3.0)), "temperature"),
+    ]
+    for request, param in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await inference.CreateChatCompletion(request, timeout=10)
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, param
+        assert error_info_from_metadata(failed.value.trailing_metadata()).param == param
+    with pytest.raises(grpc.aio.AioRpcError) as both:
+        await inference.CreateCompletion(
+            router_pb2.CompletionRequest(model=TINY_MODEL_ID, prompt="x", prompt_token_ids=[1]), timeout=10
+        )
+    assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_queue_api_is_unimplemented_for_now(inference) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as queued:
+        await inference.QueueRequests(router_pb2.QueueRequestsRequest(model=TINY_MODEL_ID), timeout=10)
+    assert queued.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.aio.AioRpcError) as polled:
+        await inference.GetQueuedBatch(router_pb2.GetQueuedBatchRequest(request_id="b"), timeout=10)
+    assert polled.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_list_models_is_empty_while_no_engine_is_up(inference) -> None:
+    assert list((await inference.ListModels(router_pb2.ListModelsRequest(), timeout=10)).models) == []
