@@ -66,8 +66,10 @@ def model_id_of_directory(path: Path) -> str:
 def resolve_model(model: str | None, data_dir: Path) -> ResolvedModel:
     """Turn a model setting into an id and a checkpoint directory (which may not exist yet for catalog ids).
 
-    `None` or "" means the default model. A catalog id maps to `<data_dir>/models/<id>`. Anything
-    else must be an existing Hugging Face directory with a config.json.
+    `None` or "" means the default model. A catalog id (case-insensitive) maps to
+    `<data_dir>/models/<id>`; it wins over a same-named directory in the working directory, which
+    `./name` reaches instead. Anything else must be an existing Hugging Face directory with a
+    config.json.
     """
     name = (model or "").strip() or DEFAULT_MODEL_ID
     if name.lower() in _CATALOG and not _looks_like_path(name):
@@ -81,6 +83,11 @@ def resolve_model(model: str | None, data_dir: Path) -> ResolvedModel:
                 f"(config.json, *.safetensors, tokenizer.json, tokenizer_config.json)"
             )
         return ResolvedModel(model_id=model_id_of_directory(candidate), path=candidate.resolve())
+    if candidate.is_file() and candidate.suffix.lower() == ".gguf":
+        raise ValueError(
+            f"{name!r} is a GGUF file; the engine serves Hugging Face checkpoints, so convert it first "
+            f"(cachet.models.convert_gguf) and point the model setting at the resulting directory"
+        )
     if _looks_like_path(name) or candidate.exists():
         raise ValueError(f"model path {name!r} is not an existing directory")
     raise ValueError(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,15 @@ TOKENIZER_SAMPLES = [
     "\u200b zero width",
     "<repo_name>cachet<file_sep>main.py",
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # Code paths without an explicit cache_dir (the catalog's tiny-llama) use the XDG cache; point it
+    # into the test session so nothing lands in the real ~/.cache.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        yield
 
 
 @pytest.fixture(scope="session")

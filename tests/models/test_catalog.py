@@ -47,6 +47,10 @@ def test_bad_models_are_explained(tmp_path: Path) -> None:
         resolve_model("gpt-5", tmp_path)
     with pytest.raises(ValueError, match="not an existing directory"):
         resolve_model(str(tmp_path / "nowhere"), tmp_path)
+    gguf = tmp_path / "model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="is a GGUF file; .*convert it first"):
+        resolve_model(str(gguf), tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match="has no config.json"):
