@@ -96,7 +96,9 @@ def _slots(span: SequenceSpan, block_size: int) -> torch.Tensor:
     positions = torch.arange(span.num_computed, span.num_computed + span.num_new)
     needed = (span.num_computed + span.num_new + block_size - 1) // block_size
     if len(span.block_ids) < needed:
-        raise ValueError(f"span of {span.num_computed + span.num_new} tokens needs {needed} blocks, has {len(span.block_ids)}")
+        raise ValueError(
+            f"span of {span.num_computed + span.num_new} tokens needs {needed} blocks, has {len(span.block_ids)}"
+        )
     blocks = torch.tensor(span.block_ids[:needed], dtype=torch.int64)
     return blocks[positions // block_size] * block_size + positions % block_size
 
@@ -115,7 +117,9 @@ def _build_group(
         needed = (span.num_computed + span.num_new + block_size - 1) // block_size
         table[row, :needed] = torch.tensor(span.block_ids[:needed], dtype=torch.int64)
     token_index = torch.cat([torch.arange(st, st + s.num_new) for st, s in zip(starts, spans, strict=True)])
-    padded_index = torch.cat([torch.arange(row * max_q, row * max_q + s.num_new) for row, s in enumerate(spans)])
+    padded_index = torch.cat(
+        [torch.arange(row * max_q, row * max_q + s.num_new) for row, s in enumerate(spans)]
+    )
     # Query row i of a request sits at absolute position computed + i and sees keys 0..that position.
     # Padding rows (i >= query_len) would see past the request's end; capping at seq_len - 1
     # keeps them finite (their output is dropped) and never lets real rows see stale slots.
@@ -134,15 +138,22 @@ def _build_group(
 
 
 def allocate_kv_cache(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     """One tensor for all layers: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
 
     Zeroed rather than empty: padded gathers read unused slots, and uninitialised
     memory could hold NaNs, which a masked-out score does not neutralise.
     """
-    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.zeros(
+        num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+    )
 
 
 def kv_cache_bytes_per_block(

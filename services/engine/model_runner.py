@@ -73,8 +73,13 @@ class ModelRunner:
         self.num_kv_blocks = self._fit_blocks(kv_cache_bytes)
         self.max_model_len = self._resolve_max_model_len(max_model_len)
         self.kv_cache = allocate_kv_cache(
-            self.config.num_hidden_layers, self.num_kv_blocks, block_size,
-            self.model.num_local_kv_heads(), self.config.head_dim, dtype, self.device,
+            self.config.num_hidden_layers,
+            self.num_kv_blocks,
+            block_size,
+            self.model.num_local_kv_heads(),
+            self.config.head_dim,
+            dtype,
+            self.device,
         )
         for layer_cache, attention in zip(self.kv_cache, self.model.attention_layers(), strict=True):
             attention.kv_cache = layer_cache
@@ -82,12 +87,17 @@ class ModelRunner:
 
     def _fit_blocks(self, kv_cache_bytes: int) -> int:
         per_block = kv_cache_bytes_per_block(
-            self.config.num_hidden_layers, self.block_size, self.model.num_local_kv_heads(),
-            self.config.head_dim, self.dtype,
+            self.config.num_hidden_layers,
+            self.block_size,
+            self.model.num_local_kv_heads(),
+            self.config.head_dim,
+            self.dtype,
         )
         blocks = kv_cache_bytes // per_block
         if blocks < 1:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block (one block needs {per_block} bytes)")
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} holds no block (one block needs {per_block} bytes)"
+            )
         return blocks
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
@@ -157,9 +167,7 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
         )
 
-    def _prepare(
-        self, plan: StepPlan
-    ) -> tuple[list[SequenceSpan], list[int], list[torch.Tensor], list[str]]:
+    def _prepare(self, plan: StepPlan) -> tuple[list[SequenceSpan], list[int], list[torch.Tensor], list[str]]:
         spans, input_ids, positions, samplers = [], [], [], []
         for rid, num_new in plan.num_scheduled_tokens.items():
             state = self._requests.get(rid)
@@ -183,7 +191,9 @@ class ModelRunner:
         state = self._requests[rid]
         allowed = logit_masks.get(rid) if logit_masks is not None else None
         if allowed is not None and tuple(allowed.shape) != (self.vocab_size,):
-            raise ValueError(f"logit mask for {rid!r} has shape {tuple(allowed.shape)}, want ({self.vocab_size},)")
+            raise ValueError(
+                f"logit mask for {rid!r} has shape {tuple(allowed.shape)}, want ({self.vocab_size},)"
+            )
         return SamplingRow(
             params=state.sampling,
             prompt_token_ids=state.token_ids[: state.num_prompt_tokens],

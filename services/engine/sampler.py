@@ -57,7 +57,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     device, vocab = logits.device, logits.shape[1]
     rep = [r.params.repetition_penalty for r in rows]
     if any(p != 1.0 for p in rep):
-        seen = _token_counts([list(r.prompt_token_ids) + list(r.output_token_ids) for r in rows], vocab, device) > 0
+        seen = (
+            _token_counts([list(r.prompt_token_ids) + list(r.output_token_ids) for r in rows], vocab, device)
+            > 0
+        )
         penalty = torch.tensor(rep, device=device)[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)

@@ -43,7 +43,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
-def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(
+    model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -55,7 +57,9 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
 def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Copy every checkpoint tensor into the parameter of the same name, casting to its dtype."""
     params = dict(model.named_parameters())  # tied parameters appear once, under their owner
-    aliases: dict[str, str] = model.tied_parameter_aliases() if hasattr(model, "tied_parameter_aliases") else {}
+    aliases: dict[str, str] = (
+        model.tied_parameter_aliases() if hasattr(model, "tied_parameter_aliases") else {}
+    )
     loaded: set[str] = set()
     unexpected: list[str] = []
     deferred: dict[str, Path] = {}
@@ -86,7 +90,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
-        raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+        raise CheckpointError(
+            f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
+        )
     with torch.no_grad():
         param.copy_(tensor)
 

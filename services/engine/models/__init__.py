@@ -18,4 +18,11 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
         raise UnsupportedModelError(f"no model code for model_type {config.model_type!r}") from None
 
 
-__all__ = ["MODEL_CLASSES", "LlamaForCausalLM", "ModelConfig", "RopeConfig", "UnsupportedModelError", "model_class"]
+__all__ = [
+    "MODEL_CLASSES",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "RopeConfig",
+    "UnsupportedModelError",
+    "model_class",
+]

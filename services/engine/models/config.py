@@ -122,7 +122,9 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ROPE_TYPES:
-        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
     if raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError("partial rotary embeddings are not supported")
     theta = params.get("rope_theta") or raw.get("rope_theta") or 10000.0

@@ -50,9 +50,7 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq: torch.Tensor | None = None
         self.attention_scaling = _yarn_attention_factor(rope) if rope.rope_type == "yarn" else 1.0
 
-    def forward(
-        self, positions: torch.Tensor, seq_lens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions, seq_lens: [T] -> cos, sin: [T, head_dim] in fp32."""
         if self.rope.rope_type == "dynamic":
             freqs = positions[:, None].float() * self._dynamic_inv_freq(seq_lens)
