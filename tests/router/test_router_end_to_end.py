@@ -1,0 +1,294 @@
+"""The request path end to end: real tokenizer, usage, cache index, two tiny-model engines, router.
+
+Every test makes its own prompts and session ids (a nonce leads each system
+message), so that tests sharing the module's processes never share a cached prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+from service_processes import TINY_MODEL_ID, CachetStack, free_port
+
+from cachet.block_hash import block_hashes
+from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
+from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.grpc_channel import create_channel
+from cachet.router.placement import rendezvous_order
+from cachet.router.v1 import router_pb2, router_pb2_grpc
+from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
+
+TIMEOUT = 120.0
+
+
+@pytest.fixture
+async def inference(stack: CachetStack):
+    async with create_channel(stack.address("router")) as channel:
+        yield router_pb2_grpc.InferenceServiceStub(channel)
+
+
+@pytest.fixture
+async def usage(stack: CachetStack):
+    async with create_channel(stack.address("usage")) as channel:
+        yield usage_pb2_grpc.UsageServiceStub(channel)
+
+
+def chat(question: str = "What is the capital of France?", *, max_tokens: int = 8, **sampling) -> (
+    router_pb2.ChatCompletionRequest
+):
+    """A greedy chat request whose prompt starts with a fresh nonce (no prefix shared with other tests)."""
+    nonce = uuid.uuid4().hex
+    messages = [
+        common_pb2.ChatMessage(role="system", content=[common_pb2.ContentPart(text=f"[{nonce}] Be brief.")]),
+        common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text=question)]),
+    ]
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling)
+    return router_pb2.ChatCompletionRequest(model=TINY_MODEL_ID, messages=messages, sampling=params)
+
+
+def session_homed_on(address: str, addresses: list[str]) -> str:
+    prefix = uuid.uuid4().hex[:8]
+    return next(f"{prefix}-{i}" for i in range(10_000) if rendezvous_order(f"{prefix}-{i}", addresses)[0] == address)
+
+
+async def until(probe: Callable[[], Awaitable], timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (result := await probe()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+    return result
+
+
+async def stream(inference, request, metadata=()) -> tuple[list[router_pb2.ChatCompletionChunk], str]:
+    call = inference.StreamChatCompletion(request, metadata=metadata, timeout=TIMEOUT)
+    chunks = [chunk async for chunk in call]
+    replica = dict(await call.initial_metadata()).get("x-cachet-replica", "")
+    return chunks, replica
+
+
+async def test_streamed_chat_completion_carries_role_first_and_usage_last(stack, inference) -> None:
+    request = chat(max_tokens=8)
+    chunks, replica = await stream(inference, request)
+    assert replica in stack.engine_addresses
+    assert chunks[0].role == "assistant" and all(not c.role for c in chunks[1:])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert [bool(c.finish_reason) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    last = chunks[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 8
+    assert last.usage.prompt_tokens > 16
+    assert all(not c.HasField("usage") for c in chunks[:-1])
+    # The whole completion is the same text, with the replica named.
+    whole = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
+    assert whole.content == "".join(c.content_delta for c in chunks)
+    assert whole.content
+    assert (whole.finish_reason, whole.usage.completion_tokens) == (common_pb2.FINISH_REASON_LENGTH, 8)
+    assert whole.replica_address in stack.engine_addresses
+
+
+async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cached_tokens(stack, inference) -> None:
+    # The first request goes (by session) to the replica that the load-only tie-break would NOT pick,
+    # so that the second, session-less request lands there only if the router scores cached prefixes.
+    holder = max(stack.engine_addresses)
+    request = chat("Tell me about the history of the Roman empire in three sentences, please.", max_tokens=2)
+    first = await inference.CreateChatCompletion(
+        request, metadata=(("x-session-affinity", session_homed_on(holder, stack.engine_addresses)),),
+        timeout=TIMEOUT,
+    )
+    assert first.replica_address == holder
+    assert first.usage.cached_tokens == 0
+
+    # Wait until the cache index has the prompt's blocks from the holder's KV events.
+    async with create_channel(stack.address("tokenizer")) as tok_channel, \
+            create_channel(stack.address("cache")) as cache_channel:
+        rendered = await tokenizer_pb2_grpc.TokenizerServiceStub(tok_channel).ApplyChatTemplate(
+            tokenizer_pb2.ApplyChatTemplateRequest(model=TINY_MODEL_ID, messages=request.messages,
+                                                   add_generation_prompt=True))
+        hashes = block_hashes(list(rendered.token_ids), TINY_MODEL_ID)
+        cache = cache_pb2_grpc.CacheIndexServiceStub(cache_channel)
+
+        async def indexed() -> bool:
+            reply = await cache.MatchPrefix(cache_pb2.MatchPrefixRequest(model=TINY_MODEL_ID, block_hashes=hashes))
+            return any(m.address == holder and m.matched_blocks > 0 for m in reply.matches)
+
+        await until(indexed, 10, "the cache index to hold the first prompt")
+    # Let a load report (every 200 ms) show the holder idle again: a busy holder may lose on load.
+    await asyncio.sleep(0.6)
+
+    second = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
+    assert second.replica_address == holder
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    assert second.usage.cached_tokens >= 16
+    assert second.content == first.content
+
+
+async def test_session_affinity_keeps_each_session_on_its_replica(stack, inference) -> None:
+    for home in stack.engine_addresses:
+        session = session_homed_on(home, stack.engine_addresses)
+        served = set()
+        for turn in range(3):
+            request = chat(f"Question number {turn}?", max_tokens=2)
+            # Metadata for one turn, the request field for another: both name the session.
+            if turn % 2:
+                request.session_id = session
+                reply = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
+            else:
+                reply = await inference.CreateChatCompletion(
+                    request, metadata=(("x-session-affinity", session),), timeout=TIMEOUT)
+            served.add(reply.replica_address)
+        assert served == {home}
+
+
+async def test_stop_strings_truncate_the_output(inference) -> None:
+    session = uuid.uuid4().hex  # one replica for both requests: greedy output is then identical
+    request = chat("Count from one to twenty.", max_tokens=24)
+    plain = await inference.CreateChatCompletion(request, metadata=(("x-session-affinity", session),),
+                                                 timeout=TIMEOUT)
+    text = plain.content
+    assert len(text) >= 8, text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
+
+    request.sampling.stop.append(stop)
+    stopped = await inference.CreateChatCompletion(request, metadata=(("x-session-affinity", session),),
+                                                   timeout=TIMEOUT)
+    assert stopped.content == expected
+    assert stopped.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert stopped.usage.completion_tokens < 24  # the engine stopped, not just the router's view
+
+    chunks, _ = await stream(inference, request, metadata=(("x-session-affinity", session),))
+    assert "".join(c.content_delta for c in chunks) == expected
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+async def test_usage_is_recorded_once_with_the_reported_counts(stack, inference, usage) -> None:
+    session = uuid.uuid4().hex
+    chunks, replica = await stream(inference, chat(max_tokens=5), metadata=(("x-session-affinity", session),))
+    reported = chunks[-1].usage
+
+    async def rows() -> list[usage_pb2.UsageRow]:
+        query = usage_pb2.QueryUsageRequest(session_id=session, group_by=["account", "session"])
+        return list((await usage.QueryUsage(query, timeout=10)).rows)
+
+    [row] = await until(rows, 10, "the usage record")
+    assert (row.account_id, row.session_id, row.requests) == ("anonymous", session, 1)
+    assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (
+        reported.prompt_tokens, reported.cached_tokens, reported.completion_tokens)
+    await asyncio.sleep(0.5)  # nothing else arrives later (a second record would be a second request id)
+    assert [r.requests for r in await rows()] == [1]
+
+
+async def test_api_keys_map_to_accounts(stack, usage) -> None:
+    router = stack.start_router("router-keys", CACHET_ROUTER_API_KEYS=json.dumps({"sk-test": "acct-test"}))
+    try:
+        async with create_channel(router.address) as channel:
+            keyed = router_pb2_grpc.InferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await keyed.CreateChatCompletion(chat(max_tokens=1), timeout=TIMEOUT)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            session = uuid.uuid4().hex
+            await keyed.CreateChatCompletion(
+                chat(max_tokens=1),
+                metadata=(("authorization", "Bearer sk-test"), ("x-session-affinity", session)),
+                timeout=TIMEOUT,
+            )
+
+        async def accounts() -> list[str]:
+            query = usage_pb2.QueryUsageRequest(session_id=session, group_by=["account"])
+            return [row.account_id for row in (await usage.QueryUsage(query, timeout=10)).rows]
+
+        assert await until(accounts, 10, "the usage record") == ["acct-test"]
+    finally:
+        router.stop()
+
+
+async def test_client_cancel_aborts_the_engine_request_and_still_records_usage(stack, inference, usage) -> None:
+    session, max_tokens = uuid.uuid4().hex, 1900
+    call = inference.StreamChatCompletion(
+        chat("Write a very long story.", max_tokens=max_tokens), metadata=(("x-session-affinity", session),),
+        timeout=TIMEOUT,
+    )
+    arrivals: list[float] = []
+    async for chunk in call:
+        if chunk.content_delta:
+            arrivals.append(time.monotonic())
+        if len(arrivals) == 10:
+            break
+    replica = dict(await call.initial_metadata())["x-cachet-replica"]
+    call.cancel()
+    cancelled_at = time.monotonic()
+    # Had nobody aborted it, the engine would keep going for about this long.
+    natural_rest = (arrivals[-1] - arrivals[1]) / 8 * (max_tokens - 10)
+    assert natural_rest > 2.0, f"generation too fast ({natural_rest:.2f} s left) to tell an abort from an end"
+
+    async with create_channel(replica) as channel:
+        engine = engine_pb2_grpc.EngineServiceStub(channel)
+
+        async def idle() -> bool:
+            reports = engine.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=50))
+            try:
+                async for report in reports:
+                    return report.running_requests + report.waiting_requests == 0
+            finally:
+                reports.cancel()
+            return False
+
+        await until(idle, natural_rest / 2, "the engine to drop the cancelled request")
+    assert time.monotonic() - cancelled_at < natural_rest / 2
+
+    async def recorded() -> list[usage_pb2.UsageRow]:
+        query = usage_pb2.QueryUsageRequest(session_id=session, group_by=["session"])
+        return list((await usage.QueryUsage(query, timeout=10)).rows)
+
+    [row] = await until(recorded, 10, "the usage of the cancelled request")
+    assert row.requests == 1
+    assert 10 <= row.completion_tokens < max_tokens
+    assert row.prompt_tokens > 0
+
+
+async def test_text_completions_stream_and_aggregate(inference) -> None:
+    request = router_pb2.CompletionRequest(
+        model=TINY_MODEL_ID, prompt=f"{uuid.uuid4().hex} Once upon a time",
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    )
+    chunks = [chunk async for chunk in inference.StreamCompletion(request, timeout=TIMEOUT)]
+    assert chunks[0].id.startswith("cmpl-") and not chunks[0].role
+    assert chunks[-1].usage.completion_tokens == 6
+    whole = await inference.CreateCompletion(request, timeout=TIMEOUT)
+    assert whole.content == "".join(c.content_delta for c in chunks)
+
+
+async def test_list_models_names_the_served_model(inference) -> None:
+    listed = await inference.ListModels(router_pb2.ListModelsRequest(), timeout=TIMEOUT)
+    assert [(m.id, m.owned_by) for m in listed.models] == [(TINY_MODEL_ID, "cachet")]
+    assert listed.models[0].context_window > 0 and listed.models[0].created > 0
+
+
+async def test_prompt_longer_than_the_window_is_invalid(inference) -> None:
+    request = router_pb2.CompletionRequest(
+        model=TINY_MODEL_ID, prompt_token_ids=[1000] * 4096,
+        sampling=common_pb2.SamplingParams(max_tokens=1),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await inference.CreateCompletion(request, timeout=TIMEOUT)
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_cache_index_down_still_serves_by_load(stack) -> None:
+    router = stack.start_router("router-no-cache", CACHET_ROUTER_CACHE_ADDRESS=f"127.0.0.1:{free_port()}")
+    try:
+        async with create_channel(router.address) as channel:
+            reply = await router_pb2_grpc.InferenceServiceStub(channel).CreateChatCompletion(
+                chat(max_tokens=2), timeout=TIMEOUT)
+        assert reply.usage.completion_tokens == 2
+    finally:
+        router.stop()
