@@ -47,10 +47,11 @@ def run_local_command(
     replicas: Annotated[int, typer.Option(envvar="CACHET_REPLICAS", help="Engine replicas.")] = 2,
 ) -> None:
     """Every service on this machine with the default model (converted on first use)."""
-    from cachet.models.catalog import resolve_model
+    from cachet.models.catalog import ensure_model
     from cachet.run_local import run_local
 
-    model = resolve_model(os.environ.get("CACHET_MODEL") or None, _data_dir())
+    # Converts the default model on first use (with progress), reuses it afterwards.
+    model = ensure_model(os.environ.get("CACHET_MODEL") or None, _data_dir())
     raise typer.Exit(run_local(port, replicas, model.path))
 
 
