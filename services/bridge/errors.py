@@ -74,6 +74,20 @@ class BridgeError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+class PayloadTooLarge(HTTPException):
+    """413 raised while a body streams in.
+
+    An HTTPException because FastAPI's body parsing re-raises those and turns any
+    other exception into a generic 400; it carries the full error to render.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.error = BridgeError(
+            413, f"Request body is larger than the limit of {max_bytes} bytes.", code="request_too_large"
+        )
+        super().__init__(413, self.error.message)
+
+
 def from_rpc_error(error: grpc.aio.AioRpcError, trace_id: str) -> BridgeError:
     """The one mapping from a failed gRPC call (status, details, ErrorInfo) to an HTTP error."""
     status, default_type = STATUS_TABLE.get(error.code(), _SERVER_ERROR)
@@ -150,6 +164,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(_request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, HTTPException)
+        if isinstance(error, PayloadTooLarge):
+            return error.error.response()
         message = error.detail if isinstance(error.detail, str) else "request failed"
         bridge_error = BridgeError(
             error.status_code, message, _HTTP_TYPES.get(error.status_code, "api_error")

@@ -10,10 +10,9 @@ import time
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cachet.bridge.errors import BridgeError, internal_message
+from cachet.bridge.errors import BridgeError, PayloadTooLarge, internal_message
 from cachet.bridge.metrics import BridgeMetrics
 from cachet.logs import get_logger
 
@@ -98,7 +97,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large().response()(scope, receive, send)
+            await PayloadTooLarge(self.max_bytes).error.response()(scope, receive, send)
             return
         received = 0
 
@@ -108,14 +107,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    # HTTPException passes through FastAPI's body parsing (others become a 400) and
-                    # reaches the handler that renders it OpenAI-shaped.
-                    raise HTTPException(413, self._too_large().message)
+                    raise PayloadTooLarge(self.max_bytes)
             return message
 
         await self.app(scope, receive_limited, send)
-
-    def _too_large(self) -> BridgeError:
-        return BridgeError(
-            413, f"Request body is larger than the limit of {self.max_bytes} bytes.", code="request_too_large"
-        )
