@@ -60,14 +60,14 @@ def validate_sampling(sampling: common_pb2.SamplingParams) -> None:
 
 
 def check_context_window(
-    prompt_tokens: int, sampling: common_pb2.SamplingParams, engine: engine_pb2.EngineInfo
+    prompt_tokens: int, sampling: common_pb2.SamplingParams, engine: engine_pb2.EngineInfo, prompt_param: str
 ) -> None:
     """Refuse prompts the model cannot take, before any replica spends time on them."""
     window = engine.context_window
     if window and prompt_tokens >= window:
         raise InvalidArgument(
             f"the prompt is {prompt_tokens} tokens; {engine.model}'s context window is {window}",
-            param="messages",
+            param=prompt_param,
         )
     if window and sampling.HasField("max_tokens") and prompt_tokens + sampling.max_tokens > window:
         raise InvalidArgument(

@@ -88,6 +88,8 @@ class Replica:
                 await self._subscribe()
             except grpc.aio.AioRpcError as error:
                 log.warning("engine load stream failed", address=self.address, code=error.code().name)
+            except Exception:  # noqa: BLE001 - this loop is the replica's only watcher: it must outlive a bug
+                log.exception("engine load stream broke", address=self.address)
             self._latest = None
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _MAX_BACKOFF_SECONDS)
@@ -117,7 +119,7 @@ class Replica:
 class ReplicaSet:
     """Every configured engine replica, followed in the background."""
 
-    def __init__(self, addresses: list[str], stale_seconds: float = 2.0, report_interval_ms: int = 0) -> None:
+    def __init__(self, addresses: list[str], stale_seconds: float = 5.0, report_interval_ms: int = 0) -> None:
         self._replicas = {address: Replica(address, stale_seconds, report_interval_ms) for address in addresses}
         self._tasks: list[asyncio.Task[None]] = []
 

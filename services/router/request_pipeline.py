@@ -153,7 +153,8 @@ class RequestPipeline:
         raise NotFound(f"model {model!r} is not served here; see ListModels", param="model")
 
     async def _start(self, request: GenerationRequest, engine: engine_pb2.EngineInfo) -> Generation:
-        check_context_window(len(request.prompt_token_ids), request.sampling, engine)
+        prompt_param = "messages" if request.role else "prompt"
+        check_context_window(len(request.prompt_token_ids), request.sampling, engine, prompt_param)
         cached = await self._cached_prefix_tokens(engine, request.prompt_token_ids)
         refused: list[str] = []
         while True:

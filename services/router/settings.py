@@ -17,8 +17,9 @@ class RouterServiceSettings(RouterSettings):
     load_epsilon: float = Field(default=0.25, ge=0)
     # Cached prompt tokens one queued or running request is worth when scoring replicas.
     load_penalty_tokens: float = Field(default=128.0, ge=0)
-    # A replica whose last load report is older than this is treated as down.
-    report_stale_seconds: float = Field(default=2.0, gt=0)
+    # A replica whose last load report is older than this is treated as down. Generous, because
+    # a CPU engine busy with a long prefill may report late, and a dropped stream is caught at once.
+    report_stale_seconds: float = Field(default=5.0, gt=0)
     # Milliseconds between load reports asked of each engine (0: the engine's default).
     load_report_interval_ms: int = Field(default=0, ge=0)
     # At start, wait at most this long for every engine to report before serving.
