@@ -79,7 +79,7 @@ class TokenizerModel:
                 raise InvalidArgument(
                     f"{field}[{index}]: token id {token_id} is not in the vocabulary of "
                     f"{self.model_id} (size {vocab_size})",
-                    param=field,
+                    param=f"{field}[{index}]",
                 )
 
     def detokenizer(

@@ -35,7 +35,7 @@ def test_token_ids_outside_the_vocabulary_are_named(tiny_model: TokenizerModel) 
     with pytest.raises(InvalidArgument) as raised:
         tiny_model.check_token_ids([5, 49152], "token_ids")
     assert raised.value.message.startswith("token_ids[1]: token id 49152 is not in the vocabulary")
-    assert raised.value.param == "token_ids"
+    assert raised.value.param == "token_ids[1]"
 
 
 def test_model_info_of_the_tiny_model(tiny_model: TokenizerModel) -> None:
