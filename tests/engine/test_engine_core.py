@@ -165,3 +165,55 @@ def test_invariants_are_checked_when_the_engine_goes_idle():
     engine.scheduler.kv.pool.touch([30])  # a leaked reference
     with pytest.raises(AssertionError, match="block 30"):
         run(engine)
+
+
+def test_real_model_runner_gives_the_same_greedy_tokens_under_preemption(tmp_path):
+    """EngineCore on the real ModelRunner (tiny random Llama, fp32): a pool small enough
+    to force preemptions and prefix-cache hits yields the tokens of an unconstrained run."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cachet.engine.attention import kv_cache_bytes_per_block
+    from cachet.engine.model_runner import ModelRunner
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    per_block = kv_cache_bytes_per_block(2, 4, 2, 16, torch.float32)
+
+    def generate(num_blocks: int) -> tuple[dict[str, list[int]], int]:
+        runner = ModelRunner(
+            tmp_path,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            kv_cache_bytes=per_block * num_blocks,
+            block_size=4,
+            max_model_len=32,
+        )
+        engine = EngineCore(runner, model="tiny-llama", scheduler_config=SchedulerConfig(max_model_len=32))
+        stem = [7, 99, 23, 311, 5, 42, 17, 260, 88]
+        for i in range(4):
+            sampling = {"temperature": 0.0, "ignore_eos": True}
+            engine.add_request(make_request(f"r{i}", stem + [100 + i] * (i + 1), max_tokens=12, **sampling))
+        preemptions = 0
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            before = {r.request_id for r in engine.scheduler.running}
+            for output in engine.step():
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            preempted = [r for r in engine.scheduler.waiting if r.status == RequestStatus.PREEMPTED]
+            preemptions += sum(1 for r in preempted if r.request_id in before)
+        return tokens, preemptions
+
+    roomy, roomy_preemptions = generate(64)
+    tight, tight_preemptions = generate(12)
+    assert roomy_preemptions == 0 and tight_preemptions > 0
+    assert tight == roomy
+    assert all(len(t) == 12 for t in roomy.values())
