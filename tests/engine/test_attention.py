@@ -46,7 +46,7 @@ def test_span_without_enough_blocks_is_rejected() -> None:
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int) -> torch.Tensor:
     """q: [n, HQ, D] for positions num_computed.., k/v: [num_computed + n, HKV, D]: plain causal GQA."""
     n, total = q.shape[0], k.shape[0]
-    mask = torch.arange(total)[None, :] <= (num_computed + torch.arange(n))[:, None]
+    mask = (torch.arange(total)[None, :] <= (num_computed + torch.arange(n))[:, None]).to(q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.repeat_interleave(HQ // HKV, 1).transpose(0, 1),

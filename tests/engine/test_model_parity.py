@@ -248,3 +248,13 @@ def test_runner_rejects_inconsistent_plans(checkpoints: dict[str, Path]) -> None
     with pytest.raises(ValueError, match="span"):
         # Scheduling past the known tokens would feed the model tokens it has not got.
         runner.execute(StepPlan([NewRequest("a", p, [], SamplingParams(), [0], 0)], [], {"a": 11}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_runner_matches_hf(checkpoints: dict[str, Path]) -> None:
+    model_dir = checkpoints["qwen2-bias"]
+    runner = ModelRunner(model_dir, dtype=torch.float32, device=torch.device("cuda"), kv_cache_bytes=4 << 20)
+    reqs = {"a": SimRequest(prompt(3, 19)), "b": SimRequest(prompt(4, 40), chunk=9, start_step=1)}
+    drive(runner, reqs)
+    for req in reqs.values():
+        assert req.output == hf_greedy(model_dir, req.prompt)
