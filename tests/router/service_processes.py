@@ -44,6 +44,8 @@ class ServiceProcess:
     process: subprocess.Popen[bytes]
     address: str
     log_path: Path
+    # Prometheus HTTP port, for services started with one.
+    metrics_port: int = 0
 
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         if self.process.poll() is None:
@@ -143,8 +145,11 @@ class CachetStack:
             "CACHET_ROUTER_USAGE_ADDRESS": self.processes["usage"].address,
             "CACHET_ROUTER_CACHE_ADDRESS": self.processes["cache"].address,
             "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps(self.engine_addresses),
+            "CACHET_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
         } | overrides
-        return start_service("router", env, self.log_dir, name=name)
+        router = start_service("router", env, self.log_dir, name=name)
+        router.metrics_port = metrics_port
+        return router
 
     @property
     def engine_addresses(self) -> list[str]:

@@ -7,10 +7,12 @@ nobody listens on.
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from service_processes import TINY_MODEL_ID, ServiceProcess, free_port, start_service
 
 from cachet.common.v1 import common_pb2
@@ -32,7 +34,9 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
         "CACHET_ROUTER_CACHE_ADDRESS": f"127.0.0.1:{free_port()}",
         "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps([f"127.0.0.1:{free_port()}"]),
         "CACHET_ROUTER_STARTUP_WAIT_SECONDS": "0.2",
+        "CACHET_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
     }, root)
+    router.metrics_port = metrics_port
     yield router
     for process in (router, usage, tokenizer):
         process.stop()
@@ -59,6 +63,20 @@ async def test_no_engine_is_unavailable_with_retry_hint(inference) -> None:
         async for _ in inference.StreamChatCompletion(chat(), timeout=10):
             pass
     assert streamed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_refusals_are_counted_by_outcome(router: ServiceProcess, inference) -> None:
+    def unavailable_count() -> float:
+        url = f"http://127.0.0.1:{router.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == "cachet_router_requests_total" and sample.labels == {"outcome": "unavailable"})
+
+    before = unavailable_count()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await inference.CreateChatCompletion(chat(), timeout=10)
+    assert unavailable_count() == before + 1
 
 
 async def test_invalid_requests_are_refused_before_any_engine_is_needed(inference) -> None:
