@@ -95,9 +95,12 @@ class ReplicaFollower:
             except Exception:  # noqa: BLE001 - a follower that dies silently is an outage nobody sees
                 log.exception("kv event follower failed", engine=self.address)
                 reason = "follower error"
+            was_connected = self.status.connected
             self._disconnected()
             delay = self._backoff.next_delay()
-            log.warning("kv event stream down", engine=self.address, reason=reason, retry_in_s=round(delay, 3))
+            # Warn when a live stream is lost; retries against an engine that stays down are routine.
+            report = log.warning if was_connected else log.debug
+            report("kv event stream down", engine=self.address, reason=reason, retry_in_s=round(delay, 3))
             await asyncio.sleep(delay)
 
     async def _follow_once(self, stub: engine_pb2_grpc.EngineServiceStub) -> None:
