@@ -1,19 +1,29 @@
-"""The engine's domain exceptions; the servicer maps each to one gRPC status code."""
+"""The engine's domain exceptions.
+
+Each is one of the platform's domain errors (``cachet.errors``), so the shared
+server interceptor maps it to its gRPC status code; nothing in the engine
+converts errors by hand.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-class EngineError(Exception):
-    """Base of the engine's domain errors."""
-
-
-class InvalidRequest(EngineError):
-    """The request can never be served as given (maps to INVALID_ARGUMENT)."""
+from cachet.errors import InvalidArgument, NotFound, ResourceExhausted
 
 
-class EngineOverloaded(EngineError):
-    """The waiting queue is full; retry later or elsewhere (maps to RESOURCE_EXHAUSTED)."""
+@dataclass
+class InvalidRequest(InvalidArgument):
+    """The request can never be served as given (INVALID_ARGUMENT)."""
 
 
-class RequestNotFound(EngineError):
-    """No waiting or running request has this id (maps to NOT_FOUND)."""
+@dataclass
+class EngineOverloaded(ResourceExhausted):
+    """The waiting queue is full; retry later or elsewhere (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class RequestNotFound(NotFound):
+    """No waiting or running request has this id (NOT_FOUND)."""
+
+

@@ -52,6 +52,10 @@ class KVCacheManager:
         """A copy of the request's block table (empty when it holds none)."""
         return list(self._tables.get(request_id, ()))
 
+    def cached_block_hashes(self) -> set[int]:
+        """Hashes of every block a new request could reuse now (a KV event follower's snapshot)."""
+        return self.pool.cached_hashes()
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether KV for ``num_tokens`` tokens fits in the pool with nothing else in it."""
         return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks

@@ -1,0 +1,3 @@
+from cachet.engine.main import main
+
+main()

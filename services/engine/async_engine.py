@@ -1,0 +1,250 @@
+"""The engine loop on its own thread, and the asyncio side that talks to it.
+
+EngineCore is not thread-safe and its ``step()`` blocks for a whole forward
+pass, so it lives on one dedicated thread that alone touches it. The gRPC
+side (asyncio) sends commands through a queue and gets results back through
+``call_soon_threadsafe``: per-request output queues, KV event batches, and
+counters for load reports. Commands run between steps, so a request joins or
+leaves the batch at a step boundary, never in the middle of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from cachet.engine.block_pool import BlocksStored, KvEvent
+from cachet.engine.engine_core import EngineCore, RequestOutput
+from cachet.engine.errors import RequestNotFound
+from cachet.engine.request import Request, RequestStatus
+from cachet.logs import get_logger
+
+log = get_logger(__name__)
+
+# How long the idle loop sleeps waiting for a command before re-checking for work.
+_IDLE_WAIT_SECONDS = 0.05
+
+
+@dataclass
+class _Command:
+    action: Callable[[], object]
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class ThroughputWindow:
+    """Tokens counted since the last load report."""
+
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    since: float = field(default_factory=time.monotonic)
+
+    def rates(self) -> tuple[float, float]:
+        """(decode, prefill) tokens per second since the last call; restarts the window."""
+        now = time.monotonic()
+        elapsed = max(now - self.since, 1e-6)
+        rates = (self.decode_tokens / elapsed, self.prefill_tokens / elapsed)
+        self.decode_tokens = self.prefill_tokens = 0
+        self.since = now
+        return rates
+
+
+class KvEventSubscriber:
+    """One follower's queue of KV event batches, starting with a snapshot."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
+
+
+class AsyncEngine:
+    """Runs an EngineCore on a thread; every public method is for the asyncio side."""
+
+    def __init__(self, core: EngineCore, replica_id: str | None = None) -> None:
+        self.core = core
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.throughput = ThroughputWindow()
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._outputs: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._kv_subscribers: list[KvEventSubscriber] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.failure: BaseException | None = None
+        core.kv_event_sink = self._on_kv_events
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------- requests
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until its terminal one; leaving early aborts it."""
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._outputs[request.request_id] = outputs
+        try:
+            await self._call(lambda: self.core.add_request(request))
+            while True:
+                output = await outputs.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            # A consumer that stops early (client gone) must not leave the request running.
+            # Fire and forget: this may run while the caller's task is being cancelled.
+            if self._outputs.pop(request.request_id, None) is not None and not request.is_finished:
+                self._commands.put(_Command(lambda: self._abort_if_live(request.request_id)))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a live request; False if it already finished or never existed."""
+        try:
+            await self._call(lambda: self.core.abort(request_id))
+        except RequestNotFound:
+            return False
+        return True
+
+    def _abort_if_live(self, request_id: str) -> None:
+        if self.core.scheduler.get_request(request_id) is not None:
+            self.core.abort(request_id)
+
+    async def subscribe_kv_events(self) -> KvEventSubscriber:
+        """A subscriber whose queue starts with every block cached now, then live batches."""
+        subscriber = KvEventSubscriber()
+
+        def register() -> None:
+            # On the engine thread, so no step can slip between snapshot and registration.
+            snapshot = sorted(self.core.scheduler.kv.cached_block_hashes())
+            # Batch 0 always comes, empty or not, so a follower knows it is connected.
+            subscriber.queue.put_nowait([BlocksStored(tuple(snapshot), None)] if snapshot else [])
+            self._kv_subscribers.append(subscriber)
+
+        await self._call(register)
+        return subscriber
+
+    def unsubscribe_kv_events(self, subscriber: KvEventSubscriber) -> None:
+        if subscriber in self._kv_subscribers:
+            self._kv_subscribers.remove(subscriber)
+
+    # ---------------------------------------------------------------- stats
+
+    @property
+    def num_running(self) -> int:
+        return self.core.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.core.scheduler.num_waiting
+
+    @property
+    def num_waiting_interactive(self) -> int:
+        return sum(1 for request in self.core.scheduler.waiting if request.interactive)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.core.scheduler.kv.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.core.scheduler.kv.num_blocks
+
+    # ------------------------------------------------------ the engine thread
+
+    async def _call(self, action: Callable[[], object]) -> object:
+        if not self.healthy:
+            raise RuntimeError("the engine loop is not running") from self.failure
+        command = _Command(action)
+        self._commands.put(command)
+        return await asyncio.wrap_future(command.done)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=not self.core.has_unfinished_requests())
+                if self.core.has_unfinished_requests():
+                    self._step()
+        except BaseException as error:  # noqa: BLE001 - a dead loop must be visible, not silent
+            self.failure = error
+            log.exception("engine loop died")
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_SECONDS) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                command.done.set_result(command.action())
+            except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
+                command.done.set_exception(error)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        prefill_before = self._computed_prompt_tokens()
+        outputs = self.core.step()
+        self.throughput.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
+        self.throughput.prefill_tokens += max(self._computed_prompt_tokens() - prefill_before, 0)
+        if outputs:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _computed_prompt_tokens(self) -> int:
+        return sum(min(r.num_computed_tokens, r.num_prompt_tokens) for r in self.core.scheduler.running)
+
+    # ------------------------------------------------- back on the event loop
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            target = self._outputs.get(output.request_id)
+            if target is not None:
+                target.put_nowait(output)
+
+    def _on_kv_events(self, events: list[KvEvent]) -> None:
+        # Called on the engine thread inside step(); fan out on the event loop, in order.
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._fan_out_kv_events, list(events))
+
+    def _fan_out_kv_events(self, events: list[KvEvent]) -> None:
+        for subscriber in self._kv_subscribers:
+            subscriber.queue.put_nowait(events)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, target in list(self._outputs.items()):
+            log.error("request failed with the engine loop", request_id=request_id, error=str(error))
+            target.put_nowait(_failed_output(request_id))
+        self._outputs.clear()
+
+
+def _failed_output(request_id: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        logprobs=[],
+        status=RequestStatus.FINISHED_ERROR,
+        matched_stop="",
+        num_prompt_tokens=0,
+        num_cached_tokens=0,
+        num_completion_tokens=0,
+    )

@@ -1,0 +1,159 @@
+"""EngineService over gRPC: proto -> domain -> proto, nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.async_engine import AsyncEngine
+from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
+from cachet.engine.engine_core import RequestOutput
+from cachet.engine.errors import InvalidRequest
+from cachet.engine.request import Request
+from cachet.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, engine: AsyncEngine, info: engine_pb2.EngineInfo, default_report_ms: int) -> None:
+        self._engine = engine
+        self._info = info
+        self._default_report_ms = default_report_ms
+
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        domain = self._to_request(request)
+        first = True
+        async for output in self._engine.generate(domain):
+            yield _to_response(output, include_usage=first or output.finished)
+            first = False
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
+        return engine_pb2.AbortResponse(aborted=await self._engine.abort(request.request_id))
+
+    async def StreamLoadReports(
+        self, request: engine_pb2.StreamLoadReportsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.LoadReport]:
+        interval = (request.interval_ms or self._default_report_ms) / 1000
+        while True:
+            yield self._load_report()
+            await asyncio.sleep(interval)
+
+    async def StreamKvEvents(
+        self, request: engine_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.KvEventBatch]:
+        subscriber = await self._engine.subscribe_kv_events()
+        try:
+            sequence = 0
+            while True:
+                events = await subscriber.queue.get()
+                yield engine_pb2.KvEventBatch(
+                    replica_id=self._engine.replica_id,
+                    sequence_number=sequence,
+                    events=[_to_kv_event(event) for event in events],
+                    model=self._info.model,
+                    block_size=self._info.block_size,
+                )
+                sequence += 1
+        finally:
+            self._engine.unsubscribe_kv_events(subscriber)
+
+    async def GetEngineInfo(
+        self, request: engine_pb2.GetEngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EngineInfo:
+        return self._info
+
+    # ------------------------------------------------------------- converting
+
+    def _to_request(self, request: engine_pb2.GenerateRequest) -> Request:
+        if not request.request_id:
+            raise InvalidRequest("request_id must not be empty")
+        if request.model != self._info.model:
+            raise InvalidRequest(f"model {request.model!r} is not served here; this replica serves {self._info.model!r}")
+        if request.response_format.WhichOneof("format") not in (None, "text"):
+            raise InvalidRequest("response_format constraints are not supported by this engine yet")
+        try:
+            sampling = SamplingParams.from_proto(request.sampling)
+        except InvalidSamplingParams as error:
+            raise InvalidRequest(str(error)) from error
+        window = self._info.context_window
+        prompt_tokens = len(request.prompt_token_ids)
+        if prompt_tokens >= window:
+            raise InvalidRequest(f"prompt of {prompt_tokens} tokens does not fit the {window}-token context window")
+        room = window - prompt_tokens
+        if sampling.max_tokens is not None and sampling.max_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens={sampling.max_tokens} plus the {prompt_tokens}-token prompt exceeds the "
+                f"{window}-token context window"
+            )
+        return Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=sampling,
+            max_tokens=sampling.max_tokens or room,
+            interactive=request.priority != common_pb2.PRIORITY_BATCH,
+            cache_salt=request.cache_salt,
+            arrival_time=time.monotonic(),
+        )
+
+    def _load_report(self) -> engine_pb2.LoadReport:
+        decode_rate, prefill_rate = self._engine.throughput.rates()
+        config = self._engine.core.scheduler_config
+        return engine_pb2.LoadReport(
+            replica_id=self._engine.replica_id,
+            running_requests=self._engine.num_running,
+            waiting_requests=self._engine.num_waiting,
+            waiting_interactive_requests=self._engine.num_waiting_interactive,
+            free_kv_blocks=self._engine.num_free_blocks,
+            total_kv_blocks=self._engine.num_total_blocks,
+            max_running_requests=config.max_num_seqs,
+            max_waiting_requests=config.max_waiting,
+            decode_tokens_per_second=decode_rate,
+            prefill_tokens_per_second=prefill_rate,
+            timestamp_ms=int(time.time() * 1000),
+        )
+
+
+def _to_response(output: RequestOutput, include_usage: bool) -> engine_pb2.GenerateResponse:
+    response = engine_pb2.GenerateResponse(
+        request_id=output.request_id,
+        token_ids=output.new_token_ids,
+        logprobs=[
+            common_pb2.TokenLogprob(
+                token_id=s.token_id,
+                logprob=s.logprob or 0.0,
+                top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs],
+            )
+            for s in output.logprobs
+        ],
+        finish_reason=output.finish_reason,
+        matched_stop=output.matched_stop,
+    )
+    if include_usage:
+        response.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=output.num_prompt_tokens,
+                cached_tokens=output.num_cached_tokens,
+                completion_tokens=output.num_completion_tokens,
+            )
+        )
+    return response
+
+
+def _to_kv_event(event: KvEvent) -> engine_pb2.KvEvent:
+    if isinstance(event, BlocksStored):
+        stored = engine_pb2.BlocksStored(block_hashes=event.block_hashes)
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        return engine_pb2.KvEvent(stored=stored)
+    if isinstance(event, BlocksRemoved):
+        return engine_pb2.KvEvent(removed=engine_pb2.BlocksRemoved(block_hashes=event.block_hashes))
+    assert isinstance(event, AllBlocksCleared), event
+    return engine_pb2.KvEvent(cleared=engine_pb2.AllBlocksCleared())

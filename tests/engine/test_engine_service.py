@@ -1,0 +1,150 @@
+"""The engine as a real process over gRPC: streaming, abort, overload, bad input, KV events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from service_processes import ServiceProcess, start_service
+
+from cachet.block_hash import block_hashes
+from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.models.tiny import write_tiny_model
+
+MAX_WAITING = 2
+MAX_RUNNING = 1
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    root = tmp_path_factory.mktemp("engine-service")
+    model_dir = write_tiny_model(root / "tiny-llama")
+    env = {
+        "CACHET_MODEL": str(model_dir),
+        "CACHET_DATA_DIR": str(root),
+        "CACHET_KV_CACHE_GB": "0.01",
+        "CACHET_ENGINE_MAX_NUM_SEQS": str(MAX_RUNNING),
+        "CACHET_ENGINE_MAX_NUM_BATCHED_TOKENS": "64",
+        "CACHET_ENGINE_MAX_WAITING": str(MAX_WAITING),
+        "CACHET_ENGINE_LOAD_REPORT_INTERVAL_MS": "50",
+    }
+    process = start_service("engine", env, root, timeout=300)
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+def _request(request_id: str, prompt: list[int], **sampling: object) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=request_id,
+        model="tiny-llama",
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+
+
+async def _collect(stub: engine_pb2_grpc.EngineServiceStub, request: engine_pb2.GenerateRequest):
+    return [response async for response in stub.Generate(request)]
+
+
+async def test_streams_tokens_with_usage_and_reuses_the_prefix(engine: ServiceProcess) -> None:
+    prompt = list(range(100, 150))
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        first = await _collect(stub, _request("stream-1", prompt, temperature=0, max_tokens=12, ignore_eos=True))
+        tokens = [t for r in first for t in r.token_ids]
+        assert len(tokens) == 12
+        assert first[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert first[-1].usage.prompt_tokens == 50 and first[-1].usage.completion_tokens == 12
+        assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in first[:-1])
+
+        again = await _collect(stub, _request("stream-2", prompt, temperature=0, max_tokens=12, ignore_eos=True))
+        assert [t for r in again for t in r.token_ids] == tokens
+        # 50 tokens: three full blocks of 16 are cached, the last prompt token is always computed.
+        assert again[-1].usage.cached_tokens == 48
+
+
+async def test_kv_events_name_the_blocks_the_engine_stored(engine: ServiceProcess) -> None:
+    prompt = list(range(300, 340))
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        await _collect(stub, _request("kv-1", prompt, temperature=0, max_tokens=1))
+        events = stub.StreamKvEvents(engine_pb2.StreamKvEventsRequest())
+        snapshot = await events.read()
+        events.cancel()
+        stored = {h for event in snapshot.events for h in event.stored.block_hashes}
+        assert snapshot.sequence_number == 0 and snapshot.model == "tiny-llama"
+        assert set(block_hashes(prompt, "tiny-llama")) <= stored
+
+
+async def test_abort_by_cancel_and_by_id(engine: ServiceProcess) -> None:
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        call = stub.Generate(_request("abort-1", list(range(10, 30)), max_tokens=1000, ignore_eos=True))
+        await call.read()
+        call.cancel()
+        # The engine frees the request on cancel: a load report soon shows nothing running.
+        reports = stub.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=50))
+        async for report in reports:
+            if report.running_requests == 0 and report.waiting_requests == 0:
+                break
+        reports.cancel()
+        assert report.free_kv_blocks == report.total_kv_blocks
+
+        call = stub.Generate(_request("abort-2", list(range(10, 30)), max_tokens=1000, ignore_eos=True))
+        await call.read()
+        assert (await stub.Abort(engine_pb2.AbortRequest(request_id="abort-2"))).aborted
+        last = await call.read()
+        while last.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+            last = await call.read()
+        assert last.finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert not (await stub.Abort(engine_pb2.AbortRequest(request_id="abort-2"))).aborted
+
+
+async def test_overload_is_refused_at_once(engine: ServiceProcess) -> None:
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        long_runs = [
+            stub.Generate(_request(f"busy-{i}", list(range(20, 40)), max_tokens=1500, ignore_eos=True))
+            for i in range(MAX_RUNNING + MAX_WAITING)
+        ]
+        await long_runs[0].read()
+        reports = stub.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=50))
+        async for report in reports:
+            if report.running_requests + report.waiting_requests == len(long_runs):
+                break
+        reports.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(_collect(stub, _request("one-too-many", [1, 2, 3])), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in long_runs:
+            call.cancel()
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "message"),
+    [
+        ({"model": "not-this-one"}, "not served here"),
+        ({"prompt_token_ids": list(range(2048))}, "context window"),
+        ({"sampling": common_pb2.SamplingParams(max_tokens=4000)}, "max_tokens"),
+        ({"sampling": common_pb2.SamplingParams(top_p=0)}, "top_p"),
+        ({"prompt_token_ids": []}, "empty"),
+    ],
+)
+async def test_bad_input_is_invalid_argument(engine: ServiceProcess, request_kwargs: dict, message: str) -> None:
+    request = _request("bad", [1, 2, 3])
+    for field, value in request_kwargs.items():
+        request.ClearField(field)
+        if isinstance(value, list):
+            getattr(request, field).extend(value)
+        elif isinstance(value, str):
+            setattr(request, field, value)
+        else:
+            getattr(request, field).CopyFrom(value)
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await _collect(engine_pb2_grpc.EngineServiceStub(channel), request)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in bad.value.details()
