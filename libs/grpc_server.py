@@ -51,18 +51,26 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+                self._wrap_unary(handler.unary_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+                self._wrap_unary(handler.stream_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+                self._wrap_stream(handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
             )
         return grpc.stream_stream_rpc_method_handler(
-            self._wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            self._wrap_stream(handler.stream_stream),
+            handler.request_deserializer,
+            handler.response_serializer,
         )
 
     @staticmethod
@@ -105,7 +113,9 @@ class RunningServer:
         return f"127.0.0.1:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 

@@ -52,31 +52,51 @@ def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[Planne
     engines = [f"{LOOPBACK}:{ENGINE_BASE_PORT + i}" for i in range(replicas)]
     model_env = {"CACHET_MODEL": str(model_dir)}
     plan = [
-        PlannedService("tokenizer", "cachet.tokenizer",
-                       {**model_env, "CACHET_TOKENIZER_PORT": str(TOKENIZER_PORT)}, grpc_port=TOKENIZER_PORT),
+        PlannedService(
+            "tokenizer",
+            "cachet.tokenizer",
+            {**model_env, "CACHET_TOKENIZER_PORT": str(TOKENIZER_PORT)},
+            grpc_port=TOKENIZER_PORT,
+        ),
         PlannedService("usage", "cachet.usage", {"CACHET_USAGE_PORT": str(USAGE_PORT)}, grpc_port=USAGE_PORT),
     ]
     plan += [
-        PlannedService(f"engine{i}", "cachet.engine",
-                       {**model_env, "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i)},
-                       grpc_port=ENGINE_BASE_PORT + i)
+        PlannedService(
+            f"engine{i}",
+            "cachet.engine",
+            {**model_env, "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i)},
+            grpc_port=ENGINE_BASE_PORT + i,
+        )
         for i in range(replicas)
     ]
     plan += [
-        PlannedService("cache", "cachet.cache",
-                       {"CACHET_CACHE_PORT": str(CACHE_PORT), "CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(engines)},
-                       grpc_port=CACHE_PORT),
-        PlannedService("router", "cachet.router", {
-            "CACHET_ROUTER_PORT": str(ROUTER_PORT),
-            "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps(engines),
-            "CACHET_ROUTER_TOKENIZER_ADDRESS": f"{LOOPBACK}:{TOKENIZER_PORT}",
-            "CACHET_ROUTER_CACHE_ADDRESS": f"{LOOPBACK}:{CACHE_PORT}",
-            "CACHET_ROUTER_USAGE_ADDRESS": f"{LOOPBACK}:{USAGE_PORT}",
-        }, grpc_port=ROUTER_PORT),
-        PlannedService("bridge", "cachet.bridge", {
-            "CACHET_PORT": str(rest_port),
-            "CACHET_BRIDGE_ROUTER_ADDRESS": f"{LOOPBACK}:{ROUTER_PORT}",
-        }, http_port=rest_port),
+        PlannedService(
+            "cache",
+            "cachet.cache",
+            {"CACHET_CACHE_PORT": str(CACHE_PORT), "CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(engines)},
+            grpc_port=CACHE_PORT,
+        ),
+        PlannedService(
+            "router",
+            "cachet.router",
+            {
+                "CACHET_ROUTER_PORT": str(ROUTER_PORT),
+                "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps(engines),
+                "CACHET_ROUTER_TOKENIZER_ADDRESS": f"{LOOPBACK}:{TOKENIZER_PORT}",
+                "CACHET_ROUTER_CACHE_ADDRESS": f"{LOOPBACK}:{CACHE_PORT}",
+                "CACHET_ROUTER_USAGE_ADDRESS": f"{LOOPBACK}:{USAGE_PORT}",
+            },
+            grpc_port=ROUTER_PORT,
+        ),
+        PlannedService(
+            "bridge",
+            "cachet.bridge",
+            {
+                "CACHET_PORT": str(rest_port),
+                "CACHET_BRIDGE_ROUTER_ADDRESS": f"{LOOPBACK}:{ROUTER_PORT}",
+            },
+            http_port=rest_port,
+        ),
     ]
     return [service for service in plan if _service_exists(service.module)]
 
@@ -133,7 +153,9 @@ def run_local(rest_port: int, replicas: int, model_dir: Path) -> int:
     manager = Manager()
     python = shlex.quote(sys.executable)
     for service in services:
-        manager.add_process(service.name, f"exec {python} -m {service.module}", env={**os.environ, **service.env})
+        manager.add_process(
+            service.name, f"exec {python} -m {service.module}", env={**os.environ, **service.env}
+        )
     watcher = threading.Thread(target=_announce_when_healthy, args=(manager, services), daemon=True)
     watcher.start()
     manager.loop()

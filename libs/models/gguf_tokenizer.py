@@ -68,7 +68,17 @@ class GGUFTokenizerData:
 
 
 _SCALAR_FORMATS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
 }
 _STRING = 8
 _ARRAY = 9
@@ -89,7 +99,9 @@ def read_gguf_metadata(gguf_path: Path) -> dict[str, Any]:
         if magic != GGUF_MAGIC:
             raise ValueError(f"{gguf_path} is not a GGUF file (or is big-endian, which is not supported)")
         if version < 2:
-            raise ValueError(f"{gguf_path} is GGUF version {version}; only versions 2 and later are supported")
+            raise ValueError(
+                f"{gguf_path} is GGUF version {version}; only versions 2 and later are supported"
+            )
         _tensor_count, kv_count = struct.unpack_from("<QQ", buf, 8)
         offset = 24
 
@@ -366,4 +378,3 @@ def digit_split_pieces(text: str) -> Sequence[str]:
     if current:
         pieces.append(current)
     return pieces
-

@@ -53,7 +53,9 @@ def write_tiny_model(
     with atomic_directory(out_dir, overwrite=overwrite) as staging:
         specials = copy_tokenizer_files(tokenizer_dir, staging)
         vocab_size = _vocab_size(staging / "tokenizer.json")
-        _write_llama(staging, vocab_size=vocab_size, seed=seed, specials=specials, model_id=TINY_MODEL_IDS[family])
+        _write_llama(
+            staging, vocab_size=vocab_size, seed=seed, specials=specials, model_id=TINY_MODEL_IDS[family]
+        )
     return out_dir
 
 

@@ -25,5 +25,3 @@ class EngineOverloaded(ResourceExhausted):
 @dataclass
 class RequestNotFound(NotFound):
     """No waiting or running request has this id (NOT_FOUND)."""
-
-

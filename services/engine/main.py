@@ -41,7 +41,9 @@ def build_engine(settings: EngineSettings) -> tuple[AsyncEngine, engine_pb2.Engi
     model = ensure_model(settings.model or None, settings.data_dir)
     device = choose_device(settings.device)
     dtype = choose_dtype(settings.dtype, device)
-    log.info("loading model", model=model.model_id, path=str(model.path), device=str(device), dtype=str(dtype))
+    log.info(
+        "loading model", model=model.model_id, path=str(model.path), device=str(device), dtype=str(dtype)
+    )
     runner = ModelRunner(
         Path(model.path),
         dtype=dtype,

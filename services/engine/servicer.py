@@ -35,7 +35,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             yield _to_response(output, include_usage=first or output.finished)
             first = False
 
-    async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
+    async def Abort(
+        self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.AbortResponse:
         return engine_pb2.AbortResponse(aborted=await self._engine.abort(request.request_id))
 
     async def StreamLoadReports(
@@ -76,7 +78,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if not request.request_id:
             raise InvalidRequest("request_id must not be empty")
         if request.model != self._info.model:
-            raise InvalidRequest(f"model {request.model!r} is not served here; this replica serves {self._info.model!r}")
+            raise InvalidRequest(
+                f"model {request.model!r} is not served here; this replica serves {self._info.model!r}"
+            )
         if request.response_format.WhichOneof("format") not in (None, "text"):
             raise InvalidRequest("response_format constraints are not supported by this engine yet")
         try:
@@ -86,7 +90,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         window = self._info.context_window
         prompt_tokens = len(request.prompt_token_ids)
         if prompt_tokens >= window:
-            raise InvalidRequest(f"prompt of {prompt_tokens} tokens does not fit the {window}-token context window")
+            raise InvalidRequest(
+                f"prompt of {prompt_tokens} tokens does not fit the {window}-token context window"
+            )
         room = window - prompt_tokens
         if sampling.max_tokens is not None and sampling.max_tokens > room:
             raise InvalidRequest(

@@ -53,14 +53,18 @@ async def test_streams_tokens_with_usage_and_reuses_the_prefix(engine: ServicePr
     prompt = list(range(100, 150))
     async with grpc.aio.insecure_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
-        first = await _collect(stub, _request("stream-1", prompt, temperature=0, max_tokens=12, ignore_eos=True))
+        first = await _collect(
+            stub, _request("stream-1", prompt, temperature=0, max_tokens=12, ignore_eos=True)
+        )
         tokens = [t for r in first for t in r.token_ids]
         assert len(tokens) == 12
         assert first[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert first[-1].usage.prompt_tokens == 50 and first[-1].usage.completion_tokens == 12
         assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in first[:-1])
 
-        again = await _collect(stub, _request("stream-2", prompt, temperature=0, max_tokens=12, ignore_eos=True))
+        again = await _collect(
+            stub, _request("stream-2", prompt, temperature=0, max_tokens=12, ignore_eos=True)
+        )
         assert [t for r in again for t in r.token_ids] == tokens
         # 50 tokens: three full blocks of 16 are cached, the last prompt token is always computed.
         assert again[-1].usage.cached_tokens == 48
@@ -133,7 +137,9 @@ async def test_overload_is_refused_at_once(engine: ServiceProcess) -> None:
         ({"prompt_token_ids": []}, "empty"),
     ],
 )
-async def test_bad_input_is_invalid_argument(engine: ServiceProcess, request_kwargs: dict, message: str) -> None:
+async def test_bad_input_is_invalid_argument(
+    engine: ServiceProcess, request_kwargs: dict, message: str
+) -> None:
     request = _request("bad", [1, 2, 3])
     for field, value in request_kwargs.items():
         request.ClearField(field)

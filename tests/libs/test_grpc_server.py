@@ -89,6 +89,8 @@ async def test_health_and_reflection(server) -> None:
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-        responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        responses = reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
         names = [s.name async for r in responses for s in r.list_services_response.service]
         assert SERVICE in names and "grpc.health.v1.Health" in names
