@@ -74,11 +74,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.DecodeResponse:
         model = self._registry.get(request.model)
-        model.check_token_ids(request.token_ids, "token_ids")
-        text = await asyncio.to_thread(
-            model.decode, request.token_ids, skip_special_tokens=request.skip_special_tokens
-        )
+        text = await asyncio.to_thread(self._decode, model, request)
         return tokenizer_pb2.DecodeResponse(text=text)
+
+    @staticmethod
+    def _decode(model: TokenizerModel, request: tokenizer_pb2.DecodeRequest) -> str:
+        # The vocabulary check walks every id: off the loop too, for long sequences.
+        model.check_token_ids(request.token_ids, "token_ids")
+        return model.decode(request.token_ids, skip_special_tokens=request.skip_special_tokens)
 
     async def ApplyChatTemplate(
         self, request: tokenizer_pb2.ApplyChatTemplateRequest, context: grpc.aio.ServicerContext
@@ -112,8 +115,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         async for request in request_iterator:
             if session is None:
                 model = self._registry.get(request.model)
-                session = DetokenizeSession(
-                    model, request.prompt_token_ids, skip_special_tokens=request.skip_special_tokens
+                session = await asyncio.to_thread(
+                    DetokenizeSession,
+                    model,
+                    request.prompt_token_ids,
+                    skip_special_tokens=request.skip_special_tokens,
                 )
             elif request.model or request.prompt_token_ids:
                 field = "model" if request.model else "prompt_token_ids"

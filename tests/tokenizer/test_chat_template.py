@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -294,12 +295,14 @@ def test_generation_prompt_and_continuation_exclude_each_other(tiny_model: Token
     assert raised.value.param == "continue_final_message"
 
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "data" / "models" / "smollm2-135m-instruct"
+# Where `cachet` converts the default model: <CACHET_DATA_DIR or ./data>/models/<id>.
+DATA_DIR = Path(os.environ.get("CACHET_DATA_DIR") or Path(__file__).resolve().parents[2] / "data")
+DEFAULT_MODEL_DIR = DATA_DIR / "models" / "smollm2-135m-instruct"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not DEFAULT_MODEL_DIR.is_dir(), reason="the converted default model is not in data/models"
+    not DEFAULT_MODEL_DIR.is_dir(), reason=f"no converted default model at {DEFAULT_MODEL_DIR}"
 )
 def test_default_model_renders_like_transformers() -> None:
     model = TokenizerModel.load("smollm2-135m-instruct", DEFAULT_MODEL_DIR)
