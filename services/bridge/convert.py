@@ -123,6 +123,7 @@ def _sampling(
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        ignore_eos=getattr(body, "ignore_eos", False),
     )
     # Optional proto fields: set only what the client gave, so "unset" keeps meaning "default".
     for name in ("temperature", "top_p", "seed", "repetition_penalty"):

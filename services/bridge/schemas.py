@@ -161,6 +161,8 @@ class _SamplingBody(_Body):
     top_k: int | None = Field(default=None, ge=0, le=UINT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
+    # vLLM's extension: generate past end-of-sequence (benchmarks, fixed-length tests).
+    ignore_eos: bool = False
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)

@@ -1,0 +1,209 @@
+"""The whole platform through the bridge: the openai client -> bridge -> router -> tokenizer / engine / usage.
+
+Real processes on the tiny model (tests/router/service_processes.py starts them);
+one engine, to spare the two shared cores. Each test leads its prompt with a fresh
+nonce, so only the tests that mean to share a cached prefix do.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from cachet.models.tiny import write_tiny_model
+
+from .conftest import ServiceProcess, free_port, launch, wait_http_healthy
+
+# The router's tests own the process fixtures; a module path, not a conftest (see its docstring).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
+from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack  # noqa: E402
+
+TIMEOUT = 120.0
+
+
+@dataclass
+class Platform:
+    stack: CachetStack
+    bridge: ServiceProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.bridge.address}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="dev", max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    root = tmp_path_factory.mktemp("bridge-e2e")
+    stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engines=1)
+    port = free_port()
+    bridge = launch(
+        "bridge",
+        {
+            "CACHET_PORT": str(port),
+            "CACHET_BRIDGE_ROUTER_ADDRESS": stack.address("router"),
+            "CACHET_BRIDGE_USAGE_ADDRESS": stack.address("usage"),
+        },
+        root,
+        port,
+    )
+    try:
+        wait_http_healthy(bridge)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"http://{bridge.address}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "router never healthy behind the bridge"
+            time.sleep(0.1)
+        yield Platform(stack, bridge)
+    finally:
+        bridge.stop()
+        stack.stop()
+        print(stack.logs(), bridge.output()[-4000:])
+
+
+def messages(question: str = "What is the capital of France?") -> list[dict]:
+    # Long enough to fill whole 16-token blocks, so a repeat can be served from the prefix cache.
+    system = f"[{uuid.uuid4().hex}] You are a terse assistant. Answer in one short sentence, no more."
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+GREEDY = {"temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+
+
+def test_chat_completion_reports_usage_and_cached_tokens(platform: Platform) -> None:
+    prompt = messages()
+    first = platform.client().chat.completions.create(model=TINY_MODEL_ID, messages=prompt, **GREEDY)
+    assert first.object == "chat.completion"
+    assert first.choices[0].message.role == "assistant"
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage.completion_tokens == 6
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 6
+    # Present and a number even when nothing was cached.
+    assert isinstance(first.usage.prompt_tokens_details.cached_tokens, int)
+    again = platform.client().chat.completions.create(model=TINY_MODEL_ID, messages=prompt, **GREEDY)
+    # The same prompt again is served from the prefix cache, and the response says so.
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_streaming_with_include_usage_matches_the_plain_answer(platform: Platform) -> None:
+    prompt = messages("Name a colour.")
+    plain = platform.client().chat.completions.create(model=TINY_MODEL_ID, messages=prompt, **GREEDY)
+    chunks = list(
+        platform.client().chat.completions.create(
+            model=TINY_MODEL_ID,
+            messages=prompt,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishing = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishing == ["length"]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 6
+    assert last.usage.prompt_tokens_details.cached_tokens >= 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_framing_on_the_wire(platform: Platform) -> None:
+    body = {
+        "model": TINY_MODEL_ID,
+        "messages": messages(),
+        "stream": True,
+        "max_tokens": 3,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{platform.url}/v1/chat/completions", json=body, timeout=TIMEOUT) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    # Every event is one "data: " line; the stream ends with [DONE] and a blank line.
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") and "\n" not in e for e in events[:-2])
+
+
+def test_completions_and_models(platform: Platform) -> None:
+    client = platform.client()
+    assert TINY_MODEL_ID in [m.id for m in client.models.list().data]
+    text = client.completions.create(model=TINY_MODEL_ID, prompt="Once upon a time", **GREEDY)
+    assert text.object == "text_completion"
+    assert text.usage.completion_tokens == 6 and text.choices[0].finish_reason == "length"
+
+
+def test_workers_ai_run_plain_and_streamed(platform: Platform) -> None:
+    body = {"messages": messages(), "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(f"{platform.url}/ai/run/{TINY_MODEL_ID}", json=body, timeout=TIMEOUT)
+    assert plain.status_code == 200, plain.text
+    out = plain.json()
+    assert (out["success"], out["errors"], out["messages"]) == (True, [], [])
+    assert isinstance(out["result"]["response"], str)
+    assert out["result"]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    with httpx.stream(
+        "POST", f"{platform.url}/ai/run/{TINY_MODEL_ID}", json=body | {"stream": True}, timeout=TIMEOUT
+    ) as response:
+        raw = response.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    assert '"usage"' in raw.split("\n\n")[-3]
+    streamed = "".join(
+        __import__("json").loads(e.removeprefix("data: "))["response"] for e in raw.split("\n\n")[:-2]
+    )
+    assert streamed == out["result"]["response"]
+
+
+def _router_cancelled(platform: Platform) -> float:
+    port = platform.stack.processes["router"].metrics_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith('cachet_router_requests_total{outcome="cancelled"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_client_disconnect_cancels_the_request(platform: Platform) -> None:
+    before = _router_cancelled(platform)
+    body = {
+        "model": TINY_MODEL_ID,
+        "messages": messages(),
+        "stream": True,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{platform.url}/v1/chat/completions", json=body, timeout=TIMEOUT) as response:
+        first = next(response.iter_bytes())
+        assert first.startswith(b'data: {"id"'), first
+    # Leaving the block closed the connection mid-stream; the router must see its call cancelled.
+    deadline = time.monotonic() + 30
+    while _router_cancelled(platform) <= before:
+        assert time.monotonic() < deadline, httpx.get(
+            f"http://127.0.0.1:{platform.stack.processes['router'].metrics_port}/metrics", timeout=5
+        ).text
+        time.sleep(0.1)
+
+
+def test_refusal_before_the_first_token_is_a_real_status(platform: Platform) -> None:
+    # The router refuses (prompt + max_tokens over the window) before any chunk: a 400, not a 200 stream.
+    with pytest.raises(openai.BadRequestError) as refused:
+        list(
+            platform.client().chat.completions.create(
+                model=TINY_MODEL_ID, messages=messages(), stream=True, max_tokens=100_000
+            )
+        )
+    assert refused.value.param == "max_tokens"
