@@ -33,6 +33,18 @@ _MAX_BACKOFF_SECONDS = 2.0
 _INFO_TIMEOUT_SECONDS = 5.0
 
 
+def estimated_load(address: str, report: engine_pb2.LoadReport, in_flight: int) -> ReplicaLoad:
+    """The replica's load counting our ``in_flight`` requests that ``report`` may not show yet.
+
+    They fill the batch first, then the queue, as they will on the engine; the report's
+    numbers are the floor (they include other routers' requests).
+    """
+    max_running = report.max_running_requests
+    running = max(report.running_requests, min(in_flight, max_running or in_flight))
+    waiting = max(report.waiting_requests, in_flight - running)
+    return ReplicaLoad(address, running, waiting, max_running, report.max_waiting_requests)
+
+
 @dataclass
 class _Latest:
     """The newest report of one replica and when it arrived (monotonic seconds)."""
@@ -66,16 +78,7 @@ class Replica:
     def load(self) -> ReplicaLoad:
         """Placement's view; only meaningful while ``available()``."""
         assert self._latest is not None
-        report = self._latest.report
-        running, waiting = report.running_requests, report.waiting_requests
-        # Our own in-flight requests not yet in a report count as running (they will be soon).
-        return ReplicaLoad(
-            address=self.address,
-            running=max(running, self.in_flight - waiting),
-            waiting=waiting,
-            max_running=report.max_running_requests,
-            max_waiting=report.max_waiting_requests,
-        )
+        return estimated_load(self.address, self._latest.report, self.in_flight)
 
     async def wait_reported(self) -> None:
         await self._reported.wait()

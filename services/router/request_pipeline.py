@@ -314,6 +314,8 @@ class Generation:
             self._submit_usage()
         outcome = metrics.outcome_of(error) if error is not None or self._finished else "cancelled"
         metrics.REQUESTS.labels(outcome).inc()
+        log.info("request done", request_id=self.request.request_id, outcome=outcome,
+                 replica=self.replica_address, placement=self.placement.reason, **_usage_fields(self._usage()))
 
     async def _produce(self) -> AsyncIterator[router_pb2.ChatCompletionChunk]:
         response = self._first
@@ -404,6 +406,11 @@ class Generation:
             completion_tokens=usage.completion_tokens, finished_at_ms=int(time.time() * 1000),
             replica_address=self.replica_address, priority="interactive",
         ))
+
+
+def _usage_fields(usage: common_pb2.Usage) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens}
 
 
 def _merge(first: OutputDelta, second: OutputDelta) -> OutputDelta:

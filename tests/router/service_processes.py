@@ -119,20 +119,21 @@ class CachetStack:
     model_dir: Path
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
 
-    def start(self, engines: int = 2) -> CachetStack:
+    def start(self, engines: int = 2, engine_env: dict[str, str] | None = None) -> CachetStack:
+        """Start everything; ``engine_env`` adds variables to every engine (limits, KV size)."""
         try:
-            self._start(engines)
+            self._start(engines, engine_env or {})
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start(self, engines: int) -> None:
+    def _start(self, engines: int, engine_env: dict[str, str]) -> None:
         self._add(start_service("tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(self.model_dir)])},
                                 self.log_dir))
         self._add(start_service("usage", {"CACHET_DATA_DIR": str(self.log_dir / "usage-data")}, self.log_dir))
         for index in range(engines):
-            self._add(start_service("engine", {"CACHET_MODEL": str(self.model_dir)}, self.log_dir,
+            self._add(start_service("engine", {"CACHET_MODEL": str(self.model_dir)} | engine_env, self.log_dir,
                                     name=f"engine{index}", timeout=300))
         self._add(start_service("cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(self.engine_addresses)},
                                 self.log_dir))

@@ -1,0 +1,33 @@
+"""A replica's load between reports: our own in-flight requests count before the engine shows them."""
+
+from __future__ import annotations
+
+from cachet.engine.v1 import engine_pb2
+from cachet.router.placement import ReplicaLoad
+from cachet.router.replica_set import estimated_load
+
+
+def report(running: int = 0, waiting: int = 0, max_running: int = 2, max_waiting: int = 3) -> engine_pb2.LoadReport:
+    return engine_pb2.LoadReport(running_requests=running, waiting_requests=waiting,
+                                 max_running_requests=max_running, max_waiting_requests=max_waiting)
+
+
+def test_the_report_stands_when_it_already_shows_our_requests() -> None:
+    assert estimated_load("a", report(running=2, waiting=1), in_flight=3) == ReplicaLoad("a", 2, 1, 2, 3)
+
+
+def test_unreported_requests_fill_the_batch_then_the_queue() -> None:
+    assert estimated_load("a", report(), in_flight=1) == ReplicaLoad("a", 1, 0, 2, 3)
+    load = estimated_load("a", report(running=1), in_flight=3)
+    assert (load.running, load.waiting) == (2, 1)
+    assert load.saturated  # full batch with a queue behind it, before any report says so
+
+
+def test_other_routers_requests_in_the_report_are_kept() -> None:
+    load = estimated_load("a", report(running=2, waiting=2), in_flight=1)
+    assert (load.running, load.waiting) == (2, 2)
+
+
+def test_unknown_batch_limit_counts_everything_as_running() -> None:
+    load = estimated_load("a", report(max_running=0), in_flight=4)
+    assert (load.running, load.waiting) == (4, 0)

@@ -1,0 +1,100 @@
+"""Admission control over real processes: two engines that take one request each plus one waiting.
+
+When both are full the router refuses at once with RESOURCE_EXHAUSTED and a retry
+hint, instead of queueing a synchronous request without bound. A router whose view
+is out of date (here: one that hears a load report once a minute) learns it from
+the engines' own refusals: it tries the next replica once, then refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.errors import error_info_from_metadata
+from cachet.grpc_channel import create_channel
+from cachet.models.tiny import write_tiny_model
+from cachet.router.v1 import router_pb2, router_pb2_grpc
+
+TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CachetStack]:
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    root = tmp_path_factory.mktemp("router-admission")
+    limits = {"CACHET_ENGINE_MAX_NUM_SEQS": "1", "CACHET_ENGINE_MAX_WAITING": "1"}
+    running = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engine_env=limits)
+    yield running
+    running.stop()
+    print(running.logs())
+
+
+def long_chat() -> router_pb2.ChatCompletionRequest:
+    message = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text=f"{uuid.uuid4()} Go on.")])
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
+    return router_pb2.ChatCompletionRequest(model=TINY_MODEL_ID, messages=[message], sampling=sampling)
+
+
+async def engine_load(address: str) -> tuple[int, int]:
+    async with create_channel(address) as channel:
+        reports = engine_pb2_grpc.EngineServiceStub(channel).StreamLoadReports(
+            engine_pb2.StreamLoadReportsRequest(interval_ms=50))
+        try:
+            async for report in reports:
+                return report.running_requests, report.waiting_requests
+        finally:
+            reports.cancel()
+    raise AssertionError("no load report")
+
+
+async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: CachetStack) -> None:
+    # Started while the engines are idle; its only report says so for the whole test.
+    blind = small_stack.start_router(
+        "router-blind", CACHET_ROUTER_LOAD_REPORT_INTERVAL_MS="60000", CACHET_ROUTER_REPORT_STALE_SECONDS="600")
+    async with create_channel(small_stack.address("router")) as channel, \
+            create_channel(blind.address) as blind_channel:
+        inference = router_pb2_grpc.InferenceServiceStub(channel)
+        calls = []
+        try:
+            # One running request per engine (each has streamed a chunk, so it runs).
+            for _ in range(2):
+                call = inference.StreamChatCompletion(long_chat(), timeout=TIMEOUT)
+                await call.read()
+                calls.append(call)
+            # One waiting request per engine: they stream nothing until a slot frees.
+            calls += [inference.StreamChatCompletion(long_chat(), timeout=TIMEOUT) for _ in range(2)]
+            deadline = time.monotonic() + 10
+            while [await engine_load(a) for a in small_stack.engine_addresses] != [(1, 1), (1, 1)]:
+                assert time.monotonic() < deadline, "engines never filled up"
+                await asyncio.sleep(0.05)
+
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await inference.CreateChatCompletion(long_chat(), timeout=TIMEOUT)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert error_info_from_metadata(refused.value.trailing_metadata()).retry_after_seconds >= 1
+            assert time.monotonic() - started < 2.0  # refused, not queued behind a 1,900-token generation
+
+            with pytest.raises(grpc.aio.AioRpcError) as engine_refused:
+                await router_pb2_grpc.InferenceServiceStub(blind_channel).CreateChatCompletion(
+                    long_chat(), timeout=TIMEOUT)
+            assert engine_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for call in calls:
+                call.cancel()
+            blind.stop()
+    # Both engines turned it away: the first refusal moved it to the other replica, once.
+    refusals = [line for line in blind.log_tail(100_000).splitlines() if "engine refused request" in line]
+    assert len(refusals) == 2
+    assert {address for address in small_stack.engine_addresses if any(address in r for r in refusals)} == set(
+        small_stack.engine_addresses)
