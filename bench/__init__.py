@@ -1,0 +1,1 @@
+"""Cachet's benchmarks (`make bench`): ratios against baselines run in the same process."""
