@@ -267,6 +267,19 @@ async def test_text_completions_stream_and_aggregate(inference) -> None:
     assert chunks[-1].usage.completion_tokens == 6
     whole = await inference.CreateCompletion(request, timeout=TIMEOUT)
     assert whole.content == "".join(c.content_delta for c in chunks)
+    request.sampling.logprobs = True
+    with_logprobs = await inference.CreateCompletion(request, timeout=TIMEOUT)
+    assert len(with_logprobs.logprobs) == 6
+    assert all(entry.logprob <= 0.0 for entry in with_logprobs.logprobs)
+
+
+async def test_concurrent_requests_without_sessions_spread_over_replicas(stack, inference) -> None:
+    # No shared prefix, so only load decides: the router's own in-flight count must spread them.
+    replies = await asyncio.gather(*[
+        inference.CreateChatCompletion(chat(f"Request {i}?", max_tokens=32), timeout=TIMEOUT) for i in range(4)
+    ])
+    # Not an exact 2/2 split: a request may finish before a slow-to-tokenize sibling is placed.
+    assert {reply.replica_address for reply in replies} == set(stack.engine_addresses)
 
 
 async def test_list_models_names_the_served_model(inference) -> None:
