@@ -22,7 +22,9 @@ PROMPT_CONTEXT_TOKENS = 16
 class DetokenizeSession:
     """Text for one generation; one ``push`` at a time (each message gets exactly one answer)."""
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, model: str, prompt_ids: Sequence[int]) -> None:
+    def __init__(
+        self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, model: str, prompt_ids: Sequence[int]
+    ) -> None:
         self._call = stub.DetokenizeStream()
         self._first: tokenizer_pb2.DetokenizeStreamRequest | None = tokenizer_pb2.DetokenizeStreamRequest(
             model=model, prompt_token_ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True
@@ -30,7 +32,9 @@ class DetokenizeSession:
 
     async def push(self, token_ids: Sequence[int], *, last: bool = False) -> str:
         """Text for ``token_ids``; ``last`` also flushes what was held back and ends the call."""
-        text = await self._exchange(tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids), flush=last))
+        text = await self._exchange(
+            tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids), flush=last)
+        )
         if last:
             await self._call.done_writing()
         return text
@@ -51,4 +55,3 @@ class DetokenizeSession:
         if response is grpc.aio.EOF:
             raise Unavailable("the tokenizer service ended a detokenization stream early; retry")
         return response.text_delta
-

@@ -63,7 +63,9 @@ async def start(settings: RouterSettings) -> RunningServer:
     tokenizer_channel = create_channel(options.tokenizer_address, options.max_message_bytes)
     cache_channel = create_channel(options.cache_address)
     usage_channel = create_channel(options.usage_address)
-    replicas = ReplicaSet(options.engine_addresses, options.report_stale_seconds, options.load_report_interval_ms)
+    replicas = ReplicaSet(
+        options.engine_addresses, options.report_stale_seconds, options.load_report_interval_ms
+    )
     usage = UsageRecorder(usage_pb2_grpc.UsageServiceStub(usage_channel), options.dependency_timeout_seconds)
     clients = RouterClients(replicas, usage, [tokenizer_channel, cache_channel, usage_channel])
     tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(tokenizer_channel)
@@ -84,7 +86,9 @@ async def start(settings: RouterSettings) -> RunningServer:
     servicer = InferenceServicer(pipeline, AccountDirectory(options.api_keys))
     try:
         running = await create_server(
-            options, [partial(router_pb2_grpc.add_InferenceServiceServicer_to_server, servicer)], [SERVICE_NAME]
+            options,
+            [partial(router_pb2_grpc.add_InferenceServiceServicer_to_server, servicer)],
+            [SERVICE_NAME],
         )
     except BaseException:
         await clients.close(drain_seconds=0)

@@ -33,8 +33,12 @@ def outcome_of(error: BaseException | None) -> str:
         return "ok"
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
         return "cancelled"
-    labels = {InvalidArgument: "invalid", NotFound: "not_found", Unauthenticated: "unauthenticated",
-              ResourceExhausted: "exhausted"}
+    labels = {
+        InvalidArgument: "invalid",
+        NotFound: "not_found",
+        Unauthenticated: "unauthenticated",
+        ResourceExhausted: "exhausted",
+    }
     for kind, label in labels.items():
         if isinstance(error, kind):
             return label

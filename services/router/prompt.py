@@ -97,7 +97,9 @@ class PromptBuilder:
     async def completion(self, request: router_pb2.CompletionRequest) -> list[int]:
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
-        encode = tokenizer_pb2.EncodeRequest(model=request.model, text=request.prompt, add_special_tokens=True)
+        encode = tokenizer_pb2.EncodeRequest(
+            model=request.model, text=request.prompt, add_special_tokens=True
+        )
         try:
             encoded = await self._tokenizer.Encode(encode, timeout=self._timeout)
         except grpc.aio.AioRpcError as error:

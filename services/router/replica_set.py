@@ -123,7 +123,9 @@ class ReplicaSet:
     """Every configured engine replica, followed in the background."""
 
     def __init__(self, addresses: list[str], stale_seconds: float = 5.0, report_interval_ms: int = 0) -> None:
-        self._replicas = {address: Replica(address, stale_seconds, report_interval_ms) for address in addresses}
+        self._replicas = {
+            address: Replica(address, stale_seconds, report_interval_ms) for address in addresses
+        }
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:

@@ -108,8 +108,14 @@ class RequestPipeline:
             engine = self._engine_for(request.model)
             prompt = await self._prompts.chat(request)
             generation = GenerationRequest(
-                request.request_id or f"chatcmpl-{uuid.uuid4().hex}", request.model, prompt,
-                request.sampling, request.response_format, caller, "assistant", arrived,
+                request.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+                request.model,
+                prompt,
+                request.sampling,
+                request.response_format,
+                caller,
+                "assistant",
+                arrived,
             )
             return await self._start(generation, engine)
 
@@ -120,15 +126,22 @@ class RequestPipeline:
             engine = self._engine_for(request.model)
             prompt = await self._prompts.completion(request)
             generation = GenerationRequest(
-                request.request_id or f"cmpl-{uuid.uuid4().hex}", request.model, prompt,
-                request.sampling, request.response_format, caller, "", arrived,
+                request.request_id or f"cmpl-{uuid.uuid4().hex}",
+                request.model,
+                prompt,
+                request.sampling,
+                request.response_format,
+                caller,
+                "",
+                arrived,
             )
             return await self._start(generation, engine)
 
     def list_models(self) -> list[router_pb2.ModelCard]:
         return [
-            router_pb2.ModelCard(id=info.model, context_window=info.context_window,
-                                 created=int(loaded_at), owned_by="cachet")
+            router_pb2.ModelCard(
+                id=info.model, context_window=info.context_window, created=int(loaded_at), owned_by="cachet"
+            )
             for info, loaded_at in self._replicas.models()
         ]
 
@@ -139,7 +152,9 @@ class RequestPipeline:
 
     async def _abort(self, replica: Replica, request_id: str) -> None:
         try:
-            await replica.stub.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=_ABORT_TIMEOUT_SECONDS)
+            await replica.stub.Abort(
+                engine_pb2.AbortRequest(request_id=request_id), timeout=_ABORT_TIMEOUT_SECONDS
+            )
         except grpc.aio.AioRpcError as error:
             # Cancelling the Generate call already aborts it; this is the belt to those braces.
             log.info("engine abort failed", request_id=request_id, code=error.code().name)
@@ -164,8 +179,12 @@ class RequestPipeline:
                 return await self._open(request, replica, placement)
             except _Refused as refusal:
                 refused.append(placement.address)
-                log.info("engine refused request", request_id=request.request_id, address=placement.address,
-                         code=refusal.error.code().name)
+                log.info(
+                    "engine refused request",
+                    request_id=request.request_id,
+                    address=placement.address,
+                    code=refusal.error.code().name,
+                )
                 if len(refused) > 1:
                     raise _final_refusal(refusal.error) from refusal
                 metrics.ENGINE_RETRIES.inc()
@@ -174,20 +193,27 @@ class RequestPipeline:
         available = [replica.load() for replica in self._replicas.available(request.model)]
         try:
             placement = choose_replica(
-                available, cached, session_id=request.caller.session_id,
+                available,
+                cached,
+                session_id=request.caller.session_id,
                 all_addresses=self._replicas.addresses_serving(request.model),
-                exclude=refused, policy=self._policy,
+                exclude=refused,
+                policy=self._policy,
             )
         except Unavailable:
             if refused:
                 # The only other replica just refused for capacity: that is what the client should hear.
-                raise ResourceExhausted("every engine replica is at capacity; retry shortly",
-                                        retry_after_seconds=self._policy.retry_after_seconds) from None
+                raise ResourceExhausted(
+                    "every engine replica is at capacity; retry shortly",
+                    retry_after_seconds=self._policy.retry_after_seconds,
+                ) from None
             raise
         metrics.PLACEMENTS.labels(placement.reason).inc()
         return placement
 
-    async def _cached_prefix_tokens(self, engine: engine_pb2.EngineInfo, prompt: Sequence[int]) -> dict[str, int]:
+    async def _cached_prefix_tokens(
+        self, engine: engine_pb2.EngineInfo, prompt: Sequence[int]
+    ) -> dict[str, int]:
         block_size = engine.block_size or DEFAULT_BLOCK_SIZE
         hashes = block_hashes(prompt, engine.model, block_size=block_size)
         if not hashes:
@@ -203,11 +229,16 @@ class RequestPipeline:
 
     async def _open(self, request: GenerationRequest, replica: Replica, placement: Placement) -> Generation:
         """Send the request to ``replica`` and wait for its first message (or its refusal)."""
-        call = replica.stub.Generate(engine_pb2.GenerateRequest(
-            request_id=request.request_id, model=request.model, prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling, response_format=request.response_format,
-            priority=common_pb2.PRIORITY_INTERACTIVE,
-        ))
+        call = replica.stub.Generate(
+            engine_pb2.GenerateRequest(
+                request_id=request.request_id,
+                model=request.model,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
+                response_format=request.response_format,
+                priority=common_pb2.PRIORITY_INTERACTIVE,
+            )
+        )
         replica.in_flight += 1
         try:
             first = await call.read()
@@ -280,7 +311,9 @@ class Generation:
     async def collect(self) -> router_pb2.ChatCompletion:
         """The whole completion, built from the same chunks a stream would get."""
         result = router_pb2.ChatCompletion(
-            id=self.request.request_id, model=self.request.model, created=self.created,
+            id=self.request.request_id,
+            model=self.request.model,
+            created=self.created,
             replica_address=self.replica_address,
         )
         content: list[str] = []
@@ -314,8 +347,14 @@ class Generation:
             self._submit_usage()
         outcome = metrics.outcome_of(error) if error is not None or self._finished else "cancelled"
         metrics.REQUESTS.labels(outcome).inc()
-        log.info("request done", request_id=self.request.request_id, outcome=outcome,
-                 replica=self.replica_address, placement=self.placement.reason, **_usage_fields(self._usage()))
+        log.info(
+            "request done",
+            request_id=self.request.request_id,
+            outcome=outcome,
+            replica=self.replica_address,
+            placement=self.placement.reason,
+            **_usage_fields(self._usage()),
+        )
 
     async def _produce(self) -> AsyncIterator[router_pb2.ChatCompletionChunk]:
         response = self._first
@@ -381,9 +420,14 @@ class Generation:
         if not delta and not logprobs and not finish:
             return None
         chunk = router_pb2.ChatCompletionChunk(
-            id=self.request.request_id, model=self.request.model, created=self.created,
-            content_delta=delta.content, reasoning_delta=delta.reasoning, tool_call_deltas=delta.tool_calls,
-            logprobs=logprobs, finish_reason=finish,
+            id=self.request.request_id,
+            model=self.request.model,
+            created=self.created,
+            content_delta=delta.content,
+            reasoning_delta=delta.reasoning,
+            tool_call_deltas=delta.tool_calls,
+            logprobs=logprobs,
+            finish_reason=finish,
         )
         if not self._role_sent:
             chunk.role = self.request.role
@@ -391,31 +435,47 @@ class Generation:
         return chunk
 
     def _usage(self) -> common_pb2.Usage:
-        return common_pb2.Usage(prompt_tokens=self._prompt_tokens, cached_tokens=self._cached_tokens,
-                                completion_tokens=self._completion_tokens)
+        return common_pb2.Usage(
+            prompt_tokens=self._prompt_tokens,
+            cached_tokens=self._cached_tokens,
+            completion_tokens=self._completion_tokens,
+        )
 
     def _submit_usage(self) -> asyncio.Task[None]:
         usage = self._usage()
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.inc(usage.cached_tokens)
         metrics.COMPLETION_TOKENS.inc(usage.completion_tokens)
-        return self._pipeline.usage.submit(usage_pb2.UsageRecord(
-            request_id=self.request.request_id, account_id=self.request.caller.account_id,
-            model=self.request.model, session_id=self.request.caller.session_id,
-            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-            completion_tokens=usage.completion_tokens, finished_at_ms=int(time.time() * 1000),
-            replica_address=self.replica_address, priority="interactive",
-        ))
+        return self._pipeline.usage.submit(
+            usage_pb2.UsageRecord(
+                request_id=self.request.request_id,
+                account_id=self.request.caller.account_id,
+                model=self.request.model,
+                session_id=self.request.caller.session_id,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+                completion_tokens=usage.completion_tokens,
+                finished_at_ms=int(time.time() * 1000),
+                replica_address=self.replica_address,
+                priority="interactive",
+            )
+        )
 
 
 def _usage_fields(usage: common_pb2.Usage) -> dict[str, int]:
-    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
-            "completion_tokens": usage.completion_tokens}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "completion_tokens": usage.completion_tokens,
+    }
 
 
 def _merge(first: OutputDelta, second: OutputDelta) -> OutputDelta:
-    return OutputDelta(first.content + second.content, first.reasoning + second.reasoning,
-                       [*first.tool_calls, *second.tool_calls])
+    return OutputDelta(
+        first.content + second.content,
+        first.reasoning + second.reasoning,
+        [*first.tool_calls, *second.tool_calls],
+    )
 
 
 def _final_refusal(error: grpc.aio.AioRpcError) -> Exception:

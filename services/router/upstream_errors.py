@@ -35,4 +35,3 @@ def domain_error(error: grpc.aio.AioRpcError, service: str) -> Exception:
     if code in _DOWN:
         return Unavailable(f"the {service} service is unavailable; retry shortly")
     return error
-

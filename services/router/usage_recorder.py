@@ -42,14 +42,20 @@ class UsageRecorder:
         backoff = _FIRST_BACKOFF_SECONDS
         for attempt in range(1, _ATTEMPTS + 1):
             try:
-                await self._stub.RecordUsage(usage_pb2.RecordUsageRequest(record=record), timeout=self._timeout)
+                await self._stub.RecordUsage(
+                    usage_pb2.RecordUsageRequest(record=record), timeout=self._timeout
+                )
                 return
             except grpc.aio.AioRpcError as error:
                 retryable = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not retryable or attempt == _ATTEMPTS:
                     # Nothing more this process can do; the log line is the trail to reconcile from.
-                    log.error("usage not recorded", request_id=record.request_id, code=error.code().name,
-                              record=str(record).replace("\n", " "))
+                    log.error(
+                        "usage not recorded",
+                        request_id=record.request_id,
+                        code=error.code().name,
+                        record=str(record).replace("\n", " "),
+                    )
                     return
             await asyncio.sleep(backoff)
             backoff *= 2

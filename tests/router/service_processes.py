@@ -129,14 +129,27 @@ class CachetStack:
         return self
 
     def _start(self, engines: int, engine_env: dict[str, str]) -> None:
-        self._add(start_service("tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(self.model_dir)])},
-                                self.log_dir))
+        self._add(
+            start_service(
+                "tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(self.model_dir)])}, self.log_dir
+            )
+        )
         self._add(start_service("usage", {"CACHET_DATA_DIR": str(self.log_dir / "usage-data")}, self.log_dir))
         for index in range(engines):
-            self._add(start_service("engine", {"CACHET_MODEL": str(self.model_dir)} | engine_env, self.log_dir,
-                                    name=f"engine{index}", timeout=300))
-        self._add(start_service("cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(self.engine_addresses)},
-                                self.log_dir))
+            self._add(
+                start_service(
+                    "engine",
+                    {"CACHET_MODEL": str(self.model_dir)} | engine_env,
+                    self.log_dir,
+                    name=f"engine{index}",
+                    timeout=300,
+                )
+            )
+        self._add(
+            start_service(
+                "cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(self.engine_addresses)}, self.log_dir
+            )
+        )
         self._add(self.start_router())
 
     def start_router(self, name: str = "router", **overrides: str) -> ServiceProcess:

@@ -18,7 +18,9 @@ A, B, C = "10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"
 ALL = (A, B, C)
 
 
-def idle(address: str, running: int = 0, waiting: int = 0, max_running: int = 8, max_waiting: int = 4) -> ReplicaLoad:
+def idle(
+    address: str, running: int = 0, waiting: int = 0, max_running: int = 8, max_waiting: int = 4
+) -> ReplicaLoad:
     return ReplicaLoad(address, running, waiting, max_running, max_waiting)
 
 
@@ -135,7 +137,7 @@ def test_session_fails_over_when_home_was_tried_already() -> None:
 
 def test_scoring_prefers_the_longest_cached_prefix() -> None:
     replicas = [idle(A), idle(B), idle(C)]
-    assert choose_replica(replicas, {A: 16, B: 256, C: 32}) .address == B
+    assert choose_replica(replicas, {A: 16, B: 256, C: 32}).address == B
 
 
 def test_scoring_trades_prefix_against_load() -> None:

@@ -7,9 +7,15 @@ from cachet.router.placement import ReplicaLoad
 from cachet.router.replica_set import estimated_load
 
 
-def report(running: int = 0, waiting: int = 0, max_running: int = 2, max_waiting: int = 3) -> engine_pb2.LoadReport:
-    return engine_pb2.LoadReport(running_requests=running, waiting_requests=waiting,
-                                 max_running_requests=max_running, max_waiting_requests=max_waiting)
+def report(
+    running: int = 0, waiting: int = 0, max_running: int = 2, max_waiting: int = 3
+) -> engine_pb2.LoadReport:
+    return engine_pb2.LoadReport(
+        running_requests=running,
+        waiting_requests=waiting,
+        max_running_requests=max_running,
+        max_waiting_requests=max_waiting,
+    )
 
 
 def test_the_report_stands_when_it_already_shows_our_requests() -> None:

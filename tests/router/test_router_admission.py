@@ -40,7 +40,9 @@ def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CachetStac
 
 
 def long_chat() -> router_pb2.ChatCompletionRequest:
-    message = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text=f"{uuid.uuid4()} Go on.")])
+    message = common_pb2.ChatMessage(
+        role="user", content=[common_pb2.ContentPart(text=f"{uuid.uuid4()} Go on.")]
+    )
     sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
     return router_pb2.ChatCompletionRequest(model=TINY_MODEL_ID, messages=[message], sampling=sampling)
 
@@ -48,7 +50,8 @@ def long_chat() -> router_pb2.ChatCompletionRequest:
 async def engine_load(address: str) -> tuple[int, int]:
     async with create_channel(address) as channel:
         reports = engine_pb2_grpc.EngineServiceStub(channel).StreamLoadReports(
-            engine_pb2.StreamLoadReportsRequest(interval_ms=50))
+            engine_pb2.StreamLoadReportsRequest(interval_ms=50)
+        )
         try:
             async for report in reports:
                 return report.running_requests, report.waiting_requests
@@ -60,9 +63,14 @@ async def engine_load(address: str) -> tuple[int, int]:
 async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: CachetStack) -> None:
     # Started while the engines are idle; its only report says so for the whole test.
     blind = small_stack.start_router(
-        "router-blind", CACHET_ROUTER_LOAD_REPORT_INTERVAL_MS="60000", CACHET_ROUTER_REPORT_STALE_SECONDS="600")
-    async with create_channel(small_stack.address("router")) as channel, \
-            create_channel(blind.address) as blind_channel:
+        "router-blind",
+        CACHET_ROUTER_LOAD_REPORT_INTERVAL_MS="60000",
+        CACHET_ROUTER_REPORT_STALE_SECONDS="600",
+    )
+    async with (
+        create_channel(small_stack.address("router")) as channel,
+        create_channel(blind.address) as blind_channel,
+    ):
         inference = router_pb2_grpc.InferenceServiceStub(channel)
         calls = []
         try:
@@ -87,7 +95,8 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
 
             with pytest.raises(grpc.aio.AioRpcError) as engine_refused:
                 await router_pb2_grpc.InferenceServiceStub(blind_channel).CreateChatCompletion(
-                    long_chat(), timeout=TIMEOUT)
+                    long_chat(), timeout=TIMEOUT
+                )
             assert engine_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         finally:
             for call in calls:
@@ -96,5 +105,6 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
     # Both engines turned it away: the first refusal moved it to the other replica, once.
     refusals = [line for line in blind.log_tail(100_000).splitlines() if "engine refused request" in line]
     assert len(refusals) == 2
-    assert {address for address in small_stack.engine_addresses if any(address in r for r in refusals)} == set(
-        small_stack.engine_addresses)
+    assert {
+        address for address in small_stack.engine_addresses if any(address in r for r in refusals)
+    } == set(small_stack.engine_addresses)

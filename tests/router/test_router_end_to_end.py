@@ -43,9 +43,9 @@ async def usage(stack: CachetStack):
         yield usage_pb2_grpc.UsageServiceStub(channel)
 
 
-def chat(question: str = "What is the capital of France?", *, max_tokens: int = 8, **sampling) -> (
-    router_pb2.ChatCompletionRequest
-):
+def chat(
+    question: str = "What is the capital of France?", *, max_tokens: int = 8, **sampling
+) -> router_pb2.ChatCompletionRequest:
     """A greedy chat request whose prompt starts with a fresh nonce (no prefix shared with other tests)."""
     nonce = uuid.uuid4().hex
     messages = [
@@ -58,7 +58,9 @@ def chat(question: str = "What is the capital of France?", *, max_tokens: int = 
 
 def session_homed_on(address: str, addresses: list[str]) -> str:
     prefix = uuid.uuid4().hex[:8]
-    return next(f"{prefix}-{i}" for i in range(10_000) if rendezvous_order(f"{prefix}-{i}", addresses)[0] == address)
+    return next(
+        f"{prefix}-{i}" for i in range(10_000) if rendezvous_order(f"{prefix}-{i}", addresses)[0] == address
+    )
 
 
 async def until(probe: Callable[[], Awaitable], timeout: float, what: str):
@@ -97,29 +99,38 @@ async def test_streamed_chat_completion_carries_role_first_and_usage_last(stack,
     assert whole.replica_address in stack.engine_addresses
 
 
-async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cached_tokens(stack, inference) -> None:
+async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cached_tokens(
+    stack, inference
+) -> None:
     # The first request goes (by session) to the replica that the load-only tie-break would NOT pick,
     # so that the second, session-less request lands there only if the router scores cached prefixes.
     holder = max(stack.engine_addresses)
     request = chat("Tell me about the history of the Roman empire in three sentences, please.", max_tokens=2)
     first = await inference.CreateChatCompletion(
-        request, metadata=(("x-session-affinity", session_homed_on(holder, stack.engine_addresses)),),
+        request,
+        metadata=(("x-session-affinity", session_homed_on(holder, stack.engine_addresses)),),
         timeout=TIMEOUT,
     )
     assert first.replica_address == holder
     assert first.usage.cached_tokens == 0
 
     # Wait until the cache index has the prompt's blocks from the holder's KV events.
-    async with create_channel(stack.address("tokenizer")) as tok_channel, \
-            create_channel(stack.address("cache")) as cache_channel:
+    async with (
+        create_channel(stack.address("tokenizer")) as tok_channel,
+        create_channel(stack.address("cache")) as cache_channel,
+    ):
         rendered = await tokenizer_pb2_grpc.TokenizerServiceStub(tok_channel).ApplyChatTemplate(
-            tokenizer_pb2.ApplyChatTemplateRequest(model=TINY_MODEL_ID, messages=request.messages,
-                                                   add_generation_prompt=True))
+            tokenizer_pb2.ApplyChatTemplateRequest(
+                model=TINY_MODEL_ID, messages=request.messages, add_generation_prompt=True
+            )
+        )
         hashes = block_hashes(list(rendered.token_ids), TINY_MODEL_ID)
         cache = cache_pb2_grpc.CacheIndexServiceStub(cache_channel)
 
         async def indexed() -> bool:
-            reply = await cache.MatchPrefix(cache_pb2.MatchPrefixRequest(model=TINY_MODEL_ID, block_hashes=hashes))
+            reply = await cache.MatchPrefix(
+                cache_pb2.MatchPrefixRequest(model=TINY_MODEL_ID, block_hashes=hashes)
+            )
             return any(m.address == holder and m.matched_blocks > 0 for m in reply.matches)
 
         await until(indexed, 10, "the cache index to hold the first prompt")
@@ -145,7 +156,8 @@ async def test_session_affinity_keeps_each_session_on_its_replica(stack, inferen
                 reply = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
             else:
                 reply = await inference.CreateChatCompletion(
-                    request, metadata=(("x-session-affinity", session),), timeout=TIMEOUT)
+                    request, metadata=(("x-session-affinity", session),), timeout=TIMEOUT
+                )
             served.add(reply.replica_address)
         assert served == {home}
 
@@ -153,16 +165,18 @@ async def test_session_affinity_keeps_each_session_on_its_replica(stack, inferen
 async def test_stop_strings_truncate_the_output(inference) -> None:
     session = uuid.uuid4().hex  # one replica for both requests: greedy output is then identical
     request = chat("Count from one to twenty.", max_tokens=24)
-    plain = await inference.CreateChatCompletion(request, metadata=(("x-session-affinity", session),),
-                                                 timeout=TIMEOUT)
+    plain = await inference.CreateChatCompletion(
+        request, metadata=(("x-session-affinity", session),), timeout=TIMEOUT
+    )
     text = plain.content
     assert len(text) >= 8, text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     expected = text[: text.find(stop)]
 
     request.sampling.stop.append(stop)
-    stopped = await inference.CreateChatCompletion(request, metadata=(("x-session-affinity", session),),
-                                                   timeout=TIMEOUT)
+    stopped = await inference.CreateChatCompletion(
+        request, metadata=(("x-session-affinity", session),), timeout=TIMEOUT
+    )
     assert stopped.content == expected
     assert stopped.finish_reason == common_pb2.FINISH_REASON_STOP
     assert stopped.usage.completion_tokens < 24  # the engine stopped, not just the router's view
@@ -184,7 +198,10 @@ async def test_usage_is_recorded_once_with_the_reported_counts(stack, inference,
     [row] = await until(rows, 10, "the usage record")
     assert (row.account_id, row.session_id, row.requests) == ("anonymous", session, 1)
     assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (
-        reported.prompt_tokens, reported.cached_tokens, reported.completion_tokens)
+        reported.prompt_tokens,
+        reported.cached_tokens,
+        reported.completion_tokens,
+    )
     await asyncio.sleep(0.5)  # nothing else arrives later (a second record would be a second request id)
     assert [r.requests for r in await rows()] == [1]
 
@@ -213,10 +230,13 @@ async def test_api_keys_map_to_accounts(stack, usage) -> None:
         router.stop()
 
 
-async def test_client_cancel_aborts_the_engine_request_and_still_records_usage(stack, inference, usage) -> None:
+async def test_client_cancel_aborts_the_engine_request_and_still_records_usage(
+    stack, inference, usage
+) -> None:
     session, max_tokens = uuid.uuid4().hex, 1900
     call = inference.StreamChatCompletion(
-        chat("Write a very long story.", max_tokens=max_tokens), metadata=(("x-session-affinity", session),),
+        chat("Write a very long story.", max_tokens=max_tokens),
+        metadata=(("x-session-affinity", session),),
         timeout=TIMEOUT,
     )
     arrivals: list[float] = []
@@ -259,7 +279,8 @@ async def test_client_cancel_aborts_the_engine_request_and_still_records_usage(s
 
 async def test_text_completions_stream_and_aggregate(inference) -> None:
     request = router_pb2.CompletionRequest(
-        model=TINY_MODEL_ID, prompt=f"{uuid.uuid4().hex} Once upon a time",
+        model=TINY_MODEL_ID,
+        prompt=f"{uuid.uuid4().hex} Once upon a time",
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
     )
     chunks = [chunk async for chunk in inference.StreamCompletion(request, timeout=TIMEOUT)]
@@ -275,9 +296,12 @@ async def test_text_completions_stream_and_aggregate(inference) -> None:
 
 async def test_concurrent_requests_without_sessions_spread_over_replicas(stack, inference) -> None:
     # No shared prefix, so only load decides: the router's own in-flight count must spread them.
-    replies = await asyncio.gather(*[
-        inference.CreateChatCompletion(chat(f"Request {i}?", max_tokens=32), timeout=TIMEOUT) for i in range(4)
-    ])
+    replies = await asyncio.gather(
+        *[
+            inference.CreateChatCompletion(chat(f"Request {i}?", max_tokens=32), timeout=TIMEOUT)
+            for i in range(4)
+        ]
+    )
     # Not an exact 2/2 split: a request may finish before a slow-to-tokenize sibling is placed.
     assert {reply.replica_address for reply in replies} == set(stack.engine_addresses)
 
@@ -290,7 +314,8 @@ async def test_list_models_names_the_served_model(inference) -> None:
 
 async def test_prompt_longer_than_the_window_is_invalid(inference) -> None:
     request = router_pb2.CompletionRequest(
-        model=TINY_MODEL_ID, prompt_token_ids=[1000] * 4096,
+        model=TINY_MODEL_ID,
+        prompt_token_ids=[1000] * 4096,
         sampling=common_pb2.SamplingParams(max_tokens=1),
     )
     with pytest.raises(grpc.aio.AioRpcError) as failed:
@@ -303,7 +328,8 @@ async def test_cache_index_down_still_serves_by_load(stack) -> None:
     try:
         async with create_channel(router.address) as channel:
             reply = await router_pb2_grpc.InferenceServiceStub(channel).CreateChatCompletion(
-                chat(max_tokens=2), timeout=TIMEOUT)
+                chat(max_tokens=2), timeout=TIMEOUT
+            )
         assert reply.usage.completion_tokens == 2
     finally:
         router.stop()
@@ -314,8 +340,11 @@ async def test_metrics_count_requests_first_tokens_and_cached_tokens(stack, infe
         url = f"http://127.0.0.1:{stack.processes['router'].metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
             text = response.read().decode()
-        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-                for family in text_string_to_metric_families(text) for sample in family.samples}
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
 
     before = scrape()
     request = chat("Say something about metrics, at some length, to fill two blocks.", max_tokens=2)

@@ -28,14 +28,18 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
     model_dir = write_tiny_model(root / TINY_MODEL_ID)
     tokenizer = start_service("tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(model_dir)])}, root)
     usage = start_service("usage", {"CACHET_DATA_DIR": str(root / "usage")}, root)
-    router = start_service("router", {
-        "CACHET_ROUTER_TOKENIZER_ADDRESS": tokenizer.address,
-        "CACHET_ROUTER_USAGE_ADDRESS": usage.address,
-        "CACHET_ROUTER_CACHE_ADDRESS": f"127.0.0.1:{free_port()}",
-        "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps([f"127.0.0.1:{free_port()}"]),
-        "CACHET_ROUTER_STARTUP_WAIT_SECONDS": "0.2",
-        "CACHET_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
-    }, root)
+    router = start_service(
+        "router",
+        {
+            "CACHET_ROUTER_TOKENIZER_ADDRESS": tokenizer.address,
+            "CACHET_ROUTER_USAGE_ADDRESS": usage.address,
+            "CACHET_ROUTER_CACHE_ADDRESS": f"127.0.0.1:{free_port()}",
+            "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps([f"127.0.0.1:{free_port()}"]),
+            "CACHET_ROUTER_STARTUP_WAIT_SECONDS": "0.2",
+            "CACHET_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
+        },
+        root,
+    )
     router.metrics_port = metrics_port
     yield router
     for process in (router, usage, tokenizer):
@@ -70,8 +74,12 @@ async def test_refusals_are_counted_by_outcome(router: ServiceProcess, inference
         url = f"http://127.0.0.1:{router.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
             text = response.read().decode()
-        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-                   if sample.name == "cachet_router_requests_total" and sample.labels == {"outcome": "unavailable"})
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "cachet_router_requests_total" and sample.labels == {"outcome": "unavailable"}
+        )
 
     before = unavailable_count()
     with pytest.raises(grpc.aio.AioRpcError):

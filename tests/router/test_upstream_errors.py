@@ -21,7 +21,9 @@ from cachet.router.upstream_errors import domain_error
 def failed(code: grpc.StatusCode, details: str = "why", param: str = "") -> grpc.aio.AioRpcError:
     trailing = grpc.aio.Metadata()
     if param:
-        trailing.add(ERROR_INFO_METADATA_KEY, InvalidArgument(details, param=param).error_info().SerializeToString())
+        trailing.add(
+            ERROR_INFO_METADATA_KEY, InvalidArgument(details, param=param).error_info().SerializeToString()
+        )
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
