@@ -133,7 +133,7 @@ class ModelRunner:
                 meta,
             )
             rows = [self._sampling_row(rid, logit_masks) for rid in samplers]
-            tokens = sample(logits, rows)
+            tokens = sample(logits, rows) if rows else []
         for rid, num_new in plan.num_scheduled_tokens.items():
             self._requests[rid].num_computed_tokens += num_new
         for rid, token in zip(samplers, tokens, strict=True):
