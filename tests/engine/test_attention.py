@@ -13,6 +13,8 @@ from cachet.engine.attention import (
     build_attention_metadata,
     kv_cache_bytes_per_block,
 )
+from cachet.engine.models.config import ModelConfig
+from cachet.engine.models.llama import Attention, RotaryEmbedding
 
 torch.set_num_threads(1)
 
@@ -117,3 +119,46 @@ def test_cache_size_accounting() -> None:
     assert cache.shape == (3, 2, 5, BS, HKV, D)
     per_block = kv_cache_bytes_per_block(3, BS, HKV, D, torch.bfloat16)
     assert per_block * 5 == cache.numel() * cache.element_size()
+
+
+def test_attention_infers_local_heads_from_sharded_weights() -> None:
+    """Split heads over two 'ranks' the way AutoTP does; the partial outputs sum to the whole."""
+    config = ModelConfig.from_dict(
+        dict(
+            model_type="llama",
+            vocab_size=8,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    torch.manual_seed(0)
+    full = Attention(config)
+    spans = [SequenceSpan(0, 5, [0, 1], sample=True), SequenceSpan(0, 3, [2], sample=True)]
+    meta = build_attention_metadata(spans, BS, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    cos, sin = RotaryEmbedding(16, config.rope, 64)(positions, meta.token_seq_lens)
+    x = torch.randn(8, 64)
+
+    def bound(module: Attention, kv_heads: int) -> Attention:
+        module.attn.kv_cache = allocate_kv_cache(1, 4, BS, kv_heads, 16, torch.float32, torch.device("cpu"))[
+            0
+        ]
+        return module
+
+    expected = bound(full, 2)(x, cos, sin, meta)
+    total = torch.zeros_like(expected)
+    for rank in range(2):
+        shard = Attention(config)
+        q_rows, kv_rows = slice(rank * 32, rank * 32 + 32), slice(rank * 16, rank * 16 + 16)
+        for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+            linear = torch.nn.Linear(64, rows.stop - rows.start, bias=False)
+            linear.weight = torch.nn.Parameter(getattr(full, name).weight[rows].detach().clone())
+            setattr(shard, name, linear)
+        shard.o_proj = torch.nn.Linear(32, 64, bias=False)
+        shard.o_proj.weight = torch.nn.Parameter(full.o_proj.weight[:, q_rows].detach().clone())
+        assert shard.num_local_kv_heads == 1
+        total += bound(shard, 1)(x, cos, sin, meta)
+    torch.testing.assert_close(total, expected, atol=1e-5, rtol=0)
