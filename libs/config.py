@@ -21,6 +21,14 @@ def _shared(name: str):
     return AliasChoices(name, name.removeprefix("CACHET_").lower())
 
 
+# Bridge and router must agree on who a key belongs to: CACHET_API_KEYS sets both
+# (a JSON object, key -> account id); a service-specific variable wins over it.
+API_KEYS_ALIASES = {
+    service: AliasChoices(f"CACHET_{service.upper()}_API_KEYS", "CACHET_API_KEYS", "api_keys")
+    for service in ("bridge", "router")
+}
+
+
 class ServiceSettings(BaseSettings):
     """Fields every service has."""
 
@@ -104,5 +112,5 @@ class BridgeSettings(ServiceSettings):
 
     port: int = Field(default=8080, ge=0, le=65535, validation_alias=_shared("CACHET_PORT"))
     router_address: str = f"{LOOPBACK}:50091"
-    # "key=account" pairs; none configured means open development mode on loopback.
-    api_keys: dict[str, str] = Field(default_factory=dict)
+    # API key -> account id; none configured means open development mode on loopback.
+    api_keys: dict[str, str] = Field(default_factory=dict, validation_alias=API_KEYS_ALIASES["bridge"])

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from cachet.config import RouterSettings
+from cachet.config import API_KEYS_ALIASES, RouterSettings
 
 
 class RouterServiceSettings(RouterSettings):
     """Everything ``RouterSettings`` has, plus placement, health and account knobs."""
 
-    # API key -> account id, e.g. CACHET_ROUTER_API_KEYS='{"sk-test": "acct-1"}'.
+    # API key -> account id, e.g. CACHET_API_KEYS='{"sk-test": "acct-1"}' (shared with the bridge).
     # Empty means development mode: every caller is the "anonymous" account.
-    api_keys: dict[str, str] = Field(default_factory=dict)
+    api_keys: dict[str, str] = Field(default_factory=dict, validation_alias=API_KEYS_ALIASES["router"])
     # Bounded-load slack of session affinity (see placement.py).
     load_epsilon: float = Field(default=0.25, ge=0)
     # Cached prompt tokens one queued or running request is worth when scoring replicas.

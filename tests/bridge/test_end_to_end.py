@@ -1,30 +1,27 @@
 """The whole platform through the bridge: the openai client -> bridge -> router -> tokenizer / engine / usage.
 
-Real processes on the tiny model (tests/router/service_processes.py starts them);
+Real processes on the tiny model (tests/service_processes.py starts them);
 one engine, to spare the two shared cores. Each test leads its prompt with a fresh
 nonce, so only the tests that mean to share a cached prefix do.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+# The router's tests own the process fixtures; a module path, not a conftest (see its docstring).
+from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack
+
 from cachet.models.tiny import write_tiny_model
 
 from .conftest import ServiceProcess, free_port, launch, wait_http_healthy
-
-# The router's tests own the process fixtures; a module path, not a conftest (see its docstring).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
-from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack  # noqa: E402
 
 TIMEOUT = 120.0
 

@@ -1,4 +1,4 @@
-"""Real Cachet processes over loopback, for the router's end-to-end tests (and anyone else's).
+"""Real Cachet processes over loopback, for every end-to-end test.
 
 (A module with a unique name, not conftest.py: every test folder has a conftest, and
 with pytest's default import mode only one module named ``conftest`` can be imported.)
