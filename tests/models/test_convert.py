@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
-def converted_dir(tmp_path_factory: pytest.TempPathFactory, default_gguf: Path, tokenizer_cache: Path) -> Path:
-    out = tmp_path_factory.mktemp("converted") / "smollm2-135m-instruct"
-    return convert_gguf(default_gguf, out, progress=False, tokenizer_cache_dir=tokenizer_cache)
+def converted_dir(default_model_dir: Path) -> Path:
+    # The conversion every other test uses (tests/conftest.py): converting twice costs CI a minute.
+    return default_model_dir
 
 
 def test_checkpoint_files_and_config(converted_dir: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -295,18 +294,10 @@ def test_generation_prompt_and_continuation_exclude_each_other(tiny_model: Token
     assert raised.value.param == "continue_final_message"
 
 
-# Where `cachet` converts the default model: <CACHET_DATA_DIR or ./data>/models/<id>.
-DATA_DIR = Path(os.environ.get("CACHET_DATA_DIR") or Path(__file__).resolve().parents[2] / "data")
-DEFAULT_MODEL_DIR = DATA_DIR / "models" / "smollm2-135m-instruct"
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not DEFAULT_MODEL_DIR.is_dir(), reason=f"no converted default model at {DEFAULT_MODEL_DIR}"
-)
-def test_default_model_renders_like_transformers() -> None:
-    model = TokenizerModel.load("smollm2-135m-instruct", DEFAULT_MODEL_DIR)
-    hf = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR), local_files_only=True)
+def test_default_model_renders_like_transformers(default_model_dir: Path) -> None:
+    model = TokenizerModel.load("smollm2-135m-instruct", default_model_dir)
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir), local_files_only=True)
     plain = [message("system", "Be brief."), message("user", "Capital of France?")]
     assert_same_as_transformers(
         render(model, plain, add_generation_prompt=True),
