@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from bench.engine_bench import run_engine_bench
+
+
+def run_memory_bench(model: str | None, dtype: str, requests: int) -> dict:
+    """In its own process, so the resident size is the engine's alone."""
+    print("[bench] engine memory (own process)", flush=True)
+    command = [sys.executable, "-m", "bench.engine_memory", model or "-", dtype, str(requests)]
+    result = json.loads(
+        subprocess.run(command, check=True, capture_output=False, stdout=subprocess.PIPE).stdout
+    )
+    print("\nEngine memory")
+    print(f"{'measure':<52}{'value':>14}")
+    print("-" * 66)
+    print(f"{'weights (MiB)':<52}{result['weights_mib']:>14.1f}")
+    print(f"{'KV pool / budget (MiB)':<52}{result['kv_pool_mib']:>7.1f} /{result['kv_budget_mib']:>5.0f}")
+    print(
+        f"{'resident beyond weights + KV (MiB, target <= 600)':<52}{result['rss_over_weights_and_kv_mib']:>14.1f}"
+    )
+    growth = f"RSS growth over {result['requests']} mixed requests (%, target < 5)"
+    print(f"{growth:<52}{result['rss_growth_percent']:>14.2f}")
+    return result
 
 
 def main() -> None:
@@ -18,7 +40,10 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = parser.parse_args()
-    results = {"engine": run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick)}
+    results = {
+        "engine_memory": run_memory_bench(args.model, args.dtype, requests=200 if args.quick else 1000),
+        "engine": run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
+    }
     out_dir = Path("bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -192,10 +192,12 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            try:
-                command.done.set_result(command.action())
-            except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
-                command.done.set_exception(error)
+            # A caller cancelled while waiting (client gone) no longer wants the action done.
+            if command.done.set_running_or_notify_cancel():
+                try:
+                    command.done.set_result(command.action())
+                except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
+                    command.done.set_exception(error)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -31,9 +32,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         domain = self._to_request(request)
         first = True
-        async for output in self._engine.generate(domain):
-            yield _to_response(output, include_usage=first or output.finished)
-            first = False
+        # aclosing: when the client goes away this generator is closed, and the engine's
+        # must close at once too (that is what aborts the request), not whenever GC runs.
+        async with contextlib.aclosing(self._engine.generate(domain)) as outputs:
+            async for output in outputs:
+                yield _to_response(output, include_usage=first or output.finished)
+                first = False
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext

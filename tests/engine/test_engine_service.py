@@ -107,24 +107,32 @@ async def test_abort_by_cancel_and_by_id(engine: ServiceProcess) -> None:
         assert not (await stub.Abort(engine_pb2.AbortRequest(request_id="abort-2"))).aborted
 
 
+async def _wait_for_load(stub: engine_pb2_grpc.EngineServiceStub, running: int, waiting: int) -> None:
+    reports = stub.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=50))
+    async for report in reports:
+        if (report.running_requests, report.waiting_requests) == (running, waiting):
+            break
+    reports.cancel()
+
+
 async def test_overload_is_refused_at_once(engine: ServiceProcess) -> None:
+    def long_run(request_id: str):
+        return stub.Generate(_request(request_id, list(range(20, 40)), max_tokens=1500, ignore_eos=True))
+
     async with grpc.aio.insecure_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
-        long_runs = [
-            stub.Generate(_request(f"busy-{i}", list(range(20, 40)), max_tokens=1500, ignore_eos=True))
-            for i in range(MAX_RUNNING + MAX_WAITING)
-        ]
-        await long_runs[0].read()
-        reports = stub.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=50))
-        async for report in reports:
-            if report.running_requests + report.waiting_requests == len(long_runs):
-                break
-        reports.cancel()
+        # One at a time: the bound is on the waiting queue, and requests arriving within one
+        # engine step all count as waiting until the next schedule.
+        calls = [long_run("busy-running")]
+        await _wait_for_load(stub, running=MAX_RUNNING, waiting=0)
+        calls += [long_run(f"busy-waiting-{i}") for i in range(MAX_WAITING)]
+        await asyncio.wait_for(_wait_for_load(stub, running=MAX_RUNNING, waiting=MAX_WAITING), timeout=30)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await asyncio.wait_for(_collect(stub, _request("one-too-many", [1, 2, 3])), timeout=10)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        for call in long_runs:
+        for call in calls:
             call.cancel()
+        await asyncio.wait_for(_wait_for_load(stub, running=0, waiting=0), timeout=30)
 
 
 @pytest.mark.parametrize(
