@@ -7,6 +7,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 python=${PYTHON:-"$root/.venv/bin/python"}
+# Absolute: protoc runs from inside protos/.
+[[ "$python" == /* ]] || python="$PWD/$python"
 # protoc finds the mypy-protobuf plugins on PATH.
 export PATH="$(dirname "$python"):$PATH"
 check=0
