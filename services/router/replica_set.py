@@ -80,6 +80,10 @@ class Replica:
         assert self._latest is not None
         return estimated_load(self.address, self._latest.report, self.in_flight)
 
+    def latest_report(self) -> engine_pb2.LoadReport | None:
+        """The newest load report as the engine sent it (None before the first); see ``available()``."""
+        return self._latest.report if self._latest is not None else None
+
     async def wait_reported(self) -> None:
         await self._reported.wait()
 

@@ -68,6 +68,9 @@ class GenerationRequest:
     caller: Caller
     role: str  # announced on the first chunk: "assistant" for chat, "" for text completions
     arrived_at: float  # monotonic seconds
+    # Queued (async) work runs as PRIORITY_BATCH: the engine schedules it after, and preempts
+    # it before, interactive requests.
+    priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE
 
 
 class _Refused(Exception):
@@ -101,7 +104,12 @@ class RequestPipeline:
         # Strong references to fire-and-forget engine aborts.
         self._aborts: set[asyncio.Task[None]] = set()
 
-    async def start_chat(self, request: router_pb2.ChatCompletionRequest, caller: Caller) -> Generation:
+    async def start_chat(
+        self,
+        request: router_pb2.ChatCompletionRequest,
+        caller: Caller,
+        priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE,
+    ) -> Generation:
         arrived = time.monotonic()
         with _counting_failures():
             validate_chat(request)
@@ -116,10 +124,16 @@ class RequestPipeline:
                 caller,
                 "assistant",
                 arrived,
+                priority,
             )
             return await self._start(generation, engine)
 
-    async def start_completion(self, request: router_pb2.CompletionRequest, caller: Caller) -> Generation:
+    async def start_completion(
+        self,
+        request: router_pb2.CompletionRequest,
+        caller: Caller,
+        priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE,
+    ) -> Generation:
         arrived = time.monotonic()
         with _counting_failures():
             validate_completion(request)
@@ -134,6 +148,7 @@ class RequestPipeline:
                 caller,
                 "",
                 arrived,
+                priority,
             )
             return await self._start(generation, engine)
 
@@ -236,7 +251,7 @@ class RequestPipeline:
                 prompt_token_ids=request.prompt_token_ids,
                 sampling=request.sampling,
                 response_format=request.response_format,
-                priority=common_pb2.PRIORITY_INTERACTIVE,
+                priority=request.priority,
             )
         )
         replica.in_flight += 1
@@ -457,7 +472,7 @@ class Generation:
                 completion_tokens=usage.completion_tokens,
                 finished_at_ms=int(time.time() * 1000),
                 replica_address=self.replica_address,
-                priority="interactive",
+                priority="batch" if self.request.priority == common_pb2.PRIORITY_BATCH else "interactive",
             )
         )
 

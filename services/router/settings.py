@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from cachet.config import API_KEYS_ALIASES, RouterSettings
@@ -30,6 +32,40 @@ class RouterServiceSettings(RouterSettings):
     dependency_timeout_seconds: float = Field(default=10.0, gt=0)
     # The cache index is an optimisation: wait for it only this long before scoring by load.
     cache_timeout_seconds: float = Field(default=0.5, gt=0)
+
+    # --- async queue (queue_store.py, dispatcher.py, webhooks.py) ---
+    # SQLite file of the queue; defaults to <data_dir>/queue.sqlite3.
+    queue_database: Path | None = None
+    # Most requests in one queued batch.
+    queue_max_batch_requests: int = Field(default=1000, ge=1)
+    # A leased job not renewed for this long is taken again (its router is presumed dead).
+    queue_lease_seconds: float = Field(default=30.0, gt=0)
+    # How often the dispatcher looks for headroom or work when it found none.
+    queue_poll_seconds: float = Field(default=0.05, gt=0)
+    # Leases after which a job that keeps failing (e.g. crashes its router) ends with an error.
+    queue_max_attempts: int = Field(default=5, ge=1)
+    # Headroom rule (see dispatcher.py): queued work fills a replica's running batch only up
+    # to this fraction of its max_running_requests, so interactive arrivals find free slots...
+    batch_max_running_fraction: float = Field(default=0.75, gt=0, le=1)
+    # ...and only while at least this fraction of its KV blocks is free (long batch prompts
+    # must not evict the prefixes interactive sessions are about to reuse)...
+    batch_min_free_kv_fraction: float = Field(default=0.2, ge=0, lt=1)
+    # ...and never while any replica has an interactive request waiting. At most this many
+    # queued jobs run at once from this router, whatever the headroom (0: no cap).
+    batch_max_in_flight: int = Field(default=0, ge=0)
+    # HMAC-SHA256 key of webhook signatures; empty: webhooks are sent unsigned (dev only).
+    webhook_secret: str = ""
+    # Per-attempt HTTP timeout of a webhook call.
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Retries with exponential backoff and full jitter, from first to max, until the deadline
+    # (counted from the batch's end) passes; then the delivery is marked failed.
+    webhook_first_backoff_seconds: float = Field(default=1.0, gt=0)
+    webhook_max_backoff_seconds: float = Field(default=300.0, gt=0)
+    webhook_deadline_seconds: float = Field(default=86400.0, gt=0)
+
+    @property
+    def queue_path(self) -> Path:
+        return self.queue_database or self.data_dir / "queue.sqlite3"
 
 
 def router_service_settings(settings: RouterSettings) -> RouterServiceSettings:

@@ -1,0 +1,414 @@
+"""The durable async queue on SQLite: batches, their jobs, results and webhook attempts.
+
+Contract (which a PostgreSQL store will share: the same async methods, the same
+tables, the same conditional updates):
+
+- ``create_batch`` stores a batch and one *job* per request in one transaction;
+  the batch is durable once the call returns, so the caller may answer "queued".
+- ``lease`` hands out one runnable job (queued, or leased by someone whose lease
+  expired) to one owner until ``lease_seconds`` from now. A dispatcher that dies
+  simply stops renewing; its jobs become runnable again when the lease expires:
+  execution is *at least once*.
+- ``complete`` writes a job's result with ``UPDATE ... WHERE state != 'done'``:
+  of every attempt that finishes, only the first is stored (*exactly once*), and
+  only that call sees the batch finish (so the webhook is armed once).
+- ``release`` puts a leased job back (no capacity now) without counting an attempt.
+- Fairness lives here too: ``lease(after_account=...)`` takes the next account
+  with work after the one served last (round-robin by account id), and within an
+  account the oldest job first.
+
+SQLite is blocking, so, as in the usage ledger, every call runs on one worker
+thread that owns the one connection (WAL, FULL sync, busy timeout); the event
+loop only awaits. Writes that must be atomic run inside ``BEGIN IMMEDIATE``, which
+takes the write lock up front, so two routers sharing the file cannot both lease
+the same job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    webhook_url TEXT NOT NULL,
+    jobs INTEGER NOT NULL,
+    created_at_ms INTEGER NOT NULL,
+    -- Set once, by the complete() that finished the last job.
+    finished_at_ms INTEGER,
+    -- '' (no webhook), 'pending', 'delivered' or 'failed'.
+    webhook_state TEXT NOT NULL DEFAULT '',
+    -- When the next delivery attempt is due; doubles as the sender's lease.
+    webhook_due_at_ms INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    request_id TEXT PRIMARY KEY,
+    batch_id TEXT NOT NULL REFERENCES batches (batch_id),
+    position INTEGER NOT NULL,
+    account_id TEXT NOT NULL,
+    -- Serialized cachet.router.v1.QueuedRequest.
+    body BLOB NOT NULL,
+    state TEXT NOT NULL DEFAULT 'queued',
+    -- Global arrival order: rowids of one batch are consecutive.
+    seq INTEGER NOT NULL,
+    lease_owner TEXT NOT NULL DEFAULT '',
+    lease_expires_at_ms INTEGER NOT NULL DEFAULT 0,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    -- Serialized cachet.router.v1.QueuedResult, written once.
+    result BLOB,
+    finished_at_ms INTEGER,
+    UNIQUE (batch_id, position)
+);
+-- The dispatcher's question, "what is runnable, per account, oldest first?".
+CREATE INDEX IF NOT EXISTS jobs_runnable ON jobs (state, account_id, seq);
+CREATE TABLE IF NOT EXISTS webhook_attempts (
+    batch_id TEXT NOT NULL REFERENCES batches (batch_id),
+    attempt INTEGER NOT NULL,
+    at_ms INTEGER NOT NULL,
+    -- HTTP status of the answer; 0 when there was none (connection failed, timed out).
+    http_status INTEGER NOT NULL,
+    error TEXT NOT NULL,
+    PRIMARY KEY (batch_id, attempt)
+);
+"""
+
+# A job may run when it is queued, or leased by an owner whose lease has lapsed.
+_RUNNABLE = "(state = 'queued' OR (state = 'leased' AND lease_expires_at_ms <= :now))"
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+
+
+class BatchState(StrEnum):
+    QUEUED = "queued"  # no job has started
+    RUNNING = "running"  # some job started or finished, not all finished
+    DONE = "done"  # every job finished (with a result or an error)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One leased request. ``attempt`` counts leases, this one included."""
+
+    request_id: str
+    batch_id: str
+    position: int
+    account_id: str
+    body: bytes
+    owner: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """A batch as its owner sees it; ``results`` are ``None`` for unfinished jobs."""
+
+    batch_id: str
+    account_id: str
+    model: str
+    state: BatchState
+    results: list[bytes | None]
+    webhook_url: str
+    webhook_state: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What ``complete`` did: whether this call stored the result, and whether it finished the batch."""
+
+    stored: bool
+    batch_finished: bool
+
+
+@dataclass(frozen=True)
+class DueWebhook:
+    batch_id: str
+    account_id: str
+    url: str
+    finished_at_ms: int
+    attempts: int
+
+
+@dataclass(frozen=True)
+class WebhookAttempt:
+    attempt: int
+    at_ms: int
+    http_status: int
+    error: str
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Autocommit; multi-statement writes open their own BEGIN IMMEDIATE.
+    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    connection.execute("PRAGMA journal_mode=WAL")
+    # A queued batch acknowledged to a client must survive a power cut, not only a crash.
+    connection.execute("PRAGMA synchronous=FULL")
+    # Another router sharing the file may hold the write lock for a moment.
+    connection.execute("PRAGMA busy_timeout=10000")
+    connection.executescript(_SCHEMA)
+    version = connection.execute("PRAGMA user_version").fetchone()[0]
+    if version == 0:
+        connection.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    elif version != SCHEMA_VERSION:
+        raise RuntimeError(f"{path}: queue schema version {version}, this code knows {SCHEMA_VERSION}")
+    return connection
+
+
+class QueueStore:
+    """The queue's durable state in one SQLite file; every method is safe to call concurrently."""
+
+    def __init__(self, path: Path, clock_ms: Callable[[], int] = _now_ms) -> None:
+        self.path = path
+        self._clock_ms = clock_ms
+        # One thread owns the connection: SQLite allows one writer anyway.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-store")
+        self._db = self._executor.submit(_connect, path).result()
+
+    async def close(self) -> None:
+        await self._run(self._db.close)
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, function: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function)
+
+    def _transaction(self, function: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``function`` in one write transaction (on the worker thread)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            value = function(self._db)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+        return value
+
+    # ------------------------------------------------------------------ batches
+
+    async def create_batch(
+        self, account_id: str, model: str, bodies: Sequence[bytes], webhook_url: str = ""
+    ) -> str:
+        """Store a batch of requests; returns its id. Job ids are ``<batch id>-<position>``."""
+        batch_id = f"batch-{uuid.uuid4().hex}"
+        now = self._clock_ms()
+
+        def insert(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO batches (batch_id, account_id, model, webhook_url, jobs, created_at_ms)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (batch_id, account_id, model, webhook_url, len(bodies), now),
+            )
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM jobs").fetchone()[0]
+            db.executemany(
+                "INSERT INTO jobs (request_id, batch_id, position, account_id, body, seq)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    (f"{batch_id}-{i}", batch_id, i, account_id, body, seq + 1 + i)
+                    for i, body in enumerate(bodies)
+                ],
+            )
+
+        await self._run(lambda: self._transaction(insert))
+        return batch_id
+
+    async def batch(self, batch_id: str, account_id: str) -> BatchView | None:
+        """The batch if it exists *and* belongs to ``account_id``; else None (callers answer 404)."""
+        return await self._run(lambda: self._batch(batch_id, account_id))
+
+    def _batch(self, batch_id: str, account_id: str) -> BatchView | None:
+        row = self._db.execute(
+            "SELECT model, webhook_url, webhook_state, finished_at_ms FROM batches"
+            " WHERE batch_id = ? AND account_id = ?",
+            (batch_id, account_id),
+        ).fetchone()
+        if row is None:
+            return None
+        model, webhook_url, webhook_state, finished_at_ms = row
+        jobs = self._db.execute(
+            "SELECT state, result FROM jobs WHERE batch_id = ? ORDER BY position", (batch_id,)
+        ).fetchall()
+        if finished_at_ms is not None:
+            state = BatchState.DONE
+        elif any(job_state != JobState.QUEUED for job_state, _ in jobs):
+            state = BatchState.RUNNING
+        else:
+            state = BatchState.QUEUED
+        return BatchView(
+            batch_id, account_id, model, state, [result for _, result in jobs], webhook_url, webhook_state
+        )
+
+    # --------------------------------------------------------------------- jobs
+
+    async def lease(self, owner: str, lease_seconds: float, after_account: str = "") -> Job | None:
+        """Lease the next runnable job, round-robin by account after ``after_account``; None if idle."""
+        return await self._run(
+            lambda: self._transaction(lambda db: self._lease(db, owner, lease_seconds, after_account))
+        )
+
+    def _lease(self, db: sqlite3.Connection, owner: str, lease_seconds: float, after: str) -> Job | None:
+        now = self._clock_ms()
+        # The first account after the last one served, wrapping around to the smallest.
+        account = db.execute(
+            f"SELECT account_id FROM jobs WHERE {_RUNNABLE}"
+            " ORDER BY account_id <= :after, account_id LIMIT 1",
+            {"now": now, "after": after},
+        ).fetchone()
+        if account is None:
+            return None
+        row = db.execute(
+            f"SELECT request_id, batch_id, position, body, attempts FROM jobs"
+            f" WHERE account_id = :account AND {_RUNNABLE} ORDER BY seq LIMIT 1",
+            {"now": now, "account": account[0]},
+        ).fetchone()
+        request_id, batch_id, position, body, attempts = row
+        db.execute(
+            "UPDATE jobs SET state = 'leased', lease_owner = ?, lease_expires_at_ms = ?, attempts = ?"
+            " WHERE request_id = ?",
+            (owner, now + int(lease_seconds * 1000), attempts + 1, request_id),
+        )
+        return Job(request_id, batch_id, position, account[0], body, owner, attempts + 1)
+
+    async def renew(self, job: Job, lease_seconds: float) -> bool:
+        """Extend a lease we still hold; False when it was lost (expired and taken, or finished)."""
+
+        def renew() -> bool:
+            cursor = self._db.execute(
+                "UPDATE jobs SET lease_expires_at_ms = ?"
+                " WHERE request_id = ? AND state = 'leased' AND lease_owner = ? AND attempts = ?",
+                (self._clock_ms() + int(lease_seconds * 1000), job.request_id, job.owner, job.attempt),
+            )
+            return cursor.rowcount == 1
+
+        return await self._run(renew)
+
+    async def release(self, job: Job) -> bool:
+        """Give a leased job back to the queue (no capacity now); the attempt does not count."""
+
+        def release() -> bool:
+            cursor = self._db.execute(
+                "UPDATE jobs SET state = 'queued', lease_owner = '', lease_expires_at_ms = 0,"
+                " attempts = attempts - 1"
+                " WHERE request_id = ? AND state = 'leased' AND lease_owner = ? AND attempts = ?",
+                (job.request_id, job.owner, job.attempt),
+            )
+            return cursor.rowcount == 1
+
+        return await self._run(release)
+
+    async def complete(self, job: Job, result: bytes) -> Completion:
+        """Store ``result`` unless another attempt already did; finish the batch with its last job.
+
+        Any attempt may complete, even one whose lease lapsed: its work is as good as
+        the retry's, and the conditional update keeps whichever came first.
+        """
+        return await self._run(lambda: self._transaction(lambda db: self._complete(db, job, result)))
+
+    def _complete(self, db: sqlite3.Connection, job: Job, result: bytes) -> Completion:
+        now = self._clock_ms()
+        stored = db.execute(
+            "UPDATE jobs SET state = 'done', result = ?, finished_at_ms = ?, lease_owner = ''"
+            " WHERE request_id = ? AND state != 'done'",
+            (result, now, job.request_id),
+        ).rowcount
+        if not stored:
+            return Completion(stored=False, batch_finished=False)
+        unfinished = db.execute(
+            "SELECT COUNT(*) FROM jobs WHERE batch_id = ? AND state != 'done'", (job.batch_id,)
+        ).fetchone()[0]
+        if unfinished:
+            return Completion(stored=True, batch_finished=False)
+        db.execute(
+            "UPDATE batches SET finished_at_ms = ?,"
+            " webhook_state = CASE WHEN webhook_url = '' THEN '' ELSE 'pending' END, webhook_due_at_ms = ?"
+            " WHERE batch_id = ? AND finished_at_ms IS NULL",
+            (now, now, job.batch_id),
+        )
+        return Completion(stored=True, batch_finished=True)
+
+    async def counts(self) -> dict[str, int]:
+        """Jobs per state (for metrics, logs and tests)."""
+        rows = await self._run(
+            lambda: self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        )
+        return {state: count for state, count in rows}
+
+    # ----------------------------------------------------------------- webhooks
+
+    async def claim_webhook(self, hold_seconds: float) -> DueWebhook | None:
+        """Take one due delivery, pushing its due time ``hold_seconds`` ahead (a lease on sending it)."""
+
+        def claim(db: sqlite3.Connection) -> DueWebhook | None:
+            now = self._clock_ms()
+            row = db.execute(
+                "SELECT batch_id, account_id, webhook_url, finished_at_ms FROM batches"
+                " WHERE webhook_state = 'pending' AND webhook_due_at_ms <= ?"
+                " ORDER BY webhook_due_at_ms LIMIT 1",
+                (now,),
+            ).fetchone()
+            if row is None:
+                return None
+            db.execute(
+                "UPDATE batches SET webhook_due_at_ms = ? WHERE batch_id = ?",
+                (now + int(hold_seconds * 1000), row[0]),
+            )
+            attempts = db.execute(
+                "SELECT COUNT(*) FROM webhook_attempts WHERE batch_id = ?", (row[0],)
+            ).fetchone()[0]
+            return DueWebhook(*row, attempts)
+
+        return await self._run(lambda: self._transaction(claim))
+
+    async def record_webhook_attempt(
+        self, batch_id: str, http_status: int, error: str, *, delivered: bool, retry_at_ms: int | None
+    ) -> None:
+        """Append one attempt; then the delivery is done, due again at ``retry_at_ms``, or given up (None)."""
+
+        def record(db: sqlite3.Connection) -> None:
+            now = self._clock_ms()
+            attempt = db.execute(
+                "SELECT COALESCE(MAX(attempt), 0) + 1 FROM webhook_attempts WHERE batch_id = ?", (batch_id,)
+            ).fetchone()[0]
+            db.execute(
+                "INSERT INTO webhook_attempts (batch_id, attempt, at_ms, http_status, error) VALUES (?, ?, ?, ?, ?)",
+                (batch_id, attempt, now, http_status, error),
+            )
+            if delivered:
+                db.execute("UPDATE batches SET webhook_state = 'delivered' WHERE batch_id = ?", (batch_id,))
+            elif retry_at_ms is None:
+                db.execute("UPDATE batches SET webhook_state = 'failed' WHERE batch_id = ?", (batch_id,))
+            else:
+                db.execute(
+                    "UPDATE batches SET webhook_due_at_ms = ? WHERE batch_id = ?", (retry_at_ms, batch_id)
+                )
+
+        await self._run(lambda: self._transaction(record))
+
+    async def webhook_attempts(self, batch_id: str) -> list[WebhookAttempt]:
+        rows = await self._run(
+            lambda: self._db.execute(
+                "SELECT attempt, at_ms, http_status, error FROM webhook_attempts WHERE batch_id = ? ORDER BY attempt",
+                (batch_id,),
+            ).fetchall()
+        )
+        return [WebhookAttempt(*row) for row in rows]
