@@ -1,0 +1,250 @@
+"""Replay a prefix-reuse trace through the router's real placement and the cache's real index.
+
+Per request, in timestamp order (ties keep file order):
+
+1. every replica drops the requests that finished by now (``ServiceTimeModel``),
+   giving the ``ReplicaLoad`` snapshot placement sees (in-flight requests);
+2. the ``PrefixIndex``, fed only by the replicas' own stored/removed events,
+   answers how many leading blocks each replica holds (cache-aware policies only);
+3. the policy picks a replica; the replica serves the request through its
+   BlockPool (the truth about hits, whatever the index believed) and publishes
+   its events to the index.
+
+Policies:
+
+* ``affinity``: ``choose_replica`` with the request's ``session_id`` (rendezvous
+  hashing with bounded load, failing over to the cached prefix); a request
+  without one is placed as in ``cache-aware``, as the router does.
+* ``cache-aware``: ``choose_replica`` with no session: cached tokens minus a
+  load penalty.
+* ``round-robin``: request *i* goes to replica *i mod n*; the floor.
+* ``random``: a uniform replica from ``random.Random(seed)``.
+
+Figures:
+
+* ``cached_token_ratio``: prompt tokens served from cache / all prompt tokens.
+* ``ideal_cached_token_ratio``: the same with one unlimited cache that has seen
+  every earlier request (no placement, no eviction): the most any policy can get.
+* ``max_load_over_mean``: per replica, load = tokens it computed (uncached prompt
+  tokens plus generated tokens); the busiest replica's over the mean. 1.0 is a
+  perfect balance; with 4 replicas, 4.0 means one replica did everything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from cachet.cache.prefix_index import PrefixIndex
+from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
+from cachet.router.placement import PlacementPolicy, ReplicaLoad, choose_replica
+from cachet.tools.simulated_replica import ServiceTimeModel, SimulatedReplica
+from cachet.tools.trace import TraceRequest
+
+POLICIES = ("affinity", "cache-aware", "round-robin", "random")
+# Every simulated replica serves this one model; the index keys blocks by model.
+MODEL = "replay"
+DEFAULT_BLOCK_TOKENS = 512
+# 4,096 blocks of 512 tokens = 2M tokens of KV per replica (a GPU's HBM plus a host-memory tier).
+DEFAULT_BLOCKS_PER_REPLICA = 4096
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    replicas: int = 4
+    blocks_per_replica: int = DEFAULT_BLOCKS_PER_REPLICA
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    # Seeds the ``random`` policy only; every other policy is deterministic.
+    seed: int = 0
+    service: ServiceTimeModel = ServiceTimeModel()
+    placement: PlacementPolicy = PlacementPolicy()
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.blocks_per_replica < 1 or self.block_tokens < 1:
+            raise ValueError("replicas, blocks_per_replica and block_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class PolicyFigures:
+    """One policy's replay."""
+
+    policy: str
+    cached_token_ratio: float
+    max_load_over_mean: float
+    # Per replica, in address order: tokens computed and requests served.
+    computed_tokens: tuple[int, ...]
+    requests: tuple[int, ...]
+    # How often each placement reason was given ("session", "score", "round-robin", ...).
+    reasons: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    requests: int
+    input_tokens: int
+    ideal_cached_token_ratio: float
+    policies: Mapping[str, PolicyFigures]
+
+    def to_json(self) -> dict[str, object]:
+        """The ``cachet replay --json`` object: exactly these keys, nothing else."""
+        return {
+            "ideal_cached_token_ratio": self.ideal_cached_token_ratio,
+            "policies": {
+                name: {
+                    "cached_token_ratio": figures.cached_token_ratio,
+                    "max_load_over_mean": figures.max_load_over_mean,
+                }
+                for name, figures in self.policies.items()
+            },
+        }
+
+
+def replay(
+    trace: Sequence[TraceRequest], config: ReplayConfig = ReplayConfig(), policies: Sequence[str] = POLICIES
+) -> ReplayReport:
+    """Replay ``trace`` once per policy, each on fresh replicas and a fresh index."""
+    ordered = in_time_order(trace)
+    input_tokens = sum(request.input_length for request in ordered)
+    return ReplayReport(
+        requests=len(ordered),
+        input_tokens=input_tokens,
+        ideal_cached_token_ratio=_ratio(ideal_cached_tokens(ordered, config.block_tokens), input_tokens),
+        policies={policy: replay_policy(ordered, policy, config) for policy in policies},
+    )
+
+
+def in_time_order(trace: Sequence[TraceRequest]) -> list[TraceRequest]:
+    # sorted() is stable: requests with equal timestamps keep their file order.
+    return sorted(trace, key=lambda request: request.timestamp_ms)
+
+
+def ideal_cached_tokens(trace: Sequence[TraceRequest], block_tokens: int) -> int:
+    """Prompt tokens one unlimited prefix cache would serve, replaying ``trace`` in the order given."""
+    seen: set[int] = set()
+    cached = 0
+    for request in trace:
+        hits = _leading_run(request.hash_ids, seen)
+        cached += min(hits * block_tokens, request.input_length)
+        seen.update(request.hash_ids)
+    return cached
+
+
+def replay_policy(trace: Sequence[TraceRequest], policy: str, config: ReplayConfig) -> PolicyFigures:
+    """Replay ``trace`` (already in time order) with one policy."""
+    replicas = [
+        SimulatedReplica(
+            f"replica-{i}",
+            num_blocks=config.blocks_per_replica,
+            block_tokens=config.block_tokens,
+            service=config.service,
+        )
+        for i in range(config.replicas)
+    ]
+    by_address = {replica.address: replica for replica in replicas}
+    index = PrefixIndex()
+    choose = _chooser(policy, config, [replica.address for replica in replicas])
+    reasons: Counter[str] = Counter()
+    for request in trace:
+        loads = [replica.load(request.timestamp_ms) for replica in replicas]
+        address, reason = choose(request, loads, index)
+        reasons[reason] += 1
+        replica = by_address[address]
+        replica.serve(request.hash_ids, request.input_length, request.output_length, request.timestamp_ms)
+        publish(index, address, replica.take_events())
+    computed = tuple(replica.computed_tokens for replica in replicas)
+    return PolicyFigures(
+        policy=policy,
+        cached_token_ratio=_ratio(
+            sum(replica.cached_tokens for replica in replicas), sum(r.input_length for r in trace)
+        ),
+        max_load_over_mean=max_over_mean(computed),
+        computed_tokens=computed,
+        requests=tuple(replica.requests for replica in replicas),
+        reasons=dict(reasons),
+    )
+
+
+def publish(index: PrefixIndex, address: str, events: Sequence[KvEvent]) -> None:
+    """Apply one replica's KV events to the index, as the cache service's follower does."""
+    for event in events:
+        if isinstance(event, BlocksStored):
+            index.apply_stored(address, MODEL, event.block_hashes)
+        elif isinstance(event, BlocksRemoved):
+            index.apply_removed(address, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            index.clear(address)
+
+
+def max_over_mean(loads: Sequence[int]) -> float:
+    """The busiest replica's load over the mean; 1.0 when there is no load at all."""
+    total = sum(loads)
+    return max(loads) * len(loads) / total if total else 1.0
+
+
+# A policy: (request, replica loads, index) -> (address, reason).
+Chooser = Callable[[TraceRequest, Sequence[ReplicaLoad], PrefixIndex], tuple[str, str]]
+
+
+def _chooser(policy: str, config: ReplayConfig, addresses: Sequence[str]) -> Chooser:
+    if policy in ("affinity", "cache-aware"):
+        use_sessions = policy == "affinity"
+
+        def placed(request: TraceRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex) -> tuple[str, str]:
+            matches = index.match(MODEL, request.hash_ids)
+            # Cached tokens as the router computes them: whole matched blocks.
+            cached = {match.address: match.matched_blocks * config.block_tokens for match in matches}
+            placement = choose_replica(
+                loads,
+                cached,
+                session_id=request.session_id if use_sessions else "",
+                all_addresses=addresses,
+                policy=config.placement,
+            )
+            return placement.address, placement.reason
+
+        return placed
+    if policy == "round-robin":
+        turn = itertools.count()
+        return lambda request, loads, index: (addresses[next(turn) % len(addresses)], "round-robin")
+    if policy == "random":
+        draw = random.Random(config.seed)
+        return lambda request, loads, index: (draw.choice(addresses), "random")
+    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+
+
+def _leading_run(hash_ids: Sequence[int], seen: set[int]) -> int:
+    """How many leading ids are in ``seen``."""
+    for i, block_hash in enumerate(hash_ids):
+        if block_hash not in seen:
+            return i
+    return len(hash_ids)
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def format_report(report: ReplayReport, config: ReplayConfig) -> str:
+    """A table for people: one line per policy, plus the ideal."""
+    ideal = report.ideal_cached_token_ratio
+    lines = [
+        f"{report.requests} requests, {report.input_tokens} prompt tokens; {config.replicas} replicas × "
+        f"{config.blocks_per_replica} blocks of {config.block_tokens} tokens",
+        f"ideal cached-token ratio (one unlimited cache): {ideal:.4f}",
+        "",
+        f"{'policy':<13}{'cached ratio':>13}{'× ideal':>9}{'load max/mean':>15}{'requests max/mean':>19}"
+        "  placements",
+    ]
+    for figures in report.policies.values():
+        of_ideal = figures.cached_token_ratio / ideal if ideal else 0.0
+        reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(figures.reasons.items()))
+        lines.append(
+            f"{figures.policy:<13}{figures.cached_token_ratio:>13.4f}{of_ideal:>9.3f}"
+            f"{figures.max_load_over_mean:>15.3f}{max_over_mean(figures.requests):>19.3f}  {reasons}"
+        )
+    lines.append("")
+    lines.append("load = tokens a replica computed (uncached prompt + generated); 1.0 = perfectly even")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""An engine replica without a model: the engine's real BlockPool as its prefix cache, and a clock.
+
+What it models, and what it leaves out:
+
+* **KV cache**: a ``BlockPool`` of ``num_blocks`` blocks, one per trace block
+  (``block_tokens`` tokens). Serving a request finds its longest cached prefix
+  (``lookup`` block by block, stopping at the first miss, as the engine's KV
+  cache manager does), takes those blocks, allocates the rest, names them by
+  the trace's hash ids, and frees everything tail-first, exactly as a finished
+  engine sequence does. So eviction is the pool's own LRU, and the pool's
+  stored/removed events are the ones a real replica would publish.
+* **What is not modelled**: KV held by requests while they run. Blocks are taken
+  and released within ``serve``, so the pool is a pure prefix cache; a request
+  longer than the pool caches only the prefix that fits. Chunked prefill,
+  preemption and batching slowdowns are left out too.
+* **Time**: ``ServiceTimeModel`` says how long a request stays in flight; the
+  in-flight count at a request's arrival is the load placement sees.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachet.engine.block_pool import BlockPool, KvEvent
+from cachet.router.placement import ReplicaLoad
+
+
+@dataclass(frozen=True)
+class ServiceTimeModel:
+    """How long one request occupies a replica: ``prefill + decode``, each at a fixed rate.
+
+    ``service_ms = computed prompt tokens / prefill rate + output tokens / decode rate``.
+    Requests on one replica run side by side (continuous batching) without slowing
+    each other down: the figure only has to make in-flight counts realistic, not
+    latencies. The defaults are round numbers for one GPU replica of a large model:
+    10,000 prefill tokens/s and 50 decode tokens/s per stream, so a cached prefix
+    shortens a request and a replica's load reflects what it had to compute.
+    """
+
+    prefill_tokens_per_s: float = 10_000.0
+    decode_tokens_per_s: float = 50.0
+
+    def service_ms(self, computed_prompt_tokens: int, output_tokens: int) -> float:
+        return 1000.0 * (
+            computed_prompt_tokens / self.prefill_tokens_per_s + output_tokens / self.decode_tokens_per_s
+        )
+
+
+@dataclass(frozen=True)
+class ServedRequest:
+    """What serving one request cost a replica."""
+
+    cached_tokens: int
+    computed_tokens: int  # uncached prompt tokens plus generated tokens
+
+
+class SimulatedReplica:
+    """One replica: a bounded LRU prefix cache (the engine's BlockPool) and its in-flight requests.
+
+    Counters (``requests``, ``cached_tokens``, ``computed_tokens``) accumulate over
+    the replay; ``load`` and ``serve`` must be called with non-decreasing times.
+    """
+
+    def __init__(
+        self, address: str, *, num_blocks: int, block_tokens: int, service: ServiceTimeModel
+    ) -> None:
+        self.address = address
+        self.block_tokens = block_tokens
+        self.service = service
+        self.pool = BlockPool(num_blocks)
+        # Finish times (ms) of the requests in flight; a min-heap, so finished ones pop first.
+        self._finishes: list[float] = []
+        self.requests = 0
+        self.cached_tokens = 0
+        self.computed_tokens = 0
+
+    def load(self, now_ms: float) -> ReplicaLoad:
+        """The replica as placement sees it at ``now_ms``: its in-flight requests, never saturated.
+
+        ``max_running = 0`` means no batch limit: the simulation has no admission
+        control, so every request is placed somewhere and the policies compare on
+        the same requests.
+        """
+        while self._finishes and self._finishes[0] <= now_ms:
+            heapq.heappop(self._finishes)
+        return ReplicaLoad(self.address, running=len(self._finishes), waiting=0, max_running=0, max_waiting=0)
+
+    def serve(self, hash_ids: Sequence[int], input_length: int, output_length: int, now_ms: float) -> ServedRequest:
+        """Prefill one request through the prefix cache and put it in flight until it would finish."""
+        hits = self._leading_hits(hash_ids)
+        self.pool.touch(hits)
+        # The hit blocks are now in use, so everything free can take new blocks without evicting them.
+        stored = min(len(hash_ids) - len(hits), self.pool.num_free_blocks)
+        new_blocks = self.pool.allocate(stored)
+        parent = hash_ids[len(hits) - 1] if hits else None
+        self.pool.cache_blocks(new_blocks, hash_ids[len(hits) : len(hits) + stored], parent)
+        # Tail first, as the engine frees a finished sequence: its last blocks are evicted first.
+        self.pool.free(reversed(hits + new_blocks))
+        # The trace's last block may be partial: a hit on it saves only the tokens it has.
+        cached = min(len(hits) * self.block_tokens, input_length)
+        computed = input_length - cached + output_length
+        self.requests += 1
+        self.cached_tokens += cached
+        self.computed_tokens += computed
+        heapq.heappush(self._finishes, now_ms + self.service.service_ms(input_length - cached, output_length))
+        return ServedRequest(cached_tokens=cached, computed_tokens=computed)
+
+    def take_events(self) -> list[KvEvent]:
+        """The pool's stored/removed events since the last call: what the replica publishes."""
+        return self.pool.take_events()
+
+    def _leading_hits(self, hash_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached prefix; a gap ends it (a child's KV needs its parent's)."""
+        hits: list[int] = []
+        for block_hash in hash_ids:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
