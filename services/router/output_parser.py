@@ -1,13 +1,15 @@
-"""Where the model's text becomes answer content (and, later, reasoning and tool calls).
+"""Where the model's text becomes answer content, reasoning and tool calls.
 
-Today content is the text as generated. Tool-call and reasoning parsers (a later
-issue) take the place of ``PlainTextParser`` with the same two methods: ``feed``
-each visible text delta, ``finish`` once at the end; each returns what to show.
+Every parser has two methods: ``feed`` each visible text delta, ``finish`` once
+at the end; each returns what to show. ``PlainTextParser`` shows all text as
+content; the tool-call and reasoning parsers live in ``cachet.router.tool_parsers``
+(``selection`` picks them per request).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cachet.router.v1 import router_pb2
 
@@ -22,6 +24,20 @@ class OutputDelta:
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class OutputParser(Protocol):
+    def feed(self, text: str) -> OutputDelta: ...
+
+    def finish(self) -> OutputDelta: ...
+
+
+def merge_deltas(first: OutputDelta, second: OutputDelta) -> OutputDelta:
+    return OutputDelta(
+        first.content + second.content,
+        first.reasoning + second.reasoning,
+        [*first.tool_calls, *second.tool_calls],
+    )
 
 
 class PlainTextParser:

@@ -1,0 +1,39 @@
+"""The output parser of one request: the family's tool parser as the tool plan asks, inside the reasoning parser.
+
+=============  ==========================================  =========================
+tool plan      Hermes family                               Kimi K2 family
+=============  ==========================================  =========================
+none           plain text                                  plain text
+auto           ``HermesToolParser``                        ``KimiK2ToolParser``
+named          ``NamedToolCallParser`` (grammar-shaped output, same for both)
+required       ``RequiredToolCallsParser`` (grammar-shaped output, same for both)
+=============  ==========================================  =========================
+
+Reasoning models get any of these wrapped in ``ReasoningParser``, except under a
+forced call: the grammar leaves no room for a think block.
+"""
+
+from __future__ import annotations
+
+from cachet.router.output_parser import OutputParser, PlainTextParser
+from cachet.router.tool_parsers.forced import NamedToolCallParser, RequiredToolCallsParser
+from cachet.router.tool_parsers.hermes import HermesToolParser
+from cachet.router.tool_parsers.kimi_k2 import KimiK2ToolParser
+from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat
+from cachet.router.tool_parsers.reasoning import ReasoningParser
+from cachet.router.tool_parsers.tool_choice import ToolMode, ToolPlan
+
+
+def output_parser_for(family: ModelFamily, plan: ToolPlan) -> OutputParser:
+    if plan.mode is ToolMode.NAMED:
+        return NamedToolCallParser(plan.forced_name)
+    if plan.mode is ToolMode.REQUIRED:
+        return RequiredToolCallsParser(plan.tool_names)
+    parser: OutputParser
+    if plan.mode is ToolMode.NONE:
+        parser = PlainTextParser()
+    elif family.tool_format is ToolFormat.KIMI_K2:
+        parser = KimiK2ToolParser(plan.tool_names)
+    else:
+        parser = HermesToolParser(plan.tool_names)
+    return ReasoningParser(parser) if family.reasoning else parser

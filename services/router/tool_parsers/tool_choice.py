@@ -1,0 +1,129 @@
+"""``tool_choice`` (and ``parallel_tool_calls``) as a plan: which tools the prompt
+offers, which grammar constrains the output, and how the output is read.
+
+- none: the prompt offers no tools (earlier calls in the conversation still
+  render) and the output is read as plain text.
+- auto (the default when tools are given): tools offered; the model decides and
+  the family's tool parser reads its calls.
+- required / a named function: enforced by grammar, so the arguments always
+  validate against the tool's ``parameters`` schema. The constraint is a JSON
+  schema (the one grammar every engine backend takes as ``ResponseFormat``):
+
+  - named ``f``: the output is ``f``'s arguments object; schema = f's parameters.
+  - required: the output is ``[{"name": ..., "arguments": {...}}, ...]`` with
+    one ``anyOf`` branch per tool (``name`` a const, ``arguments`` its
+    parameters), at least one item, at most one when ``parallel_tool_calls`` is
+    false.
+
+  The model is not told about this shape (the prompt keeps the family's own tool
+  format); the grammar alone makes it write it. A forced turn's history is then
+  re-rendered in the family's format, which is why it is not prefix-stable for
+  the next turn the way an ``auto`` call is.
+
+Tools marked ``strict`` are enforced the same way when forced; under ``auto`` a
+strict tool is only checked by the parser (a call must name an offered tool and
+carry an object), since a JSON schema cannot say "free text or a tagged call".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from cachet.common.v1 import common_pb2
+from cachet.errors import InvalidArgument
+from cachet.router.v1 import router_pb2
+
+
+class ToolMode(Enum):
+    NONE = "none"  # no tools offered, no calls parsed
+    AUTO = "auto"
+    NAMED = "named"
+    REQUIRED = "required"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: ToolMode
+    offered: tuple[common_pb2.Tool, ...]  # tools the prompt shows the model
+    tool_names: frozenset[str]  # names a parsed call may carry
+    forced_name: str = ""  # the function of a NAMED plan
+    constraint: common_pb2.ResponseFormat | None = None  # grammar for NAMED / REQUIRED
+
+
+def _parameters(tool: common_pb2.Tool, index: int) -> dict[str, Any]:
+    if not tool.parameters_schema_json.strip():
+        return {"type": "object", "properties": {}}
+    try:
+        schema = json.loads(tool.parameters_schema_json)
+    except json.JSONDecodeError as error:
+        raise InvalidArgument(
+            f"tools[{index}].parameters is not valid JSON ({error.msg})", param=f"tools[{index}].parameters"
+        ) from None
+    if not isinstance(schema, dict):
+        raise InvalidArgument(
+            f"tools[{index}].parameters must be a JSON schema object", param=f"tools[{index}].parameters"
+        )
+    return schema
+
+
+def _schema_format(name: str, schema: dict[str, Any]) -> common_pb2.ResponseFormat:
+    return common_pb2.ResponseFormat(
+        json_schema=common_pb2.JsonSchemaFormat(
+            name=name, schema_json=json.dumps(schema, separators=(",", ":")), strict=True
+        )
+    )
+
+
+def named_constraint(tools: list[common_pb2.Tool], name: str) -> common_pb2.ResponseFormat:
+    index = next(i for i, tool in enumerate(tools) if tool.name == name)
+    return _schema_format(name, _parameters(tools[index], index))
+
+
+def required_constraint(tools: list[common_pb2.Tool], parallel: bool) -> common_pb2.ResponseFormat:
+    calls = [
+        {
+            "type": "object",
+            # "name" before "arguments": grammars generate properties in schema order.
+            "properties": {"name": {"const": tool.name}, "arguments": _parameters(tool, index)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for index, tool in enumerate(tools)
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return _schema_format("tool_calls", schema)
+
+
+def plan_tools(request: router_pb2.ChatCompletionRequest) -> ToolPlan:
+    """The plan for ``request``; ``InvalidArgument`` for a choice that cannot be honoured."""
+    tools = list(request.tools)
+    names = frozenset(tool.name for tool in tools)
+    choice = request.tool_choice.WhichOneof("choice")
+    mode_value = request.tool_choice.mode if choice == "mode" else common_pb2.TOOL_CHOICE_MODE_UNSPECIFIED
+    if not tools or mode_value == common_pb2.TOOL_CHOICE_MODE_NONE:
+        if choice == "function_name" or mode_value == common_pb2.TOOL_CHOICE_MODE_REQUIRED:
+            raise InvalidArgument(
+                "tool_choice asks for a tool call but no tools are given", param="tool_choice"
+            )
+        return ToolPlan(ToolMode.NONE, (), frozenset())
+    forced = choice == "function_name" or mode_value == common_pb2.TOOL_CHOICE_MODE_REQUIRED
+    if forced and request.response_format.WhichOneof("format") not in (None, "text"):
+        raise InvalidArgument(
+            "a forced tool call (tool_choice required or a function) and a response_format "
+            "constraint cannot both apply",
+            param="response_format",
+        )
+    if choice == "function_name":
+        name = request.tool_choice.function_name
+        if name not in names:
+            raise InvalidArgument(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
+        return ToolPlan(ToolMode.NAMED, tuple(tools), names, name, named_constraint(tools, name))
+    if forced:
+        parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+        return ToolPlan(ToolMode.REQUIRED, tuple(tools), names, "", required_constraint(tools, parallel))
+    return ToolPlan(ToolMode.AUTO, tuple(tools), names)
