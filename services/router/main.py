@@ -14,15 +14,19 @@ from cachet.config import RouterSettings
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
+from cachet.router.batch_queue import BatchQueue
 from cachet.router.caller import AccountDirectory
+from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
 from cachet.router.placement import PlacementPolicy
 from cachet.router.prompt import PromptBuilder
+from cachet.router.queue_store import QueueStore
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
 from cachet.router.settings import RouterServiceSettings, router_service_settings
 from cachet.router.usage_recorder import UsageRecorder
 from cachet.router.v1 import router_pb2_grpc
+from cachet.router.webhooks import WebhookSender
 from cachet.tokenizer.v1 import tokenizer_pb2_grpc
 from cachet.tracing import configure_tracing
 from cachet.usage.v1 import usage_pb2_grpc
@@ -37,9 +41,19 @@ class RouterClients:
     replicas: ReplicaSet
     usage: UsageRecorder
     channels: list[grpc.aio.Channel] = field(default_factory=list)
+    queue: QueueStore | None = None
+    dispatcher: Dispatcher | None = None
+    webhooks: WebhookSender | None = None
 
     async def close(self, drain_seconds: float) -> None:
+        # Queued jobs still running go back to the queue first (their usage, if any, drains next).
+        if self.dispatcher is not None:
+            await self.dispatcher.stop()
+        if self.webhooks is not None:
+            await self.webhooks.stop()
         await self.usage.drain(drain_seconds)
+        if self.queue is not None:
+            await self.queue.close()
         await self.replicas.close()
         for channel in self.channels:
             await channel.close()
@@ -78,12 +92,18 @@ async def start(settings: RouterSettings) -> RunningServer:
         policy=_policy(options),
         cache_timeout_seconds=options.cache_timeout_seconds,
     )
+    clients.queue = QueueStore(options.queue_path)
+    clients.webhooks = _webhook_sender(clients.queue, options)
+    clients.dispatcher = _dispatcher(clients.queue, pipeline, replicas, clients.webhooks, options)
     replicas.start()
     # Engines started alongside us report within one interval; waiting (bounded) for them
     # keeps the first requests from being refused. Engines that come later join when up.
     if not await replicas.wait_all_reported(options.startup_wait_seconds):
         log.warning("serving before every engine reported", engines=options.engine_addresses)
-    servicer = InferenceServicer(pipeline, AccountDirectory(options.api_keys))
+    clients.webhooks.start()
+    clients.dispatcher.start()
+    queue = BatchQueue(clients.queue, replicas, options.queue_max_batch_requests)
+    servicer = InferenceServicer(pipeline, AccountDirectory(options.api_keys), queue)
     try:
         running = await create_server(
             options,
@@ -100,6 +120,37 @@ async def start(settings: RouterSettings) -> RunningServer:
 
 def _policy(options: RouterServiceSettings) -> PlacementPolicy:
     return PlacementPolicy(load_epsilon=options.load_epsilon, load_penalty_tokens=options.load_penalty_tokens)
+
+
+def _webhook_sender(store: QueueStore, options: RouterServiceSettings) -> WebhookSender:
+    return WebhookSender(
+        store,
+        secret=options.webhook_secret,
+        timeout_seconds=options.webhook_timeout_seconds,
+        first_backoff_seconds=options.webhook_first_backoff_seconds,
+        max_backoff_seconds=options.webhook_max_backoff_seconds,
+        deadline_seconds=options.webhook_deadline_seconds,
+    )
+
+
+def _dispatcher(
+    store: QueueStore,
+    pipeline: RequestPipeline,
+    replicas: ReplicaSet,
+    webhooks: WebhookSender,
+    options: RouterServiceSettings,
+) -> Dispatcher:
+    return Dispatcher(
+        store,
+        pipeline,
+        replicas,
+        policy=HeadroomPolicy(options.batch_max_running_fraction, options.batch_min_free_kv_fraction),
+        lease_seconds=options.queue_lease_seconds,
+        poll_seconds=options.queue_poll_seconds,
+        max_attempts=options.queue_max_attempts,
+        max_in_flight=options.batch_max_in_flight,
+        on_batch_finished=webhooks.kick,
+    )
 
 
 async def _serve(settings: RouterServiceSettings) -> None:

@@ -11,19 +11,20 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cachet.router.batch_queue import BatchQueue
 from cachet.router.caller import AccountDirectory
 from cachet.router.request_pipeline import Generation, RequestPipeline
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 REPLICA_METADATA_KEY = "x-cachet-replica"
-_QUEUE_LATER = "the queued (async) API is not available yet; use the synchronous calls"
 
 
 class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, pipeline: RequestPipeline, accounts: AccountDirectory) -> None:
+    def __init__(self, pipeline: RequestPipeline, accounts: AccountDirectory, queue: BatchQueue) -> None:
         self._pipeline = pipeline
         self._accounts = accounts
+        self._queue = queue
 
     async def CreateChatCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
         caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
@@ -51,10 +52,10 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
         return router_pb2.ListModelsResponse(models=self._pipeline.list_models())
 
     async def QueueRequests(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _QUEUE_LATER)
+        return await self._queue.submit(request, self._accounts.caller(context.invocation_metadata(), ""))
 
     async def GetQueuedBatch(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _QUEUE_LATER)
+        return await self._queue.get(request, self._accounts.caller(context.invocation_metadata(), ""))
 
 
 def _owned(generation: Generation, context: grpc.aio.ServicerContext) -> Generation:

@@ -1,0 +1,241 @@
+"""Pulls queued jobs into the engines' headroom; interactive traffic keeps priority.
+
+The headroom rule (knobs in ``RouterServiceSettings``, defaults in brackets):
+
+* If **any** available replica reports an interactive request waiting
+  (``waiting_interactive_requests > 0``), nothing new is dispatched: interactive
+  traffic is already queueing somewhere, so the fleet has no slack to lend.
+* Otherwise each available replica lends
+  ``max(1, floor(max_running_requests × batch_max_running_fraction [0.75]))
+  − running − waiting`` slots (never below 0), where running and waiting are the
+  report's numbers raised by the requests this router has in flight there (the
+  same estimate placement uses), but only while
+  ``free_kv_blocks / total_kv_blocks ≥ batch_min_free_kv_fraction [0.2]``.
+  Leaving a quarter of the batch free means an interactive arrival starts at
+  once; the KV floor keeps long batch prompts from evicting the prefixes that
+  interactive sessions are about to reuse.
+* The slots summed over replicas, minus jobs this router has leased but not yet
+  placed, is how many jobs may start now (capped by ``batch_max_in_flight`` when
+  set). Placement itself (cache-aware, bounded load) then picks the replica.
+
+Jobs run with ``PRIORITY_BATCH``, so even inside that headroom the engine schedules
+them after interactive requests and preempts them first. A job never fails for lack
+of capacity: an engine refusal (RESOURCE_EXHAUSTED) or an outage (UNAVAILABLE) puts
+it back in the queue and pauses dispatch briefly. Fairness: each lease takes the
+next account with work after the one served last (``QueueStore.lease``).
+
+Each job's engine and ledger request id is the job id, so a retried job is billed
+once (the ledger is idempotent by request id) and its result is stored once
+(``QueueStore.complete`` is a conditional update). Leases are renewed while a job
+runs; a router killed mid-job stops renewing and another (or its restart) takes
+the job again when the lease lapses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2
+from cachet.errors import CachetError, ResourceExhausted, Unavailable
+from cachet.logs import get_logger
+from cachet.router.caller import Caller
+from cachet.router.queue_store import Job, QueueStore
+from cachet.router.replica_set import ReplicaSet, estimated_load
+from cachet.router.request_pipeline import RequestPipeline
+from cachet.router.v1 import router_pb2
+
+log = get_logger(__name__)
+
+# After an engine refused a queued job, wait this long before trying the queue again:
+# the load reports that said "headroom" were stale, the next ones will not be.
+_REFUSAL_PAUSE_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class HeadroomPolicy:
+    """The thresholds of the headroom rule (module docstring)."""
+
+    max_running_fraction: float = 0.75
+    min_free_kv_fraction: float = 0.2
+
+
+def replica_slots(report: engine_pb2.LoadReport, in_flight: int, policy: HeadroomPolicy) -> int:
+    """Queued jobs one replica may take now (0 when it has no headroom)."""
+    if (
+        report.total_kv_blocks
+        and report.free_kv_blocks < policy.min_free_kv_fraction * report.total_kv_blocks
+    ):
+        return 0
+    load = estimated_load("", report, in_flight)
+    limit = max(1, math.floor(report.max_running_requests * policy.max_running_fraction))
+    return max(0, limit - load.running - load.waiting)
+
+
+def batch_slots(replicas: Sequence[tuple[engine_pb2.LoadReport, int]], policy: HeadroomPolicy) -> int:
+    """Queued jobs the fleet may take now, from each replica's (report, requests in flight)."""
+    if any(report.waiting_interactive_requests for report, _ in replicas):
+        return 0
+    return sum(replica_slots(report, in_flight, policy) for report, in_flight in replicas)
+
+
+class Dispatcher:
+    """Leases jobs while there is headroom and runs each to a stored result."""
+
+    def __init__(
+        self,
+        store: QueueStore,
+        pipeline: RequestPipeline,
+        replicas: ReplicaSet,
+        *,
+        policy: HeadroomPolicy,
+        lease_seconds: float,
+        poll_seconds: float,
+        max_attempts: int,
+        max_in_flight: int = 0,
+        on_batch_finished: Callable[[str], None] = lambda batch_id: None,
+    ) -> None:
+        self._store = store
+        self._pipeline = pipeline
+        self._replicas = replicas
+        self._policy = policy
+        self._lease_seconds = lease_seconds
+        self._poll_seconds = poll_seconds
+        self._max_attempts = max_attempts
+        self._max_in_flight = max_in_flight
+        self._on_batch_finished = on_batch_finished
+        # Unique per process: a restarted router must not mistake its old leases for its own.
+        self.owner = f"router-{uuid.uuid4().hex[:12]}"
+        self._last_account = ""
+        self._unplaced = 0  # leased jobs not yet counted in any replica's in_flight
+        self._paused_until = 0.0
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop taking work; running jobs are cancelled and their leases given back at once."""
+        tasks = [t for t in (self._loop_task, *self._jobs) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                started = await self._start_one()
+            except Exception:  # noqa: BLE001 - the only dispatcher of this router must outlive a bad moment
+                log.exception("queue dispatch failed")
+                started = False
+            if not started:
+                await asyncio.sleep(self._poll_seconds)
+
+    def free_slots(self) -> int:
+        """How many more jobs may start now under the headroom rule."""
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._paused_until:
+            return 0
+        reports = [
+            (report, replica.in_flight)
+            for replica in self._replicas.available()
+            if (report := replica.latest_report()) is not None
+        ]
+        slots = batch_slots(reports, self._policy) - self._unplaced
+        if self._max_in_flight:
+            slots = min(slots, self._max_in_flight - len(self._jobs))
+        return slots
+
+    async def _start_one(self) -> bool:
+        if self.free_slots() <= 0:
+            return False
+        job = await self._store.lease(self.owner, self._lease_seconds, self._last_account)
+        if job is None:
+            return False
+        self._last_account = job.account_id
+        self._unplaced += 1
+        task = asyncio.create_task(self._run(job))
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+        return True
+
+    async def _run(self, job: Job) -> None:
+        placed = False
+
+        def mark_placed() -> None:
+            nonlocal placed
+            if not placed:
+                placed = True
+                self._unplaced -= 1
+
+        heartbeat = asyncio.create_task(self._renew(job))
+        try:
+            result = await self._execute(job, mark_placed)
+            if result is None:
+                await self._store.release(job)
+                return
+            completion = await self._store.complete(job, result.SerializeToString())
+            if not completion.stored:
+                log.info("queued job finished twice; first result kept", request_id=job.request_id)
+            if completion.batch_finished:
+                log.info("queued batch finished", batch_id=job.batch_id)
+                self._on_batch_finished(job.batch_id)
+        except asyncio.CancelledError:
+            # Router stopping: hand the job back now rather than when the lease lapses.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._store.release(job))
+            raise
+        finally:
+            mark_placed()
+            heartbeat.cancel()
+
+    async def _execute(self, job: Job, mark_placed: Callable[[], None]) -> router_pb2.QueuedResult | None:
+        """The job's result, or None to put it back in the queue."""
+        if job.attempt > self._max_attempts:
+            return _error("ABORTED", f"gave up after {self._max_attempts} attempts")
+        queued = router_pb2.QueuedRequest.FromString(job.body)
+        try:
+            generation = await self._start(job, queued)
+            mark_placed()
+            return router_pb2.QueuedResult(completion=await generation.collect())
+        except (ResourceExhausted, Unavailable) as refusal:
+            # Capacity or an outage, never the request's fault: it waits for the next headroom.
+            self._paused_until = asyncio.get_running_loop().time() + _REFUSAL_PAUSE_SECONDS
+            log.info("queued job back to the queue", request_id=job.request_id, reason=str(refusal))
+            return None
+        except CachetError as error:
+            return _error(error.status.name, error.message)
+        except Exception as error:  # noqa: BLE001 - a bug must end this job with an error, not loop on it
+            log.exception("queued job failed", request_id=job.request_id)
+            return _error("INTERNAL", f"internal error ({type(error).__name__})")
+
+    async def _start(self, job: Job, queued: router_pb2.QueuedRequest):
+        if queued.WhichOneof("body") == "chat":
+            chat = queued.chat
+            chat.request_id = job.request_id
+            caller = Caller(job.account_id, chat.session_id)
+            return await self._pipeline.start_chat(chat, caller, common_pb2.PRIORITY_BATCH)
+        completion = queued.completion
+        completion.request_id = job.request_id
+        caller = Caller(job.account_id, completion.session_id)
+        return await self._pipeline.start_completion(completion, caller, common_pb2.PRIORITY_BATCH)
+
+    async def _renew(self, job: Job) -> None:
+        while True:
+            await asyncio.sleep(self._lease_seconds / 3)
+            try:
+                if not await self._store.renew(job, self._lease_seconds):
+                    log.warning("lease of a running queued job was lost", request_id=job.request_id)
+                    return
+            except Exception:  # noqa: BLE001 - a failed renewal is retried at the next beat
+                log.exception("lease renewal failed", request_id=job.request_id)
+
+
+def _error(code: str, message: str) -> router_pb2.QueuedResult:
+    return router_pb2.QueuedResult(error=router_pb2.RequestError(code=code, message=message))
