@@ -7,6 +7,7 @@ It reaches each service through its entry module by name
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -18,6 +19,8 @@ SERVICES = ("tokenizer", "router", "engine", "cache", "usage", "bridge")
 app = typer.Typer(help="Cachet: self-hosted LLM inference for agent workloads.", no_args_is_help=True)
 model_app = typer.Typer(help="Prepare model checkpoints.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+trace_app = typer.Typer(help="Generate prefix-reuse traces for `cachet replay`.", no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
 
 
 def _data_dir() -> Path:
@@ -81,6 +84,44 @@ def tiny(
     from cachet.models.tiny import write_tiny_model
 
     typer.echo(f"tiny checkpoint: {write_tiny_model(out, family=family, seed=seed)}")
+
+
+@app.command()
+def replay(
+    trace: Annotated[Path, typer.Argument(help="JSON-lines trace (Mooncake format, optional session_id).")],
+    block_tokens: Annotated[int, typer.Option(help="Tokens per hash id.")] = 512,
+    replicas: Annotated[int, typer.Option(help="Simulated engine replicas.")] = 4,
+    blocks_per_replica: Annotated[int, typer.Option(help="KV capacity of each replica, in blocks.")] = 4096,
+    seed: Annotated[int, typer.Option(help="Seed of the random policy.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+) -> None:
+    """Replay a trace through the router's placement and the cache index; compare policies."""
+    # Imported here: the tools compose service code, which libs must not import at module load.
+    from cachet.tools.replay import ReplayConfig, format_report
+    from cachet.tools.replay import replay as run_replay
+    from cachet.tools.trace import read_trace
+
+    config = ReplayConfig(
+        replicas=replicas, blocks_per_replica=blocks_per_replica, block_tokens=block_tokens, seed=seed
+    )
+    report = run_replay(read_trace(trace), config)
+    typer.echo(json.dumps(report.to_json()) if as_json else format_report(report, config))
+
+
+@trace_app.command("agent")
+def agent_trace_command(
+    out: Annotated[Path, typer.Argument(help="Output JSON-lines file.")],
+    sessions: Annotated[int, typer.Option(help="Agent sessions.")] = 64,
+    turns: Annotated[int, typer.Option(help="Turns per session.")] = 16,
+    block_tokens: Annotated[int, typer.Option(help="Tokens per hash id.")] = 512,
+    seed: Annotated[int, typer.Option(help="Trace seed.")] = 0,
+) -> None:
+    """Write an agent-like trace: sessions whose every turn resends the whole conversation."""
+    from cachet.tools.agent_traces import AgentTraceShape, agent_trace
+    from cachet.tools.trace import write_trace
+
+    shape = AgentTraceShape(sessions=sessions, turns=turns, block_tokens=block_tokens)
+    typer.echo(f"{write_trace(out, agent_trace(shape, seed=seed))} requests written to {out}")
 
 
 if __name__ == "__main__":

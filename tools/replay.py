@@ -36,7 +36,7 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cachet.cache.prefix_index import PrefixIndex
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
@@ -112,8 +112,23 @@ def replay(
         requests=len(ordered),
         input_tokens=input_tokens,
         ideal_cached_token_ratio=_ratio(ideal_cached_tokens(ordered, config.block_tokens), input_tokens),
-        policies={policy: replay_policy(ordered, policy, config) for policy in policies},
+        policies=_replay_policies(ordered, policies, config),
     )
+
+
+def _replay_policies(
+    trace: Sequence[TraceRequest], policies: Sequence[str], config: ReplayConfig
+) -> dict[str, PolicyFigures]:
+    figures: dict[str, PolicyFigures] = {}
+    reuse = "cache-aware" in policies and not any(request.session_id for request in trace)
+    for policy in policies:
+        if policy == "affinity" and reuse:
+            continue
+        figures[policy] = replay_policy(trace, policy, config)
+    if reuse and "affinity" in policies:
+        # With no session anywhere, affinity runs choose_replica exactly as cache-aware does.
+        figures["affinity"] = replace(figures["cache-aware"], policy="affinity")
+    return {policy: figures[policy] for policy in policies}
 
 
 def in_time_order(trace: Sequence[TraceRequest]) -> list[TraceRequest]:
