@@ -12,6 +12,7 @@ replica is sharded; today it runs a single rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,27 +82,42 @@ class ModelRunner:
         self.model = load_model(Path(model_dir), self.config, dtype=dtype, device=self.device)
         self.num_kv_blocks = self._fit_blocks(kv_cache_bytes)
         self.max_model_len = self._resolve_max_model_len(max_model_len)
-        self.kv_cache = allocate_kv_cache(
-            self.config.num_hidden_layers,
-            self.num_kv_blocks,
-            block_size,
-            self.model.num_local_kv_heads(),
-            self.config.head_dim,
-            dtype,
-            self.device,
-        )
+        self.kv_cache = self._allocate_kv_cache()
         for layer_cache, attention in zip(self.kv_cache, self.model.attention_layers(), strict=True):
             attention.kv_cache = layer_cache
         self._requests: dict[str, _RequestState] = {}
 
-    def _fit_blocks(self, kv_cache_bytes: int) -> int:
-        per_block = kv_cache_bytes_per_block(
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        """``[layers, ...]``: K/V per KV head, unless the model caches its own per-token layout."""
+        if hasattr(self.model, "kv_cache_shape_per_token"):
+            # MLA: one latent per token, ``[layers, num_blocks, block_size, *per_token]``; zeroed for
+            # the same reason as allocate_kv_cache (padded gathers read unused slots).
+            shape = (self.num_kv_blocks, self.block_size, *self.model.kv_cache_shape_per_token())
+            return torch.zeros(self.config.num_hidden_layers, *shape, dtype=self.dtype, device=self.device)
+        return allocate_kv_cache(
+            self.config.num_hidden_layers,
+            self.num_kv_blocks,
+            self.block_size,
+            self.model.num_local_kv_heads(),
+            self.config.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def _kv_cache_bytes_per_block(self) -> int:
+        if hasattr(self.model, "kv_cache_shape_per_token"):
+            per_token = math.prod(self.model.kv_cache_shape_per_token())
+            return self.config.num_hidden_layers * self.block_size * per_token * self.dtype.itemsize
+        return kv_cache_bytes_per_block(
             self.config.num_hidden_layers,
             self.block_size,
             self.model.num_local_kv_heads(),
             self.config.head_dim,
             self.dtype,
         )
+
+    def _fit_blocks(self, kv_cache_bytes: int) -> int:
+        per_block = self._kv_cache_bytes_per_block()
         blocks = kv_cache_bytes // per_block
         if blocks < 1:
             raise ValueError(

@@ -48,7 +48,10 @@ def load_model(
 ) -> nn.Module:
     with torch.device("meta"):
         model = model_class(config)(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if hasattr(model, "keep_fp32_"):
+        model.keep_fp32_()  # parameters whose precision decides behaviour (MoE routing biases)
+    model = model.to_empty(device=device)
     model.tie_weights()
     load_weights(model, model_dir)
     return model.eval()
@@ -60,12 +63,16 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     aliases: dict[str, str] = (
         model.tied_parameter_aliases() if hasattr(model, "tied_parameter_aliases") else {}
     )
+    # Tensors the model leaves out on purpose (another rank's experts, extra prediction heads).
+    skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
     loaded: set[str] = set()
     unexpected: list[str] = []
     deferred: dict[str, Path] = {}
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if skip(name):
+                    continue
                 if name in aliases:
                     # A tied copy: used only if the owner's own name is absent.
                     deferred[aliases[name]] = path

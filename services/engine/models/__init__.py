@@ -5,10 +5,17 @@ from __future__ import annotations
 from torch import nn
 
 from cachet.engine.models.config import ModelConfig, RopeConfig, UnsupportedModelError
+from cachet.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from cachet.engine.models.llama import LlamaForCausalLM
 
-# Qwen2 dense is Llama with q/k/v biases; the config carries the difference.
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+# Qwen2 dense is Llama with q/k/v biases; Kimi K2 is the DeepSeek-V3 architecture.
+# The config carries the differences.
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "kimi_k2": DeepseekV3ForCausalLM,
+}
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
@@ -20,6 +27,7 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 
 __all__ = [
     "MODEL_CLASSES",
+    "DeepseekV3ForCausalLM",
     "LlamaForCausalLM",
     "ModelConfig",
     "RopeConfig",

@@ -1,0 +1,72 @@
+"""Expert parallelism: which routed experts this rank holds, and how their outputs meet.
+
+An engine replica's ranks all see the same tokens (attention is replicated or
+tensor-parallel), so expert parallelism here needs no token exchange: rank r
+holds experts ``[r * E / ep, (r + 1) * E / ep)``, runs only those on the tokens
+routed to them, and one sum over the expert-parallel group adds the partial
+outputs. That is vLLM's expert-parallel layout without data-parallel attention.
+
+DeepSpeed's ``deepspeed.moe`` MOELayer is the other shape: GShard dispatch with
+a fixed per-expert capacity (``[tokens, experts, capacity]`` dispatch tensors)
+and an all-to-all, built for training where each rank owns different tokens.
+With replicated tokens it would compute every expert twice over, drop tokens
+past capacity, and its dense dispatch grows with tokens squared; so the
+collective used here is DeepSpeed's all-reduce (``deepspeed.comm``), nothing more.
+
+This module is the only place in the engine's model code that talks to
+DeepSpeed / torch.distributed for experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's place in the expert-parallel group; the default is a single rank."""
+
+    rank: int = 0
+    size: int = 1
+    # The torch.distributed process group the partial outputs are summed over; None = the world.
+    group: Any = None
+
+    @classmethod
+    def from_environment(cls) -> ExpertParallel:
+        """Every rank of an initialised process group shares the experts; otherwise one rank holds all."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        return cls(rank=dist.get_rank(), size=dist.get_world_size())
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global ids of the experts this rank holds (a contiguous slice, so loading is a name filter)."""
+        if num_experts % self.size:
+            raise ValueError(
+                f"{num_experts} experts do not split evenly over {self.size} expert-parallel ranks"
+            )
+        per_rank = num_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def reduce_(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum every rank's partial expert output in place; all ranks end with the full sum."""
+        if self.size > 1:
+            import deepspeed.comm as ds_comm
+
+            ds_comm.all_reduce(partial, group=self.group)
+        return partial
+
+
+def init_expert_parallel(backend: str | None = None) -> ExpertParallel:
+    """Join the launcher's process group (env:// settings) through DeepSpeed and span it with experts.
+
+    ``backend`` None lets DeepSpeed pick its accelerator's (gloo on CPU, NCCL on CUDA).
+    Idempotent: a process group someone else initialised is reused.
+    """
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return ExpertParallel.from_environment()

@@ -1,0 +1,316 @@
+"""DeepSeek-V3 family decoder (DeepSeek-V3, Kimi K2): latent attention + routed/shared experts.
+
+Same flat-step contract as ``llama.py``: every token of a step on one axis, logits
+only for the sampling positions. Parameter names match Hugging Face checkpoints
+(per-expert ``mlp.experts.{j}.{gate,up,down}_proj``), so loading is name for name;
+with expert parallelism a rank builds and loads only its own experts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cachet.engine.attention import AttentionMetadata
+from cachet.engine.expert_parallel import ExpertParallel
+from cachet.engine.mla_attention import PagedLatentAttention
+from cachet.engine.models.config import MLAConfig, ModelConfig, MoEConfig
+from cachet.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
+
+# DeepSeek's own code builds q_a_layernorm / kv_a_layernorm with the RMSNorm default,
+# not config.rms_norm_eps; checkpoints were trained that way.
+_LATENT_NORM_EPS = 1e-6
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim) squared as DeepSeek-V3 does.
+
+    YaRN sharpens long-context attention; DeepSeek applies the "all dims" mscale to
+    q and k alike, hence the square, on top of the cos/sin factor the rotary tables carry.
+    """
+    assert config.mla is not None
+    scale = config.mla.qk_head_dim**-0.5
+    rope = config.rope
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        m = _yarn_mscale(rope.factor, rope.mscale_all_dim)
+        scale *= m * m
+    return scale
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1), (x2, x3)... pairs -> [evens | odds]: the rotate-half layout of the same rotation.
+
+    q and k are permuted alike, so their dot product, and the cached k_rot, stay consistent.
+    """
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        mla: MLAConfig = config.mla  # type: ignore[assignment]
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.mla = mla
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=False)
+        self.attn = PagedLatentAttention(mla.kv_lora_rank, softmax_scale(config))
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mla.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        mla, tokens = self.mla, x.shape[0]
+        q = self._queries(x)
+        # -1 heads: the local head count follows the (possibly head-sharded) weights.
+        q_nope, q_rot = q.view(tokens, -1, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], -1
+        )
+        c, k_rot = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
+        c = self.kv_a_layernorm(c)
+        k_rot = k_rot[:, None, :]
+        if mla.rope_interleave:
+            q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+        q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
+
+        # kv_b_proj rows are [head][nope | v]; split into the per-head up-projections of c.
+        w_kv = self.kv_b_proj.weight.view(-1, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        w_uk, w_uv = w_kv[:, : mla.qk_nope_head_dim], w_kv[:, mla.qk_nope_head_dim :]
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+        latent = torch.cat((c, k_rot[:, 0]), dim=-1)
+        out = self.attn(q_latent, q_rot, latent, meta)
+        out = torch.einsum("thl,hvl->thv", out, w_uv)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Grouped top-k routing: pick ``topk_group`` expert groups, then ``top_k`` experts inside them.
+
+    Routing runs in fp32 on every rank (the weights are replicated), so all
+    expert-parallel ranks agree on every token's experts.
+    """
+
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.n_routed_experts, hidden))
+        if moe.topk_method == "noaux_tc":
+            # Load-balancing bias: shifts which experts are chosen, never the weights they get.
+            # A parameter (frozen) so the loader fills it; kept fp32 by the model (see keep_fp32_).
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(moe.n_routed_experts), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights [T, top_k] fp32, expert ids [T, top_k])."""
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if moe.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores
+        if moe.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias.float()
+        if moe.topk_method != "greedy" and moe.n_group > 1:
+            choice = self._mask_unselected_groups(choice)
+        ids = choice.topk(moe.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if moe.num_experts_per_tok > 1 and moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, ids
+
+    def _mask_unselected_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        grouped = choice.view(choice.shape[0], moe.n_group, -1)
+        if moe.topk_method == "noaux_tc":
+            # V3: a group scores the sum of its two best (bias-corrected) experts.
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values  # V2's group_limited_greedy
+        keep = group_scores.topk(moe.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return grouped.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
+
+
+class MoE(nn.Module):
+    """Routed experts (this rank's share) plus shared experts that every token passes through."""
+
+    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel) -> None:
+        super().__init__()
+        moe: MoEConfig = config.moe  # type: ignore[assignment]
+        self.top_k = moe.num_experts_per_tok
+        self.num_experts = moe.n_routed_experts
+        self.expert_parallel = expert_parallel
+        self.gate = Router(config.hidden_size, moe)
+        # Keyed by global expert id, so parameter names equal checkpoint names on every rank.
+        self.experts = nn.ModuleDict(
+            {
+                str(j): DenseMLP(config.hidden_size, moe.moe_intermediate_size)
+                for j in expert_parallel.local_experts(moe.n_routed_experts)
+            }
+        )
+        self.shared_experts = (
+            DenseMLP(config.hidden_size, moe.moe_intermediate_size * moe.n_shared_experts)
+            if moe.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self._routed(x, weights, ids)
+        # Summed before the shared experts: those run on every rank and must count once.
+        self.expert_parallel.reduce_(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat = ids.flatten()
+        # Sort the (token, slot) pairs by expert once, then each expert reads one contiguous run.
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        flat_weights = weights.flatten()
+        for key, expert in self.experts.items():
+            j = int(key)
+            if counts[j] == 0:
+                continue
+            pairs = order[starts[j] : starts[j + 1]]
+            tokens = pairs // self.top_k
+            y = expert(x[tokens]) * flat_weights[pairs, None].to(x.dtype)
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, expert_parallel: ExpertParallel) -> None:
+        super().__init__()
+        moe: MoEConfig = config.moe  # type: ignore[assignment]
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(config, expert_parallel)
+            if moe.is_moe_layer(layer)
+            else DenseMLP(config.hidden_size, config.intermediate_size)
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel) -> None:
+        super().__init__()
+        mla: MLAConfig = config.mla  # type: ignore[assignment]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, expert_parallel) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # RoPE covers only the shared rotary slice of each head.
+        self.rotary_emb = RotaryEmbedding(mla.qk_rope_head_dim, config.rope, config.max_position_embeddings)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, meta.token_seq_lens)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Returns logits (fp32) only for the step's sampling positions."""
+
+    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel | None = None) -> None:
+        super().__init__()
+        if config.mla is None or config.moe is None:
+            raise ValueError(f"model_type {config.model_type!r} has no MLA/MoE settings")
+        self.config = config
+        self.expert_parallel = expert_parallel or ExpertParallel.from_environment()
+        self._local_experts = set(self.expert_parallel.local_experts(config.moe.n_routed_experts))
+        self.model = DeepseekV3Model(config, self.expert_parallel)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Re-run after anything that replaces parameters (``to_empty``, loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tied_parameter_aliases(self) -> dict[str, str]:
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    def keep_fp32_(self) -> None:
+        """Undo the serving-dtype cast where it would change routing: the bias separates experts
+        whose scores differ in the third digit, below bf16's resolution."""
+        for module in self.modules():
+            if isinstance(module, Router) and hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Checkpoint tensors this rank's model deliberately lacks: other ranks' experts, and
+        DeepSeek-V3's multi-token-prediction layers stored past ``num_hidden_layers``."""
+        layer = _LAYER_INDEX.match(name)
+        if layer is not None and int(layer.group(1)) >= self.config.num_hidden_layers:
+            return True
+        expert = _EXPERT_INDEX.match(name)
+        return expert is not None and int(expert.group(1)) not in self._local_experts
+
+    def attention_layers(self) -> list[PagedLatentAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_cache_shape_per_token(self) -> tuple[int, ...]:
+        """One latent per token per layer, shared by all heads (instead of K and V per KV head)."""
+        assert self.config.mla is not None
+        return (self.config.mla.latent_dim,)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, meta)
+        return self.lm_head(hidden[meta.sample_indices]).float()
+
+
+__all__ = ["DeepseekV3ForCausalLM", "MLAttention", "MoE", "Router", "softmax_scale"]
