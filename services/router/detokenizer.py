@@ -23,11 +23,18 @@ class DetokenizeSession:
     """Text for one generation; one ``push`` at a time (each message gets exactly one answer)."""
 
     def __init__(
-        self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, model: str, prompt_ids: Sequence[int]
+        self,
+        stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+        model: str,
+        prompt_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
     ) -> None:
         self._call = stub.DetokenizeStream()
         self._first: tokenizer_pb2.DetokenizeStreamRequest | None = tokenizer_pb2.DetokenizeStreamRequest(
-            model=model, prompt_token_ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True
+            model=model,
+            prompt_token_ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
+            skip_special_tokens=skip_special_tokens,
         )
 
     async def push(self, token_ids: Sequence[int], *, last: bool = False) -> str:

@@ -8,6 +8,8 @@ message, as INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from cachet.common.v1 import common_pb2
@@ -84,9 +86,15 @@ class PromptBuilder:
         self._tokenizer = tokenizer
         self._timeout = timeout_seconds
 
-    async def chat(self, request: router_pb2.ChatCompletionRequest) -> list[int]:
+    async def chat(
+        self, request: router_pb2.ChatCompletionRequest, tools: Sequence[common_pb2.Tool] | None = None
+    ) -> list[int]:
+        """``tools`` replaces the request's own (``tool_choice: none`` offers none)."""
         template = tokenizer_pb2.ApplyChatTemplateRequest(
-            model=request.model, messages=request.messages, tools=request.tools, add_generation_prompt=True
+            model=request.model,
+            messages=request.messages,
+            tools=request.tools if tools is None else tools,
+            add_generation_prompt=True,
         )
         try:
             rendered = await self._tokenizer.ApplyChatTemplate(template, timeout=self._timeout)

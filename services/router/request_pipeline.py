@@ -23,7 +23,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -36,11 +36,14 @@ from cachet.logs import get_logger
 from cachet.router import metrics
 from cachet.router.caller import Caller
 from cachet.router.detokenizer import DetokenizeSession
-from cachet.router.output_parser import OutputDelta, PlainTextParser
+from cachet.router.output_parser import OutputDelta, merge_deltas
 from cachet.router.placement import Placement, PlacementPolicy, choose_replica
 from cachet.router.prompt import PromptBuilder, check_context_window, validate_chat, validate_completion
 from cachet.router.replica_set import Replica, ReplicaSet
 from cachet.router.stop_strings import StopStringFilter
+from cachet.router.tool_parsers.model_family import ModelFamilies
+from cachet.router.tool_parsers.selection import PLAIN_TEXT, OutputSetup, output_setup_for
+from cachet.router.tool_parsers.tool_choice import plan_tools
 from cachet.router.upstream_errors import domain_error
 from cachet.router.usage_recorder import UsageRecorder
 from cachet.router.v1 import router_pb2
@@ -54,6 +57,8 @@ _RETRY_ELSEWHERE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILA
 # How long the last chunk waits for the usage record to land (it keeps retrying after that).
 _USAGE_WAIT_SECONDS = 1.0
 _ABORT_TIMEOUT_SECONDS = 2.0
+# Asked once per model (then kept): how long the tokenizer may take to describe it.
+_MODEL_INFO_TIMEOUT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class GenerationRequest:
     # Queued (async) work runs as PRIORITY_BATCH: the engine schedules it after, and preempts
     # it before, interactive requests.
     priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE
+    output: OutputSetup = field(default=PLAIN_TEXT)  # how the answer is decoded and parsed
 
 
 class _Refused(Exception):
@@ -101,6 +107,7 @@ class RequestPipeline:
         self.usage = usage
         self._policy = policy
         self._cache_timeout = cache_timeout_seconds
+        self._families = ModelFamilies(tokenizer, _MODEL_INFO_TIMEOUT_SECONDS)
         # Strong references to fire-and-forget engine aborts.
         self._aborts: set[asyncio.Task[None]] = set()
 
@@ -113,18 +120,22 @@ class RequestPipeline:
         arrived = time.monotonic()
         with _counting_failures():
             validate_chat(request)
+            tools = plan_tools(request)
             engine = self._engine_for(request.model)
-            prompt = await self._prompts.chat(request)
+            prompt = await self._prompts.chat(request, tools.offered)
+            family = await self._families.get(request.model)
             generation = GenerationRequest(
                 request.request_id or f"chatcmpl-{uuid.uuid4().hex}",
                 request.model,
                 prompt,
                 request.sampling,
-                request.response_format,
+                # A forced tool call is a grammar of its own (plan_tools refuses both at once).
+                tools.constraint or request.response_format,
                 caller,
                 "assistant",
                 arrived,
                 priority,
+                output_setup_for(family, tools),
             )
             return await self._start(generation, engine)
 
@@ -271,7 +282,12 @@ class RequestPipeline:
         if first is grpc.aio.EOF:
             replica.in_flight -= 1
             raise Unavailable("the engine ended the request without an answer; retry")
-        detokenizer = DetokenizeSession(self._tokenizer, request.model, request.prompt_token_ids)
+        detokenizer = DetokenizeSession(
+            self._tokenizer,
+            request.model,
+            request.prompt_token_ids,
+            skip_special_tokens=not request.output.keep_special_tokens,
+        )
         return Generation(self, request, replica, placement, call, first, detokenizer)
 
 
@@ -298,7 +314,8 @@ class Generation:
         self._first = first
         self._detokenizer = detokenizer
         self._stop = StopStringFilter(request.sampling.stop)
-        self._parser = PlainTextParser()
+        self._parser = request.output.new_parser()
+        self._made_tool_calls = False
         self._prompt_tokens = len(request.prompt_token_ids)
         self._cached_tokens = first.usage.cached_tokens if first.HasField("usage") else 0
         self._completion_tokens = 0
@@ -333,15 +350,23 @@ class Generation:
         )
         content: list[str] = []
         reasoning: list[str] = []
+        calls: dict[int, common_pb2.ToolCall] = {}
         async for chunk in self.chunks():
             content.append(chunk.content_delta)
             reasoning.append(chunk.reasoning_delta)
+            for delta in chunk.tool_call_deltas:
+                # The same fragments a stream gets, joined: id and name first, then argument text.
+                call = calls.setdefault(delta.index, common_pb2.ToolCall())
+                call.id = call.id or delta.id
+                call.name = call.name or delta.name
+                call.arguments_json += delta.arguments_delta
             result.logprobs.extend(chunk.logprobs)
             if chunk.finish_reason:
                 result.finish_reason = chunk.finish_reason
             if chunk.HasField("usage"):
                 result.usage.CopyFrom(chunk.usage)
         result.content, result.reasoning_content = "".join(content), "".join(reasoning)
+        result.tool_calls.extend(calls[index] for index in sorted(calls))
         return result
 
     def close(self, error: BaseException | None = None) -> None:
@@ -378,7 +403,8 @@ class Generation:
             finish = response.finish_reason
             text = ""
             if response.token_ids or finish:
-                text = self._stop.feed(await self._detokenizer.push(response.token_ids, last=bool(finish)))
+                token_ids = self._answer_tokens(response)
+                text = self._stop.feed(await self._detokenizer.push(token_ids, last=bool(finish)))
             if finish:
                 self._engine_done = True
                 yield await self._last_chunk(text, finish, response)
@@ -391,6 +417,19 @@ class Generation:
             if chunk is not None:
                 yield chunk
             response = await self._read()
+
+    def _answer_tokens(self, response: engine_pb2.GenerateResponse) -> Sequence[int]:
+        """The tokens to decode: when special tokens are decoded, not the end-of-turn token that stopped."""
+        ids = response.token_ids
+        output = self.request.output
+        if (
+            output.keep_special_tokens
+            and response.finish_reason == common_pb2.FINISH_REASON_STOP
+            and ids
+            and ids[-1] in output.stop_token_ids
+        ):
+            return ids[:-1]
+        return ids
 
     async def _read(self) -> engine_pb2.GenerateResponse:
         try:
@@ -414,13 +453,15 @@ class Generation:
             text += self._stop.flush()
         else:
             self._detokenizer.cancel()
-        delta = _merge(self._parser.feed(text), self._parser.finish())
+        delta = merge_deltas(self._parser.feed(text), self._parser.finish())
         if last is not None and last.HasField("usage"):
             self._cached_tokens = last.usage.cached_tokens
             self._completion_tokens = max(self._completion_tokens, last.usage.completion_tokens)
         self._finished = True
         usage = self._usage()
         await asyncio.wait({self._submit_usage()}, timeout=_USAGE_WAIT_SECONDS)
+        if finish == common_pb2.FINISH_REASON_STOP and (self._made_tool_calls or delta.tool_calls):
+            finish = common_pb2.FINISH_REASON_TOOL_CALLS  # OpenAI's reason for a turn that called tools
         chunk = self._chunk(delta, last.logprobs if last is not None else (), finish)
         assert chunk is not None  # a finish reason always makes a chunk
         chunk.usage.CopyFrom(usage)
@@ -434,6 +475,7 @@ class Generation:
     ) -> router_pb2.ChatCompletionChunk | None:
         if not delta and not logprobs and not finish:
             return None
+        self._made_tool_calls |= bool(delta.tool_calls)
         chunk = router_pb2.ChatCompletionChunk(
             id=self.request.request_id,
             model=self.request.model,
@@ -483,14 +525,6 @@ def _usage_fields(usage: common_pb2.Usage) -> dict[str, int]:
         "cached_tokens": usage.cached_tokens,
         "completion_tokens": usage.completion_tokens,
     }
-
-
-def _merge(first: OutputDelta, second: OutputDelta) -> OutputDelta:
-    return OutputDelta(
-        first.content + second.content,
-        first.reasoning + second.reasoning,
-        [*first.tool_calls, *second.tool_calls],
-    )
 
 
 def _final_refusal(error: grpc.aio.AioRpcError) -> Exception:

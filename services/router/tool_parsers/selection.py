@@ -15,6 +15,9 @@ forced call: the grammar leaves no room for a think block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from cachet.router.output_parser import OutputParser, PlainTextParser
 from cachet.router.tool_parsers.forced import NamedToolCallParser, RequiredToolCallsParser
 from cachet.router.tool_parsers.hermes import HermesToolParser
@@ -37,3 +40,25 @@ def output_parser_for(family: ModelFamily, plan: ToolPlan) -> OutputParser:
     else:
         parser = HermesToolParser(plan.tool_names)
     return ReasoningParser(parser) if family.reasoning else parser
+
+
+@dataclass(frozen=True)
+class OutputSetup:
+    """How one generation's tokens become its answer: decoding settings and the parser to use."""
+
+    new_parser: Callable[[], OutputParser] = PlainTextParser
+    # Decode special tokens too (the parser's markers are special tokens); then the
+    # stop token that ended the turn is not decoded (it is no answer text).
+    keep_special_tokens: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+PLAIN_TEXT = OutputSetup()
+
+
+def output_setup_for(family: ModelFamily, plan: ToolPlan) -> OutputSetup:
+    return OutputSetup(
+        new_parser=lambda: output_parser_for(family, plan),
+        keep_special_tokens=family.keep_special_tokens,
+        stop_token_ids=family.stop_token_ids,
+    )
