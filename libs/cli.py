@@ -93,7 +93,9 @@ def replay(
     replicas: Annotated[int, typer.Option(help="Simulated engine replicas.")] = 4,
     blocks_per_replica: Annotated[int, typer.Option(help="KV capacity of each replica, in blocks.")] = 4096,
     seed: Annotated[int, typer.Option(help="Seed of the random policy.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of a table.")
+    ] = False,
 ) -> None:
     """Replay a trace through the router's placement and the cache index; compare policies."""
     # Imported here: the tools compose service code, which libs must not import at module load.

@@ -10,8 +10,9 @@ The shape of one session (all lengths in whole blocks of ``block_tokens``):
 Prompts are whole blocks: the tool output is padded so that answer + tool output
 fill whole blocks, which keeps every prompt block full and lets equal ids stand for
 equal content. Sessions start uniformly over ``start_window_ms``; a turn's next
-one arrives once its answer is generated (``output_length / decode_tokens_per_s``)
-and the tool has run (a uniform latency), so sessions interleave in time.
+one arrives once its answer is complete (the whole prompt prefilled and the output
+decoded at the shape's rates, so an agent never overlaps itself even when nothing
+was cached) and the tool has run (a uniform latency); sessions interleave in time.
 Block ids: the shared prefix is ``0 .. shared_prefix_blocks-1``; every other id is
 fresh. The same shape and seed always give the same trace.
 """
@@ -37,7 +38,8 @@ class AgentTraceShape:
     output_tokens: tuple[int, int] = (20, 600)
     tool_output_tokens: tuple[int, int] = (50, 3000)
     tool_latency_ms: tuple[int, int] = (200, 10_000)
-    # Answers are generated at this rate before the tool runs (the replay's default decode rate).
+    # How fast an answer comes back before its tool runs (the replay's default service model).
+    prefill_tokens_per_s: float = 10_000.0
     decode_tokens_per_s: float = 50.0
     start_window_ms: int = 300_000
 
@@ -69,10 +71,11 @@ def _session(
     turns: list[TraceRequest] = []
     for turn in range(shape.turns):
         output = draw.randint(*shape.output_tokens)
+        prompt = len(hash_ids) * shape.block_tokens
         turns.append(
             TraceRequest(
                 timestamp_ms=timestamp,
-                input_length=len(hash_ids) * shape.block_tokens,
+                input_length=prompt,
                 output_length=output,
                 hash_ids=tuple(hash_ids),
                 session_id=session_id,
@@ -84,6 +87,7 @@ def _session(
         appended = math.ceil((output + draw.randint(*shape.tool_output_tokens)) / shape.block_tokens)
         hash_ids.extend(range(next_id, next_id + appended))
         next_id += appended
-        answer_ms = 1000.0 * output / shape.decode_tokens_per_s
+        # The answer is complete before the tool runs, even if none of the prompt was cached.
+        answer_ms = 1000.0 * (prompt / shape.prefill_tokens_per_s + output / shape.decode_tokens_per_s)
         timestamp += math.ceil(answer_ms) + draw.randint(*shape.tool_latency_ms)
     return turns, next_id

@@ -207,7 +207,9 @@ def _chooser(policy: str, config: ReplayConfig, addresses: Sequence[str]) -> Cho
     if policy in ("affinity", "cache-aware"):
         use_sessions = policy == "affinity"
 
-        def placed(request: TraceRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex) -> tuple[str, str]:
+        def placed(
+            request: TraceRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex
+        ) -> tuple[str, str]:
             matches = index.match(MODEL, request.hash_ids)
             # Cached tokens as the router computes them: whole matched blocks.
             cached = {match.address: match.matched_blocks * config.block_tokens for match in matches}

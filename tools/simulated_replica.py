@@ -87,7 +87,9 @@ class SimulatedReplica:
             heapq.heappop(self._finishes)
         return ReplicaLoad(self.address, running=len(self._finishes), waiting=0, max_running=0, max_waiting=0)
 
-    def serve(self, hash_ids: Sequence[int], input_length: int, output_length: int, now_ms: float) -> ServedRequest:
+    def serve(
+        self, hash_ids: Sequence[int], input_length: int, output_length: int, now_ms: float
+    ) -> ServedRequest:
         """Prefill one request through the prefix cache and put it in flight until it would finish."""
         hits = self._leading_hits(hash_ids)
         self.pool.touch(hits)

@@ -1,0 +1,43 @@
+"""`cachet trace agent` and `cachet replay` through the real command line (typer's runner)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from cachet.cli import app
+from cachet.tools.trace import read_trace
+
+
+def test_generate_then_replay_as_json(tmp_path) -> None:
+    runner = CliRunner()
+    trace = tmp_path / "agent.jsonl"
+    generated = runner.invoke(
+        app, ["trace", "agent", str(trace), "--sessions", "8", "--turns", "4", "--seed", "2"]
+    )
+    assert generated.exit_code == 0, generated.output
+    assert len(read_trace(trace)) == 32
+
+    replayed = runner.invoke(
+        app, ["replay", str(trace), "--json", "--replicas", "2", "--blocks-per-replica", "64", "--seed", "1"]
+    )
+    assert replayed.exit_code == 0, replayed.output
+    document = json.loads(replayed.output)
+    assert set(document) == {"ideal_cached_token_ratio", "policies"}
+    assert set(document["policies"]) == {"affinity", "cache-aware", "round-robin", "random"}
+    for figures in document["policies"].values():
+        assert set(figures) == {"cached_token_ratio", "max_load_over_mean"}
+        assert 0.0 <= figures["cached_token_ratio"] <= document["ideal_cached_token_ratio"]
+        assert 1.0 <= figures["max_load_over_mean"] <= 2.0
+
+
+def test_replay_prints_a_table_by_default(tmp_path) -> None:
+    runner = CliRunner()
+    trace = tmp_path / "agent.jsonl"
+    runner.invoke(app, ["trace", "agent", str(trace), "--sessions", "4", "--turns", "3"])
+    replayed = runner.invoke(app, ["replay", str(trace)])
+    assert replayed.exit_code == 0, replayed.output
+    assert "ideal cached-token ratio" in replayed.output
+    for policy in ("affinity", "cache-aware", "round-robin", "random"):
+        assert f"\n{policy} " in replayed.output
