@@ -6,8 +6,10 @@ and the seeded generator. The scheduler sends only diffs (see ``step_plan``);
 the runner appends its own sampled tokens, so a decode step needs no token ids
 from the scheduler at all.
 
-This is the one module that will import torch.distributed / DeepSpeed when a
-replica is sharded; today it runs a single rank.
+In a tensor-parallel replica every rank holds a runner over its shard of the
+model (``distributed.TensorParallel.shard``) and of the KV heads; rank 0 calls
+``execute``, followers call ``forward_only`` and get rank 0's sampled tokens
+through ``accept_sampled`` (see ``distributed``, which owns DeepSpeed).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +33,9 @@ from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.step_plan import NewRequest, StepPlan, StepResult
 from cachet.engine.weights import load_model
+
+if TYPE_CHECKING:
+    from cachet.engine.distributed import TensorParallel
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -72,6 +78,7 @@ class ModelRunner:
         kv_cache_bytes: int,
         block_size: int = 16,
         max_model_len: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
@@ -80,7 +87,12 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = load_eos_token_ids(Path(model_dir), self.config)
         self.model = load_model(Path(model_dir), self.config, dtype=dtype, device=self.device)
+        if tp is not None:
+            self.model = tp.shard(self.model)
         self.num_kv_blocks = self._fit_blocks(kv_cache_bytes)
+        if tp is not None:
+            # Every rank must hold every block id the scheduler (on rank 0) hands out.
+            self.num_kv_blocks = tp.min_over_ranks(self.num_kv_blocks)
         self.max_model_len = self._resolve_max_model_len(max_model_len)
         self.kv_cache = self._allocate_kv_cache()
         for layer_cache, attention in zip(self.kv_cache, self.model.attention_layers(), strict=True):
@@ -149,6 +161,30 @@ class ModelRunner:
         self._apply_diffs(plan)
         if plan.is_empty:
             return StepResult()
+        logits, samplers = self._forward(plan)
+        with torch.inference_mode():
+            rows = [self._sampling_row(rid, logit_masks) for rid in samplers]
+            tokens = sample(logits, rows) if rows else []
+        for rid, token in zip(samplers, tokens, strict=True):
+            self._requests[rid].token_ids.append(token.token_id)
+        return StepResult(sampled=dict(zip(samplers, tokens, strict=True)))
+
+    def forward_only(self, plan: StepPlan) -> None:
+        """A follower rank's step: the same forward as rank 0 (its collectives pair with rank 0's,
+        down to the sharded lm_head), no sampling; rank 0's tokens come via ``accept_sampled``."""
+        self._apply_diffs(plan)
+        if not plan.is_empty:
+            self._forward(plan)
+
+    def accept_sampled(self, sampled: Mapping[str, int]) -> None:
+        """Append tokens rank 0 sampled (a follower's runner); requests dropped since are skipped."""
+        for rid, token_id in sampled.items():
+            state = self._requests.get(rid)
+            if state is not None:
+                state.token_ids.append(token_id)
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[str]]:
+        """Compute the plan's KV and the logits of its sampling positions (ids in ``samplers``)."""
         spans, input_ids, positions, samplers = self._prepare(plan)
         meta = build_attention_metadata(spans, self.block_size, self.device)
         with torch.inference_mode():
@@ -157,13 +193,9 @@ class ModelRunner:
                 torch.cat(positions).to(self.device),
                 meta,
             )
-            rows = [self._sampling_row(rid, logit_masks) for rid in samplers]
-            tokens = sample(logits, rows) if rows else []
         for rid, num_new in plan.num_scheduled_tokens.items():
             self._requests[rid].num_computed_tokens += num_new
-        for rid, token in zip(samplers, tokens, strict=True):
-            self._requests[rid].token_ids.append(token.token_id)
-        return StepResult(sampled=dict(zip(samplers, tokens, strict=True)))
+        return logits, samplers
 
     def _apply_diffs(self, plan: StepPlan) -> None:
         # Drop before adding: a preempted request can come back as new in the same plan.
