@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from bench.engine_bench import run_engine_bench
+from bench.replay_bench import run_replay_bench
 
 
 def run_memory_bench(model: str | None, dtype: str, requests: int) -> dict:
@@ -43,6 +44,8 @@ def main() -> None:
     results = {
         "engine_memory": run_memory_bench(args.model, args.dtype, requests=200 if args.quick else 1000),
         "engine": run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
+        # No model: placement policies replayed on prefix-reuse traces (~25 s).
+        "replay": run_replay_bench(),
     }
     out_dir = Path("bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)
