@@ -14,7 +14,7 @@ from cachet.models._fs import atomic_directory, read_json, write_json
 from cachet.models.convert_gguf import MODEL_ID_KEY, find_default_gguf, generation_config
 from cachet.models.gguf_tokenizer import copy_tokenizer_files, extract_tokenizer, special_tokens_from_hf_dir
 
-TINY_MODEL_IDS = {"llama": "tiny-llama"}
+TINY_MODEL_IDS = {"llama": "tiny-llama", "kimi-k2": "tiny-kimi-k2"}
 
 # Small enough to write and load in well under a second, large enough to exercise grouped-query
 # attention (4 query heads over 2 KV heads) and more than one layer.
@@ -28,6 +28,70 @@ _LLAMA_SHAPE = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True,
 }
+
+# Kimi K2's architecture (DeepSeek-V3: latent attention, grouped top-k MoE with shared experts) at toy
+# size: the first layer dense, then MoE; 8 routed experts in 4 groups (K2 itself has 1 group, but
+# more exercise the group selection), K2's sigmoid scoring, scaling factor and YaRN settings.
+_KIMI_K2_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
+    "num_nextn_predict_layers": 0,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+    },
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    # Wider than the 0.02 default so random logits sit far apart and greedy parity is not a coin toss.
+    "initializer_range": 0.1,
+}
+# Keys of K2's config.json that transformers' DeepseekV3Config does not keep; our engine reads them.
+_KIMI_K2_EXTRA_CONFIG = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+# Kimi K2's chat-format tokens, added to the SmolLM2 vocabulary (<|im_end|> is already there).
+KIMI_K2_SPECIAL_TOKENS = (
+    "<|im_system|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+    "<|im_end|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|media_start|>",
+    "<|media_content|>",
+    "<|media_pad|>",
+    "<|media_end|>",
+)
+# Added as ordinary (non-special) tokens, one id each: a reasoning parser finds them in text decoded
+# with skip_special_tokens=True, which would drop special tokens.
+KIMI_K2_THINK_TOKENS = ("<think>", "</think>")
+KIMI_K2_TEMPLATE = "kimi-k2-thinking.jinja"
 
 
 def write_tiny_model(
@@ -52,11 +116,36 @@ def write_tiny_model(
     out_dir = Path(out_dir)
     with atomic_directory(out_dir, overwrite=overwrite) as staging:
         specials = copy_tokenizer_files(tokenizer_dir, staging)
+        if family == "kimi-k2":
+            _add_kimi_k2_tokens(staging)
         vocab_size = _vocab_size(staging / "tokenizer.json")
-        _write_llama(
-            staging, vocab_size=vocab_size, seed=seed, specials=specials, model_id=TINY_MODEL_IDS[family]
-        )
+        writer = _write_kimi_k2 if family == "kimi-k2" else _write_llama
+        writer(staging, vocab_size=vocab_size, seed=seed, specials=specials, model_id=TINY_MODEL_IDS[family])
     return out_dir
+
+
+def kimi_k2_chat_template() -> str:
+    """Kimi K2 Thinking's chat template, shipped as package data."""
+    from importlib.resources import files
+
+    return (files("cachet.models") / "templates" / KIMI_K2_TEMPLATE).read_text(encoding="utf-8")
+
+
+def _add_kimi_k2_tokens(out_dir: Path) -> None:
+    """Append K2's chat tokens to tokenizer.json and put K2's template in tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    # add_* skips tokens already present, so <|im_end|> keeps SmolLM2's id (its end-of-turn stop).
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in KIMI_K2_SPECIAL_TOKENS]
+    )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in KIMI_K2_THINK_TOKENS])
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = read_json(out_dir / "tokenizer_config.json")
+    config["chat_template"] = kimi_k2_chat_template()
+    config["eos_token"] = "<|im_end|>"
+    write_json(out_dir / "tokenizer_config.json", config)
 
 
 def _tokenizer_source(vocab_from: Path | None, cache_dir: Path | None) -> Path:
@@ -120,6 +209,37 @@ def _write_llama(out_dir: Path, *, vocab_size: int, seed: int, specials: dict, m
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
     saved = read_json(out_dir / "config.json")
+    saved[MODEL_ID_KEY] = model_id
+    write_json(out_dir / "config.json", saved)
+    write_json(out_dir / "generation_config.json", generation_config(ids, eos_ids, saved))
+
+
+def _write_kimi_k2(out_dir: Path, *, vocab_size: int, seed: int, specials: dict, model_id: str) -> None:
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    ids = specials["ids"]
+    eos_ids: list[int] = specials["eos_token_ids"]
+    # model_type deepseek_v3 (K2's own config says kimi_k2 and needs remote code): transformers
+    # loads it natively, which is what the parity tests compare against.
+    config = DeepseekV3Config(
+        vocab_size=vocab_size,
+        bos_token_id=ids.get("bos_token"),
+        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        pad_token_id=ids.get("pad_token"),
+        **_KIMI_K2_SHAPE,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepseekV3ForCausalLM(config)
+        with torch.no_grad():
+            # transformers starts the routing bias at zero; random values make it steer routing.
+            for layer in model.model.layers[config.first_k_dense_replace :]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+    saved = read_json(out_dir / "config.json")
+    saved.update(_KIMI_K2_EXTRA_CONFIG)
     saved[MODEL_ID_KEY] = model_id
     write_json(out_dir / "config.json", saved)
     write_json(out_dir / "generation_config.json", generation_config(ids, eos_ids, saved))
