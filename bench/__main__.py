@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench.cache_index_bench import run_cache_index_bench
 from bench.engine_bench import run_engine_bench
 from bench.replay_bench import run_replay_bench
+from bench.service_chain_bench import run_service_chain_bench
 
 
 def run_memory_bench(model: str | None, dtype: str, requests: int) -> dict:
@@ -46,6 +48,9 @@ def main() -> None:
         "engine": run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
         # No model: placement policies replayed on prefix-reuse traces (~25 s).
         "replay": run_replay_bench(),
+        # The platform's own overheads, on the tiny model whatever --model says.
+        "service_chain": run_service_chain_bench(quick=args.quick),
+        "cache_index": run_cache_index_bench(quick=args.quick),
     }
     out_dir = Path("bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)
