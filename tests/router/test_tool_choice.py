@@ -84,7 +84,28 @@ def test_named_constrains_to_the_parameters_schema() -> None:
 def test_named_function_without_parameters_takes_an_empty_object() -> None:
     plan = plan_tools(request(common_pb2.ToolChoice(function_name="ping")))
     assert plan.constraint is not None
-    assert accepts(schema_of(plan.constraint), "{}")
+    schema = schema_of(plan.constraint)
+    assert accepts(schema, "{}")
+    assert not accepts(schema, '{"invented": 1}')
+    assert plan.constraint.json_schema.strict is False  # ping is not a strict tool
+
+
+def test_strict_tools_ask_the_engine_for_strict_schemas() -> None:
+    strict = [common_pb2.Tool(name="f", strict=True), common_pb2.Tool(name="g", strict=True)]
+    named = plan_tools(
+        router_pb2.ChatCompletionRequest(
+            model="m", tools=strict, tool_choice=common_pb2.ToolChoice(function_name="g")
+        )
+    )
+    required = plan_tools(
+        router_pb2.ChatCompletionRequest(
+            model="m",
+            tools=strict,
+            tool_choice=common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED),
+        )
+    )
+    assert named.constraint is not None and named.constraint.json_schema.strict
+    assert required.constraint is not None and required.constraint.json_schema.strict
 
 
 def test_required_is_an_array_of_calls_of_offered_tools() -> None:

@@ -319,3 +319,15 @@ def test_required_cut_short_keeps_whole_calls() -> None:
 def test_required_output_that_is_no_array_is_content() -> None:
     answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), "no calls")
     assert (answer.content, answer.calls) == ("no calls", {})
+
+
+def test_required_cut_short_before_any_call_is_all_content() -> None:
+    text = '[{"name": "search", "argu'
+    answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), text)
+    assert (answer.content, answer.calls) == (text, {})
+
+
+def test_required_array_of_a_bad_call_is_all_content() -> None:
+    text = '[{"name": "nope", "arguments": {}}]'
+    answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), text)
+    assert (answer.content, answer.calls) == (text, {})

@@ -63,6 +63,7 @@ class RequiredToolCallsParser:
     def __init__(self, tool_names: Collection[str]) -> None:
         self._tool_names = frozenset(tool_names)
         self._buffer = ""
+        self._raw = ""  # all output, shown whole when it held no call at all
         self._opened = False  # the array's "[" was read
         self._calls = 0
         self._as_content = False
@@ -71,6 +72,7 @@ class RequiredToolCallsParser:
         if self._as_content:
             return OutputDelta(content=text)
         self._buffer += text
+        self._raw += text
         out = OutputDelta()
         while self._next_call(out):
             pass
@@ -78,10 +80,11 @@ class RequiredToolCallsParser:
 
     def finish(self) -> OutputDelta:
         rest, self._buffer = self._buffer.strip(), ""
-        # An array cut short (max_tokens) after some calls: the rest is not a call.
-        if rest in ("", "]") or (self._calls and rest.startswith("]") and not rest[1:].strip()):
+        if self._as_content or rest in ("", "]"):
             return OutputDelta()
-        return OutputDelta(content=rest)
+        # Cut short (max_tokens): the unfinished call is content, and with no call
+        # made at all, so is the whole output.
+        return OutputDelta(content=rest if self._calls else self._raw)
 
     def _next_call(self, out: OutputDelta) -> bool:
         body = self._buffer.lstrip()
@@ -117,7 +120,7 @@ class RequiredToolCallsParser:
         return True
 
     def _give_up(self, out: OutputDelta) -> bool:
-        out.content += self._buffer
+        out.content += self._buffer if self._calls else self._raw
         self._buffer = ""
         self._as_content = True
         return False

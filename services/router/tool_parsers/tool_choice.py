@@ -9,7 +9,8 @@ offers, which grammar constrains the output, and how the output is read.
   validate against the tool's ``parameters`` schema. The constraint is a JSON
   schema (the one grammar every engine backend takes as ``ResponseFormat``):
 
-  - named ``f``: the output is ``f``'s arguments object; schema = f's parameters.
+  - named ``f``: the output is ``f``'s arguments object; schema = f's parameters
+    (``{}`` only, for a function whose parameters declare no properties).
   - required: the output is ``[{"name": ..., "arguments": {...}}, ...]`` with
     one ``anyOf`` branch per tool (``name`` a const, ``arguments`` its
     parameters), at least one item, at most one when ``parallel_tool_calls`` is
@@ -20,7 +21,8 @@ offers, which grammar constrains the output, and how the output is read.
   re-rendered in the family's format, which is why it is not prefix-stable for
   the next turn the way an ``auto`` call is.
 
-Tools marked ``strict`` are enforced the same way when forced; under ``auto`` a
+Tools marked ``strict`` are enforced the same way when forced (and the engine then
+refuses schema keywords it cannot enforce, rather than skipping them); under ``auto`` a
 strict tool is only checked by the parser (a call must name an offered tool and
 carry an object), since a JSON schema cannot say "free text or a tagged call".
 """
@@ -53,9 +55,14 @@ class ToolPlan:
     constraint: common_pb2.ResponseFormat | None = None  # grammar for NAMED / REQUIRED
 
 
+# A function that takes no arguments is called with {} (an open object would let a
+# weak model invent keys until max_tokens).
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _parameters(tool: common_pb2.Tool, index: int) -> dict[str, Any]:
     if not tool.parameters_schema_json.strip():
-        return {"type": "object", "properties": {}}
+        return dict(_NO_ARGUMENTS)
     try:
         schema = json.loads(tool.parameters_schema_json)
     except json.JSONDecodeError as error:
@@ -66,27 +73,35 @@ def _parameters(tool: common_pb2.Tool, index: int) -> dict[str, Any]:
         raise InvalidArgument(
             f"tools[{index}].parameters must be a JSON schema object", param=f"tools[{index}].parameters"
         )
+    if (
+        schema.get("type") == "object"
+        and not schema.get("properties")
+        and "additionalProperties" not in schema
+    ):
+        return _NO_ARGUMENTS | schema
     return schema
 
 
-def _schema_format(name: str, schema: dict[str, Any]) -> common_pb2.ResponseFormat:
+def _schema_format(name: str, schema: dict[str, Any], strict: bool) -> common_pb2.ResponseFormat:
+    # strict: the engine refuses schema keywords it cannot enforce instead of skipping them
+    # (OpenAI's strict flag); the schemas built here use only supported ones.
     return common_pb2.ResponseFormat(
         json_schema=common_pb2.JsonSchemaFormat(
-            name=name, schema_json=json.dumps(schema, separators=(",", ":")), strict=True
+            name=name, schema_json=json.dumps(schema, separators=(",", ":")), strict=strict
         )
     )
 
 
 def named_constraint(tools: list[common_pb2.Tool], name: str) -> common_pb2.ResponseFormat:
     index = next(i for i, tool in enumerate(tools) if tool.name == name)
-    return _schema_format(name, _parameters(tools[index], index))
+    return _schema_format(name, _parameters(tools[index], index), tools[index].strict)
 
 
 def required_constraint(tools: list[common_pb2.Tool], parallel: bool) -> common_pb2.ResponseFormat:
     calls = [
         {
             "type": "object",
-            # "name" before "arguments": grammars generate properties in schema order.
+            # Either key order parses; the calls are emitted whole, not streamed by key.
             "properties": {"name": {"const": tool.name}, "arguments": _parameters(tool, index)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -96,7 +111,7 @@ def required_constraint(tools: list[common_pb2.Tool], parallel: bool) -> common_
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
-    return _schema_format("tool_calls", schema)
+    return _schema_format("tool_calls", schema, all(tool.strict for tool in tools))
 
 
 def plan_tools(request: router_pb2.ChatCompletionRequest) -> ToolPlan:
