@@ -9,16 +9,16 @@ bit for bit, and greedy tokens agree exactly on this checkpoint.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 from pathlib import Path
 
+import deepseek_ep_worker as ep_worker
 import pytest
 import torch
+from deepseek_ep_worker import prefill_logits, prompt
 from test_model_parity import SimRequest, drive
 from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
-from cachet.engine.attention import SequenceSpan, build_attention_metadata
 from cachet.engine.expert_parallel import ExpertParallel
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.models.config import ModelConfig, MoEConfig
@@ -44,17 +44,7 @@ def hf_model(kimi_dir: Path) -> DeepseekV3ForCausalLM:
 
 
 def runner_for(model_dir: Path, block_size: int = 16) -> ModelRunner:
-    return ModelRunner(
-        model_dir,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        kv_cache_bytes=1 << 20,
-        block_size=block_size,
-    )
-
-
-def prompt(seed: int, length: int, vocab: int = 49152) -> list[int]:
-    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return ep_worker.runner_for(model_dir, block_size)
 
 
 def hf_greedy(model: DeepseekV3ForCausalLM, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
@@ -62,17 +52,6 @@ def hf_greedy(model: DeepseekV3ForCausalLM, ids: list[int], new_tokens: int = NE
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), generation_config=config)
     return out[0, len(ids) :].tolist()
-
-
-def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of a one-shot prefill (the runner itself keeps only the last)."""
-    blocks = list(range(-(-len(ids) // runner.block_size)))
-    meta = build_attention_metadata(
-        [SequenceSpan(0, len(ids), blocks, True)], runner.block_size, runner.device
-    )
-    meta.sample_indices = torch.arange(len(ids))
-    with torch.inference_mode():
-        return runner.model(torch.tensor(ids), torch.arange(len(ids)), meta)
 
 
 def test_runner_caches_one_latent_per_token(kimi_dir: Path) -> None:
@@ -216,38 +195,6 @@ def test_loader_skips_mtp_layers_but_not_strangers(kimi_dir: Path, tmp_path: Pat
 # ---------------------------------------------------------------- expert parallel (2 CPU ranks, gloo)
 
 
-def _ep_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_SIZE="2",  # DeepSpeed's CPU accelerator crashes without it in self-spawned ranks
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    torch.set_num_threads(1)
-    from cachet.engine.expert_parallel import init_expert_parallel
-
-    ep = init_expert_parallel("gloo")
-    runner = runner_for(Path(model_dir), block_size=4)
-    moe = runner.model.model.layers[1].mlp
-    held = sorted(int(k) for k in moe.experts)
-    logits = prefill_logits(runner, prompt(1, 40))
-    runner = runner_for(Path(model_dir), block_size=4)
-    reqs = {"a": SimRequest(prompt(2, 21)), "b": SimRequest(prompt(3, 37), chunk=5, start_step=1)}
-    drive(runner, reqs, new_tokens=NEW_TOKENS)
-    torch.save(
-        {
-            "ep": (ep.rank, ep.size),
-            "held": held,
-            "logits": logits,
-            "tokens": {k: r.output for k, r in reqs.items()},
-        },
-        Path(out_dir) / f"rank{rank}.pt",
-    )
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -257,7 +204,10 @@ def _free_port() -> int:
 def test_expert_parallel_two_ranks_equal_one(kimi_dir: Path, tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")  # never fork a process that may hold gRPC / OpenMP threads
     port = _free_port()
-    procs = [ctx.Process(target=_ep_rank, args=(r, port, str(kimi_dir), str(tmp_path))) for r in range(2)]
+    procs = [
+        ctx.Process(target=ep_worker.run_rank, args=(r, port, str(kimi_dir), str(tmp_path), NEW_TOKENS))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -267,12 +217,12 @@ def test_expert_parallel_two_ranks_equal_one(kimi_dir: Path, tmp_path: Path) -> 
     assert [r["ep"] for r in ranks] == [(0, 2), (1, 2)]
     assert [r["held"] for r in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
-    single = runner_for(kimi_dir, block_size=4)
-    expected_logits = prefill_logits(single, prompt(1, 40))
-    single = runner_for(kimi_dir, block_size=4)
-    reqs = {"a": SimRequest(prompt(2, 21)), "b": SimRequest(prompt(3, 37), chunk=5, start_step=1)}
-    drive(single, reqs, new_tokens=NEW_TOKENS)
+    expected_logits = ep_worker.prefill_logits(ep_worker.runner_for(kimi_dir), ep_worker.prompt(1, 40))
+    expected_tokens = ep_worker.batched_greedy(
+        ep_worker.runner_for(kimi_dir), ep_worker.ep_prompts(), NEW_TOKENS
+    )
+    assert all(len(t) == NEW_TOKENS for t in expected_tokens.values())
     for r in ranks:
         # Partial sums meet in a different order than one rank's loop: equal to rounding, not bits.
         torch.testing.assert_close(r["logits"], expected_logits, atol=1e-5, rtol=1e-5)
-        assert r["tokens"] == {k: req.output for k, req in reqs.items()}
+        assert r["tokens"] == expected_tokens
