@@ -119,16 +119,22 @@ class CachetStack:
     model_dir: Path
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
 
-    def start(self, engines: int = 2, engine_env: dict[str, str] | None = None) -> CachetStack:
-        """Start everything; ``engine_env`` adds variables to every engine (limits, KV size)."""
+    def start(
+        self,
+        engines: int = 2,
+        engine_env: dict[str, str] | None = None,
+        router_env: dict[str, str] | None = None,
+    ) -> CachetStack:
+        """Start everything; ``engine_env`` adds variables to every engine (limits, KV size), ``router_env``
+        to the router."""
         try:
-            self._start(engines, engine_env or {})
+            self._start(engines, engine_env or {}, router_env or {})
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start(self, engines: int, engine_env: dict[str, str]) -> None:
+    def _start(self, engines: int, engine_env: dict[str, str], router_env: dict[str, str]) -> None:
         self._add(
             start_service(
                 "tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(self.model_dir)])}, self.log_dir
@@ -150,7 +156,7 @@ class CachetStack:
                 "cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(self.engine_addresses)}, self.log_dir
             )
         )
-        self._add(self.start_router())
+        self._add(self.start_router(**router_env))
 
     def start_router(self, name: str = "router", **overrides: str) -> ServiceProcess:
         """A router wired to this stack; ``overrides`` replace its CACHET_ROUTER_* variables."""
@@ -160,6 +166,8 @@ class CachetStack:
             "CACHET_ROUTER_CACHE_ADDRESS": self.processes["cache"].address,
             "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps(self.engine_addresses),
             "CACHET_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
+            # The router's durable queue: one file per stack, kept across router restarts.
+            "CACHET_DATA_DIR": str(self.log_dir / "router-data"),
         } | overrides
         router = start_service("router", env, self.log_dir, name=name)
         router.metrics_port = metrics_port

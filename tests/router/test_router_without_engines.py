@@ -36,6 +36,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
             "CACHET_ROUTER_CACHE_ADDRESS": f"127.0.0.1:{free_port()}",
             "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps([f"127.0.0.1:{free_port()}"]),
             "CACHET_ROUTER_STARTUP_WAIT_SECONDS": "0.2",
+            "CACHET_DATA_DIR": str(root / "router-data"),
             "CACHET_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
         },
         root,
@@ -107,13 +108,25 @@ async def test_invalid_requests_are_refused_before_any_engine_is_needed(inferenc
     assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_queue_api_is_unimplemented_for_now(inference) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as queued:
+async def test_the_queue_accepts_work_while_every_engine_is_down(inference) -> None:
+    # The async API never answers "out of capacity": the batch waits for an engine.
+    batch = await inference.QueueRequests(
+        router_pb2.QueueRequestsRequest(
+            model=TINY_MODEL_ID, requests=[router_pb2.QueuedRequest(chat=chat())]
+        ),
+        timeout=10,
+    )
+    assert batch.status == router_pb2.BATCH_STATUS_QUEUED and batch.request_id
+    polled = await inference.GetQueuedBatch(
+        router_pb2.GetQueuedBatchRequest(request_id=batch.request_id), timeout=10
+    )
+    assert polled.status == router_pb2.BATCH_STATUS_QUEUED and not polled.results
+    with pytest.raises(grpc.aio.AioRpcError) as empty:
         await inference.QueueRequests(router_pb2.QueueRequestsRequest(model=TINY_MODEL_ID), timeout=10)
-    assert queued.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    with pytest.raises(grpc.aio.AioRpcError) as polled:
-        await inference.GetQueuedBatch(router_pb2.GetQueuedBatchRequest(request_id="b"), timeout=10)
-    assert polled.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await inference.GetQueuedBatch(router_pb2.GetQueuedBatchRequest(request_id="batch-nope"), timeout=10)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_list_models_is_empty_while_no_engine_is_up(inference) -> None:
