@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from cachet.engine.block_pool import BlocksStored, KvEvent
 from cachet.engine.engine_core import EngineCore, RequestOutput
-from cachet.engine.errors import RequestNotFound
+from cachet.engine.errors import EngineUnavailable, RequestNotFound
 from cachet.engine.request import Request, RequestStatus
 from cachet.logs import get_logger
 
@@ -77,6 +77,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self.failure: BaseException | None = None
         core.kv_event_sink = self._on_kv_events
+        # A grammar finishing on a compiler thread wakes an idle loop (an empty command does it).
+        core.wake = lambda: self._commands.put(_Command(lambda: None))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -104,6 +106,10 @@ class AsyncEngine:
             await self._call(lambda: self.core.add_request(request))
             while True:
                 output = await outputs.get()
+                if output.status is RequestStatus.FINISHED_ERROR and self.failure is not None:
+                    # The replica is broken (e.g. it lost a rank): a status the router retries, not a
+                    # finish reason it would pass on as an answer.
+                    raise EngineUnavailable(f"the engine failed: {self.failure}") from self.failure
                 yield output
                 if output.finished:
                     return
@@ -143,6 +149,12 @@ class AsyncEngine:
         if subscriber in self._kv_subscribers:
             self._kv_subscribers.remove(subscriber)
 
+    def fail(self, error: BaseException) -> None:
+        """On the event loop, when the replica broke outside the loop thread (a rank died): every
+        in-flight request ends with ``error``'s status and new ones are refused."""
+        self.failure = error
+        self._fail_all(error)
+
     # ---------------------------------------------------------------- stats
 
     @property
@@ -169,7 +181,7 @@ class AsyncEngine:
 
     async def _call(self, action: Callable[[], object]) -> object:
         if not self.healthy:
-            raise RuntimeError("the engine loop is not running") from self.failure
+            raise EngineUnavailable("the engine loop is not running") from self.failure
         command = _Command(action)
         self._commands.put(command)
         return await asyncio.wrap_future(command.done)
@@ -177,8 +189,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._run_commands(block=not self.core.has_unfinished_requests())
-                if self.core.has_unfinished_requests():
+                # Requests that only wait for their grammar leave nothing to step: block until a
+                # command (or the grammar's wake-up) arrives rather than spin on empty steps.
+                self._run_commands(block=not self.core.has_work_now())
+                if self.core.has_work_now():
                     self._step()
         except BaseException as error:  # noqa: BLE001 - a dead loop must be visible, not silent
             self.failure = error

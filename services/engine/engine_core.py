@@ -6,21 +6,25 @@ the caller serialises ``add_request``, ``abort`` and ``step``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from tokenizers import Tokenizer
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.errors import InvalidRequest
+from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar
 from cachet.engine.kv_cache_manager import KVCacheManager
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.sampling_params import InvalidSamplingParams
 from cachet.engine.scheduler import Scheduler, SchedulerConfig
 from cachet.engine.step_plan import SampledToken, StepPlan, StepResult
 from cachet.engine.stop_strings import StopStringChecker
+from cachet.engine.structured_output import GrammarCompiler
 
 # Prompt tokens decoded ahead of the output so its first token decodes as it
 # would in context (e.g. SentencePiece's leading space).
@@ -33,7 +37,9 @@ class Runner(Protocol):
     num_kv_blocks: int
     block_size: int
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: StepPlan, logit_masks: Mapping[str, torch.Tensor] | None = None) -> StepResult:
+        """``logit_masks``: request id -> bool [vocab], True = allowed (structured output)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_completion_tokens: int
+    # Why the request was refused after it was queued (its grammar failed to compile): the
+    # servicer turns this into INVALID_ARGUMENT. Empty otherwise.
+    error: str = ""
 
     @property
     def finished(self) -> bool:
@@ -65,7 +74,9 @@ class EngineCore:
     """Owns the scheduler (and through it the KV cache) and drives the runner.
 
     ``kv_event_sink`` receives each step's KV events (stored / removed /
-    cleared), in order; without one they are dropped.
+    cleared), in order; without one they are dropped. ``grammar_compiler`` enables structured
+    output (requests carrying a ``RequestGrammar``); ``wake`` is called from a compiler thread
+    when a grammar becomes ready, so an idle loop can stop waiting.
     """
 
     runner: Runner
@@ -74,7 +85,12 @@ class EngineCore:
     tokenizer: Tokenizer | None = None
     enable_prefix_caching: bool = True
     kv_event_sink: Callable[[list[KvEvent]], None] | None = None
+    grammar_compiler: GrammarCompiler | None = None
+    wake: Callable[[], None] | None = None
     scheduler: Scheduler = field(init=False)
+    _masks: MaskBuilder | None = field(init=False, default=None)
+    # Requests whose grammar is still being built; reaped at each step.
+    _compiling: dict[str, Request] = field(init=False, default_factory=dict)
     _stop_checkers: dict[str, StopStringChecker] = field(init=False, default_factory=dict)
     _pending: list[RequestOutput] = field(init=False, default_factory=list)
     _busy: bool = field(init=False, default=False)
@@ -83,6 +99,8 @@ class EngineCore:
         pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
         kv = KVCacheManager(pool, model=self.model, block_size=self.runner.block_size)
         self.scheduler = Scheduler(kv, self.scheduler_config)
+        if self.grammar_compiler is not None:
+            self._masks = MaskBuilder(self.grammar_compiler.vocab_size)
 
     # ---------------------------------------------------------------- requests
 
@@ -94,7 +112,13 @@ class EngineCore:
             raise InvalidRequest(str(exc)) from exc
         if request.sampling.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need the engine to have a tokenizer")
+        if request.grammar is not None and self._masks is None:
+            raise InvalidRequest("response_format needs the engine to have a tokenizer")
         self.scheduler.add_request(request)
+        if request.grammar is not None and not request.grammar.ready:
+            self._compiling[request.request_id] = request
+            if self.wake is not None:
+                request.grammar.on_ready(self.wake)
         if request.sampling.stop:
             self._stop_checkers[request.request_id] = StopStringChecker(
                 request.sampling.stop, self._decode, request.prompt_token_ids[-_STOP_CONTEXT_TOKENS:]
@@ -104,23 +128,64 @@ class EngineCore:
         """Abort now (blocks freed at once); its final output comes with the next step. RequestNotFound if unknown."""
         request = self.scheduler.abort(request_id)
         self._stop_checkers.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         self._pending.append(self._output(request, []))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
+    def has_work_now(self) -> bool:
+        """Whether ``step()`` would do anything: not when every live request awaits its grammar."""
+        return (
+            bool(self._pending or self.scheduler.running) or self.scheduler.waiting.peek_ready() is not None
+        )
+
     # -------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over this step's batch; outputs of every request that changed."""
+        self._reap_failed_grammars()
         plan = self.scheduler.schedule()
-        result = StepResult() if plan.is_empty else self.runner.execute(plan)
+        result = StepResult() if plan.is_empty else self._execute(plan)
         outputs = self._postprocess(plan, result)
         self._check_when_idle()
         return outputs
 
+    def _execute(self, plan: StepPlan) -> StepResult:
+        masks = self._grammar_masks(plan)
+        return self.runner.execute(plan, logit_masks=masks) if masks else self.runner.execute(plan)
+
+    def _grammar_masks(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """Token masks for the constrained requests that sample this step (their span reaches the end)."""
+        if self._masks is None:
+            return {}
+        grammars: dict[str, RequestGrammar] = {}
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.scheduler.get_request(request_id)
+            assert request is not None, request_id
+            if request.grammar is not None and request.num_computed_tokens + num_tokens == request.num_tokens:
+                # After a preemption the request re-prefills its output: the matcher must stand
+                # after exactly those tokens (it does; sync verifies and repairs if not).
+                request.grammar.sync(request.output_token_ids)
+                grammars[request_id] = request.grammar
+        return self._masks.build(grammars)
+
+    def _reap_failed_grammars(self) -> None:
+        """Forget requests whose grammar is built; refuse those whose grammar failed."""
+        for request_id, request in list(self._compiling.items()):
+            assert request.grammar is not None
+            if not request.grammar.ready:
+                continue
+            del self._compiling[request_id]
+            error = request.grammar.error
+            if error is not None:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+                self._stop_checkers.pop(request_id, None)
+                self._pending.append(dataclasses.replace(self._output(request, []), error=error))
+
     def _postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        matched_stops = self._match_stop_strings(result)
+        # A stop string matched by the same token wins: it names why the output stopped.
+        matched_stops = self._advance_grammars(result) | self._match_stop_strings(result)
         updates = self.scheduler.update_from_step(plan, result, matched_stops)
         outputs, self._pending = self._pending, []
         for update in updates:
@@ -138,6 +203,19 @@ class EngineCore:
             if checker is not None and (match := checker.append(sampled.token_id)) is not None:
                 matched[request_id] = match.stop
         return matched
+
+    def _advance_grammars(self, result: StepResult) -> dict[str, str]:
+        """Feed each sampled token to its request's grammar; a completed grammar stops the request
+        ("" as its matched stop: stopped, but by no stop string)."""
+        completed: dict[str, str] = {}
+        for request_id, sampled in result.sampled.items():
+            request = self.scheduler.get_request(request_id)
+            if request is None or request.grammar is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran: its token is dropped, so is the grammar
+            request.grammar.accept(sampled.token_id)
+            if request.grammar.is_terminated:
+                completed[request_id] = ""
+        return completed
 
     def _publish_kv_events(self) -> None:
         events = self.scheduler.kv.take_events()

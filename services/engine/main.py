@@ -5,21 +5,26 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 from cachet.config import EngineSettings
+from cachet.engine import distributed
 from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.engine_core import EngineCore
+from cachet.engine.errors import EngineUnavailable
 from cachet.engine.model_runner import ModelRunner, default_dtype
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.servicer import SERVICE_NAME, EngineServicer
+from cachet.engine.structured_output import GrammarCompiler
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
-from cachet.models.catalog import ensure_model
+from cachet.models.catalog import ResolvedModel, ensure_model
 from cachet.tracing import configure_tracing
 
 log = get_logger(__name__)
@@ -36,8 +41,46 @@ def choose_dtype(setting: str, device: torch.device) -> torch.dtype:
     return default_dtype(device) if setting == "auto" else getattr(torch, setting)
 
 
-def build_engine(settings: EngineSettings) -> tuple[AsyncEngine, engine_pb2.EngineInfo]:
-    """Everything but the server: model, KV pool, scheduler and the loop (not started)."""
+@dataclass
+class RankGroup:
+    """Rank 0's view of a tensor-parallel replica: the group, and the followers it spawned."""
+
+    tp: distributed.TensorParallel
+    # Empty when a launcher (deepspeed, torchrun) started the ranks.
+    followers: list[BaseProcess] = field(default_factory=list)
+    runner: distributed.ShardedRunner | None = None
+
+    def wrap(self, runner: ModelRunner) -> distributed.ShardedRunner:
+        self.runner = distributed.ShardedRunner(runner, self.tp)
+        return self.runner
+
+    def close(self) -> None:
+        """Planned shutdown: followers are told to stop, then waited for."""
+        if self.runner is not None:
+            self.runner.close()
+        distributed.stop_followers(self.followers)
+
+
+def start_rank_group(settings: EngineSettings) -> RankGroup | None:
+    """None for a single-rank replica; otherwise spawn (or join) the ranks and the process group."""
+    size = settings.tensor_parallel_size
+    if size == 1 and not distributed.externally_launched():
+        return None
+    followers: list[BaseProcess] = []
+    if not distributed.externally_launched():
+        distributed.prepare_local_group(size)
+        followers = distributed.spawn_followers(size, run_follower, settings)
+    info = distributed.init_distributed(choose_device(settings.device))
+    if info.world_size != size:
+        raise ValueError(f"tensor_parallel_size={size}, but the launcher started {info.world_size} ranks")
+    log.info("rank group up", world_size=info.world_size, spawned=len(followers))
+    return RankGroup(distributed.TensorParallel.create(info), followers)
+
+
+def build_runner(
+    settings: EngineSettings, tp: distributed.TensorParallel | None = None
+) -> tuple[ModelRunner, ResolvedModel, torch.dtype, torch.device]:
+    """The model (this rank's shard of it) and its KV cache; also which model, dtype and device."""
     model = ensure_model(settings.model or None, settings.data_dir)
     device = choose_device(settings.device)
     dtype = choose_dtype(settings.dtype, device)
@@ -51,9 +94,33 @@ def build_engine(settings: EngineSettings) -> tuple[AsyncEngine, engine_pb2.Engi
         kv_cache_bytes=int(settings.kv_cache_gb * _GIB),
         block_size=settings.block_size,
         max_model_len=settings.max_model_len,
+        tp=tp,
     )
+    return runner, model, dtype, device
+
+
+def run_follower(rank: int, settings: EngineSettings) -> None:
+    """Rank ``rank`` (> 0) of a replica: load its shard, then run what rank 0 sends until told to stop."""
+    configure_logging("engine", settings.log_level)
+    torch.set_num_threads(_threads_per_rank(settings))
+    tp = distributed.TensorParallel.create(distributed.init_distributed(choose_device(settings.device)))
+    runner, *_ = build_runner(settings, tp)
+    log.info("follower ready", rank=rank, kv_blocks=runner.num_kv_blocks)
+    distributed.follow(runner, tp)
+    log.info("follower stopped", rank=rank)
+
+
+def build_engine(
+    settings: EngineSettings, group: RankGroup | None = None
+) -> tuple[AsyncEngine, engine_pb2.EngineInfo]:
+    """Everything but the server: model, KV pool, scheduler and the loop (not started)."""
+    runner, model, dtype, device = build_runner(settings, group.tp if group else None)
+    if group is not None:
+        # Same attributes as the local runner; each step also goes out to the followers.
+        runner = group.wrap(runner)
     log.info("model loaded", kv_blocks=runner.num_kv_blocks, max_model_len=runner.max_model_len)
     tokenizer_file = Path(model.path) / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
     core = EngineCore(
         runner=runner,
         model=model.model_id,
@@ -64,7 +131,10 @@ def build_engine(settings: EngineSettings) -> tuple[AsyncEngine, engine_pb2.Engi
             max_waiting=settings.max_waiting,
             eos_token_ids=tuple(runner.eos_token_ids),
         ),
-        tokenizer=Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None,
+        tokenizer=tokenizer,
+        grammar_compiler=(
+            GrammarCompiler(tokenizer, runner.vocab_size, runner.eos_token_ids) if tokenizer else None
+        ),
     )
     engine = AsyncEngine(core, replica_id=uuid.uuid4().hex[:12])
     info = engine_pb2.EngineInfo(
@@ -74,15 +144,17 @@ def build_engine(settings: EngineSettings) -> tuple[AsyncEngine, engine_pb2.Engi
         block_size=runner.block_size,
         total_kv_blocks=runner.num_kv_blocks,
         dtype=str(dtype).removeprefix("torch."),
-        tensor_parallel_size=1,
+        tensor_parallel_size=group.tp.size if group else 1,
         expert_parallel_size=1,
         device=device.type,
     )
     return engine, info
 
 
-async def start(settings: EngineSettings) -> tuple[RunningServer, AsyncEngine]:
-    engine, info = await asyncio.to_thread(build_engine, settings)
+async def start(
+    settings: EngineSettings, group: RankGroup | None = None
+) -> tuple[RunningServer, AsyncEngine]:
+    engine, info = await asyncio.to_thread(build_engine, settings, group)
     engine.start()
     servicer = EngineServicer(engine, info, settings.load_report_interval_ms)
     running = await create_server(
@@ -97,11 +169,77 @@ def main(port: int | None = None) -> None:
     settings = EngineSettings() if port is None else EngineSettings(port=port)
     configure_logging("engine", settings.log_level)
     configure_tracing("engine")
-    # One process per replica on a shared CPU: more threads than cores only thrash.
-    torch.set_num_threads(int(os.environ.get("CACHET_ENGINE_THREADS", torch.get_num_threads())))
+    torch.set_num_threads(_threads_per_rank(settings))
+    if distributed.externally_launched() and int(os.environ["RANK"]) != 0:
+        # A launcher started every rank with this same command; only rank 0 serves.
+        run_follower(int(os.environ["RANK"]), settings)
+        return
+    group = start_rank_group(settings)
+    asyncio.run(_serve(settings, group))
 
-    async def serve() -> None:
-        running, engine = await start(settings)
-        await serve_until_signalled(running, settings.drain_seconds, on_stop=engine.stop)
 
-    asyncio.run(serve())
+def _threads_per_rank(settings: EngineSettings) -> int:
+    """One process per replica on a shared CPU: more threads than cores only thrash, and the
+    ranks of a replica on one host share its cores (2 ranks x 2 threads on 2 cores: 24x slower)."""
+    if "CACHET_ENGINE_THREADS" in os.environ:
+        return int(os.environ["CACHET_ENGINE_THREADS"])
+    ranks_here = int(os.environ.get("LOCAL_SIZE", settings.tensor_parallel_size))
+    return max(1, torch.get_num_threads() // ranks_here)
+
+
+async def _serve(settings: EngineSettings, group: RankGroup | None) -> None:
+    running, engine = await start(settings, group)
+
+    async def on_stop() -> None:
+        await engine.stop()
+        if group is not None:
+            await asyncio.to_thread(group.close)
+
+    serving = asyncio.create_task(serve_until_signalled(running, settings.drain_seconds, on_stop=on_stop))
+    if group is None:
+        await serving
+        return
+    lost = asyncio.create_task(_rank_lost(group, engine))
+    done, _ = await asyncio.wait({serving, lost}, return_when=asyncio.FIRST_COMPLETED)
+    if serving in done:
+        lost.cancel()
+        return
+    await _go_down(running, engine, lost.result())
+
+
+async def _rank_lost(group: RankGroup, engine: AsyncEngine) -> str:
+    """Resolves with a reason when a follower dies or the engine loop fails (a collective raised)."""
+    loop = asyncio.get_running_loop()
+    reason: asyncio.Future[str] = loop.create_future()
+
+    def report(text: str) -> None:
+        if not reason.done():
+            reason.set_result(text)
+
+    if group.followers:
+        disarm = distributed.watch_followers(
+            group.followers, lambda text: loop.call_soon_threadsafe(report, text)
+        )
+    try:
+        while not reason.done():
+            if engine.failure is not None:
+                report(f"engine loop failed: {engine.failure}")
+            await asyncio.wait({reason}, timeout=0.2)
+        return reason.result()
+    finally:
+        if group.followers and not reason.done():
+            disarm()  # a planned shutdown: followers exiting now is expected
+
+
+async def _go_down(running: RunningServer, engine: AsyncEngine, reason: str) -> None:
+    """A rank is gone, so the replica is: NOT_SERVING, every in-flight request fails, exit.
+
+    ``os._exit``: the engine thread may be blocked in a collective with the dead rank
+    (the shared-memory all-reduce never times out), so a normal exit could wait forever.
+    The non-zero status lets the supervisor (honcho, Kubernetes) see and restart it.
+    """
+    log.error("replica lost a rank; going down", reason=reason)
+    await running.set_serving(False)
+    engine.fail(EngineUnavailable(f"this replica lost a rank ({reason}); retry on another replica"))
+    await running.stop(grace=2.0)
+    os._exit(1)

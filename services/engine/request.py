@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cachet.engine.grammar_matcher import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -59,6 +63,8 @@ class Request:
     num_cached_tokens: int = -1
     block_hashes: list[int] = field(default_factory=list)
     stop_reason: str = ""
+    # Structured output: the grammar every output token must follow (None: free text).
+    grammar: RequestGrammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,6 +81,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_ready(self) -> bool:
+        """False while its grammar is still compiling: the scheduler leaves it waiting."""
+        return self.grammar is None or self.grammar.ready
 
     def __repr__(self) -> str:
         # Prompts stay out of logs.

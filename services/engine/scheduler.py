@@ -217,16 +217,19 @@ class Scheduler:
         return new_blocks
 
     def _schedule_waiting(self, plan: _PlanBuilder) -> None:
-        """Admit waiting requests in queue order while budget, seats and blocks last."""
+        """Admit waiting requests in queue order while budget, seats and blocks last.
+
+        Requests not ready yet (grammar still compiling) are passed over, not waited for."""
         while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+            request = self.waiting.peek_ready()
             if request is None:
                 return
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget)
             if self.kv.allocate_slots(request, num_tokens, hits) is None:
                 return  # keep queue order: wait for blocks rather than let others pass
-            self._admit(self.waiting.pop(), num_hit_tokens)
+            self.waiting.remove(request)
+            self._admit(request, num_hit_tokens)
             plan.add_new(request, self.kv.block_ids(request.request_id), num_tokens)
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
@@ -267,7 +270,8 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, and finish requests that are done.
 
         ``matched_stops`` maps request id -> stop string that the caller's text
-        check found in the token sampled this step. Requests that ended while
+        check found in the token sampled this step ("" when the request's
+        grammar completed: it stops without a stop string). Requests that ended while
         the step ran (aborted) are skipped.
         """
         updates: list[TokenUpdate] = []

@@ -14,8 +14,10 @@ from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from cachet.engine.engine_core import RequestOutput
 from cachet.engine.errors import InvalidRequest
+from cachet.engine.grammar_matcher import RequestGrammar
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from cachet.engine.structured_output import grammar_spec_from_proto
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
@@ -36,6 +38,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         # must close at once too (that is what aborts the request), not whenever GC runs.
         async with contextlib.aclosing(self._engine.generate(domain)) as outputs:
             async for output in outputs:
+                if output.error:
+                    # Only a request refused before it produced anything carries an error.
+                    raise InvalidRequest(output.error)
                 yield _to_response(output, include_usage=first or output.finished)
                 first = False
 
@@ -85,8 +90,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequest(
                 f"model {request.model!r} is not served here; this replica serves {self._info.model!r}"
             )
-        if request.response_format.WhichOneof("format") not in (None, "text"):
-            raise InvalidRequest("response_format constraints are not supported by this engine yet")
         try:
             sampling = SamplingParams.from_proto(request.sampling)
         except InvalidSamplingParams as error:
@@ -104,6 +107,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"{window}-token context window"
             )
         return Request(
+            grammar=self._grammar(request.response_format),
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=sampling,
@@ -112,6 +116,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             cache_salt=request.cache_salt,
             arrival_time=time.monotonic(),
         )
+
+    def _grammar(self, response_format: common_pb2.ResponseFormat) -> RequestGrammar | None:
+        """Start compiling the request's grammar (cached by hash) on the compiler's threads."""
+        spec = grammar_spec_from_proto(response_format)
+        if spec is None:
+            return None
+        compiler = self._engine.core.grammar_compiler
+        if compiler is None:
+            raise InvalidRequest("response_format needs a tokenizer, and this engine's model has none")
+        return RequestGrammar.create(compiler, spec)
 
     def _load_report(self) -> engine_pb2.LoadReport:
         decode_rate, prefill_rate = self._engine.throughput.rates()

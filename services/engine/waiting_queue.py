@@ -44,12 +44,16 @@ class WaitingQueue:
                 return queue[0]
         return None
 
+    def peek_ready(self) -> Request | None:
+        """The first request in ``peek`` order that is ready to run (grammar compiled)."""
+        return next((request for request in self if request.is_ready), None)
+
     def pop(self) -> Request:
         """Remove and return the request ``peek`` names."""
         return (self._interactive or self._batch).popleft()
 
     def remove(self, request: Request) -> None:
-        """Take out a request anywhere in the queue (abort); O(n), aborts are rare."""
+        """Take out a request anywhere in the queue; O(position), so cheap near the front."""
         self._queue_of(request).remove(request)
 
     def _queue_of(self, request: Request) -> deque[Request]:

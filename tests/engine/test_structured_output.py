@@ -1,0 +1,320 @@
+"""Structured output on the tiny random model: every sampled output follows its grammar.
+
+Random weights make this a real test of the mask: unconstrained, the model emits gibberish (the
+control test checks that), so a valid output at temperature 1 over many seeds is the grammar's doing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from test_structured_output_schemas import SCHEMAS
+from tokenizers import Tokenizer
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.engine_core import EngineCore, RequestOutput
+from cachet.engine.errors import InvalidRequest
+from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar
+from cachet.engine.model_runner import ModelRunner
+from cachet.engine.request import Request, RequestStatus
+from cachet.engine.sampling_params import SamplingParams
+from cachet.engine.scheduler import SchedulerConfig
+from cachet.engine.structured_output import GrammarCompiler, GrammarSpec, grammar_spec_from_proto
+from cachet.models.tiny import write_tiny_model
+
+# Seeds per grammar: 10 x 8 schemas is 80 sampled documents; the smaller grammars take 5.
+SEEDS = range(10)
+FEW_SEEDS = range(5)
+PROMPT = [1, 504, 3245, 28, 253, 1789, 17, 2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("structured") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, vocab_size=tokenizer.get_vocab_size(), eos_token_ids=[2])
+
+
+def make_engine(model_dir: Path, compiler: GrammarCompiler, kv_cache_bytes: int = 8 << 20) -> EngineCore:
+    runner = ModelRunner(
+        model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=kv_cache_bytes
+    )
+    config = SchedulerConfig(
+        max_model_len=min(runner.max_model_len, 1024),
+        max_num_batched_tokens=256,
+        max_num_seqs=32,
+        eos_token_ids=tuple(runner.eos_token_ids),
+    )
+    return EngineCore(runner, model="tiny-llama", scheduler_config=config, grammar_compiler=compiler)
+
+
+def make_request(
+    request_id: str, grammar: RequestGrammar | None, seed: int, max_tokens: int = 300, **sampling: object
+) -> Request:
+    params = SamplingParams(temperature=1.0, seed=seed, **sampling)  # type: ignore[arg-type]
+    return Request(request_id, list(PROMPT), params, max_tokens, grammar=grammar)
+
+
+def run(engine: EngineCore, max_steps: int = 5000) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outputs
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    raise AssertionError("engine made no progress")
+
+
+def text_of(outputs: list[RequestOutput], tokenizer: Tokenizer) -> str:
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    assert 2 not in tokens[:-1], "nothing may follow the end-of-sequence token"
+    return tokenizer.decode([t for t in tokens if t != 2])
+
+
+def schema_spec(schema: dict) -> GrammarSpec:
+    fmt = common_pb2.ResponseFormat(json_schema=common_pb2.JsonSchemaFormat(schema_json=json.dumps(schema)))
+    spec = grammar_spec_from_proto(fmt)
+    assert spec is not None
+    return spec
+
+
+def generate_all(
+    engine: EngineCore,
+    compiler: GrammarCompiler,
+    specs: dict[str, GrammarSpec],
+    seeds: range = FEW_SEEDS,
+    **sampling: object,
+) -> dict[str, list[RequestOutput]]:
+    for name, spec in specs.items():
+        for seed in seeds:
+            grammar = RequestGrammar.create(compiler, spec)
+            engine.add_request(make_request(f"{name}/{seed}", grammar, seed, **sampling))  # type: ignore[arg-type]
+    return run(engine)
+
+
+# ------------------------------------------------------------------- outputs follow the grammar
+
+
+@pytest.mark.timeout(900)
+def test_every_json_schema_output_validates(model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer):
+    engine = make_engine(model_dir, compiler)
+    results = generate_all(engine, compiler, {name: schema_spec(s) for name, s in SCHEMAS.items()}, SEEDS)
+    assert len(results) == len(SCHEMAS) * len(SEEDS)
+    for request_id, outputs in results.items():
+        schema = SCHEMAS[request_id.split("/")[0]]
+        assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_STOP, request_id
+        document = json.loads(text_of(outputs, tokenizer))
+        jsonschema.validate(document, schema)
+    engine.scheduler.check_invariants()
+
+
+def test_without_the_grammar_the_tiny_model_emits_no_json(
+    model_dir: Path, compiler: GrammarCompiler, tokenizer
+):
+    """The control: the same seeds unconstrained never produce valid output, so the test above can fail."""
+    engine = make_engine(model_dir, compiler)
+    for seed in FEW_SEEDS:
+        engine.add_request(make_request(f"free/{seed}", None, seed, max_tokens=40))
+    for outputs in run(engine).values():
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text_of(outputs, tokenizer))
+
+
+def test_json_object_always_parses(model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer):
+    """Any-object JSON is unbounded, so a random model may run out of tokens; what finishes parses."""
+    spec = grammar_spec_from_proto(common_pb2.ResponseFormat(json_object=common_pb2.JsonObjectFormat()))
+    assert spec is not None
+    engine = make_engine(model_dir, compiler)
+    results = generate_all(engine, compiler, {"object": spec}, max_tokens=80)
+    finished = [o for o in results.values() if o[-1].finish_reason == common_pb2.FINISH_REASON_STOP]
+    assert finished, "no seed closed its object within 80 tokens"
+    for outputs in finished:
+        assert isinstance(json.loads(text_of(outputs, tokenizer)), dict)
+    for outputs in results.values():
+        assert text_of(outputs, tokenizer).startswith("{")
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"[A-Z][a-z]{2,8} [0-9]{1,3}(\.[0-9]{2})?", r"(yes|no|maybe)", r"[a-z]{1,6}@[a-z]{2,5}\.(com|org)"],
+)
+def test_regex_outputs_fullmatch(
+    model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer, pattern: str
+):
+    spec = grammar_spec_from_proto(common_pb2.ResponseFormat(regex=pattern))
+    assert spec is not None
+    engine = make_engine(model_dir, compiler)
+    for outputs in generate_all(engine, compiler, {"re": spec}).values():
+        assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert re.fullmatch(pattern, text_of(outputs, tokenizer))
+
+
+def test_ebnf_grammar(model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer):
+    grammar = 'root ::= answer " " digit\nanswer ::= "yes" | "no"\ndigit ::= [0-9]'
+    spec = grammar_spec_from_proto(common_pb2.ResponseFormat(ebnf=grammar))
+    assert spec is not None
+    engine = make_engine(model_dir, compiler)
+    for outputs in generate_all(engine, compiler, {"ebnf": spec}).values():
+        assert re.fullmatch(r"(yes|no) [0-9]", text_of(outputs, tokenizer))
+
+
+def test_a_completed_grammar_ends_the_request_even_ignoring_eos(
+    model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer
+):
+    engine = make_engine(model_dir, compiler)
+    grammar = RequestGrammar.create(compiler, GrammarSpec("regex", "done"))
+    engine.add_request(make_request("r", grammar, seed=0, max_tokens=50, ignore_eos=True))
+    outputs = run(engine)["r"]
+    assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert outputs[-1].matched_stop == ""
+    assert text_of(outputs, tokenizer) == "done"
+    assert outputs[-1].num_completion_tokens < 50
+
+
+# ------------------------------------------------------------------------------- preemption
+
+
+def test_preemption_keeps_outputs_valid_and_identical(
+    model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer
+):
+    """Under a KV pool too small for the batch, requests are preempted and re-prefilled; the matcher
+    must resume after exactly the kept output, so seeded outputs equal the unpreempted ones."""
+    specs = {name: schema_spec(SCHEMAS[name]) for name in ("person", "order_refs", "nested_list")}
+    roomy = generate_all(make_engine(model_dir, compiler), compiler, specs)
+    # 30 blocks (2 layers x K,V x 16 slots x 2 heads x 16 dims x 4 bytes each): one request's 308
+    # tokens fit, 60 concurrent ones do not.
+    tight = make_engine(model_dir, compiler, kv_cache_bytes=30 * 2 * 2 * 16 * 2 * 16 * 4)
+    preempted: list[str] = []
+    original = tight.scheduler._preempt
+
+    def counting_preempt(request: Request, plan: object) -> None:
+        preempted.append(request.request_id)
+        original(request, plan)  # type: ignore[arg-type]
+
+    tight.scheduler._preempt = counting_preempt  # type: ignore[method-assign]
+    squeezed = generate_all(tight, compiler, specs)
+    assert len(preempted) > 5, f"the pool was not tight enough: {tight.runner.num_kv_blocks} blocks"
+    for request_id, outputs in squeezed.items():
+        text = text_of(outputs, tokenizer)
+        jsonschema.validate(json.loads(text), SCHEMAS[request_id.split("/")[0]])
+        assert text == text_of(roomy[request_id], tokenizer), request_id
+
+
+def test_sync_replays_the_output_after_a_rewind(compiler: GrammarCompiler, tokenizer: Tokenizer):
+    masks = MaskBuilder(compiler.vocab_size)
+    spec = schema_spec(SCHEMAS["tags"])
+    tokens = tokenizer.encode('{"tags":["ab","c', add_special_tokens=False).ids
+    rewound = RequestGrammar(spec, _done(compiler, spec))
+    for token in tokens:
+        rewound.accept(token)
+    rewound.sync(tokens[:3])
+    fresh = RequestGrammar(spec, _done(compiler, spec))
+    fresh.sync(tokens[:3])
+    assert rewound.num_accepted == fresh.num_accepted == 3
+    assert torch.equal(masks.build({"x": rewound})["x"], masks.build({"x": fresh})["x"])
+    assert not torch.equal(masks.build({"x": fresh})["x"], torch.ones(compiler.vocab_size, dtype=torch.bool))
+
+
+def _done(compiler: GrammarCompiler, spec: GrammarSpec) -> concurrent.futures.Future:
+    future = compiler.new_matcher(spec)
+    future.result(timeout=30)
+    return future
+
+
+# ------------------------------------------------------------------ readiness and failures
+
+
+def test_a_request_waits_for_its_grammar_without_stalling_the_batch(
+    model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer
+):
+    engine = make_engine(model_dir, compiler)
+    pending: concurrent.futures.Future = concurrent.futures.Future()
+    spec = GrammarSpec("regex", "(yes|no)")
+    engine.add_request(make_request("slow", RequestGrammar(spec, pending), seed=1))
+    engine.add_request(make_request("free", None, seed=2, max_tokens=5))
+    assert engine.has_work_now()
+    seen: list[str] = []
+    while engine.has_work_now():
+        seen += [o.request_id for o in engine.step()]
+    assert seen.count("free") == 5 and "slow" not in seen
+    assert engine.scheduler.get_request("slow").status == RequestStatus.WAITING  # type: ignore[union-attr]
+    pending.set_result(compiler.new_matcher(spec).result(timeout=30))
+    assert re.fullmatch("(yes|no)", text_of(run(engine)["slow"], tokenizer))
+
+
+def test_a_grammar_that_fails_late_refuses_the_request(model_dir: Path, compiler: GrammarCompiler):
+    engine = make_engine(model_dir, compiler)
+    failing: concurrent.futures.Future = concurrent.futures.Future()
+    engine.add_request(make_request("bad", RequestGrammar(GrammarSpec("regex", "x"), failing), seed=0))
+    failing.set_exception(InvalidRequest("invalid response_format.regex: boom"))
+    [output] = run(engine)["bad"]
+    assert output.status == RequestStatus.FINISHED_ERROR
+    assert output.error == "invalid response_format.regex: boom"
+    engine.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("response_format", "message"),
+    [
+        (
+            common_pb2.ResponseFormat(json_schema=common_pb2.JsonSchemaFormat(schema_json="{nope")),
+            "not valid JSON",
+        ),
+        (
+            common_pb2.ResponseFormat(json_schema=common_pb2.JsonSchemaFormat(schema_json="[1]")),
+            "JSON object",
+        ),
+        (
+            common_pb2.ResponseFormat(
+                json_schema=common_pb2.JsonSchemaFormat(schema_json='{"type": "strin"}')
+            ),
+            "strin",
+        ),
+        (
+            common_pb2.ResponseFormat(
+                json_schema=common_pb2.JsonSchemaFormat(
+                    schema_json='{"properties": {"a": {"$ref": "#/$defs/missing"}}}'
+                )
+            ),
+            "/$defs/missing",
+        ),
+        (common_pb2.ResponseFormat(regex="[a-z"), "unclosed character class"),
+        (common_pb2.ResponseFormat(regex="(?<=a)b"), "look-around"),
+        (common_pb2.ResponseFormat(ebnf='root ::= "a" | b'), "Rule 'b' not found"),
+        (common_pb2.ResponseFormat(regex=""), "must not be empty"),
+    ],
+)
+def test_invalid_grammars_name_what_is_wrong(
+    compiler: GrammarCompiler, response_format: common_pb2.ResponseFormat, message: str
+):
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        spec = grammar_spec_from_proto(response_format)
+        assert spec is not None
+        compiler.new_matcher(spec).result(timeout=30)
+
+
+def test_compiles_are_cached_by_schema_content(compiler: GrammarCompiler):
+    first = schema_spec({"type": "object", "properties": {"a": {"type": "integer"}}})
+    reordered = schema_spec({"properties": {"a": {"type": "integer"}}, "type": "object"})
+    assert first.key == reordered.key
+    assert compiler.compile(first) is compiler.compile(reordered)
+    assert compiler.compile(first).result(timeout=30).grammar
+
+
+def test_text_format_means_no_grammar():
+    assert grammar_spec_from_proto(common_pb2.ResponseFormat()) is None
+    assert grammar_spec_from_proto(common_pb2.ResponseFormat(text=common_pb2.TextFormat())) is None
