@@ -205,7 +205,7 @@ async def workers_ai_run(
     ] = False,
 ) -> Response:
     """Workers AI: run a model (``stream: true`` for SSE), or with ``queueRequest=true`` queue / poll a batch."""
-    if queue_request:
+    if queue_request or body.queue_request:
         return await _queue(model, body, request, caller, backends)
     if body.requests is not None or body.request_id is not None:
         raise BridgeError(400, "requests and request_id need ?queueRequest=true.", param="queueRequest")

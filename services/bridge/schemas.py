@@ -285,6 +285,8 @@ class WorkersAIBody(WorkersAIRunBody):
     request_id: str | None = Field(default=None, min_length=1)
     # Where to announce the batch's end; the account default when absent.
     webhook_url: str | None = None
+    # Workers AI accepts the flag in the body as well as in the query string.
+    queue_request: bool = Field(default=False, alias="queueRequest")
 
     @model_validator(mode="after")
     def _messages_or_prompt(self) -> WorkersAIBody:
