@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.cache_index_bench import run_cache_index_bench
 from bench.engine_bench import run_engine_bench
+from bench.structured_output_bench import run_structured_output_bench
 from bench.replay_bench import run_replay_bench
 from bench.service_chain_bench import run_service_chain_bench
 
@@ -46,6 +47,9 @@ def main() -> None:
     results = {
         "engine_memory": run_memory_bench(args.model, args.dtype, requests=200 if args.quick else 1000),
         "engine": run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
+        "structured_output": run_structured_output_bench(
+            model=args.model, dtype=args.dtype, quick=args.quick
+        ),
         # No model: placement policies replayed on prefix-reuse traces (~25 s).
         "replay": run_replay_bench(),
         # The platform's own overheads, on the tiny model whatever --model says.
