@@ -11,9 +11,9 @@ from pathlib import Path
 
 from bench.cache_index_bench import run_cache_index_bench
 from bench.engine_bench import run_engine_bench
-from bench.structured_output_bench import run_structured_output_bench
 from bench.replay_bench import run_replay_bench
 from bench.service_chain_bench import run_service_chain_bench
+from bench.structured_output_bench import run_structured_output_bench
 
 
 def run_memory_bench(model: str | None, dtype: str, requests: int) -> dict:
