@@ -120,12 +120,20 @@ class Dispatcher:
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._loop())
 
-    async def stop(self) -> None:
-        """Stop taking work; running jobs are cancelled and their leases given back at once."""
-        tasks = [t for t in (self._loop_task, *self._jobs) if t is not None]
-        for task in tasks:
+    async def stop(self, drain_seconds: float = 0.0) -> None:
+        """Stop taking work, let running jobs finish for ``drain_seconds``, then cancel the rest.
+
+        Cancelled jobs give their leases back at once (no wait for expiry).
+        """
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._jobs and drain_seconds > 0:
+            await asyncio.wait(set(self._jobs), timeout=drain_seconds)
+        jobs = list(self._jobs)
+        for task in jobs:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*jobs, return_exceptions=True)
 
     async def _loop(self) -> None:
         while True:

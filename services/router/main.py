@@ -48,7 +48,7 @@ class RouterClients:
     async def close(self, drain_seconds: float) -> None:
         # Queued jobs still running go back to the queue first (their usage, if any, drains next).
         if self.dispatcher is not None:
-            await self.dispatcher.stop()
+            await self.dispatcher.stop(drain_seconds)
         if self.webhooks is not None:
             await self.webhooks.stop()
         await self.usage.drain(drain_seconds)

@@ -57,6 +57,8 @@ _RETRY_ELSEWHERE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILA
 # How long the last chunk waits for the usage record to land (it keeps retrying after that).
 _USAGE_WAIT_SECONDS = 1.0
 _ABORT_TIMEOUT_SECONDS = 2.0
+# The engine closes its stream right after the last message; never wait long for that.
+_ENGINE_EOF_TIMEOUT_SECONDS = 0.5
 # Asked once per model (then kept): how long the tokenizer may take to describe it.
 _MODEL_INFO_TIMEOUT_SECONDS = 10.0
 
@@ -384,7 +386,10 @@ class Generation:
             self._pipeline.abort_in_background(self._replica, self.request.request_id)
         if not self._finished:
             self._detokenizer.cancel()
-            self._submit_usage()
+            # A queued job cut short runs again under the same id (the ledger key): only the
+            # attempt that finishes is billed, so the ledger agrees with the stored result.
+            if self.request.priority != common_pb2.PRIORITY_BATCH:
+                self._submit_usage()
         outcome = metrics.outcome_of(error) if error is not None or self._finished else "cancelled"
         metrics.REQUESTS.labels(outcome).inc()
         log.info(
@@ -407,6 +412,7 @@ class Generation:
                 text = self._stop.feed(await self._detokenizer.push(token_ids, last=bool(finish)))
             if finish:
                 self._engine_done = True
+                await self._read_engine_eof()
                 yield await self._last_chunk(text, finish, response)
                 return
             if self._stop.matched is not None:
@@ -430,6 +436,16 @@ class Generation:
         ):
             return ids[:-1]
         return ids
+
+    async def _read_engine_eof(self) -> None:
+        """Read the end of the engine's stream, which follows its last message at once.
+
+        Tracing's client span of the Generate call ends only when the stream is read
+        to its end; left unread, it ends whenever the call is garbage-collected, so
+        the trace showed the router -> engine hop late or not at all.
+        """
+        with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+            await asyncio.wait_for(self._call.read(), _ENGINE_EOF_TIMEOUT_SECONDS)
 
     async def _read(self) -> engine_pb2.GenerateResponse:
         try:
