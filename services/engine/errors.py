@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cachet.errors import InvalidArgument, NotFound, ResourceExhausted
+from cachet.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 
 
 @dataclass
@@ -25,3 +25,8 @@ class EngineOverloaded(ResourceExhausted):
 @dataclass
 class RequestNotFound(NotFound):
     """No waiting or running request has this id (NOT_FOUND)."""
+
+
+@dataclass
+class EngineUnavailable(Unavailable):
+    """The replica cannot run requests (its loop died, it lost a rank): retry elsewhere (UNAVAILABLE)."""

@@ -1,0 +1,382 @@
+"""A replica as a group of ranks: process launch, torch.distributed, DeepSpeed AutoTP, the step channel.
+
+This is the one engine module that owns DeepSpeed and the process group (the
+expert-parallel split in ``expert_parallel`` joins the group made here).
+
+Shape of a tensor-parallel replica of N ranks::
+
+    rank 0 (python -m cachet.engine)                 rank 1..N-1 (spawned, or started by a launcher)
+    gRPC, AsyncEngine, Scheduler                     no server, no scheduler
+    ShardedRunner.execute(plan):                     follow():
+      broadcast StepMessage(plan, last sampled) ──>    receive StepMessage
+      ModelRunner.execute(plan)  <── all-reduce ──>    ModelRunner.forward_only(plan)
+      sample (rank 0 only)
+
+Only rank 0 samples: grammar masks, unseeded random draws and penalties live
+there, and N samplers agreeing bit for bit would be a promise nobody checks.
+Followers still need every sampled token (the next decode step's input id), so
+each step's message carries the tokens rank 0 sampled in the step before: one
+message per step, never one per token.
+
+Launch: ``CACHET_TP=N python -m cachet.engine`` spawns ranks 1..N-1 itself with
+``multiprocessing``'s *spawn* context (fork next to gRPC's threads is unsafe)
+and the environment DeepSpeed's launcher would set. A process that already has
+``RANK`` / ``WORLD_SIZE`` (``deepspeed --hostfile``, ``torchrun``) is one rank
+of an externally launched group and spawns nothing: that is the multi-node path.
+
+Failure: no rank may wait forever. The plan channel is gloo with a timeout and
+an idle heartbeat; DeepSpeed's shared-memory all-reduce has no timeout at all,
+so watchdogs end the process instead: rank 0 watches its children's process
+sentinels, a child watches its parent's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cachet.engine.step_plan import StepPlan, StepResult
+from cachet.logs import get_logger
+
+if TYPE_CHECKING:
+    from cachet.engine.model_runner import ModelRunner
+
+log = get_logger(__name__)
+
+# Long enough for a slow model load on one rank while the others wait at the next
+# collective; short enough that a lost peer on the gloo channel is noticed.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+# An idle rank 0 sends this often so a follower's receive never nears the timeout.
+HEARTBEAT_SECONDS = 2.0
+# Followers exit with this when their parent (rank 0) is gone.
+EXIT_PARENT_LOST = 3
+
+
+@dataclass(frozen=True)
+class _TensorParallelPlan:
+    """What AutoTP shards in one model family."""
+
+    # The decoder stack handed to AutoTP. Not the whole model: AutoTP always also cuts a
+    # root-level ``lm_head`` into a layer that wants [batch, seq, hidden] input, where ours
+    # is a flat [tokens, hidden]; so the head stays whole on every rank (tied to the
+    # embedding in small models, so no extra memory; a vocab-parallel head is future work).
+    body: str
+    # The decoder block class and its row-parallel linears (outputs are partial sums,
+    # all-reduced); AutoTP cuts every other nn.Linear in the block by output columns.
+    # Names are relative to the block, as AutoTP builds them: a direct child's starts
+    # with a dot, a grandchild's is "child.grandchild".
+    block: str
+    row_parallel: tuple[str, ...]
+
+
+_PLANS: dict[str, _TensorParallelPlan] = {
+    "LlamaForCausalLM": _TensorParallelPlan("model", "DecoderLayer", ("self_attn.o_proj", "mlp.down_proj")),
+}
+
+
+class _AutoTPView(nn.Module):
+    """The decoder stack as AutoTP should see it: with the model's config at ``.config``, where
+    AutoTP reads the KV head count (without it, it cuts q/k/v on plain row counts, out of step
+    with the KV heads), and without an ``lm_head`` (see ``_TensorParallelPlan.body``). The
+    stack is shared, not copied: AutoTP's replacements land in the real model."""
+
+    def __init__(self, body: nn.Module, config: object) -> None:
+        super().__init__()
+        self.body = body
+        self.config = config
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in its replica's group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def externally_launched() -> bool:
+    """True when a launcher (deepspeed, torchrun) made this process one rank of a group."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _set_rank_environment(rank: int, world_size: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+
+
+def prepare_local_group(world_size: int) -> None:
+    """Set what DeepSpeed's launcher would set, for a group that lives on this host.
+
+    LOCAL_SIZE: DeepSpeed's CPU accelerator crashes without it (no traceback). A free
+    port rather than 29500, which every other job on the host defaults to. Loopback for
+    gloo, whose interface guess can pick one that peers on this host cannot reach.
+    Spawned children inherit this environment.
+    """
+    os.environ.update(
+        WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    _set_rank_environment(0, world_size)
+
+
+def spawn_followers(world_size: int, target: Callable[..., None], *args: Any) -> list[BaseProcess]:
+    """Start ranks 1..world_size-1 as ``target(rank, *args)`` in spawned processes."""
+    context = multiprocessing.get_context("spawn")
+    followers = []
+    for rank in range(1, world_size):
+        process = context.Process(
+            target=_follower_bootstrap,
+            args=(rank, world_size, target, *args),
+            name=f"engine-rank{rank}",
+            # Daemonic: if rank 0 exits, even by an exception at start-up, multiprocessing ends them.
+            daemon=True,
+        )
+        process.start()
+        followers.append(process)
+    return followers
+
+
+def _follower_bootstrap(rank: int, world_size: int, target: Callable[..., None], *args: Any) -> None:
+    _set_rank_environment(rank, world_size)
+    exit_with_parent()
+    target(rank, *args)
+
+
+def exit_with_parent() -> None:
+    """A spawned rank ends when rank 0 does, even mid-collective (the shm all-reduce never times out)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def wait() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(EXIT_PARENT_LOST)
+
+    threading.Thread(target=wait, name="parent-watchdog", daemon=True).start()
+
+
+def init_distributed(device: torch.device) -> RankInfo:
+    """Join the process group (env:// from the launcher or ``prepare_local_group``) through DeepSpeed.
+
+    gloo on CPU, NCCL on CUDA; DeepSpeed picks its accelerator by itself. On CPU it also
+    loads its shared-memory all-reduce (compiled on first use, cached in TORCH_EXTENSIONS_DIR;
+    ``make setup`` builds it ahead).
+    """
+    import deepspeed
+
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT, verbose=False)
+    return RankInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+@dataclass
+class TensorParallel:
+    """The tensor-parallel group of a replica: how to shard a model, how ranks agree.
+
+    ``control`` is a separate gloo group for step messages: picklable CPU objects, and
+    with NCCL as the model's backend they could not travel on the default group.
+    """
+
+    info: RankInfo
+    control: Any = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, info: RankInfo) -> TensorParallel:
+        return cls(info, dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT))
+
+    @property
+    def size(self) -> int:
+        return self.info.world_size
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Cut the loaded model's linears over the group in place (DeepSpeed AutoTP).
+
+        Every rank loads the full checkpoint and keeps its slices; reading only one's
+        slices from the safetensors files is future work that large models will need.
+        """
+        import deepspeed
+
+        kind = type(model).__name__
+        if kind not in _PLANS:
+            raise NotImplementedError(f"no tensor-parallel plan for {kind}; known: {sorted(_PLANS)}")
+        plan = _PLANS[kind]
+        body = model.get_submodule(plan.body)
+        block = next(m for m in body.modules() if type(m).__name__ == plan.block)
+        deepspeed.init_inference(
+            _AutoTPView(body, model.config),
+            tensor_parallel={"tp_size": self.size},
+            dtype=next(model.parameters()).dtype,
+            replace_with_kernel_inject=False,  # kernel injection has no CPU ops
+            injection_policy={type(block): plan.row_parallel},
+        )
+        # AutoTP replaced the body's linears in place: the model object is still ours.
+        return model
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` of any rank: KV heads can split unevenly (9 over 2 ranks),
+        and the scheduler on rank 0 must not hand out blocks some rank lacks."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
+        return int(tensor.item())
+
+    def send(self, message: StepMessage) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def receive(self) -> StepMessage:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What rank 0 tells the followers once per step (or per heartbeat)."""
+
+    # None: a heartbeat, nothing to run.
+    plan: StepPlan | None
+    # Tokens rank 0 sampled in the previous step: request id -> token id.
+    sampled: dict[str, int] = field(default_factory=dict)
+    stop: bool = False
+
+
+class ShardedRunner:
+    """Rank 0's runner: broadcasts each plan, then runs its own shard and samples.
+
+    Satisfies ``engine_core.Runner``. One lock serialises step messages and
+    heartbeats: both use the control group, whose collectives must come in the
+    same order on every rank.
+    """
+
+    def __init__(self, runner: ModelRunner, tp: TensorParallel) -> None:
+        self.runner = runner
+        self.tp = tp
+        self.num_kv_blocks = runner.num_kv_blocks
+        self.block_size = runner.block_size
+        self._lock = threading.Lock()
+        self._pending_sampled: dict[str, int] = {}
+        self._last_send = time.monotonic()
+        self._closed = threading.Event()
+        # Seconds spent in the step broadcast, for the benchmark's collective share.
+        self.broadcast_seconds = 0.0
+        threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything but stepping is the local runner's: max_model_len, vocab_size, eos ids...
+        return getattr(self.runner, name)
+
+    def execute(self, plan: StepPlan, logit_masks: Mapping[str, torch.Tensor] | None = None) -> StepResult:
+        with self._lock:
+            self._send(StepMessage(plan, self._pending_sampled))
+            result = self.runner.execute(plan, logit_masks)
+            self._pending_sampled = {rid: token.token_id for rid, token in result.sampled.items()}
+            return result
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Tell the followers to exit; further steps are refused.
+
+        Gives up after ``timeout`` if a step holds the lock that long: a step stuck in a
+        collective with a dead peer never ends, and shutdown must not wait on it.
+        """
+        if not self._lock.acquire(timeout=timeout):
+            log.warning("a step is stuck; followers are not told to stop")
+            return
+        try:
+            if not self._closed.is_set():
+                self._closed.set()
+                self._send(StepMessage(None, stop=True))
+        finally:
+            self._lock.release()
+
+    def _send(self, message: StepMessage) -> None:
+        if self._closed.is_set() and not message.stop:
+            raise RuntimeError("the replica's rank group is closed")
+        start = time.perf_counter()
+        self.tp.send(message)
+        self.broadcast_seconds += time.perf_counter() - start
+        self._last_send = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(HEARTBEAT_SECONDS / 2):
+            if time.monotonic() - self._last_send < HEARTBEAT_SECONDS:
+                continue
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                try:
+                    self._send(StepMessage(None))
+                except RuntimeError:
+                    # A lost peer; the watchdog takes the replica down, nothing to add here.
+                    log.exception("heartbeat to the followers failed")
+                    return
+
+
+def follow(runner: ModelRunner, tp: TensorParallel) -> None:
+    """A follower's whole life after loading: run every plan rank 0 sends, until told to stop."""
+    while True:
+        message = tp.receive()
+        runner.accept_sampled(message.sampled)
+        if message.stop:
+            return
+        if message.plan is not None:
+            runner.forward_only(message.plan)
+
+
+def watch_followers(followers: list[BaseProcess], on_lost: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``on_lost(reason)`` (on a watchdog thread) when any follower exits.
+
+    Returns a disarm function for a planned shutdown, when followers exit on purpose.
+    """
+    disarmed = threading.Event()
+
+    def wait() -> None:
+        ready = multiprocessing.connection.wait([p.sentinel for p in followers])
+        if disarmed.is_set():
+            return
+        dead = next(p for p in followers if p.sentinel in ready)
+        dead.join(timeout=1)
+        on_lost(f"rank process {dead.name} (pid {dead.pid}) exited with {dead.exitcode}")
+
+    threading.Thread(target=wait, name="rank-watchdog", daemon=True).start()
+    return disarmed.set
+
+
+def stop_followers(followers: list[BaseProcess], timeout: float = 10.0) -> None:
+    """Wait for followers told to stop; terminate any that do not go."""
+    deadline = time.monotonic() + timeout
+    for process in followers:
+        process.join(max(deadline - time.monotonic(), 0.1))
+        if process.is_alive():
+            process.terminate()
+            process.join(2)
