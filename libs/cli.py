@@ -31,10 +31,21 @@ def _data_dir() -> Path:
 def serve(
     service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVICES)}.")],
     port: Annotated[int | None, typer.Option(help="Listen port (overrides CACHET_<SERVICE>_PORT).")] = None,
+    tp: Annotated[
+        int | None,
+        typer.Option(
+            "--tp", min=1, help="engine: tensor-parallel ranks of this replica (overrides CACHET_TP)."
+        ),
+    ] = None,
 ) -> None:
     """Run one service in the foreground until SIGTERM or Ctrl-C."""
     if service not in SERVICES:
         raise typer.BadParameter(f"unknown service {service!r}; choose one of {', '.join(SERVICES)}")
+    if tp is not None:
+        if service != "engine":
+            raise typer.BadParameter("--tp applies to the engine only")
+        # Through the environment: the engine's settings read it, and its spawned ranks inherit it.
+        os.environ["CACHET_TP"] = str(tp)
     try:
         entry = importlib.import_module(f"cachet.{service}.main")
     except ModuleNotFoundError as missing:

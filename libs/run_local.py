@@ -51,6 +51,10 @@ def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[Planne
     """The processes to start, with the addresses each needs; only services that exist yet."""
     engines = [f"{LOOPBACK}:{ENGINE_BASE_PORT + i}" for i in range(replicas)]
     model_env = {"CACHET_MODEL": str(model_dir)}
+    # CACHET_TP=N: each engine replica is N ranks; its `python -m cachet.engine` spawns ranks
+    # 1..N-1 itself, so the supervisor still sees one process per replica (if a rank dies, the
+    # replica exits and honcho stops the rest).
+    engine_env = {**model_env, "CACHET_TP": os.environ.get("CACHET_TP", "1")}
     plan = [
         PlannedService(
             "tokenizer",
@@ -64,7 +68,7 @@ def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[Planne
         PlannedService(
             f"engine{i}",
             "cachet.engine",
-            {**model_env, "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i)},
+            {**engine_env, "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i)},
             grpc_port=ENGINE_BASE_PORT + i,
         )
         for i in range(replicas)
