@@ -63,9 +63,10 @@ def _free_port() -> int:
 class _Services:
     """The processes of one run; stopped (SIGTERM, then kill) when the run ends."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, trace_file: Path | None = None) -> None:
         self.log_dir = log_dir
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.trace_env = {"CACHET_TRACE_FILE": str(trace_file)} if trace_file else {}
 
     def start(self, service: str, env: dict[str, str], name: str | None = None) -> str:
         port = _free_port()
@@ -80,7 +81,7 @@ class _Services:
         with (self.log_dir / f"{name or service}.log").open("wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", f"cachet.{service}"],
-                env=base | port_env | env,
+                env=base | port_env | self.trace_env | env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -134,10 +135,10 @@ class _Services:
 
 
 @contextmanager
-def running_platform(root: Path) -> Iterator[dict[str, str]]:
-    """Every service on the tiny model; yields their addresses."""
+def running_platform(root: Path, trace_file: Path | None = None) -> Iterator[dict[str, str]]:
+    """Every service on the tiny model (spans to ``trace_file`` if given); yields their addresses."""
     model_dir = write_tiny_model(root / MODEL_ID)
-    services = _Services(root)
+    services = _Services(root, trace_file)
     try:
         addresses = {
             "tokenizer": services.start(
@@ -256,13 +257,27 @@ def measure(addresses: dict[str, str], requests: int, warmup: int = 10) -> dict[
     }
 
 
-def run_service_chain_bench(quick: bool = False) -> dict[str, Any]:
+def hop_breakdown(trace_file: Path) -> dict[str, float]:
+    """Median duration (ms) of each call the router makes inside CreateCompletion, from the spans."""
+    spans = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    calls = {s["trace_id"] for s in spans if s["name"].endswith("InferenceService/CreateCompletion")}
+    durations: dict[str, list[float]] = {}
+    for span in spans:
+        if span["trace_id"] in calls and span["service"] == "router":
+            name = f"{span['kind'].lower()} {span['name'].rsplit('/', 1)[-1]}"
+            durations.setdefault(name, []).append((span["end_ns"] - span["start_ns"]) / 1e6)
+    return {name: statistics.median(values) for name, values in sorted(durations.items())}
+
+
+def run_service_chain_bench(quick: bool = False, breakdown: bool = False) -> dict[str, Any]:
     print("[bench] service chain (tokenizer, usage, cache, engine, router, bridge processes)", flush=True)
-    with (
-        tempfile.TemporaryDirectory(prefix="cachet-chain-bench-") as root,
-        running_platform(Path(root)) as addresses,
-    ):
-        result = measure(addresses, requests=50 if quick else 200)
+    with tempfile.TemporaryDirectory(prefix="cachet-chain-bench-") as root:
+        # Tracing costs every path a file write per span, so only the breakdown run turns it on.
+        trace_file = Path(root) / "spans.jsonl" if breakdown else None
+        with running_platform(Path(root), trace_file) as addresses:
+            result = measure(addresses, requests=50 if quick else 200)
+        if trace_file is not None:
+            result["router_hops_p50_ms"] = hop_breakdown(trace_file)
     print(f"\nService chain: {result['requests_per_path']} sequential requests per path, max_tokens=1")
     print(f"{'path':<40}{'p50 ms':>10}{'p99 ms':>10}{'p50 over engine':>18}")
     print("-" * 78)
@@ -276,8 +291,12 @@ def run_service_chain_bench(quick: bool = False) -> dict[str, Any]:
         row = result["paths"][name]
         print(f"{label:<40}{row['p50_ms']:>10.2f}{row['p99_ms']:>10.2f}{row['p50_ms'] - engine_p50:>18.2f}")
     print(f"router overhead at p50: {result['router_minus_engine_p50_ms']:.2f} ms (target <= 2)")
+    for name, median in result.get("router_hops_p50_ms", {}).items():
+        print(f"  router span {name:<46}{median:>8.2f} ms (p50)")
     return result
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_service_chain_bench(quick="--quick" in sys.argv), indent=2))
+    # --breakdown: spans to a file (CACHET_TRACE_FILE) and the router's per-hop medians from them.
+    figures = run_service_chain_bench(quick="--quick" in sys.argv, breakdown="--breakdown" in sys.argv)
+    print(json.dumps(figures, indent=2))
