@@ -15,7 +15,8 @@ from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
 
-pytestmark = pytest.mark.slow
+# Two transformers and three engine runs of the 135M model: minutes on a busy 2-core box.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 NEW_TOKENS = 32
 QUESTIONS = [
