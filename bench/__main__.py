@@ -14,6 +14,7 @@ from bench.engine_bench import run_engine_bench
 from bench.replay_bench import run_replay_bench
 from bench.service_chain_bench import run_service_chain_bench
 from bench.structured_output_bench import run_structured_output_bench
+from bench.tensor_parallel_bench import run_tensor_parallel_bench
 
 
 def run_memory_bench(model: str | None, dtype: str, requests: int) -> dict:
@@ -55,6 +56,8 @@ def main() -> None:
         # The platform's own overheads, on the tiny model whatever --model says.
         "service_chain": run_service_chain_bench(quick=args.quick),
         "cache_index": run_cache_index_bench(quick=args.quick),
+        # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
+        "tensor_parallel": run_tensor_parallel_bench(model=args.model, quick=args.quick),
     }
     out_dir = Path("bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)

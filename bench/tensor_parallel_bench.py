@@ -1,0 +1,168 @@
+"""Tensor parallel on CPU: TP=2 against TP=1 decode throughput, step latency, time in collectives.
+
+Each configuration runs in its own spawned rank processes (one torch thread per rank),
+driven exactly as a replica is: rank 0 runs EngineCore over a ShardedRunner, followers
+run ``distributed.follow``. Collective time is the plan broadcast (gloo) plus every
+row-parallel all-reduce (DeepSpeed's shared-memory op), timed around
+``deepspeed.comm.inference_all_reduce``.
+
+Expect TP to lose here: two ranks on two shared cores halve each rank's matmuls but
+add two all-reduces per layer and a broadcast per step, and the model is small. TP pays
+when a model does not fit one device, or with NVLink-connected GPUs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STREAMS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class _CollectiveClock:
+    """Wall time spent inside DeepSpeed's inference all-reduce (the row-parallel sums)."""
+
+    def __init__(self) -> None:
+        import deepspeed.comm as ds_comm
+
+        self.seconds = 0.0
+        original = ds_comm.inference_all_reduce
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        ds_comm.inference_all_reduce = timed
+
+
+def _rank(rank: int, world: int, port: int, model_dir: str, tokens: int, out: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    torch.set_num_threads(1)
+    from cachet.engine import distributed
+    from cachet.engine.engine_core import EngineCore
+    from cachet.engine.model_runner import ModelRunner
+    from cachet.engine.request import Request
+    from cachet.engine.sampling_params import SamplingParams
+    from cachet.engine.scheduler import SchedulerConfig
+
+    tp = None
+    if world > 1:
+        tp = distributed.TensorParallel.create(distributed.init_distributed(torch.device("cpu")))
+    clock = _CollectiveClock()
+    runner = ModelRunner(
+        Path(model_dir), dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=1 << 28, tp=tp
+    )
+    if rank > 0:
+        distributed.follow(runner, tp)
+        return
+    stepper = distributed.ShardedRunner(runner, tp) if tp is not None else runner
+    core = EngineCore(
+        runner=stepper,
+        model="bench",
+        scheduler_config=SchedulerConfig(
+            max_model_len=runner.max_model_len,
+            max_num_batched_tokens=512,
+            max_num_seqs=64,
+            max_waiting=64,
+            eos_token_ids=(),
+        ),
+    )
+    for index in range(STREAMS):
+        prompt = [(31 * index + 7 * i) % 1000 + 10 for i in range(64)]
+        core.add_request(
+            Request(
+                request_id=f"s{index}",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=tokens, ignore_eos=True),
+                max_tokens=tokens,
+                interactive=True,
+                cache_salt="",
+                arrival_time=time.monotonic(),
+            )
+        )
+    core.step()  # the prefill, outside the decode timing
+    clock.seconds, steps, decoded = 0.0, 0, 0
+    broadcast_before = getattr(stepper, "broadcast_seconds", 0.0)
+    start = time.perf_counter()
+    while core.has_unfinished_requests():
+        decoded += sum(len(o.new_token_ids) for o in core.step())
+        steps += 1
+    elapsed = time.perf_counter() - start
+    collective = clock.seconds + getattr(stepper, "broadcast_seconds", 0.0) - broadcast_before
+    if isinstance(stepper, distributed.ShardedRunner):
+        stepper.close()
+    out.put(
+        {
+            "tp": world,
+            "decode_tokens_per_s": decoded / elapsed,
+            "step_ms": 1000 * elapsed / max(steps, 1),
+            "collective_share": collective / elapsed,
+        }
+    )
+
+
+def _run(world: int, model_dir: Path, tokens: int) -> dict:
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    port = _free_port()
+    ranks = [
+        context.Process(target=_rank, args=(rank, world, port, str(model_dir), tokens, out))
+        for rank in range(world)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        return out.get(timeout=900)
+    finally:
+        for process in ranks:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+
+
+def run_tensor_parallel_bench(model: str | None, quick: bool) -> dict:
+    from cachet.models.catalog import ensure_model
+
+    print("[bench] tensor parallel (TP=1 vs TP=2, fp32, one thread per rank)", flush=True)
+    model_dir = Path(ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data"))).path)
+    tokens = 16 if quick else 64
+    rows = [_run(world, model_dir, tokens) for world in (1, 2)]
+    print(f"\nTensor parallel ({STREAMS} decode streams, {tokens} tokens each)")
+    print(f"{'TP':<6}{'decode tok/s':>14}{'step ms':>10}{'in collectives':>16}")
+    print("-" * 46)
+    for row in rows:
+        print(
+            f"{row['tp']:<6}{row['decode_tokens_per_s']:>14.1f}{row['step_ms']:>10.1f}"
+            f"{100 * row['collective_share']:>15.1f}%"
+        )
+    return {"streams": STREAMS, "tokens": tokens, "rows": rows}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(run_tensor_parallel_bench(sys.argv[1] if len(sys.argv) > 1 else None, quick=True)))
