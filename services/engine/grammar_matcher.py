@@ -79,11 +79,11 @@ class RequestGrammar:
         return self.matcher.is_stopped()
 
     def _consume(self, token_ids: list[int]) -> None:
-        consumed = self.matcher.consume_tokens(token_ids)
-        if consumed != len(token_ids) or self.matcher.is_error():
+        # consume_tokens answers whether every token was accepted (a bool, not a count).
+        if not self.matcher.consume_tokens(token_ids) or self.matcher.is_error():
             # Tokens came from masked logits, so this is an engine bug, not a user error.
             raise RuntimeError(f"grammar {self.spec!r} rejected sampled tokens: {self.matcher.get_error()}")
-        self.num_accepted += consumed
+        self.num_accepted += len(token_ids)
 
 
 class MaskBuilder:

@@ -73,14 +73,18 @@ def grammar_spec_from_proto(response_format: common_pb2.ResponseFormat) -> Gramm
 
 
 def _parse_schema(schema_json: str) -> str:
-    """Canonical JSON text of a schema (so key order and spacing do not split the cache)."""
+    """Compact JSON text of a schema (so spacing does not split the cache).
+
+    Key order is kept: llguidance generates object properties in the schema's order (as
+    OpenAI's structured outputs do), so sorting keys would change the output, not just the key.
+    """
     try:
         schema = json.loads(schema_json)
     except json.JSONDecodeError as error:
         raise InvalidRequest(f"response_format.json_schema.schema is not valid JSON: {error}") from error
     if not isinstance(schema, dict | bool):
         raise InvalidRequest("response_format.json_schema.schema must be a JSON object")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
