@@ -44,21 +44,29 @@ def main() -> None:
         "--model", default=None, help="model id or checkpoint dir (default: the default model)"
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
     args = parser.parse_args()
-    results = {
-        "engine_memory": run_memory_bench(args.model, args.dtype, requests=200 if args.quick else 1000),
-        "engine": run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
-        "structured_output": run_structured_output_bench(
+    sections = {
+        "engine_memory": lambda: run_memory_bench(
+            args.model, args.dtype, requests=200 if args.quick else 1000
+        ),
+        "engine": lambda: run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
+        "structured_output": lambda: run_structured_output_bench(
             model=args.model, dtype=args.dtype, quick=args.quick
         ),
         # No model: placement policies replayed on prefix-reuse traces (~25 s).
-        "replay": run_replay_bench(),
+        "replay": run_replay_bench,
         # The platform's own overheads, on the tiny model whatever --model says.
-        "service_chain": run_service_chain_bench(quick=args.quick),
-        "cache_index": run_cache_index_bench(quick=args.quick),
+        "service_chain": lambda: run_service_chain_bench(quick=args.quick),
+        "cache_index": lambda: run_cache_index_bench(quick=args.quick),
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
-        "tensor_parallel": run_tensor_parallel_bench(model=args.model, quick=args.quick),
+        "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
     }
+    chosen = [name for name in args.only.split(",") if name] or list(sections)
+    unknown = sorted(set(chosen) - set(sections))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {sorted(sections)}")
+    results = {name: sections[name]() for name in chosen}
     out_dir = Path("bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
