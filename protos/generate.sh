@@ -19,7 +19,7 @@ trap 'rm -rf "$scratch"' EXIT
 mapfile -t sources < <(cd "$here" && find cachet -name '*.proto' | sort)
 (cd "$here" && "$python" -m grpc_tools.protoc -I . \
   --python_out="$scratch" --mypy_out="$scratch" \
-  --grpc_python_out="$scratch" --mypy_grpc_out="$scratch" "${sources[@]}" >/dev/null)
+  --grpc_python_out="$scratch" --mypy_grpc_out="$scratch" "${sources[@]}" 2> >(grep -v "^Writing mypy" >&2) >/dev/null)
 
 status=0
 for generated in "$scratch"/cachet/*/v1; do
