@@ -1,13 +1,14 @@
 """tool_choice as a plan, the grammar constraints it builds, and the model-family rule.
 
-The constraints are checked by what they accept: each schema is compiled with
-xgrammar (one of the engine's grammar backends) and run over sample outputs.
+The constraints are checked by what they accept: sample outputs are validated
+against each schema (the engine compiles the same schema into its grammar).
 """
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from cachet.common.v1 import common_pb2
@@ -50,9 +51,11 @@ def schema_of(fmt: common_pb2.ResponseFormat) -> dict:
 
 
 def accepts(schema: dict, text: str) -> bool:
-    xgrammar = pytest.importorskip("xgrammar")
-    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True)
-    return xgrammar.testing._is_grammar_accept_string(grammar, text)
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def test_auto_is_the_default_with_tools() -> None:
