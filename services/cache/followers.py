@@ -10,7 +10,9 @@ from cachet.cache.replica_follower import FollowerStatus, ReplicaFollower
 class Followers:
     """Starts at most one follower per address and stops them all on shutdown."""
 
-    def __init__(self, index: PrefixIndex, backoff_initial: float = 0.05, backoff_maximum: float = 2.0) -> None:
+    def __init__(
+        self, index: PrefixIndex, backoff_initial: float = 0.05, backoff_maximum: float = 2.0
+    ) -> None:
         self._index = index
         self._backoff = (backoff_initial, backoff_maximum)
         self._by_address: dict[str, ReplicaFollower] = {}

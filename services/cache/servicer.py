@@ -52,7 +52,9 @@ class CacheIndexServicer(cache_pb2_grpc.CacheIndexServiceServicer):
             raise InvalidArgument("block_hashes must name at least one block", param="block_hashes")
         matches = self._index.match(request.model, request.block_hashes)
         return cache_pb2.MatchPrefixResponse(
-            matches=[cache_pb2.ReplicaMatch(address=m.address, matched_blocks=m.matched_blocks) for m in matches]
+            matches=[
+                cache_pb2.ReplicaMatch(address=m.address, matched_blocks=m.matched_blocks) for m in matches
+            ]
         )
 
     async def WatchReplica(

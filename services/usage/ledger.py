@@ -126,7 +126,11 @@ def _connect(path: Path) -> sqlite3.Connection:
 def _where(query: UsageQuery) -> tuple[str, list[Any]]:
     clauses: list[str] = []
     params: list[Any] = []
-    for column, value in (("account_id", query.account_id), ("model", query.model), ("session_id", query.session_id)):
+    for column, value in (
+        ("account_id", query.account_id),
+        ("model", query.model),
+        ("session_id", query.session_id),
+    ):
         if value:
             clauses.append(f"{column} = ?")
             params.append(value)
@@ -146,7 +150,10 @@ def _query_sql(query: UsageQuery) -> tuple[str, list[Any]]:
         # No grouping: one total row, present (all zeros) even when nothing matched.
         return f"SELECT {_SUMS} FROM usage_records{where}", params
     key_list = ", ".join(keys)
-    return f"SELECT {key_list}, {_SUMS} FROM usage_records{where} GROUP BY {key_list} ORDER BY {key_list}", params
+    return (
+        f"SELECT {key_list}, {_SUMS} FROM usage_records{where} GROUP BY {key_list} ORDER BY {key_list}",
+        params,
+    )
 
 
 def _totals(group_by: tuple[GroupField, ...], row: tuple[Any, ...]) -> UsageTotals:
@@ -226,7 +233,13 @@ class SqliteLedger:
             " FROM usage_records WHERE request_id = ?",
             (entry.request_id,),
         ).fetchone()
-        seen = (entry.account_id, entry.model, entry.prompt_tokens, entry.cached_tokens, entry.completion_tokens)
+        seen = (
+            entry.account_id,
+            entry.model,
+            entry.prompt_tokens,
+            entry.cached_tokens,
+            entry.completion_tokens,
+        )
         if tuple(stored[1:]) != seen:
             # Same id, different usage: a caller bug (ids reused), not a retry. The
             # first record stands; say so loudly instead of billing twice.

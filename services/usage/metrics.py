@@ -13,9 +13,13 @@ from cachet.usage.records import RecordOutcome, UsageEntry
 
 RECORDS = Counter("cachet_usage_records", "Usage records appended to the ledger.", ["model"])
 DUPLICATE_RECORDS = Counter(
-    "cachet_usage_duplicate_records", "Records whose request id was already in the ledger (retries).", ["model"]
+    "cachet_usage_duplicate_records",
+    "Records whose request id was already in the ledger (retries).",
+    ["model"],
 )
-TOKENS = Counter("cachet_usage_tokens", "Tokens recorded, by kind (prompt includes cached).", ["model", "kind"])
+TOKENS = Counter(
+    "cachet_usage_tokens", "Tokens recorded, by kind (prompt includes cached).", ["model", "kind"]
+)
 
 
 def observe_record(entry: UsageEntry, outcome: RecordOutcome) -> None:

@@ -83,7 +83,9 @@ class _PricesFile(BaseModel):
 class PriceTable:
     """The default price and per-model overrides; immutable once built."""
 
-    def __init__(self, default: ModelPrice | None = None, models: dict[str, ModelPrice] | None = None) -> None:
+    def __init__(
+        self, default: ModelPrice | None = None, models: dict[str, ModelPrice] | None = None
+    ) -> None:
         self.default = default or ModelPrice()
         self._models = dict(models or {})
 
@@ -102,7 +104,8 @@ class PriceTable:
         default = ModelPrice.model_validate(raw.default, strict=True)
         base = default.model_dump()
         models = {
-            model: ModelPrice.model_validate({**base, **fields}, strict=True) for model, fields in raw.models.items()
+            model: ModelPrice.model_validate({**base, **fields}, strict=True)
+            for model, fields in raw.models.items()
         }
         return cls(default, models)
 

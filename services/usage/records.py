@@ -58,7 +58,9 @@ class UsageEntry:
                 param="cached_tokens",
             )
         if self.finished_at_ms <= 0:
-            raise InvalidArgument("finished_at_ms must be a positive Unix time in milliseconds", param="finished_at_ms")
+            raise InvalidArgument(
+                "finished_at_ms must be a positive Unix time in milliseconds", param="finished_at_ms"
+            )
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ def parse_group_by(names: Iterable[str]) -> tuple[GroupField, ...]:
             field = GroupField(name)
         except ValueError:
             allowed = ", ".join(f.value for f in GroupField)
-            raise InvalidArgument(f"group_by has unknown field {name!r}; allowed: {allowed}", param="group_by") from None
+            raise InvalidArgument(
+                f"group_by has unknown field {name!r}; allowed: {allowed}", param="group_by"
+            ) from None
         if field not in fields:
             fields.append(field)
     return tuple(fields)

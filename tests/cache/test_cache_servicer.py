@@ -51,8 +51,21 @@ async def test_match_prefix_rejects_an_empty_model_or_chain(cache) -> None:
 
 @pytest.mark.parametrize(
     "address",
-    ["", "127.0.0.1", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:65536", "10.0.0.7:50061",
-     "example.com:50061", "0.0.0.0:50061", "[2001:db8::1]:50061", "127.0.0.1:50061/x", "::1:50061", "127.0.0.1:５０"],
+    [
+        "",
+        "127.0.0.1",
+        "127.0.0.1:",
+        "127.0.0.1:http",
+        "127.0.0.1:0",
+        "127.0.0.1:65536",
+        "10.0.0.7:50061",
+        "example.com:50061",
+        "0.0.0.0:50061",
+        "[2001:db8::1]:50061",
+        "127.0.0.1:50061/x",
+        "::1:50061",
+        "127.0.0.1:５０",
+    ],
 )
 async def test_watch_replica_rejects_malformed_and_remote_addresses(cache, address: str) -> None:
     _, stub = cache
@@ -80,7 +93,10 @@ async def test_watch_list_and_match_a_followed_replica(cache, scripted) -> None:
     assert listed == cache_pb2.ListReplicasResponse(
         replicas=[
             cache_pb2.ReplicaState(
-                address=engine.address, replica_id="replica-1", connected=True, cached_blocks=4,
+                address=engine.address,
+                replica_id="replica-1",
+                connected=True,
+                cached_blocks=4,
                 last_sequence_number=1,
             )
         ]

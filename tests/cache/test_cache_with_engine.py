@@ -100,7 +100,9 @@ async def engine_and_cache(tmp_path):
 
 async def test_the_index_mirrors_a_real_engine_and_forgets_it_when_killed(engine_and_cache) -> None:
     engine, engine_address, engine_stub, cache_stub = engine_and_cache
-    info = await engine_stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120)
+    info = await engine_stub.GetEngineInfo(
+        engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120
+    )
     chain = block_hashes(PROMPT, info.model, block_size=info.block_size)
     assert len(chain) == 64 // info.block_size
 
@@ -123,7 +125,9 @@ async def test_the_index_mirrors_a_real_engine_and_forgets_it_when_killed(engine
         reply = await cache_stub.MatchPrefix(match_request)
         return [(m.address, m.matched_blocks) for m in reply.matches]
 
-    assert await _until(engine_match, 10, "the prompt's blocks in the index") == [(engine_address, len(chain))]
+    assert await _until(engine_match, 10, "the prompt's blocks in the index") == [
+        (engine_address, len(chain))
+    ]
     [state] = (await cache_stub.ListReplicas(cache_pb2.ListReplicasRequest())).replicas
     assert (state.address, state.replica_id, state.connected) == (engine_address, info.replica_id, True)
     # The 4 prompt blocks, plus any block the 4 generated tokens filled (none: 68 < 80 tokens).

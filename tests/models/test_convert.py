@@ -36,7 +36,11 @@ def test_checkpoint_files_and_config(converted_dir: Path) -> None:
     config = json.loads((converted_dir / "config.json").read_text())
     assert config["cachet_model_id"] == "smollm2-135m-instruct"
     assert (config["num_hidden_layers"], config["hidden_size"]) == (30, 576)
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (9, 3, 49152)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (
+        9,
+        3,
+        49152,
+    )
     assert config["tie_word_embeddings"] is True
     assert "quantization_config" not in config
 
@@ -105,7 +109,9 @@ def test_tokenizer_matches_transformers_gguf_conversion(
     differs = 0
     for text in samples:
         mine = ours.encode(text).ids
-        piecewise = [i for piece in digit_split_pieces(text) for i in reference.encode(piece, add_special_tokens=False)]
+        piecewise = [
+            i for piece in digit_split_pieces(text) for i in reference.encode(piece, add_special_tokens=False)
+        ]
         assert mine == piecewise, text
         if not any(ch.isdigit() for ch in text):
             assert mine == reference.encode(text, add_special_tokens=False), text

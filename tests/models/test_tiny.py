@@ -46,9 +46,15 @@ def test_cold_write_is_fast_and_complete(tmp_path: Path) -> None:
 
 
 def test_weights_follow_the_seed(tmp_path: Path, tokenizer_cache: Path) -> None:
-    a = load_file(write_tiny_model(tmp_path / "a", seed=3, tokenizer_cache_dir=tokenizer_cache) / "model.safetensors")
-    b = load_file(write_tiny_model(tmp_path / "b", seed=3, tokenizer_cache_dir=tokenizer_cache) / "model.safetensors")
-    c = load_file(write_tiny_model(tmp_path / "c", seed=4, tokenizer_cache_dir=tokenizer_cache) / "model.safetensors")
+    a = load_file(
+        write_tiny_model(tmp_path / "a", seed=3, tokenizer_cache_dir=tokenizer_cache) / "model.safetensors"
+    )
+    b = load_file(
+        write_tiny_model(tmp_path / "b", seed=3, tokenizer_cache_dir=tokenizer_cache) / "model.safetensors"
+    )
+    c = load_file(
+        write_tiny_model(tmp_path / "c", seed=4, tokenizer_cache_dir=tokenizer_cache) / "model.safetensors"
+    )
     assert a.keys() == b.keys() == c.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
@@ -126,10 +132,17 @@ def test_chat_template_renders_smollm_format(tiny_model_dir: Path) -> None:
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
     with_system = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"},
+        ],
         tokenize=False,
     )
-    assert with_system == "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+    assert (
+        with_system
+        == "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+    )
     config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
     assert "{% for message in messages %}" in config["chat_template"]
 
@@ -169,7 +182,9 @@ def test_existing_directory_is_not_clobbered(tmp_path: Path, tokenizer_cache: Pa
     assert (tmp_path / "m" / "model.safetensors").is_file()
 
 
-def test_failed_write_leaves_nothing(tmp_path: Path, tokenizer_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_leaves_nothing(
+    tmp_path: Path, tokenizer_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def explode(out_dir: Path, **_: object) -> None:
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("disk full")

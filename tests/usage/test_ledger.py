@@ -130,12 +130,24 @@ async def test_the_file_refuses_updates_and_deletes(ledger: SqliteLedger) -> Non
 async def filled(ledger: SqliteLedger) -> SqliteLedger:
     """Six requests over two accounts, two models, two UTC days (split at midnight), two sessions."""
     rows = [
-        entry("a1", account_id="acct-a", model="m1", session_id="s1", finished_at_ms=ms("2026-03-01T23:59:59.999")),
-        entry("a2", account_id="acct-a", model="m1", session_id="s1", finished_at_ms=ms("2026-03-02T00:00:00")),
+        entry(
+            "a1",
+            account_id="acct-a",
+            model="m1",
+            session_id="s1",
+            finished_at_ms=ms("2026-03-01T23:59:59.999"),
+        ),
+        entry(
+            "a2", account_id="acct-a", model="m1", session_id="s1", finished_at_ms=ms("2026-03-02T00:00:00")
+        ),
         entry("a3", account_id="acct-a", model="m2", session_id="s2", prompt_tokens=10, cached_tokens=0),
         entry("b1", account_id="acct-b", model="m1", session_id="", cached_tokens=0, completion_tokens=0),
-        entry("b2", account_id="acct-b", model="m2", session_id="s9", finished_at_ms=ms("2026-03-02T08:00:00")),
-        entry("b3", account_id="acct-b", model="m2", session_id="s9", finished_at_ms=ms("2026-03-02T09:00:00")),
+        entry(
+            "b2", account_id="acct-b", model="m2", session_id="s9", finished_at_ms=ms("2026-03-02T08:00:00")
+        ),
+        entry(
+            "b3", account_id="acct-b", model="m2", session_id="s9", finished_at_ms=ms("2026-03-02T09:00:00")
+        ),
     ]
     for row in rows:
         await ledger.record(row, PRICE)
@@ -189,7 +201,9 @@ async def test_filters_and_half_open_time_range(filled: SqliteLedger) -> None:
     assert day_two.requests == 3  # start is inclusive: the request at exactly midnight counts
     [day_one] = await filled.query(UsageQuery(end_ms=midnight))
     assert day_one.requests == 3  # end is exclusive
-    [window] = await filled.query(UsageQuery(account_id="acct-b", start_ms=midnight, end_ms=ms("2026-03-02T09:00")))
+    [window] = await filled.query(
+        UsageQuery(account_id="acct-b", start_ms=midnight, end_ms=ms("2026-03-02T09:00"))
+    )
     assert window.requests == 1
     rows = await filled.query(UsageQuery(model="m2", session_id="s9", group_by=(GroupField.ACCOUNT,)))
     assert keys(rows) == [("acct-b", "", "", "", 2)]

@@ -23,7 +23,12 @@ async def test_records_duplicates_and_tokens_are_counted(tmp_path: Path) -> None
         async with create_channel(running.address) as channel:
             usage = usage_pb2_grpc.UsageServiceStub(channel)
             record = usage_pb2.UsageRecord(
-                request_id="m1", account_id="a", model=model, prompt_tokens=30, cached_tokens=20, completion_tokens=5
+                request_id="m1",
+                account_id="a",
+                model=model,
+                prompt_tokens=30,
+                cached_tokens=20,
+                completion_tokens=5,
             )
             for _ in range(3):
                 await usage.RecordUsage(usage_pb2.RecordUsageRequest(record=record))

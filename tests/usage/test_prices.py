@@ -41,7 +41,9 @@ def test_prices_file_overrides_default_and_models(tmp_path: Path, monkeypatch: p
     table = load_price_table(tmp_path)
     assert table.default == ModelPrice(output_microusd_per_mtok=2_000_000)
     # A model entry's missing fields come from the file's default, not the built-in one.
-    assert table.price_for("big") == ModelPrice(input_microusd_per_mtok=900_000, output_microusd_per_mtok=2_000_000)
+    assert table.price_for("big") == ModelPrice(
+        input_microusd_per_mtok=900_000, output_microusd_per_mtok=2_000_000
+    )
     assert table.price_for("unlisted") == table.default
     assert list(table.models) == ["big"]
 

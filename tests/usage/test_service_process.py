@@ -100,19 +100,26 @@ async def test_record_query_and_prices_over_grpc(service: UsageProcess) -> None:
     async with create_channel(service.address) as channel:
         usage = usage_pb2_grpc.UsageServiceStub(channel)
         first = await usage.RecordUsage(record("g1", account_id="grpc", session_id="s1"))
-        assert (first.duplicate, first.cost_picousd) == (False, 400 * 600_000 + 600 * 100_000 + 50 * 3_000_000)
+        assert (first.duplicate, first.cost_picousd) == (
+            False,
+            400 * 600_000 + 600 * 100_000 + 50 * 3_000_000,
+        )
         again = await usage.RecordUsage(record("g1", account_id="grpc", session_id="s1"))
         assert (again.duplicate, again.cost_picousd) == (True, first.cost_picousd)
         premium = await usage.RecordUsage(record("g2", account_id="grpc", model="premium", session_id="s2"))
         assert premium.cost_picousd == 400 * 600_000 + 600 * 100_000 + 50 * 9_000_000
 
-        reply = await usage.QueryUsage(usage_pb2.QueryUsageRequest(account_id="grpc", group_by=["model", "day"]))
+        reply = await usage.QueryUsage(
+            usage_pb2.QueryUsageRequest(account_id="grpc", group_by=["model", "day"])
+        )
         assert [(r.model, r.day, r.requests, r.cost_picousd) for r in reply.rows] == [
             ("m1", "2026-03-01", 1, first.cost_picousd),
             ("premium", "2026-03-01", 1, premium.cost_picousd),
         ]
         assert all(r.cache_savings_picousd == 600 * 500_000 and r.account_id == "" for r in reply.rows)
-        by_session = await usage.QueryUsage(usage_pb2.QueryUsageRequest(account_id="grpc", group_by=["session"]))
+        by_session = await usage.QueryUsage(
+            usage_pb2.QueryUsageRequest(account_id="grpc", group_by=["session"])
+        )
         assert [(r.session_id, r.requests) for r in by_session.rows] == [("s1", 1), ("s2", 1)]
 
         prices = await usage.ListPrices(usage_pb2.ListPricesRequest())
@@ -126,7 +133,9 @@ async def test_unset_finish_time_is_stamped_by_the_server(service: UsageProcess)
     async with create_channel(service.address) as channel:
         usage = usage_pb2_grpc.UsageServiceStub(channel)
         await usage.RecordUsage(record("now", account_id="clock", finished_at_ms=0))
-        [row] = (await usage.QueryUsage(usage_pb2.QueryUsageRequest(account_id="clock", start_ms=before))).rows
+        [row] = (
+            await usage.QueryUsage(usage_pb2.QueryUsageRequest(account_id="clock", start_ms=before))
+        ).rows
         assert row.requests == 1
 
 
