@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -56,20 +57,17 @@ class ServiceProcess:
                 self.process.kill()
         return self.process.wait()
 
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
     def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+        return self.output()[-chars:]
 
 
-def start_service(
-    service: str,
-    env: dict[str, str],
-    log_dir: Path,
-    *,
-    name: str | None = None,
-    port: int | None = None,
-    timeout: float = 120.0,
+def launch_service(
+    service: str, env: dict[str, str], log_dir: Path, *, name: str | None = None, port: int | None = None
 ) -> ServiceProcess:
-    """Start ``python -m cachet.<service>`` with ``env`` on a free port; wait until it is SERVING.
+    """Spawn ``python -m cachet.<service>`` with ``env`` on ``port`` (a free one by default); no waiting.
 
     The inherited environment loses every ``CACHET_*`` variable (the test decides them
     all) and gets one thread per math library: the test box has two shared cores.
@@ -84,13 +82,41 @@ def start_service(
         process = subprocess.Popen(
             [sys.executable, "-m", f"cachet.{service}"], env=full_env, stdout=sink, stderr=subprocess.STDOUT
         )
-    running = ServiceProcess(name, process, f"127.0.0.1:{port}", log_path)
+    return ServiceProcess(name, process, f"127.0.0.1:{port}", log_path)
+
+
+def start_service(
+    service: str,
+    env: dict[str, str],
+    log_dir: Path,
+    *,
+    name: str | None = None,
+    port: int | None = None,
+    timeout: float = 120.0,
+) -> ServiceProcess:
+    """``launch_service``, then wait until gRPC health says SERVING."""
+    running = launch_service(service, env, log_dir, name=name, port=port)
     try:
         wait_serving(running, timeout)
     except BaseException:
         running.stop(signal.SIGKILL)
         raise
     return running
+
+
+def wait_http_healthy(running: ServiceProcess, timeout: float = 60.0) -> None:
+    """Until GET /health answers at all (200 or 503): an HTTP service is up and listening."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if running.process.poll() is not None:
+            pytest.fail(f"{running.name} exited with {running.process.returncode}:\n{running.log_tail()}")
+        try:
+            httpx.get(f"http://{running.address}/health", timeout=1)
+            return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    running.stop(signal.SIGKILL)
+    pytest.fail(f"{running.name} not listening after {timeout} s:\n{running.log_tail()}")
 
 
 def wait_serving(running: ServiceProcess, timeout: float) -> None:

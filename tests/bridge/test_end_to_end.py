@@ -17,11 +17,17 @@ import openai
 import pytest
 
 # The router's tests own the process fixtures; a module path, not a conftest (see its docstring).
-from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack
+from service_processes import (
+    ENGINE_SERVER_BUILT,
+    TINY_MODEL_ID,
+    CachetStack,
+    ServiceProcess,
+    free_port,
+    launch_service,
+    wait_http_healthy,
+)
 
 from cachet.models.tiny import write_tiny_model
-
-from .conftest import ServiceProcess, free_port, launch, wait_http_healthy
 
 TIMEOUT = 120.0
 
@@ -46,7 +52,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     root = tmp_path_factory.mktemp("bridge-e2e")
     stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engines=1)
     port = free_port()
-    bridge = launch(
+    bridge = launch_service(
         "bridge",
         {
             "CACHET_PORT": str(port),
@@ -54,7 +60,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
             "CACHET_BRIDGE_USAGE_ADDRESS": stack.address("usage"),
         },
         root,
-        port,
+        port=port,
     )
     try:
         wait_http_healthy(bridge)

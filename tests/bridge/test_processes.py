@@ -17,10 +17,11 @@ import grpc
 import httpx
 import openai
 import pytest
+from service_processes import ServiceProcess, free_port, launch_service, wait_http_healthy, wait_serving
 
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
-from .conftest import NOWHERE, ServiceProcess, free_port, launch, wait_grpc_serving, wait_http_healthy
+from .conftest import NOWHERE
 
 DAY_MS = 1_772_366_400_000  # 2026-03-01T12:00:00Z
 
@@ -40,10 +41,10 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     data = tmp_path_factory.mktemp("bridge-stack")
     usage_port, router_port, bridge_port = free_port(), free_port(), free_port()
-    usage = launch(
-        "usage", {"CACHET_USAGE_PORT": str(usage_port), "CACHET_DATA_DIR": str(data)}, data, usage_port
+    usage = launch_service(
+        "usage", {"CACHET_USAGE_PORT": str(usage_port), "CACHET_DATA_DIR": str(data)}, data, port=usage_port
     )
-    router = launch(
+    router = launch_service(
         "router",
         {
             "CACHET_ROUTER_PORT": str(router_port),
@@ -55,9 +56,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "CACHET_DATA_DIR": str(data),
         },
         data,
-        router_port,
+        port=router_port,
     )
-    bridge = launch(
+    bridge = launch_service(
         "bridge",
         {
             "CACHET_PORT": str(bridge_port),
@@ -66,11 +67,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "CACHET_DATA_DIR": str(data),
         },
         data,
-        bridge_port,
+        port=bridge_port,
     )
     try:
-        wait_grpc_serving(usage)
-        wait_grpc_serving(router)
+        wait_serving(usage, 60)
+        wait_serving(router, 60)
         wait_http_healthy(bridge)
         yield Stack(usage, router, bridge)
     finally:
@@ -187,8 +188,8 @@ def test_usage_is_the_callers_own(stack: Stack) -> None:
 
 def test_sigterm_stops_the_bridge_cleanly(tmp_path: Path) -> None:
     port = free_port()
-    bridge = launch(
-        "bridge", {"CACHET_PORT": str(port), "CACHET_BRIDGE_ROUTER_ADDRESS": NOWHERE}, tmp_path, port
+    bridge = launch_service(
+        "bridge", {"CACHET_PORT": str(port), "CACHET_BRIDGE_ROUTER_ADDRESS": NOWHERE}, tmp_path, port=port
     )
     wait_http_healthy(bridge)
     started = time.monotonic()
@@ -202,6 +203,8 @@ def test_sigterm_stops_the_bridge_cleanly(tmp_path: Path) -> None:
 
 def test_refuses_dev_mode_on_a_public_host(tmp_path: Path) -> None:
     port = free_port()
-    bridge = launch("bridge", {"CACHET_PORT": str(port), "CACHET_BRIDGE_HOST": "0.0.0.0"}, tmp_path, port)
+    bridge = launch_service(
+        "bridge", {"CACHET_PORT": str(port), "CACHET_BRIDGE_HOST": "0.0.0.0"}, tmp_path, port=port
+    )
     assert bridge.process.wait(timeout=30) != 0
     assert "refusing to serve without API keys" in bridge.output()
