@@ -205,10 +205,11 @@ async def workers_ai_run(
     ] = False,
 ) -> Response:
     """Workers AI: run a model (``stream: true`` for SSE), or with ``queueRequest=true`` queue / poll a batch."""
-    if queue_request or body.queue_request:
+    # A body naming only a request_id is a poll, flag or not (Workers AI semantics).
+    if queue_request or body.queue_request or body.request_id is not None:
         return await _queue(model, body, request, caller, backends)
-    if body.requests is not None or body.request_id is not None:
-        raise BridgeError(400, "requests and request_id need ?queueRequest=true.", param="queueRequest")
+    if body.requests is not None:
+        raise BridgeError(400, "requests need queueRequest=true.", param="queueRequest")
     message = convert.workers_ai_request_to_proto(model, body)
     chat = isinstance(message, router_pb2.ChatCompletionRequest)
     if body.stream:

@@ -96,10 +96,10 @@ def test_queue_request_is_accepted_with_no_engine_and_polled_by_id(stack: Stack)
     assert queued.status_code == 200, queued.text
     result = queued.json()["result"]
     assert result["status"] == "queued" and result["request_id"].startswith("batch-")
-    # The flag may also ride in the body (Workers AI accepts both).
+    # A body with only the request_id is a poll, no flag needed.
     polled = httpx.post(
         f"{stack.url}/ai/run/@cf/meta/m",
-        json={"request_id": result["request_id"], "queueRequest": True},
+        json={"request_id": result["request_id"]},
         timeout=10,
     )
     assert polled.status_code == 200, polled.text
