@@ -8,7 +8,9 @@ text is gibberish, but tokenization, chat templates and stop tokens are the real
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cachet.models._fs import atomic_directory, read_json, write_json
 from cachet.models.convert_gguf import MODEL_ID_KEY, find_default_gguf, generation_config
@@ -189,57 +191,68 @@ def _vocab_size(tokenizer_json: Path) -> int:
 
 
 def _write_llama(out_dir: Path, *, vocab_size: int, seed: int, specials: dict, model_id: str) -> None:
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    ids = specials["ids"]
-    eos_ids: list[int] = specials["eos_token_ids"]
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        bos_token_id=ids.get("bos_token"),
-        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
-        pad_token_id=ids.get("pad_token"),
-        **_LLAMA_SHAPE,
-    )
-    # A private RNG stream: the caller's global torch seed stays as it was, and equal seeds give equal
-    # weights whatever ran before.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-
-    saved = read_json(out_dir / "config.json")
-    saved[MODEL_ID_KEY] = model_id
-    write_json(out_dir / "config.json", saved)
-    write_json(out_dir / "generation_config.json", generation_config(ids, eos_ids, saved))
+    _write_random_model(
+        out_dir, LlamaConfig, LlamaForCausalLM, _LLAMA_SHAPE,
+        vocab_size=vocab_size, seed=seed, specials=specials, model_id=model_id,
+    )  # fmt: skip
 
 
 def _write_kimi_k2(out_dir: Path, *, vocab_size: int, seed: int, specials: dict, model_id: str) -> None:
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    ids = specials["ids"]
-    eos_ids: list[int] = specials["eos_token_ids"]
+    def steer_routing(model: DeepseekV3ForCausalLM) -> None:
+        # transformers starts the routing bias at zero; random values make it steer routing.
+        with torch.no_grad():
+            for layer in model.model.layers[model.config.first_k_dense_replace :]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+
     # model_type deepseek_v3 (K2's own config says kimi_k2 and needs remote code): transformers
     # loads it natively, which is what the parity tests compare against.
-    config = DeepseekV3Config(
+    _write_random_model(
+        out_dir, DeepseekV3Config, DeepseekV3ForCausalLM, _KIMI_K2_SHAPE,
+        vocab_size=vocab_size, seed=seed, specials=specials, model_id=model_id,
+        initialise=steer_routing, extra_config=_KIMI_K2_EXTRA_CONFIG,
+    )  # fmt: skip
+
+
+def _write_random_model(
+    out_dir: Path,
+    config_class: type,
+    model_class: type,
+    shape: dict,
+    *,
+    vocab_size: int,
+    seed: int,
+    specials: dict,
+    model_id: str,
+    initialise: Callable[[Any], None] | None = None,
+    extra_config: dict | None = None,
+) -> None:
+    import torch
+
+    ids = specials["ids"]
+    eos_ids: list[int] = specials["eos_token_ids"]
+    config = config_class(
         vocab_size=vocab_size,
         bos_token_id=ids.get("bos_token"),
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         pad_token_id=ids.get("pad_token"),
-        **_KIMI_K2_SHAPE,
+        **shape,
     )
+    # A private RNG stream: the caller's global torch seed stays as it was, and equal seeds give equal
+    # weights whatever ran before.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = DeepseekV3ForCausalLM(config)
-        with torch.no_grad():
-            # transformers starts the routing bias at zero; random values make it steer routing.
-            for layer in model.model.layers[config.first_k_dense_replace :]:
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+        model = model_class(config)
+        if initialise is not None:
+            initialise(model)
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
     saved = read_json(out_dir / "config.json")
-    saved.update(_KIMI_K2_EXTRA_CONFIG)
+    saved.update(extra_config or {})
     saved[MODEL_ID_KEY] = model_id
     write_json(out_dir / "config.json", saved)
     write_json(out_dir / "generation_config.json", generation_config(ids, eos_ids, saved))
