@@ -37,6 +37,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
 
+from cachet.durable_sqlite import open_durable_sqlite
+
 T = TypeVar("T")
 
 SCHEMA_VERSION = 1
@@ -159,21 +161,7 @@ def _now_ms() -> int:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Autocommit; multi-statement writes open their own BEGIN IMMEDIATE.
-    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    connection.execute("PRAGMA journal_mode=WAL")
-    # A queued batch acknowledged to a client must survive a power cut, not only a crash.
-    connection.execute("PRAGMA synchronous=FULL")
-    # Another router sharing the file may hold the write lock for a moment.
-    connection.execute("PRAGMA busy_timeout=10000")
-    connection.executescript(_SCHEMA)
-    version = connection.execute("PRAGMA user_version").fetchone()[0]
-    if version == 0:
-        connection.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-    elif version != SCHEMA_VERSION:
-        raise RuntimeError(f"{path}: queue schema version {version}, this code knows {SCHEMA_VERSION}")
-    return connection
+    return open_durable_sqlite(path, _SCHEMA, SCHEMA_VERSION, what="queue", check_same_thread=False)
 
 
 class QueueStore:

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cachet.durable_sqlite import open_durable_sqlite
 from cachet.logs import get_logger
 from cachet.usage.prices import ModelPrice
 from cachet.usage.records import GroupField, RecordOutcome, UsageEntry, UsageQuery, UsageTotals
@@ -103,24 +104,7 @@ _SUM_FIELDS = (
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Autocommit: each statement is its own transaction, and the INSERT is the
-    # whole write, so there is no open transaction to forget or to deadlock on.
-    connection = sqlite3.connect(path, isolation_level=None)
-    connection.execute("PRAGMA journal_mode=WAL")
-    # FULL fsyncs every commit: "loses nothing" must survive a power cut, not
-    # only a killed process (for which NORMAL would already be enough).
-    connection.execute("PRAGMA synchronous=FULL")
-    # Other processes (a second replica, an operator's sqlite3 shell) may hold the write lock briefly.
-    connection.execute("PRAGMA busy_timeout=10000")
-    connection.executescript(_SCHEMA)
-    version = connection.execute("PRAGMA user_version").fetchone()[0]
-    if version == 0:
-        connection.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-    elif version != SCHEMA_VERSION:
-        connection.close()
-        raise RuntimeError(f"{path} has ledger schema version {version}; this build knows {SCHEMA_VERSION}")
-    return connection
+    return open_durable_sqlite(path, _SCHEMA, SCHEMA_VERSION, what="ledger", check_same_thread=True)
 
 
 def _where(query: UsageQuery) -> tuple[str, list[Any]]:
