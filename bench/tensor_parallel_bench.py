@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from cachet.engine.distributed import local_group_environment
+
 STREAMS = 4
 
 
@@ -51,15 +53,7 @@ class _CollectiveClock:
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, tokens: int, out: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
+    os.environ.update(local_group_environment(rank, world, port))
     torch.set_num_threads(1)
     from cachet.engine import distributed
     from cachet.engine.engine_core import EngineCore

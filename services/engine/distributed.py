@@ -127,22 +127,27 @@ def _set_rank_environment(rank: int, world_size: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
 
 
-def prepare_local_group(world_size: int) -> None:
-    """Set what DeepSpeed's launcher would set, for a group that lives on this host.
+def local_group_environment(rank: int, world_size: int, master_port: int) -> dict[str, str]:
+    """What DeepSpeed's launcher would set for one rank of a group that lives on this host.
 
     LOCAL_SIZE: DeepSpeed's CPU accelerator crashes without it (no traceback). A free
     port rather than 29500, which every other job on the host defaults to. Loopback for
     gloo, whose interface guess can pick one that peers on this host cannot reach.
-    Spawned children inherit this environment.
     """
-    os.environ.update(
-        WORLD_SIZE=str(world_size),
-        LOCAL_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    _set_rank_environment(0, world_size)
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+
+
+def prepare_local_group(world_size: int) -> None:
+    """Rank 0's environment for a local group; spawned children inherit it (and set their rank)."""
+    os.environ.update(local_group_environment(0, world_size, _free_port()))
 
 
 def spawn_followers(world_size: int, target: Callable[..., None], *args: Any) -> list[BaseProcess]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from cachet.engine.attention import SequenceSpan, build_attention_metadata
+from cachet.engine.distributed import local_group_environment
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.step_plan import NewRequest, RunningRequestDiff, StepPlan
@@ -68,15 +69,7 @@ def ep_prompts() -> dict[str, list[int]]:
 
 
 def run_rank(rank: int, port: int, model_dir: str, out_dir: str, new_tokens: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_SIZE="2",  # DeepSpeed's CPU accelerator crashes without it in self-spawned ranks
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
+    os.environ.update(local_group_environment(rank, 2, port))
     torch.set_num_threads(1)
     from cachet.engine.expert_parallel import init_expert_parallel
 

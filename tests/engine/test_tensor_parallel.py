@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 from service_processes import ServiceProcess, free_port, start_service
 
+from cachet.engine.distributed import local_group_environment
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.models.tiny import write_tiny_model
 
@@ -81,15 +82,7 @@ def _steps(model_dir: Path, tp: object | None) -> list[torch.Tensor]:
 
 
 def _rank_worker(rank: int, world: int, port: int, model_dir: str, results: multiprocessing.Queue) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
+    os.environ.update(local_group_environment(rank, world, port))
     torch.set_num_threads(1)
     from cachet.engine.distributed import TensorParallel, init_distributed
 
