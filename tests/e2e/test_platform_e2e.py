@@ -274,9 +274,18 @@ def test_usage_ledger_totals_equal_what_clients_received_and_replays_count_once(
     client = platform.client(LEDGER_KEY)
     shared = chat("Name a colour.")
     received: list[tuple[str, int, int, int]] = []  # (request id, prompt, cached, completion)
-    for _ in range(2):  # the same prompt twice: the second is partly served from the cache
+    # The same prompt twice on one session: the second lands on the replica that served the
+    # first and is partly served from its cache. Without the session the choice rests on the
+    # cache index, which may not have heard the first request's KV events yet.
+    session = {"x-session-affinity": f"ledger-{uuid.uuid4()}"}
+    for _ in range(2):
         done = client.chat.completions.create(
-            model=TINY_MODEL_ID, messages=shared, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+            model=TINY_MODEL_ID,
+            messages=shared,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            extra_headers=session,
         )
         details = done.usage.prompt_tokens_details
         received.append(
