@@ -92,6 +92,27 @@ CREATE TABLE IF NOT EXISTS webhook_attempts (
 # A job may run when it is queued, or leased by an owner whose lease has lapsed.
 _RUNNABLE = "(state = 'queued' OR (state = 'leased' AND lease_expires_at_ms <= :now))"
 
+# The lease asks its two questions once per kind of runnable job rather than over
+# _RUNNABLE: an OR across states makes SQLite collect and sort every runnable row,
+# so a lease cost grew with the backlog (34 ms at 100,000 queued jobs). Split, each
+# query starts at its first entry of the (state, account_id, seq) index; the lapsed
+# branch walks only leased rows, which are as many as the jobs in flight.
+_FIRST_ACCOUNT = """
+SELECT MIN(account_id) FROM (
+    SELECT MIN(account_id) AS account_id FROM jobs WHERE state = 'queued' AND account_id {bound}
+    UNION ALL
+    SELECT MIN(account_id) FROM jobs
+    WHERE state = 'leased' AND lease_expires_at_ms <= :now AND account_id {bound}
+)"""
+_NEXT_ACCOUNT = _FIRST_ACCOUNT.format(bound="> :after")
+_ANY_ACCOUNT = _FIRST_ACCOUNT.format(bound=">= ''")  # every text sorts at or after ''
+_OLDEST_JOB = (
+    "SELECT seq, request_id, batch_id, position, body, attempts FROM jobs"
+    " WHERE account_id = :account AND {runnable} ORDER BY seq LIMIT 1"
+)
+_OLDEST_QUEUED_JOB = _OLDEST_JOB.format(runnable="state = 'queued'")
+_OLDEST_LAPSED_JOB = _OLDEST_JOB.format(runnable="state = 'leased' AND lease_expires_at_ms <= :now")
+
 
 class JobState(StrEnum):
     QUEUED = "queued"
@@ -207,7 +228,10 @@ class QueueStore:
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (batch_id, account_id, model, webhook_url, len(bodies), now),
             )
-            seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM jobs").fetchone()[0]
+            # seq grows with insertion, as rowid does, so the newest row holds the largest:
+            # one index step, where MAX(seq) would read every job.
+            last = db.execute("SELECT seq FROM jobs ORDER BY rowid DESC LIMIT 1").fetchone()
+            seq = last[0] if last else 0
             db.executemany(
                 "INSERT INTO jobs (request_id, batch_id, position, account_id, body, seq)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
@@ -257,25 +281,24 @@ class QueueStore:
     def _lease(self, db: sqlite3.Connection, owner: str, lease_seconds: float, after: str) -> Job | None:
         now = self._clock_ms()
         # The first account after the last one served, wrapping around to the smallest.
-        account = db.execute(
-            f"SELECT account_id FROM jobs WHERE {_RUNNABLE}"
-            " ORDER BY account_id <= :after, account_id LIMIT 1",
-            {"now": now, "after": after},
-        ).fetchone()
+        account = db.execute(_NEXT_ACCOUNT, {"now": now, "after": after}).fetchone()[0]
+        if account is None:
+            account = db.execute(_ANY_ACCOUNT, {"now": now}).fetchone()[0]
         if account is None:
             return None
-        row = db.execute(
-            f"SELECT request_id, batch_id, position, body, attempts FROM jobs"
-            f" WHERE account_id = :account AND {_RUNNABLE} ORDER BY seq LIMIT 1",
-            {"now": now, "account": account[0]},
-        ).fetchone()
-        request_id, batch_id, position, body, attempts = row
+        arguments = {"now": now, "account": account}
+        candidates = [
+            row
+            for query in (_OLDEST_QUEUED_JOB, _OLDEST_LAPSED_JOB)
+            if (row := db.execute(query, arguments).fetchone()) is not None
+        ]
+        _, request_id, batch_id, position, body, attempts = min(candidates)
         db.execute(
             "UPDATE jobs SET state = 'leased', lease_owner = ?, lease_expires_at_ms = ?, attempts = ?"
             " WHERE request_id = ?",
             (owner, now + int(lease_seconds * 1000), attempts + 1, request_id),
         )
-        return Job(request_id, batch_id, position, account[0], body, owner, attempts + 1)
+        return Job(request_id, batch_id, position, account, body, owner, attempts + 1)
 
     async def renew(self, job: Job, lease_seconds: float) -> bool:
         """Extend a lease we still hold; False when it was lost (expired and taken, or finished)."""
