@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.cache_index_bench import run_cache_index_bench
 from bench.engine_bench import run_engine_bench
+from bench.queue_bench import run_queue_bench
 from bench.replay_bench import run_replay_bench
 from bench.service_chain_bench import run_service_chain_bench
 from bench.structured_output_bench import run_structured_output_bench
@@ -59,6 +60,8 @@ def main() -> None:
         # The platform's own overheads, on the tiny model whatever --model says.
         "service_chain": lambda: run_service_chain_bench(quick=args.quick),
         "cache_index": lambda: run_cache_index_bench(quick=args.quick),
+        # Async backlog vs interactive TTFT, drain share of free capacity, 100k submission (tiny model).
+        "queue": lambda: run_queue_bench(quick=args.quick),
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
         "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
     }

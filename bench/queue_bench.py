@@ -1,0 +1,352 @@
+"""What an async backlog costs interactive traffic, how much free capacity it uses, how fast it fills.
+
+Targets (issue 8): interactive p50 and p99 time to first token with a large backlog at
+most 1.1x those without it; the backlog drains using at least 90% of the capacity that
+interactive traffic leaves free; 100,000 queued requests keep the dispatcher's memory
+flat and go in at over 1,000 requests/s.
+
+One run starts tokenizer, usage, cache, one engine on the tiny random-weight model and
+the router (whose dispatcher drains the queue), each its own process on loopback, as
+``run-local`` wires them. Every request, interactive or queued, has the same shape: a
+prompt of ``PROMPT_TOKENS`` random token ids (no two share a prefix block) and
+``MAX_TOKENS`` generated tokens, greedy, ``ignore_eos``; so requests/s is one unit of
+engine work for both kinds. In order, in the same run:
+
+1. **capacity**: ``max_num_seqs`` closed-loop clients calling ``CreateCompletion``
+   (interactive) for a window; completed requests/s is what the engine can do.
+2. **interactive alone**: ``StreamCompletion`` arrivals at a fixed rate
+   (``INTERACTIVE_SHARE`` of capacity, evenly spaced, open loop) for a window; time
+   to first token is from sending to the first chunk.
+3. **interactive + backlog**: a backlog (several windows' worth of work at full
+   capacity) is queued through ``QueueRequests``, then the same arrivals run again.
+   Drain rate = jobs the queue store marks done during the window (read from the
+   router's SQLite file, read-only). Share of free capacity = drain rate /
+   (capacity - interactive rate achieved).
+4. **submission**: ``SUBMIT_REQUESTS`` requests through ``QueueRequests`` in batches of
+   ``SUBMIT_BATCH`` from ``SUBMITTERS`` concurrent callers, while the dispatcher keeps
+   draining; requests/s is requests over wall time. The router's resident set size
+   (``VmRSS``; the dispatcher runs inside the router) is read before and after.
+
+Everything shares the machine's cores (on the 2-core dev box, with whatever else runs
+there), so the engine's step time grows with its batch: that, not the dispatcher, is
+what a CPU run's interactive ratio mostly shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sqlite3
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.service_chain_bench import MODEL_ID, _Services
+from cachet.common.v1 import common_pb2
+from cachet.models.tiny import write_tiny_model
+from cachet.router.v1 import router_pb2, router_pb2_grpc
+
+PROMPT_TOKENS = 40  # two full blocks and a partial one
+MAX_TOKENS = 16
+MAX_NUM_SEQS = 32
+INTERACTIVE_SHARE = 0.3  # of measured capacity
+# Token ids drawn from the tiny model's (SmolLM2) ordinary vocabulary, past the specials.
+TOKEN_RANGE = (1_000, 40_000)
+SUBMIT_BATCH = 1_000  # the router's default queue_max_batch_requests
+SUBMITTERS = 4
+
+TTFT_RATIO_TARGET = 1.1
+FREE_CAPACITY_SHARE_TARGET = 0.9
+SUBMISSION_RATE_TARGET = 1_000.0
+
+
+@dataclass(frozen=True)
+class Scale:
+    window_seconds: float
+    submit_requests: int
+
+
+FULL = Scale(window_seconds=30.0, submit_requests=100_000)
+QUICK = Scale(window_seconds=8.0, submit_requests=20_000)
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(PROMPT_TOKENS)]
+
+
+def _completion(rng: random.Random) -> router_pb2.CompletionRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return router_pb2.CompletionRequest(model=MODEL_ID, prompt_token_ids=_prompt(rng), sampling=sampling)
+
+
+def _queue_request(rng: random.Random, count: int) -> router_pb2.QueueRequestsRequest:
+    return router_pb2.QueueRequestsRequest(
+        model=MODEL_ID,
+        requests=[router_pb2.QueuedRequest(completion=_completion(rng)) for _ in range(count)],
+    )
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _done_jobs(queue_file: Path) -> int:
+    with sqlite3.connect(f"file:{queue_file}?mode=ro", uri=True) as db:
+        return db.execute("SELECT COUNT(*) FROM jobs WHERE state = 'done'").fetchone()[0]
+
+
+async def _drain_rate(queue_file: Path, window) -> float:
+    """Queued jobs finished per second while ``window`` (an awaitable) runs."""
+    done_before = _done_jobs(queue_file)
+    started = time.perf_counter()
+    await window
+    return (_done_jobs(queue_file) - done_before) / (time.perf_counter() - started)
+
+
+def _percentile(ordered: list[float], share: float) -> float:
+    return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
+
+
+async def measure_capacity(stub, seconds: float, clients: int, rng: random.Random) -> float:
+    """Completed requests/s with ``clients`` closed-loop callers keeping the engine full."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await stub.CreateCompletion(_completion(rng), timeout=120)
+            if time.perf_counter() <= deadline:
+                done += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return done / (time.perf_counter() - started) if done else 0.0
+
+
+async def interactive_arrivals(stub, rate: float, seconds: float, rng: random.Random) -> dict[str, Any]:
+    """Evenly spaced streaming arrivals at ``rate``/s for ``seconds``; TTFT percentiles in ms."""
+    ttfts: list[float] = []
+    failures: list[str] = []
+
+    async def one() -> None:
+        sent = time.perf_counter()
+        try:
+            first = True
+            async for _ in stub.StreamCompletion(_completion(rng), timeout=120):
+                if first:
+                    ttfts.append((time.perf_counter() - sent) * 1000)
+                    first = False
+        except grpc.aio.AioRpcError as error:
+            failures.append(error.code().name)
+
+    started = time.perf_counter()
+    tasks = []
+    for index in range(int(rate * seconds)):
+        await asyncio.sleep(max(0.0, started + index / rate - time.perf_counter()))
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - started
+    ordered = sorted(ttfts)
+    return {
+        "requests": len(tasks),
+        "failed": len(failures),
+        "failures": sorted(set(failures)),
+        "requests_per_s": len(ttfts) / elapsed,
+        "ttft_p50_ms": statistics.median(ordered),
+        "ttft_p99_ms": _percentile(ordered, 0.99),
+        "window_s": elapsed,
+    }
+
+
+async def fill_queue(stub, requests: int, rng: random.Random) -> dict[str, float]:
+    """``requests`` through QueueRequests from ``SUBMITTERS`` callers; batches built before timing."""
+    batches = [_queue_request(rng, min(SUBMIT_BATCH, requests - i)) for i in range(0, requests, SUBMIT_BATCH)]
+    pending = list(reversed(batches))
+
+    async def submitter() -> None:
+        while pending:
+            reply = await stub.QueueRequests(pending.pop(), timeout=120)
+            assert reply.status == router_pb2.BATCH_STATUS_QUEUED, reply
+
+    started = time.perf_counter()
+    await asyncio.gather(*(submitter() for _ in range(SUBMITTERS)))
+    elapsed = time.perf_counter() - started
+    return {"requests": requests, "seconds": elapsed, "requests_per_s": requests / elapsed}
+
+
+async def measure(router: str, router_pid: int, queue_file: Path, scale: Scale) -> dict[str, Any]:
+    rng = random.Random(0)
+    window = scale.window_seconds
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.InferenceServiceStub(channel)
+        await measure_capacity(stub, 2.0, MAX_NUM_SEQS, rng)  # warm-up: compile paths, fill caches
+        capacity = await measure_capacity(stub, window, MAX_NUM_SEQS, rng)
+        rate = INTERACTIVE_SHARE * capacity
+        alone = await interactive_arrivals(stub, rate, window, rng)
+
+        # Enough work that the queue cannot run dry during the window, even at full capacity.
+        backlog = max(5_000, int(capacity * window * 3))
+        await fill_queue(stub, backlog, rng)
+        await asyncio.sleep(2.0)  # the dispatcher reaches its steady state
+        drain_alone = await _drain_rate(queue_file, asyncio.sleep(window))
+        with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, rate, window, rng))
+        drain_rate = await _drain_rate(queue_file, with_backlog_run)
+        with_backlog = with_backlog_run.result()
+
+        rss_before = _rss_mib(router_pid)
+        submission = await fill_queue(stub, scale.submit_requests, rng)
+        rss_after = _rss_mib(router_pid)
+        await asyncio.sleep(2.0)
+        rss_settled = _rss_mib(router_pid)
+
+    # The larger of two measures of the engine's capacity: the closed loop pays for this
+    # process's client work on the shared cores, the queue alone for the headroom rule.
+    capacity_used = max(capacity, drain_alone)
+    free_capacity = capacity_used - with_backlog["requests_per_s"]
+    return {
+        "prompt_tokens": PROMPT_TOKENS,
+        "max_tokens": MAX_TOKENS,
+        "engine_max_num_seqs": MAX_NUM_SEQS,
+        "window_s": window,
+        "capacity_closed_loop_requests_per_s": capacity,
+        "drain_alone_requests_per_s": drain_alone,
+        "capacity_requests_per_s": capacity_used,
+        "interactive_rate_per_s": rate,
+        "interactive_alone": alone,
+        "interactive_with_backlog": with_backlog,
+        "backlog_requests": backlog,
+        "ttft_p50_ratio": with_backlog["ttft_p50_ms"] / alone["ttft_p50_ms"],
+        "ttft_p99_ratio": with_backlog["ttft_p99_ms"] / alone["ttft_p99_ms"],
+        "drain_requests_per_s": drain_rate,
+        "free_capacity_requests_per_s": free_capacity,
+        "free_capacity_share": drain_rate / free_capacity if free_capacity > 0 else 0.0,
+        "submission": submission,
+        "router_rss_mib_before": rss_before,
+        "router_rss_mib_after": rss_after,
+        "router_rss_mib_settled": rss_settled,
+    }
+
+
+def run_queue_bench(
+    quick: bool = False,
+    router_env: dict[str, str] | None = None,
+    engine_device: str = "cpu",
+    vocab_from: Path | None = None,
+) -> dict[str, Any]:
+    """``router_env`` overrides router variables (the headroom knobs); ``vocab_from`` is a Hugging
+    Face directory to take the tokenizer from where the default model's GGUF is not installed."""
+    print("[bench] async queue (tokenizer, usage, cache, engine, router processes)", flush=True)
+    scale = QUICK if quick else FULL
+    with tempfile.TemporaryDirectory(prefix="cachet-queue-bench-") as directory:
+        root = Path(directory)
+        model_dir = write_tiny_model(root / MODEL_ID, vocab_from=vocab_from)
+        services = _Services(root)
+        try:
+            tokenizer = services.start("tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(model_dir)])})
+            usage = services.start("usage", {"CACHET_DATA_DIR": str(root / "usage-data")})
+            engine = services.start(
+                "engine",
+                {
+                    "CACHET_MODEL": str(model_dir),
+                    "CACHET_ENGINE_MAX_NUM_SEQS": str(MAX_NUM_SEQS),
+                    "CACHET_DEVICE": engine_device,
+                },
+            )
+            cache = services.start("cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps([engine])})
+            router = services.start(
+                "router",
+                {
+                    "CACHET_ROUTER_TOKENIZER_ADDRESS": tokenizer,
+                    "CACHET_ROUTER_USAGE_ADDRESS": usage,
+                    "CACHET_ROUTER_CACHE_ADDRESS": cache,
+                    "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps([engine]),
+                    "CACHET_DATA_DIR": str(root / "router-data"),
+                }
+                | (router_env or {}),
+            )
+            router_pid = services.processes[-1].pid
+            result = asyncio.run(measure(router, router_pid, root / "router-data" / "queue.sqlite3", scale))
+            result["engine_device"] = engine_device
+        finally:
+            services.stop()
+    _print(result)
+    return result
+
+
+def _print(result: dict[str, Any]) -> None:
+    alone, loaded = result["interactive_alone"], result["interactive_with_backlog"]
+    print(
+        f"\nAsync queue: one engine (max_num_seqs {result['engine_max_num_seqs']}), requests of"
+        f" {result['prompt_tokens']} prompt + {result['max_tokens']} generated tokens,"
+        f" {result['window_s']:.0f} s windows"
+    )
+    print(f"{'measure':<50}{'alone':>12}{'w/ backlog':>12}{'ratio':>10}{'target':>10}")
+    print("-" * 94)
+    for name, key, ratio in (
+        ("interactive TTFT p50 (ms)", "ttft_p50_ms", "ttft_p50_ratio"),
+        ("interactive TTFT p99 (ms)", "ttft_p99_ms", "ttft_p99_ratio"),
+    ):
+        print(
+            f"{name:<50}{alone[key]:>12.1f}{loaded[key]:>12.1f}{result[ratio]:>10.2f}"
+            f"{'<= ' + str(TTFT_RATIO_TARGET):>10}"
+        )
+    print(f"{'interactive requests/s (failed)':<50}", end="")
+    print(
+        f"{alone['requests_per_s']:>8.1f} ({alone['failed']}){loaded['requests_per_s']:>8.1f} ({loaded['failed']})"
+    )
+    print(f"\n{'measure':<50}{'value':>12}{'target':>14}")
+    print("-" * 76)
+    rows = (
+        ("capacity, closed loop (requests/s)", f"{result['capacity_closed_loop_requests_per_s']:.1f}", ""),
+        ("capacity, backlog drain alone (requests/s)", f"{result['drain_alone_requests_per_s']:.1f}", ""),
+        ("free capacity with interactive (requests/s)", f"{result['free_capacity_requests_per_s']:.1f}", ""),
+        (
+            f"backlog drain (requests/s, {result['backlog_requests']} queued)",
+            f"{result['drain_requests_per_s']:.1f}",
+            "",
+        ),
+        (
+            "share of free capacity drained",
+            f"{result['free_capacity_share']:.2f}",
+            f">= {FREE_CAPACITY_SHARE_TARGET}",
+        ),
+        (
+            f"QueueRequests submission ({result['submission']['requests']} req, requests/s)",
+            f"{result['submission']['requests_per_s']:.0f}",
+            f"> {SUBMISSION_RATE_TARGET:.0f}",
+        ),
+        ("router RSS before filling (MiB)", f"{result['router_rss_mib_before']:.1f}", ""),
+        ("router RSS after filling (MiB)", f"{result['router_rss_mib_after']:.1f}", "flat"),
+        ("router RSS 2 s later (MiB)", f"{result['router_rss_mib_settled']:.1f}", ""),
+    )
+    for name, value, target in rows:
+        print(f"{name:<50}{value:>12}{target:>14}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the async queue bench on its own")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--engine-device", default="cpu", help="cpu, or cuda on a GPU machine")
+    parser.add_argument("--vocab-from", type=Path, default=None, help="a Hugging Face dir with a tokenizer")
+    parser.add_argument(
+        "router_env", nargs="*", help="KEY=VALUE router variables, e.g. CACHET_ROUTER_BATCH_MAX_IN_FLIGHT=8"
+    )
+    args = parser.parse_args()
+    overrides = dict(pair.split("=", 1) for pair in args.router_env)
+    result = run_queue_bench(args.quick, overrides, args.engine_device, args.vocab_from)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
