@@ -98,6 +98,10 @@ def workers_ai_request_to_proto(
             tools=[_tool(t.definition()) for t in body.tools or []],
         )
     if response_format is not None:
+        if body.tool_choice is not None:
+            request.tool_choice.CopyFrom(_tool_choice(body.tool_choice))
+        if body.parallel_tool_calls is not None:
+            request.parallel_tool_calls = body.parallel_tool_calls
         request.response_format.CopyFrom(response_format)
     return request
 
@@ -257,26 +261,19 @@ def chat_chunk_to_json(chunk: router_pb2.ChatCompletionChunk, include_usage: boo
     events: list[Json] = []
     head = {"id": chunk.id, "object": "chat.completion.chunk", "created": chunk.created, "model": chunk.model}
     if _has_choice_content(chunk):
-        delta: Json = {}
-        if chunk.role:
-            delta["role"] = chunk.role
-        if chunk.content_delta or chunk.role:
-            # The role chunk carries "" content, as OpenAI's does.
-            delta["content"] = chunk.content_delta
-        if chunk.reasoning_delta:
-            delta["reasoning_content"] = chunk.reasoning_delta
-        if chunk.tool_call_deltas:
-            delta["tool_calls"] = [_tool_call_delta(d) for d in chunk.tool_call_deltas]
-        choice = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": _chat_logprobs(chunk.logprobs),
-            "finish_reason": FINISH_REASONS[chunk.finish_reason],
-        }
-        event: Json = {**head, "choices": [choice]}
-        if include_usage:
-            event["usage"] = None
-        events.append(event)
+        deltas = _choice_deltas(chunk)
+        for number, delta in enumerate(deltas):
+            last = number == len(deltas) - 1
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": _chat_logprobs(chunk.logprobs) if number == 0 else None,
+                "finish_reason": FINISH_REASONS[chunk.finish_reason] if last else None,
+            }
+            event: Json = {**head, "choices": [choice]}
+            if include_usage:
+                event["usage"] = None
+            events.append(event)
     if include_usage and chunk.HasField("usage"):
         events.append({**head, "choices": [], "usage": usage_to_json(chunk.usage)})
     return events
@@ -324,18 +321,28 @@ def workers_ai_result_to_json(completion: router_pb2.ChatCompletion) -> Json:
     result: Json = {"response": completion.content, "usage": usage_to_json(completion.usage)}
     if completion.tool_calls:
         result["tool_calls"] = [
-            {"name": c.name, "arguments": c.arguments_json} for c in completion.tool_calls
+            {"name": c.name, "arguments": _arguments_object(c.arguments_json)} for c in completion.tool_calls
         ]
     return _workers_ai_envelope(result)
 
 
 def workers_ai_chunk_to_json(chunk: router_pb2.ChatCompletionChunk) -> list[Json]:
+def _arguments_object(arguments_json: str) -> Json | str:
+    """Workers AI answers a call's arguments as an object; text that is none (cut short) stays text."""
+    try:
+        arguments = json.loads(arguments_json)
+    except json.JSONDecodeError:
+        return arguments_json
+    return arguments if isinstance(arguments, dict) else arguments_json
+
+
     """Workers AI streams ``{"response": delta}`` events and puts usage on the last one."""
     event: Json = {"response": chunk.content_delta}
     if chunk.tool_call_deltas:
-        # Workers AI has no fragment format: fragments go out as they come, keyed by name and arguments.
+        # Workers AI has no fragment format: fragments go out as they come, joined by index (the
+        # first of a call carries its name).
         event["tool_calls"] = [
-            {"name": d.name, "arguments": d.arguments_delta} for d in chunk.tool_call_deltas
+            {"index": d.index, "name": d.name, "arguments": d.arguments_delta} for d in chunk.tool_call_deltas
         ]
     if chunk.HasField("usage"):
         event["usage"] = usage_to_json(chunk.usage)
@@ -423,6 +430,24 @@ def _has_choice_content(chunk: router_pb2.ChatCompletionChunk) -> bool:
 
 
 def _tool_call_delta(delta: router_pb2.ToolCallDelta) -> Json:
+def _choice_deltas(chunk: router_pb2.ChatCompletionChunk) -> list[Json]:
+    """The chunk's choice deltas, one SSE event each.
+
+    OpenAI streams one tool-call delta per event (a call's header, then each argument
+    fragment), so a router chunk holding several becomes several events; text comes first.
+    """
+    text: Json = {}
+    if chunk.role:
+        text["role"] = chunk.role
+    if chunk.content_delta or chunk.role:
+        # The role chunk carries "" content, as OpenAI's does.
+        text["content"] = chunk.content_delta
+    if chunk.reasoning_delta:
+        text["reasoning_content"] = chunk.reasoning_delta
+    calls = [{"tool_calls": [_tool_call_delta(d)]} for d in chunk.tool_call_deltas]
+    return [text, *calls] if text or not calls else calls
+
+
     out: Json = {"index": delta.index, "function": {"arguments": delta.arguments_delta}}
     if delta.id:
         out["id"] = delta.id

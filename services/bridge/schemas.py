@@ -261,11 +261,26 @@ class WorkersAIRunBody(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     stop: str | list[str] | None = None
     tools: list[WorkersAITool] | None = None
+    # OpenAI's shapes: "none" / "auto" / "required" or {"type": "function", "function": {"name": ...}}.
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _messages_or_prompt(self) -> WorkersAIRunBody:
         _check_messages_or_prompt(self)
+        return self
+
+    @model_validator(mode="after")
+    def _tools_apply(self) -> WorkersAIRunBody:
+        if self.raw and (self.tools or self.tool_choice is not None):
+            raise ValueError("tools and tool_choice need a templated prompt or messages, not raw")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.definition().name for tool in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+                )
         return self
 
 
@@ -443,7 +458,11 @@ class ModelList(_Answer):
 
 class WorkersAIToolCall(_Answer):
     name: str
-    arguments: str
+    # A whole answer's call carries its arguments as an object (Workers AI's shape; the text as
+    # written only when it is not one, e.g. cut short). A stream's carry text fragments, which
+    # join by index: the first of a call has its name and "", the rest name "".
+    arguments: dict[str, Any] | str
+    index: int | None = None
 
 
 class WorkersAIResult(_Answer):

@@ -402,18 +402,22 @@ def test_tool_call_delta_fragments() -> None:
         router_pb2.ToolCallDelta(index=0, arguments_delta='ty":"Rome"}'),
     )
     events = convert.chat_chunk_to_json(chunk(tool_call_deltas=[first, rest]), include_usage=False)
-    assert events[0]["choices"][0]["delta"] == {
-        "tool_calls": [
-            {
-                "index": 0,
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "weather", "arguments": '{"ci'},
-            },
-            {"index": 0, "function": {"arguments": 'ty":"Rome"}'}},
-        ]
-    }
-    schemas.ChatCompletionChunkResponse.model_validate(events[0])
+    # One tool-call delta per event, as OpenAI streams them.
+    assert [event["choices"][0]["delta"] for event in events] == [
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"ci'},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ty":"Rome"}'}}]},
+    ]
+    for event in events:
+        schemas.ChatCompletionChunkResponse.model_validate(event)
 
 
 def test_text_completion_json_and_chunks() -> None:
@@ -480,7 +484,7 @@ def test_workers_ai_result_and_stream_events() -> None:
         "result": {
             "response": "Paris.",
             "usage": USAGE_JSON,
-            "tool_calls": [{"name": "f", "arguments": "{}"}],
+            "tool_calls": [{"name": "f", "arguments": {}}],
         },
         "success": True,
         "errors": [],

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -226,3 +227,98 @@ def test_forced_tool_call_always_parses_and_validates(platform: Platform, choice
             )
         )
         assert without_ids(streamed) == without_ids(answer)
+
+
+def test_forced_call_streams_name_first_then_argument_fragments(platform: Platform) -> None:
+    """OpenAI's stream shape: index, id, type and name with arguments "", then argument text only."""
+    client, messages = platform.client(), conversation()
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    sampling = {"temperature": 1.0, "max_tokens": 120, "seed": 3}
+    whole_call = whole(
+        client.chat.completions.create(
+            model=TINY_MODEL_ID, messages=messages, tools=TOOLS, tool_choice=choice, **sampling
+        )
+    )["tool_calls"][0]
+    deltas = [
+        call
+        for event in client.chat.completions.create(
+            model=TINY_MODEL_ID, messages=messages, tools=TOOLS, tool_choice=choice, stream=True, **sampling
+        )
+        for choice_delta in event.choices
+        for call in choice_delta.delta.tool_calls or []
+    ]
+    header, fragments = deltas[0], deltas[1:]
+    assert (header.index, header.type, header.function.name, header.function.arguments) == (
+        0,
+        "function",
+        "get_weather",
+        "",
+    )
+    assert header.id.startswith("call_")
+    assert len(fragments) > 1, "a call with arguments streams in more than one fragment"
+    assert all(f.index == 0 and f.id is None and f.function.name is None for f in fragments)
+    arguments = "".join(f.function.arguments for f in fragments)
+    assert arguments == whole_call["arguments"]
+    check_weather_call(arguments)
+
+
+def run_workers_ai(platform: Platform, body: dict) -> httpx.Response:
+    return httpx.post(f"{platform.url}/ai/run/{TINY_MODEL_ID}", json=body, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+    ids=["named", "required"],
+)
+def test_workers_ai_forwards_tools_and_tool_choice(platform: Platform, choice: object) -> None:
+    """/ai/run takes flat tools and tool_choice; calls come back as Workers AI's {name, arguments}."""
+    flat_tools = [
+        {"name": "get_weather", "description": "Weather forecast for a city.", "parameters": WEATHER},
+        {"name": "get_time", "description": "The current time."},
+    ]
+    body = {
+        "messages": conversation(),
+        "tools": flat_tools,
+        "tool_choice": choice,
+        "parallel_tool_calls": False,
+        "temperature": 1.0,
+        "max_tokens": 120,
+        "seed": 5,
+    }
+    reply = run_workers_ai(platform, body)
+    assert reply.status_code == 200, reply.text
+    result = reply.json()["result"]
+    (call,) = result["tool_calls"]
+    assert set(call) == {"name", "arguments"}
+    assert isinstance(call["arguments"], dict), "Workers AI answers arguments as an object"
+    if choice != "required":
+        assert call["name"] == "get_weather"
+    if call["name"] == "get_weather":
+        check_weather_call(json.dumps(call["arguments"]))
+    else:
+        assert call["arguments"] == {}
+    with httpx.stream(
+        "POST", f"{platform.url}/ai/run/{TINY_MODEL_ID}", json=body | {"stream": True}, timeout=TIMEOUT
+    ) as response:
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in response.read().decode().split("\n\n")
+            if line.startswith("data: {")
+        ]
+    fragments = [call for event in events for call in event.get("tool_calls", [])]
+    assert fragments[0]["name"] == call["name"] and fragments[0]["arguments"] == ""
+    assert json.loads("".join(f["arguments"] for f in fragments)) == call["arguments"]
+
+
+def test_workers_ai_tool_choice_naming_no_tool_is_refused(platform: Platform) -> None:
+    reply = run_workers_ai(
+        platform,
+        {
+            "prompt": "hi",
+            "tools": [{"name": "get_time"}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+    )
+    assert reply.status_code == 400, reply.text
+    assert "get_weather" in reply.text

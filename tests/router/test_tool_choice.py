@@ -135,12 +135,11 @@ def test_required_without_parallel_calls_allows_one() -> None:
 
 def test_forced_output_reads_back_through_the_parsers() -> None:
     required = RequiredToolCallsParser({"get_weather", "ping"})
-    delta = required.feed('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
-    assert [(c.name, json.loads(c.arguments_delta)) for c in delta.tool_calls] == [
-        ("get_weather", {"city": "Oslo"})
-    ]
+    header, arguments = required.feed('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]').tool_calls
+    assert (header.name, header.arguments_delta) == ("get_weather", "")
+    assert json.loads(arguments.arguments_delta) == {"city": "Oslo"}
     named = NamedToolCallParser("ping")
-    assert named.feed("{}").tool_calls[0].name == "ping"
+    assert [(d.name, d.arguments_delta) for d in named.feed("{}").tool_calls] == [("ping", ""), ("", "{}")]
 
 
 @pytest.mark.parametrize(

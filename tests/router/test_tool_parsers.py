@@ -3,6 +3,8 @@
 Every case is parsed whole and streamed split at every character boundary (and
 character by character): the streamed deltas must add up to the one-shot parse,
 which is what lets the router build a non-streamed answer from its own stream.
+Every call must stream as OpenAI's do: a header (index, id, name, arguments "")
+first, then argument text only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Answer:
     reasoning: str = ""
     # index -> [id, name, arguments]
     calls: dict[int, list[str]] = field(default_factory=dict)
+    fragments: dict[int, int] = field(default_factory=dict)  # argument deltas per call
 
     def add(self, delta: OutputDelta) -> None:
         self.content += delta.content
@@ -35,12 +38,15 @@ class Answer:
         for call in delta.tool_calls:
             entry = self.calls.setdefault(call.index, ["", "", ""])
             if call.id:
-                assert not entry[0], "a call's id comes once, on its first fragment"
+                assert not entry[0], "a call's id comes once, on its header"
+                assert call.name and call.arguments_delta == "", "the header carries the name, no arguments"
                 entry[0] = call.id
                 entry[1] = call.name
+                self.fragments.setdefault(call.index, 0)
             else:
-                assert entry[0], "the first fragment of a call carries its id"
-                assert not call.name
+                assert entry[0], "the header of a call comes before its arguments"
+                assert not call.name and call.arguments_delta, "fragments carry argument text only"
+                self.fragments[call.index] += 1
             entry[2] += call.arguments_delta
 
     def named_calls(self) -> list[tuple[str, dict]]:
@@ -132,12 +138,12 @@ def test_hermes_arguments_keep_unicode() -> None:
     "text",
     [
         "<tool_call>not json</tool_call>",
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',  # cut off
+        '<tool_call>{"name": "get_weather", "arguments": {',  # cut off before the arguments show
+        '<tool_call>{"name": "get_weather", "argu',  # cut off
         '<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>',  # not offered
         '<tool_call>{"name": "search", "arguments": [1, 2]}</tool_call>',  # not an object
+        '<tool_call>{"name": "search", "arguments": {not json}}</tool_call>',
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
-        '<tool_call>{"name": "search", "arguments": {}} trailing</tool_call>',
-        '<tool_call>{"name": "search", "arguments": {"q": 1},}</tool_call>',  # invalid JSON, balanced
         "<tool_call>",
         "text <tool_call",
     ],
@@ -146,6 +152,47 @@ def test_hermes_malformed_output_is_content(text: str) -> None:
     answer = check_every_split(hermes, text)
     assert answer.calls == {}
     assert answer.content == text
+
+
+@pytest.mark.parametrize(
+    ("text", "arguments", "content"),
+    [
+        # Cut short (max_tokens): the call keeps what was written; finish_reason "length" says so.
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', '{"city": "Par', ""),
+        ('<tool_call>{"name": "search", "arguments": {}} trailing</tool_call>', "{}", "trailing</tool_call>"),
+        ('<tool_call>{"name": "search", "arguments": {"q": 1}, "x": "}"}</tool_call>', '{"q": 1}', ""),
+    ],
+)
+def test_hermes_announced_call_stands(text: str, arguments: str, content: str) -> None:
+    answer = check_every_split(hermes, text)
+    assert [(name, args) for _, name, args in answer.calls.values()] == [
+        ("search" if "search" in text else "get_weather", arguments)
+    ]
+    assert answer.content == content
+
+
+def test_hermes_arguments_stream_as_written() -> None:
+    """Name first (as soon as the arguments open), then the raw arguments text in fragments."""
+    arguments = '{"city": "Paris", "nested": {"days": [1, 2], "note": "a } b"}}'
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    whole = check_every_split(hermes, text)
+    assert whole.calls[0][1:] == ["get_weather", arguments], "the arguments string is the model's own text"
+    json.loads(whole.calls[0][2])
+    streamed = run(hermes, list(text))
+    # One fragment per character fed, but the first: the arguments' "{" waits for the next
+    # character to show it opens an object (``{not json}`` stays content).
+    assert streamed.fragments[0] == len(arguments) - 1
+    # The header goes out on the character that opens the arguments' first key, before any value.
+    parser, prefix = hermes(), text[: text.index('"city"') + 1]
+    deltas = [call for piece in prefix for call in parser.feed(piece).tool_calls]
+    assert [(d.name, d.arguments_delta) for d in deltas] == [("get_weather", ""), ("", '{"')]
+
+
+def test_hermes_keys_the_other_way_round_go_out_whole() -> None:
+    text = '<tool_call>{"arguments": {"q": "a"}, "name": "search"}</tool_call>'
+    answer = check_every_split(hermes, text)
+    assert answer.named_calls() == [("search", {"q": "a"})]
+    assert answer.fragments[0] == 1
 
 
 def test_hermes_malformed_block_then_a_real_call() -> None:
@@ -206,7 +253,7 @@ def test_kimi_whitespace_between_markers_and_text_after_section() -> None:
     "text",
     [
         f"{SB}{CB}functions.search:0{AB}{{not json}}{CE}{SE}",
-        f'{SB}{CB}functions.search:0{AB}{{"q": 1',  # cut off
+        f"{SB}{CB}functions.search:0{AB}{{ ",  # cut off before the arguments show
         f"{SB}{CB}no id here{AB}{{}}{CE}{SE}",
         f"{SB}{CB}functions.unknown_tool:0{AB}{{}}{CE}{SE}",
         f"{SB}{CB}functions.search:0{AB}[1]{CE}{SE}",
@@ -218,6 +265,20 @@ def test_kimi_malformed_call_is_content(text: str) -> None:
     assert answer.calls == {}
     # The section marker was consumed as a section; everything from the bad call on is content.
     assert answer.content == text.removeprefix(SB)
+
+
+def test_kimi_arguments_stream_as_written() -> None:
+    arguments = '{"q": "a <|tool_call_end|> b", "n": [1, {"x": null}]}'
+    text = f"{SB}{CB}functions.search:0{AB}{arguments}{CE}{SE}"
+    whole = check_every_split(kimi, text)
+    assert whole.calls[0] == ["functions.search:0", "search", arguments]
+    assert run(kimi, list(text)).fragments[0] == len(arguments) - 1
+
+
+def test_kimi_cut_short_call_stands() -> None:
+    answer = check_every_split(kimi, f'{SB}{CB}functions.search:0{AB}{{"q": 1')
+    assert [(name, args) for _, name, args in answer.calls.values()] == [("search", '{"q": 1')]
+    assert answer.content == ""
 
 
 def test_kimi_good_call_then_malformed_one() -> None:
@@ -295,6 +356,7 @@ def test_named_call_streams_arguments() -> None:
     assert answer.content == ""
     streamed = run(lambda: NamedToolCallParser("get_weather"), list(text))
     assert len(streamed.calls) == 1
+    assert streamed.fragments[0] > 20  # whitespace is held back until text follows it
 
 
 def test_named_call_output_that_is_no_object_is_content() -> None:
@@ -307,13 +369,15 @@ def test_required_calls_array() -> None:
     answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), text)
     assert answer.named_calls() == [("search", {"q": "]"}), ("get_weather", {"city": "Oslo"})]
     assert answer.content == ""
+    assert [args for _, _, args in answer.calls.values()] == ['{"q": "]"}', '{"city": "Oslo"}']
+    assert run(lambda: RequiredToolCallsParser(TOOLS), list(text)).fragments == {0: 9, 1: 15}
 
 
 def test_required_cut_short_keeps_whole_calls() -> None:
     text = '[{"name": "search", "arguments": {}}, {"name": "get_wea'
     answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), text)
     assert answer.named_calls() == [("search", {})]
-    assert answer.content == ', {"name": "get_wea'
+    assert answer.content == '{"name": "get_wea'
 
 
 def test_required_output_that_is_no_array_is_content() -> None:

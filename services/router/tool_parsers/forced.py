@@ -4,9 +4,10 @@
 
 - named function: the whole output is the arguments object. It streams as it is
   generated (the grammar guarantees it parses, so there is nothing to take back):
-  the first fragment carries index, id and name, later ones argument text only.
-- required: the output is a JSON array of ``{"name", "arguments"}`` objects,
-  each emitted as one call once its object is complete.
+  a header (index, id, name) on the first text, then argument text as it comes.
+- required: the output is a JSON array of ``{"name", "arguments"}`` objects (the
+  grammar writes ``name`` first), each read by ``streamed_call.CallObjectReader``:
+  announced once its name is read and its arguments open, then streamed.
 
 Text that does not fit (an engine that did not constrain, or output cut short
 before the first call) goes out as content rather than failing the request.
@@ -14,13 +15,11 @@ before the first call) goes out as content rather than failing the request.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 
 from cachet.router.output_parser import OutputDelta
-from cachet.router.tool_parsers.text_scan import NotAnObject, json_object_end
-from cachet.router.tool_parsers.tool_calls import call_delta, new_call_id
-from cachet.router.v1 import router_pb2
+from cachet.router.tool_parsers.streamed_call import CallObjectReader, Progress
+from cachet.router.tool_parsers.tool_calls import fragment, header, new_call_id
 
 
 class NamedToolCallParser:
@@ -28,30 +27,30 @@ class NamedToolCallParser:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._started = False  # the call's first fragment went out
+        self._started = False  # the call's header went out
         self._as_content = False  # the output is not an object: all of it is content
         self._pending = ""  # trailing whitespace, shown only if more text follows
 
     def feed(self, text: str) -> OutputDelta:
         if self._as_content:
             return OutputDelta(content=text)
+        out = OutputDelta()
         if not self._started:
             text = text.lstrip()
             if not text:
-                return OutputDelta()
+                return out
             if text[0] != "{":
                 self._as_content = True
                 return OutputDelta(content=text)
+            self._started = True
+            out.tool_calls.append(header(0, new_call_id(), self._name))
         stripped = text.rstrip()
         if not stripped:
             self._pending += text
-            return OutputDelta()
-        fragment = router_pb2.ToolCallDelta(index=0, arguments_delta=self._pending + stripped)
+            return out
+        out.tool_calls.append(fragment(0, self._pending + stripped))
         self._pending = text[len(stripped) :]
-        if not self._started:
-            self._started = True
-            fragment.id, fragment.name = new_call_id(), self._name
-        return OutputDelta(tool_calls=[fragment])
+        return out
 
     def finish(self) -> OutputDelta:
         return OutputDelta()
@@ -65,6 +64,8 @@ class RequiredToolCallsParser:
         self._buffer = ""
         self._raw = ""  # all output, shown whole when it held no call at all
         self._opened = False  # the array's "[" was read
+        self._call: CallObjectReader | None = None
+        self._call_text = ""  # the current item while unannounced, shown if it is no call
         self._calls = 0
         self._as_content = False
 
@@ -73,20 +74,28 @@ class RequiredToolCallsParser:
             return OutputDelta(content=text)
         self._buffer += text
         self._raw += text
+        return self._drain(final=False)
+
+    def finish(self) -> OutputDelta:
+        if self._as_content:
+            return OutputDelta()
+        out = self._drain(final=True)
+        if self._as_content:
+            return out
+        rest, self._buffer = self._buffer.strip(), ""
+        if rest not in ("", "]"):
+            out.content += rest
+        return out
+
+    def _drain(self, *, final: bool) -> OutputDelta:
         out = OutputDelta()
-        while self._next_call(out):
+        while not self._as_content and self._step(out, final):
             pass
         return out
 
-    def finish(self) -> OutputDelta:
-        rest, self._buffer = self._buffer.strip(), ""
-        if self._as_content or rest in ("", "]"):
-            return OutputDelta()
-        # Cut short (max_tokens): the unfinished call is content, and with no call
-        # made at all, so is the whole output.
-        return OutputDelta(content=rest if self._calls else self._raw)
-
-    def _next_call(self, out: OutputDelta) -> bool:
+    def _step(self, out: OutputDelta, final: bool) -> bool:
+        if self._call is not None:
+            return self._read_call(self._call, out, final)
         body = self._buffer.lstrip()
         if not self._opened:
             if not body:
@@ -99,27 +108,29 @@ class RequiredToolCallsParser:
         body = body.removeprefix(",").lstrip() if self._calls else body
         if not body or body.startswith("]"):
             return False
-        try:
-            end = json_object_end(body)
-        except NotAnObject:
+        self._buffer = body
+        self._call = CallObjectReader(self._calls, self._tool_names)
+        self._call_text = ""
+        return True
+
+    def _read_call(self, call: CallObjectReader, out: OutputDelta, final: bool) -> bool:
+        text, self._buffer = self._buffer, ""
+        if not call.announced:
+            self._call_text += text
+        progress = call.feed(text, out, final=final)
+        if progress is Progress.MALFORMED:
+            self._buffer = self._call_text
             return self._give_up(out)
-        if end is None:
+        if progress is Progress.WAITING:
             return False
-        try:
-            payload = json.loads(body[:end])
-        except json.JSONDecodeError:
-            return self._give_up(out)
-        delta = call_delta(
-            self._calls, new_call_id(), payload.get("name"), payload.get("arguments", {}), self._tool_names
-        )
-        if delta is None:
-            return self._give_up(out)
-        out.tool_calls.append(delta)
         self._calls += 1
-        self._buffer = body[end:]
+        self._buffer = call.rest
+        self._call = None
         return True
 
     def _give_up(self, out: OutputDelta) -> bool:
+        # Cut short (max_tokens) or not a call: an unfinished item is content, and with no
+        # call made at all, so is the whole output.
         out.content += self._buffer if self._calls else self._raw
         self._buffer = ""
         self._as_content = True

@@ -7,11 +7,16 @@
 
 The call id is the model's own ``functions.NAME:IDX``: the template writes it back
 in the next turn (``## Return of <id>``), so it is kept as is rather than replaced
-by an OpenAI-style id. Text before the section is content. The arguments' end is
-found by tracking JSON strings, so marker text inside an argument value does not
-end the call. A call that does not fit the format (bad id, unknown function,
-arguments not a JSON object, missing end marker) ends parsing: it and all text
-after it go out as content.
+by an OpenAI-style id. Text before the section is content.
+
+A call is announced (id, name) once its id names an offered function and its
+arguments have opened as a JSON object; the arguments then stream as written, and
+their end is found by tracking JSON strings, so marker text inside an argument
+value does not end the call. A call that does not fit the format before that (bad
+id, unknown function, arguments not an object) ends parsing: it and all text after
+it go out as content. After an announced call, anything but its end marker ends
+parsing the same way (the call stands); output cut short leaves the call with the
+arguments written so far.
 
 These markers are special tokens: the router must detokenize with special tokens
 kept (``selection`` says so for this family).
@@ -19,15 +24,15 @@ kept (``selection`` says so for this family).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection
 from enum import Enum, auto
 
 from cachet.router.output_parser import OutputDelta
 from cachet.router.tool_parsers.content_gate import ContentGate
-from cachet.router.tool_parsers.text_scan import NotAnObject, json_object_end, partial_marker_length
-from cachet.router.tool_parsers.tool_calls import call_delta
+from cachet.router.tool_parsers.streamed_call import ArgumentsStream
+from cachet.router.tool_parsers.text_scan import object_opened, partial_marker_length
+from cachet.router.tool_parsers.tool_calls import header, is_offered
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -45,7 +50,9 @@ class _State(Enum):
     TEXT = auto()  # content, looking for the section
     SECTION = auto()  # between calls
     CALL_ID = auto()  # after CALL_BEGIN, reading the id
-    ARGUMENTS = auto()  # after ARGUMENT_BEGIN
+    ARGUMENTS = auto()  # after ARGUMENT_BEGIN, before the call is announced
+    STREAMING = auto()  # the call announced, its arguments streaming
+    CALL_END = auto()  # the arguments ended; their end marker is expected
     RAW = auto()  # after a malformed call: everything is content
 
 
@@ -56,6 +63,7 @@ class KimiK2ToolParser:
         self._state = _State.TEXT
         self._call_text = ""  # the current call as written, shown if it proves malformed
         self._call_id = ""
+        self._arguments: ArgumentsStream | None = None
         self._content = ContentGate()
 
     def feed(self, text: str) -> OutputDelta:
@@ -64,7 +72,7 @@ class KimiK2ToolParser:
 
     def finish(self) -> OutputDelta:
         out = self._drain(final=True)
-        if self._state in (_State.CALL_ID, _State.ARGUMENTS):
+        if self._state is _State.CALL_ID:
             self._malformed(out)  # cut off mid-call (max_tokens): the call is not made
         out.content += self._content.text(self._buffer) + self._content.finish()
         self._buffer = ""
@@ -76,7 +84,9 @@ class KimiK2ToolParser:
             _State.TEXT: self._text,
             _State.SECTION: self._section,
             _State.CALL_ID: self._id,
-            _State.ARGUMENTS: self._arguments,
+            _State.ARGUMENTS: self._open_arguments,
+            _State.STREAMING: self._stream_arguments,
+            _State.CALL_END: self._call_end,
             _State.RAW: self._raw,
         }
         while step[self._state](out, final):
@@ -125,32 +135,40 @@ class KimiK2ToolParser:
         self._state = _State.ARGUMENTS
         return True
 
-    def _arguments(self, out: OutputDelta, final: bool) -> bool:
+    def _open_arguments(self, out: OutputDelta, final: bool) -> bool:
         body = self._buffer.lstrip()
-        try:
-            end = json_object_end(body)
-        except NotAnObject:
-            return self._malformed(out)
-        if end is None:
-            return False
-        rest = body[end:].lstrip()
-        if not rest.startswith(CALL_END):
-            if CALL_END.startswith(rest) and not final:
-                return False
-            return self._malformed(out)
+        opened = object_opened(body)
+        if opened is None:
+            return self._malformed(out) if final else False
         match = _CALL_ID.fullmatch(self._call_id)
         assert match is not None  # checked in _id
-        try:
-            arguments = json.loads(body[:end])
-        except json.JSONDecodeError:
+        if not opened or not is_offered(match["name"], self._tool_names):
             return self._malformed(out)
-        delta = call_delta(self._content.calls, self._call_id, match["name"], arguments, self._tool_names)
-        if delta is None:
-            return self._malformed(out)
-        out.tool_calls.append(delta)
+        index = self._content.calls
+        out.tool_calls.append(header(index, self._call_id, match["name"]))
         self._content.call_made()
-        self._consume(len(self._buffer) - len(rest) + len(CALL_END))
-        self._state = _State.SECTION
+        self._arguments = ArgumentsStream(index)
+        self._buffer = body
+        self._state = _State.STREAMING
+        return True
+
+    def _stream_arguments(self, out: OutputDelta, final: bool) -> bool:
+        assert self._arguments is not None
+        self._buffer = self._arguments.feed(self._buffer, out)
+        if not self._arguments.done:
+            return False
+        self._state = _State.CALL_END
+        return True
+
+    def _call_end(self, out: OutputDelta, final: bool) -> bool:
+        rest = self._buffer.lstrip()
+        if rest.startswith(CALL_END):
+            self._consume(len(self._buffer) - len(rest) + len(CALL_END))
+            self._state = _State.SECTION
+            return True
+        if CALL_END.startswith(rest) and not final:
+            return False
+        self._state = _State.RAW  # the call stands; what follows is content
         return True
 
     def _raw(self, out: OutputDelta, final: bool) -> bool:

@@ -1,11 +1,14 @@
-"""A parsed tool call, checked against the offered tools, as stream deltas.
+"""A tool call as OpenAI streams it: a header, then argument text.
 
-Parsers emit a call only once all of it has been read and checked (a known
-function name, arguments that are a JSON object): a call that turns out
-malformed is then shown as content, never half-announced as a call. So each
-call goes out as one ``ToolCallDelta`` holding its index, id, name and the whole
-arguments text, which is a valid OpenAI stream (fragments may be any size) and
-concatenates to exactly the non-streamed call.
+The first delta of a call carries its index, id and function name with empty
+arguments; the deltas after it carry argument text only, as the model writes it.
+Joined, the fragments are the call's arguments string exactly (the router builds
+a non-streamed answer by joining them), so streamed and whole answers agree.
+
+``streamed_call`` announces a call once its name is known and its arguments have
+opened as a JSON object; a call whose shape cannot be streamed (arguments written
+as a JSON string, keys in the other order) is checked whole here and sent as a
+header and one fragment.
 """
 
 from __future__ import annotations
@@ -25,6 +28,19 @@ def new_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
+def is_offered(name: object, tool_names: Collection[str]) -> bool:
+    """A call may name any function when no list is known (forced output), else an offered one."""
+    return isinstance(name, str) and bool(name) and (not tool_names or name in tool_names)
+
+
+def header(index: int, call_id: str, name: str) -> router_pb2.ToolCallDelta:
+    return router_pb2.ToolCallDelta(index=index, id=call_id, name=name, arguments_delta="")
+
+
+def fragment(index: int, text: str) -> router_pb2.ToolCallDelta:
+    return router_pb2.ToolCallDelta(index=index, arguments_delta=text)
+
+
 def arguments_text(arguments: Any) -> str | None:
     """The arguments as OpenAI's JSON text, or None unless they are a JSON object."""
     if isinstance(arguments, str):
@@ -38,13 +54,14 @@ def arguments_text(arguments: Any) -> str | None:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def call_delta(
-    index: int, call_id: str, name: str, arguments: Any, tool_names: Collection[str]
-) -> router_pb2.ToolCallDelta | None:
-    """The whole call as one delta, or None when it is not a call of an offered tool."""
-    if not isinstance(name, str) or (tool_names and name not in tool_names):
+def whole_call(
+    index: int, call_id: str, name: object, arguments: Any, tool_names: Collection[str]
+) -> list[router_pb2.ToolCallDelta] | None:
+    """A call read whole, as its header and one fragment; None when it is not a call of an offered tool."""
+    if not is_offered(name, tool_names):
         return None
     text = arguments_text(arguments)
     if text is None:
         return None
-    return router_pb2.ToolCallDelta(index=index, id=call_id, name=name, arguments_delta=text)
+    assert isinstance(name, str)
+    return [header(index, call_id, name), fragment(index, text)]
