@@ -369,6 +369,10 @@ def create_app(settings: BridgeSettings) -> FastAPI:
     app.state.metrics = BridgeMetrics()
     install_error_handlers(app)
     app.include_router(api)
+    # Imported here, not at the top: the batch routes reuse this module's dependencies.
+    from cachet.bridge.batch_routes import api as batch_api
+
+    app.include_router(batch_api)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     # Added last, so outermost: its span and its 500 cover everything inside.
     app.add_middleware(TelemetryMiddleware, metrics=app.state.metrics)

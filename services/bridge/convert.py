@@ -40,6 +40,7 @@ BATCH_STATUSES = {
     router_pb2.BATCH_STATUS_RUNNING: "running",
     router_pb2.BATCH_STATUS_DONE: "done",
     router_pb2.BATCH_STATUS_CANCELLED: "cancelled",
+    router_pb2.BATCH_STATUS_CANCELLING: "cancelling",
 }
 
 _PICO = Decimal(10) ** -12

@@ -473,7 +473,7 @@ class WorkersAIResult(_Answer):
 
 class WorkersAIQueuedResult(_Answer):
     request_id: str
-    status: Literal["unspecified", "queued", "running", "done", "cancelled"]
+    status: Literal["unspecified", "queued", "running", "done", "cancelled", "cancelling"]
     model: str | None = None
     # Per request, in order, once the batch has finished.
     responses: list[WorkersAIBatchItem] | None = None

@@ -17,6 +17,7 @@ from cachet.logs import configure_logging, get_logger
 from cachet.router.batch_queue import BatchQueue
 from cachet.router.caller import AccountDirectory
 from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
+from cachet.router.file_batches import FileBatches
 from cachet.router.placement import PlacementPolicy
 from cachet.router.prompt import PromptBuilder
 from cachet.router.queue_store import QueueStore
@@ -102,8 +103,15 @@ async def start(settings: RouterSettings) -> RunningServer:
         log.warning("serving before every engine reported", engines=options.engine_addresses)
     clients.webhooks.start()
     clients.dispatcher.start()
-    queue = BatchQueue(clients.queue, replicas, options.queue_max_batch_requests)
-    servicer = InferenceServicer(pipeline, AccountDirectory(options.api_keys), queue)
+    queue = BatchQueue(
+        clients.queue,
+        replicas,
+        options.queue_max_batch_requests,
+        options.default_webhooks,
+        on_batch_finished=clients.webhooks.kick,
+    )
+    file_batches = FileBatches(clients.queue, queue, options.batch_file_max_lines)
+    servicer = InferenceServicer(pipeline, AccountDirectory(options.api_keys), queue, file_batches)
     try:
         running = await create_server(
             options,

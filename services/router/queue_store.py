@@ -13,6 +13,12 @@ tables, the same conditional updates):
   of every attempt that finishes, only the first is stored (*exactly once*), and
   only that call sees the batch finish (so the webhook is armed once).
 - ``release`` puts a leased job back (no capacity now) without counting an attempt.
+- ``cancel_batch`` ends every job that has not started (state ``cancelled``, with the
+  caller's result) in one transaction, so the dispatcher can never lease one of them
+  afterwards; jobs already leased finish, and the last of them finishes the batch.
+- OpenAI batches are ordinary batches plus a ``file_batches`` row (input file,
+  endpoint, custom ids, lines refused at validation); uploaded input files live in
+  ``files``. Both are written in the transaction that creates the batch or file.
 - Fairness lives here too: ``lease(after_account=...)`` takes the next account
   with work after the one served last (round-robin by account id), and within an
   account the oldest job first.
@@ -27,12 +33,13 @@ the same job.
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
@@ -87,6 +94,33 @@ CREATE TABLE IF NOT EXISTS webhook_attempts (
     error TEXT NOT NULL,
     PRIMARY KEY (batch_id, attempt)
 );
+CREATE TABLE IF NOT EXISTS batch_cancellations (
+    batch_id TEXT PRIMARY KEY REFERENCES batches (batch_id),
+    cancelled_at_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS files (
+    file_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    created_at_ms INTEGER NOT NULL,
+    content BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS file_batches (
+    batch_id TEXT PRIMARY KEY REFERENCES batches (batch_id),
+    account_id TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    -- JSON object, as the client gave it.
+    metadata TEXT NOT NULL,
+    -- JSON list: the custom_id of each job, by position.
+    custom_ids TEXT NOT NULL,
+    -- JSON list of [custom_id, code, message, line] for lines refused before running.
+    rejected TEXT NOT NULL
+);
+-- Listing an account's batches newest first, paged by rowid.
+CREATE INDEX IF NOT EXISTS file_batches_by_account ON file_batches (account_id);
 """
 
 # A job may run when it is queued, or leased by an owner whose lease has lapsed.
@@ -118,12 +152,19 @@ class JobState(StrEnum):
     QUEUED = "queued"
     LEASED = "leased"
     DONE = "done"
+    CANCELLED = "cancelled"  # never ran: its batch was cancelled first
+
+
+# Jobs that will not run again (a result is stored).
+_ENDED = "('done', 'cancelled')"
 
 
 class BatchState(StrEnum):
     QUEUED = "queued"  # no job has started
     RUNNING = "running"  # some job started or finished, not all finished
     DONE = "done"  # every job finished (with a result or an error)
+    CANCELLING = "cancelling"  # cancelled; jobs that had started are still running
+    CANCELLED = "cancelled"  # cancelled, and every started job finished
 
 
 @dataclass(frozen=True)
@@ -150,6 +191,46 @@ class BatchView:
     results: list[bytes | None]
     webhook_url: str
     webhook_state: str
+    created_at_ms: int = 0
+    finished_at_ms: int | None = None
+    cancelled_at_ms: int | None = None
+    # Per job, by position: a JobState value.
+    job_states: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at_ms is not None
+
+
+@dataclass(frozen=True)
+class FileBatchRecord:
+    """What an OpenAI batch adds to a queued batch."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str]
+    custom_ids: list[str]
+    # (custom_id, code, message, line) of each line refused before running.
+    rejected: list[tuple[str, str, str, int]]
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    file_id: str
+    account_id: str
+    filename: str
+    purpose: str
+    created_at_ms: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """What ``cancel_batch`` did: jobs it ended, and whether that finished the batch."""
+
+    cancelled_jobs: int
+    batch_finished: bool
 
 
 @dataclass(frozen=True)
@@ -216,18 +297,38 @@ class QueueStore:
     # ------------------------------------------------------------------ batches
 
     async def create_batch(
-        self, account_id: str, model: str, bodies: Sequence[bytes], webhook_url: str = ""
+        self,
+        account_id: str,
+        model: str,
+        bodies: Sequence[bytes],
+        webhook_url: str = "",
+        file_batch: FileBatchRecord | None = None,
     ) -> str:
-        """Store a batch of requests; returns its id. Job ids are ``<batch id>-<position>``."""
+        """Store a batch of requests; returns its id. Job ids are ``<batch id>-<position>``.
+
+        A batch with no job (an OpenAI batch whose every line was refused) is finished at once.
+        """
         batch_id = f"batch-{uuid.uuid4().hex}"
         now = self._clock_ms()
 
         def insert(db: sqlite3.Connection) -> None:
             db.execute(
-                "INSERT INTO batches (batch_id, account_id, model, webhook_url, jobs, created_at_ms)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (batch_id, account_id, model, webhook_url, len(bodies), now),
+                "INSERT INTO batches (batch_id, account_id, model, webhook_url, jobs, created_at_ms,"
+                " finished_at_ms, webhook_state, webhook_due_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    batch_id,
+                    account_id,
+                    model,
+                    webhook_url,
+                    len(bodies),
+                    now,
+                    None if bodies else now,
+                    "pending" if webhook_url and not bodies else "",
+                    now,
+                ),
             )
+            if file_batch is not None:
+                _insert_file_batch(db, batch_id, account_id, file_batch)
             # seq grows with insertion, as rowid does, so the newest row holds the largest:
             # one index step, where MAX(seq) would read every job.
             last = db.execute("SELECT seq FROM jobs ORDER BY rowid DESC LIMIT 1").fetchone()
@@ -250,24 +351,89 @@ class QueueStore:
 
     def _batch(self, batch_id: str, account_id: str) -> BatchView | None:
         row = self._db.execute(
-            "SELECT model, webhook_url, webhook_state, finished_at_ms FROM batches"
+            "SELECT model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms"
+            " FROM batches LEFT JOIN batch_cancellations USING (batch_id)"
             " WHERE batch_id = ? AND account_id = ?",
             (batch_id, account_id),
         ).fetchone()
         if row is None:
             return None
-        model, webhook_url, webhook_state, finished_at_ms = row
+        model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms = row
         jobs = self._db.execute(
             "SELECT state, result FROM jobs WHERE batch_id = ? ORDER BY position", (batch_id,)
         ).fetchall()
-        if finished_at_ms is not None:
+        if cancelled_at_ms is not None:
+            state = BatchState.CANCELLED if finished_at_ms is not None else BatchState.CANCELLING
+        elif finished_at_ms is not None:
             state = BatchState.DONE
         elif any(job_state != JobState.QUEUED for job_state, _ in jobs):
             state = BatchState.RUNNING
         else:
             state = BatchState.QUEUED
         return BatchView(
-            batch_id, account_id, model, state, [result for _, result in jobs], webhook_url, webhook_state
+            batch_id,
+            account_id,
+            model,
+            state,
+            [result for _, result in jobs],
+            webhook_url,
+            webhook_state,
+            created_at_ms,
+            finished_at_ms,
+            cancelled_at_ms,
+            [job_state for job_state, _ in jobs],
+        )
+
+    async def cancel_batch(
+        self, batch_id: str, account_id: str, cancelled_result: bytes
+    ) -> Cancellation | None:
+        """End the batch's jobs that have not started, each with ``cancelled_result``; None if no such batch.
+
+        A job counts as started while its lease is live; one whose lease lapsed (its
+        router died) would only start again, so it is cancelled too. Cancelling a
+        finished or already cancelled batch changes nothing.
+        """
+        return await self._run(
+            lambda: self._transaction(lambda db: self._cancel(db, batch_id, account_id, cancelled_result))
+        )
+
+    def _cancel(
+        self, db: sqlite3.Connection, batch_id: str, account_id: str, cancelled_result: bytes
+    ) -> Cancellation | None:
+        now = self._clock_ms()
+        row = db.execute(
+            "SELECT finished_at_ms FROM batches WHERE batch_id = ? AND account_id = ?", (batch_id, account_id)
+        ).fetchone()
+        if row is None:
+            return None
+        if row[0] is not None:
+            return Cancellation(cancelled_jobs=0, batch_finished=False)
+        db.execute(
+            "INSERT OR IGNORE INTO batch_cancellations (batch_id, cancelled_at_ms) VALUES (?, ?)",
+            (batch_id, now),
+        )
+        cancelled = db.execute(
+            f"UPDATE jobs SET state = 'cancelled', result = :result, finished_at_ms = :now, lease_owner = ''"
+            f" WHERE batch_id = :batch AND {_RUNNABLE}",
+            {"result": cancelled_result, "now": now, "batch": batch_id},
+        ).rowcount
+        return Cancellation(cancelled, batch_finished=self._finish_if_ended(db, batch_id, now))
+
+    def _finish_if_ended(self, db: sqlite3.Connection, batch_id: str, now: int) -> bool:
+        """Mark the batch finished (and arm its webhook) when no job is left to end; True if this call did."""
+        unfinished = db.execute(
+            f"SELECT COUNT(*) FROM jobs WHERE batch_id = ? AND state NOT IN {_ENDED}", (batch_id,)
+        ).fetchone()[0]
+        if unfinished:
+            return False
+        return (
+            db.execute(
+                "UPDATE batches SET finished_at_ms = ?,"
+                " webhook_state = CASE WHEN webhook_url = '' THEN '' ELSE 'pending' END, webhook_due_at_ms = ?"
+                " WHERE batch_id = ? AND finished_at_ms IS NULL",
+                (now, now, batch_id),
+            ).rowcount
+            == 1
         )
 
     # --------------------------------------------------------------------- jobs
@@ -344,18 +510,7 @@ class QueueStore:
         ).rowcount
         if not stored:
             return Completion(stored=False, batch_finished=False)
-        unfinished = db.execute(
-            "SELECT COUNT(*) FROM jobs WHERE batch_id = ? AND state != 'done'", (job.batch_id,)
-        ).fetchone()[0]
-        if unfinished:
-            return Completion(stored=True, batch_finished=False)
-        db.execute(
-            "UPDATE batches SET finished_at_ms = ?,"
-            " webhook_state = CASE WHEN webhook_url = '' THEN '' ELSE 'pending' END, webhook_due_at_ms = ?"
-            " WHERE batch_id = ? AND finished_at_ms IS NULL",
-            (now, now, job.batch_id),
-        )
-        return Completion(stored=True, batch_finished=True)
+        return Completion(stored=True, batch_finished=self._finish_if_ended(db, job.batch_id, now))
 
     async def counts(self) -> dict[str, int]:
         """Jobs per state (for metrics, logs and tests)."""
@@ -423,3 +578,93 @@ class QueueStore:
             ).fetchall()
         )
         return [WebhookAttempt(*row) for row in rows]
+
+    # -------------------------------------------------------- OpenAI files and batches
+
+    async def put_file(self, account_id: str, filename: str, purpose: str, content: bytes) -> StoredFile:
+        """Store an uploaded file; durable once this returns."""
+        file_id = f"file-{uuid.uuid4().hex}"
+        now = self._clock_ms()
+
+        def insert() -> None:
+            self._db.execute(
+                "INSERT INTO files (file_id, account_id, filename, purpose, created_at_ms, content)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (file_id, account_id, filename, purpose, now, content),
+            )
+
+        await self._run(insert)
+        return StoredFile(file_id, account_id, filename, purpose, now, len(content))
+
+    async def file(self, file_id: str, account_id: str) -> StoredFile | None:
+        """The file if it exists *and* belongs to ``account_id``."""
+        row = await self._run(
+            lambda: self._db.execute(
+                "SELECT file_id, account_id, filename, purpose, created_at_ms, LENGTH(content) FROM files"
+                " WHERE file_id = ? AND account_id = ?",
+                (file_id, account_id),
+            ).fetchone()
+        )
+        return None if row is None else StoredFile(*row)
+
+    async def file_content(self, file_id: str, account_id: str) -> bytes | None:
+        row = await self._run(
+            lambda: self._db.execute(
+                "SELECT content FROM files WHERE file_id = ? AND account_id = ?", (file_id, account_id)
+            ).fetchone()
+        )
+        return None if row is None else row[0]
+
+    async def file_batch(self, batch_id: str, account_id: str) -> FileBatchRecord | None:
+        """The OpenAI part of a batch of ``account_id``; None for another's or a plain queued batch."""
+        row = await self._run(
+            lambda: self._db.execute(
+                "SELECT input_file_id, endpoint, completion_window, metadata, custom_ids, rejected"
+                " FROM file_batches WHERE batch_id = ? AND account_id = ?",
+                (batch_id, account_id),
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        input_file_id, endpoint, window, metadata, custom_ids, rejected = row
+        return FileBatchRecord(
+            input_file_id,
+            endpoint,
+            window,
+            json.loads(metadata),
+            json.loads(custom_ids),
+            [tuple(line) for line in json.loads(rejected)],
+        )
+
+    async def file_batch_ids(self, account_id: str, after: str, limit: int) -> tuple[list[str], bool]:
+        """Up to ``limit`` OpenAI batch ids of the account, newest first, older than ``after``; and whether more follow."""
+
+        def page() -> tuple[list[str], bool]:
+            rows = self._db.execute(
+                "SELECT batch_id FROM file_batches WHERE account_id = :account"
+                " AND (:after = '' OR rowid < (SELECT rowid FROM file_batches WHERE batch_id = :after))"
+                " ORDER BY rowid DESC LIMIT :limit",
+                {"account": account_id, "after": after, "limit": limit + 1},
+            ).fetchall()
+            return [row[0] for row in rows[:limit]], len(rows) > limit
+
+        return await self._run(page)
+
+
+def _insert_file_batch(
+    db: sqlite3.Connection, batch_id: str, account_id: str, record: FileBatchRecord
+) -> None:
+    db.execute(
+        "INSERT INTO file_batches (batch_id, account_id, input_file_id, endpoint, completion_window, metadata,"
+        " custom_ids, rejected) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            batch_id,
+            account_id,
+            record.input_file_id,
+            record.endpoint,
+            record.completion_window,
+            json.dumps(record.metadata),
+            json.dumps(record.custom_ids),
+            json.dumps([list(line) for line in record.rejected]),
+        ),
+    )

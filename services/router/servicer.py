@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cachet.router.batch_queue import BatchQueue
-from cachet.router.caller import AccountDirectory
+from cachet.router.caller import AccountDirectory, Caller
+from cachet.router.file_batches import FileBatches
 from cachet.router.request_pipeline import Generation, RequestPipeline
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
@@ -21,10 +22,17 @@ REPLICA_METADATA_KEY = "x-cachet-replica"
 
 
 class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, pipeline: RequestPipeline, accounts: AccountDirectory, queue: BatchQueue) -> None:
+    def __init__(
+        self,
+        pipeline: RequestPipeline,
+        accounts: AccountDirectory,
+        queue: BatchQueue,
+        file_batches: FileBatches,
+    ) -> None:
         self._pipeline = pipeline
         self._accounts = accounts
         self._queue = queue
+        self._file_batches = file_batches
 
     async def CreateChatCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
         caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
@@ -56,6 +64,36 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
 
     async def GetQueuedBatch(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
         return await self._queue.get(request, self._accounts.caller(context.invocation_metadata(), ""))
+
+    async def CancelQueuedBatch(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
+        return await self._queue.cancel(request, self._caller(context))
+
+    async def ListWebhookAttempts(self, request, context) -> router_pb2.ListWebhookAttemptsResponse:  # noqa: N802
+        return await self._queue.webhook_attempts(request, self._caller(context))
+
+    async def UploadFile(self, request, context) -> router_pb2.File:  # noqa: N802
+        return await self._file_batches.upload(request, self._caller(context))
+
+    async def GetFile(self, request, context) -> router_pb2.File:  # noqa: N802
+        return await self._file_batches.get_file(request, self._caller(context))
+
+    async def GetFileContent(self, request, context) -> router_pb2.FileContent:  # noqa: N802
+        return await self._file_batches.get_file_content(request, self._caller(context))
+
+    async def CreateBatch(self, request, context) -> router_pb2.Batch:  # noqa: N802
+        return await self._file_batches.create(request, self._caller(context))
+
+    async def GetBatch(self, request, context) -> router_pb2.Batch:  # noqa: N802
+        return await self._file_batches.get(request, self._caller(context))
+
+    async def CancelBatch(self, request, context) -> router_pb2.Batch:  # noqa: N802
+        return await self._file_batches.cancel(request, self._caller(context))
+
+    async def ListBatches(self, request, context) -> router_pb2.ListBatchesResponse:  # noqa: N802
+        return await self._file_batches.list(request, self._caller(context))
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        return self._accounts.caller(context.invocation_metadata(), "")
 
 
 def _owned(generation: Generation, context: grpc.aio.ServicerContext) -> Generation:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cachet.config import API_KEYS_ALIASES, RouterSettings
 
@@ -62,6 +63,19 @@ class RouterServiceSettings(RouterSettings):
     webhook_first_backoff_seconds: float = Field(default=1.0, gt=0)
     webhook_max_backoff_seconds: float = Field(default=300.0, gt=0)
     webhook_deadline_seconds: float = Field(default=86400.0, gt=0)
+    # Most lines in one OpenAI batch input file (OpenAI's own limit).
+    batch_file_max_lines: int = Field(default=50000, ge=1)
+    # Account id -> webhook URL called for that account's batches that name none,
+    # e.g. CACHET_ROUTER_DEFAULT_WEBHOOKS='{"acct-1": "https://hooks.example/cachet"}'.
+    default_webhooks: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("default_webhooks")
+    @classmethod
+    def _http_webhooks(cls, webhooks: dict[str, str]) -> dict[str, str]:
+        for account, url in webhooks.items():
+            if urlsplit(url).scheme not in ("http", "https"):
+                raise ValueError(f"default webhook of {account!r} must be an http(s) URL, not {url!r}")
+        return webhooks
 
     @property
     def queue_path(self) -> Path:

@@ -114,6 +114,12 @@ async def test_openapi_declares_models_errors_and_streams() -> None:
         "/v1/usage",
         "/health",
         "/metrics",
+        "/v1/files",
+        "/v1/files/{file_id}",
+        "/v1/files/{file_id}/content",
+        "/v1/batches",
+        "/v1/batches/{batch_id}",
+        "/v1/batches/{batch_id}/cancel",
     }
     chat = paths["/v1/chat/completions"]["post"]
     ok = chat["responses"]["200"]["content"]

@@ -39,6 +39,8 @@ class _BatchStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BatchStat
     """Every request finished or failed."""
     BATCH_STATUS_CANCELLED: _BatchStatus.ValueType  # 4
     """Cancelled before it finished."""
+    BATCH_STATUS_CANCELLING: _BatchStatus.ValueType  # 5
+    """Cancelled; requests that had started are still running."""
 
 class BatchStatus(_BatchStatus, metaclass=_BatchStatusEnumTypeWrapper):
     """Where a batch is."""
@@ -53,7 +55,57 @@ BATCH_STATUS_DONE: BatchStatus.ValueType  # 3
 """Every request finished or failed."""
 BATCH_STATUS_CANCELLED: BatchStatus.ValueType  # 4
 """Cancelled before it finished."""
+BATCH_STATUS_CANCELLING: BatchStatus.ValueType  # 5
+"""Cancelled; requests that had started are still running."""
 Global___BatchStatus: _TypeAlias = BatchStatus  # noqa: Y015
+
+class _OpenAIBatchStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OpenAIBatchStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OpenAIBatchStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OPEN_AI_BATCH_STATUS_UNSPECIFIED: _OpenAIBatchStatus.ValueType  # 0
+    """Unknown."""
+    OPEN_AI_BATCH_STATUS_VALIDATING: _OpenAIBatchStatus.ValueType  # 1
+    """Lines being checked (done before CreateBatch answers, so not observed today)."""
+    OPEN_AI_BATCH_STATUS_FAILED: _OpenAIBatchStatus.ValueType  # 2
+    """No line could run."""
+    OPEN_AI_BATCH_STATUS_IN_PROGRESS: _OpenAIBatchStatus.ValueType  # 3
+    """Queued or running."""
+    OPEN_AI_BATCH_STATUS_FINALIZING: _OpenAIBatchStatus.ValueType  # 4
+    """Every line ended; output files being written (rendered on read, so not observed today)."""
+    OPEN_AI_BATCH_STATUS_COMPLETED: _OpenAIBatchStatus.ValueType  # 5
+    """Every line ended."""
+    OPEN_AI_BATCH_STATUS_EXPIRED: _OpenAIBatchStatus.ValueType  # 6
+    """Not finished within the completion window."""
+    OPEN_AI_BATCH_STATUS_CANCELLING: _OpenAIBatchStatus.ValueType  # 7
+    """Cancelled; started lines still running."""
+    OPEN_AI_BATCH_STATUS_CANCELLED: _OpenAIBatchStatus.ValueType  # 8
+    """Cancelled and every started line ended."""
+
+class OpenAIBatchStatus(_OpenAIBatchStatus, metaclass=_OpenAIBatchStatusEnumTypeWrapper):
+    """OpenAI's batch lifecycle."""
+
+OPEN_AI_BATCH_STATUS_UNSPECIFIED: OpenAIBatchStatus.ValueType  # 0
+"""Unknown."""
+OPEN_AI_BATCH_STATUS_VALIDATING: OpenAIBatchStatus.ValueType  # 1
+"""Lines being checked (done before CreateBatch answers, so not observed today)."""
+OPEN_AI_BATCH_STATUS_FAILED: OpenAIBatchStatus.ValueType  # 2
+"""No line could run."""
+OPEN_AI_BATCH_STATUS_IN_PROGRESS: OpenAIBatchStatus.ValueType  # 3
+"""Queued or running."""
+OPEN_AI_BATCH_STATUS_FINALIZING: OpenAIBatchStatus.ValueType  # 4
+"""Every line ended; output files being written (rendered on read, so not observed today)."""
+OPEN_AI_BATCH_STATUS_COMPLETED: OpenAIBatchStatus.ValueType  # 5
+"""Every line ended."""
+OPEN_AI_BATCH_STATUS_EXPIRED: OpenAIBatchStatus.ValueType  # 6
+"""Not finished within the completion window."""
+OPEN_AI_BATCH_STATUS_CANCELLING: OpenAIBatchStatus.ValueType  # 7
+"""Cancelled; started lines still running."""
+OPEN_AI_BATCH_STATUS_CANCELLED: OpenAIBatchStatus.ValueType  # 8
+"""Cancelled and every started line ended."""
+Global___OpenAIBatchStatus: _TypeAlias = OpenAIBatchStatus  # noqa: Y015
 
 @_typing.final
 class ChatCompletionRequest(_message.Message):
@@ -585,3 +637,674 @@ class RequestError(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RequestError: _TypeAlias = RequestError  # noqa: Y015
+
+@_typing.final
+class CancelQueuedBatchRequest(_message.Message):
+    """Cancel a queued batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The batch id returned by QueueRequests."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelQueuedBatchRequest: _TypeAlias = CancelQueuedBatchRequest  # noqa: Y015
+
+@_typing.final
+class ListWebhookAttemptsRequest(_message.Message):
+    """Ask for a batch's webhook delivery attempts."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The batch id (a queued batch or an OpenAI batch)."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListWebhookAttemptsRequest: _TypeAlias = ListWebhookAttemptsRequest  # noqa: Y015
+
+@_typing.final
+class ListWebhookAttemptsResponse(_message.Message):
+    """A batch's webhook deliveries."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEBHOOK_URL_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    webhook_url: _builtins.str
+    """Where the event goes; empty when the batch has no webhook."""
+    state: _builtins.str
+    """"" (no webhook or not finished yet), "pending", "delivered" or "failed"."""
+    @_builtins.property
+    def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___WebhookAttempt]:
+        """Every attempt, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        webhook_url: _builtins.str = ...,
+        state: _builtins.str = ...,
+        attempts: _abc.Iterable[Global___WebhookAttempt] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "state", b"state", "webhook_url", b"webhook_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListWebhookAttemptsResponse: _TypeAlias = ListWebhookAttemptsResponse  # noqa: Y015
+
+@_typing.final
+class WebhookAttempt(_message.Message):
+    """One POST of the batch.finished event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    AT_MS_FIELD_NUMBER: _builtins.int
+    HTTP_STATUS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    attempt: _builtins.int
+    """1 for the first try."""
+    at_ms: _builtins.int
+    """When it was made, Unix milliseconds."""
+    http_status: _builtins.int
+    """The receiver's HTTP status; 0 when there was no answer."""
+    error: _builtins.str
+    """Why it failed; empty when delivered."""
+    def __init__(
+        self,
+        *,
+        attempt: _builtins.int = ...,
+        at_ms: _builtins.int = ...,
+        http_status: _builtins.int = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_ms", b"at_ms", "attempt", b"attempt", "error", b"error", "http_status", b"http_status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WebhookAttempt: _TypeAlias = WebhookAttempt  # noqa: Y015
+
+@_typing.final
+class UploadFileRequest(_message.Message):
+    """Store a file."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILENAME_FIELD_NUMBER: _builtins.int
+    PURPOSE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    filename: _builtins.str
+    """The client's file name."""
+    purpose: _builtins.str
+    """What it is for; only "batch" is accepted."""
+    content: _builtins.bytes
+    """The content: JSON lines, one request each."""
+    def __init__(
+        self,
+        *,
+        filename: _builtins.str = ...,
+        purpose: _builtins.str = ...,
+        content: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "filename", b"filename", "purpose", b"purpose"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadFileRequest: _TypeAlias = UploadFileRequest  # noqa: Y015
+
+@_typing.final
+class GetFileRequest(_message.Message):
+    """Name a file."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    file_id: _builtins.str
+    """"file-..." id."""
+    def __init__(
+        self,
+        *,
+        file_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetFileRequest: _TypeAlias = GetFileRequest  # noqa: Y015
+
+@_typing.final
+class File(_message.Message):
+    """A stored or generated file."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    FILENAME_FIELD_NUMBER: _builtins.int
+    PURPOSE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """"file-..." id."""
+    bytes: _builtins.int
+    """Size in bytes (for a batch's output or error file: 0 until rendered, see FileContent)."""
+    created_at: _builtins.int
+    """Unix time of creation, seconds."""
+    filename: _builtins.str
+    """Name shown to clients."""
+    purpose: _builtins.str
+    """"batch", "batch_output"."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        created_at: _builtins.int = ...,
+        filename: _builtins.str = ...,
+        purpose: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created_at", b"created_at", "filename", b"filename", "id", b"id", "purpose", b"purpose"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___File: _TypeAlias = File  # noqa: Y015
+
+@_typing.final
+class FileContent(_message.Message):
+    """A file's content."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    BATCH_RESULTS_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """An uploaded file, as uploaded."""
+    @_builtins.property
+    def batch_results(self) -> Global___BatchResults:
+        """A batch's output or error file, for the caller to render as JSON lines."""
+
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        batch_results: Global___BatchResults | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_results", b"batch_results", "content", b"content", "data", b"data"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_results", b"batch_results", "content", b"content", "data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["data", "batch_results"]  # noqa: Y015
+    _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
+
+Global___FileContent: _TypeAlias = FileContent  # noqa: Y015
+
+@_typing.final
+class BatchResults(_message.Message):
+    """The lines of a batch's output (completions) or error file (failures), in input order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_ID_FIELD_NUMBER: _builtins.int
+    LINES_FIELD_NUMBER: _builtins.int
+    batch_id: _builtins.str
+    """The batch."""
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchResultLine]:
+        """One per line."""
+
+    def __init__(
+        self,
+        *,
+        batch_id: _builtins.str = ...,
+        lines: _abc.Iterable[Global___BatchResultLine] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "lines", b"lines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchResults: _TypeAlias = BatchResults  # noqa: Y015
+
+@_typing.final
+class BatchResultLine(_message.Message):
+    """One request's outcome in an output or error file."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CUSTOM_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    COMPLETION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    LINE_ERROR_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    custom_id: _builtins.str
+    """The input line's custom_id."""
+    request_id: _builtins.str
+    """The request's own id (its ledger key); empty for a line that never ran."""
+    endpoint: _builtins.str
+    """Which endpoint it was for (output rendering differs for chat and text completions)."""
+    @_builtins.property
+    def completion(self) -> Global___ChatCompletion:
+        """It ran and answered."""
+
+    @_builtins.property
+    def error(self) -> Global___RequestError:
+        """It ran and failed (gRPC status name and message)."""
+
+    @_builtins.property
+    def line_error(self) -> Global___BatchLineError:
+        """It never ran: refused at validation, or its batch was cancelled first."""
+
+    def __init__(
+        self,
+        *,
+        custom_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        completion: Global___ChatCompletion | None = ...,
+        error: Global___RequestError | None = ...,
+        line_error: Global___BatchLineError | None = ...,
+        endpoint: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["completion", b"completion", "error", b"error", "line_error", b"line_error", "outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion", b"completion", "custom_id", b"custom_id", "endpoint", b"endpoint", "error", b"error", "line_error", b"line_error", "outcome", b"outcome", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["completion", "error", "line_error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___BatchResultLine: _TypeAlias = BatchResultLine  # noqa: Y015
+
+@_typing.final
+class BatchLineError(_message.Message):
+    """Why a line of a batch did not run (OpenAI's error-file codes)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """"invalid_request", "batch_cancelled", ..."""
+    message: _builtins.str
+    """Human-readable reason."""
+    line: _builtins.int
+    """1-based line of the input file; 0 when not about one line."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        line: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "line", b"line", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchLineError: _TypeAlias = BatchLineError  # noqa: Y015
+
+@_typing.final
+class CreateBatchRequest(_message.Message):
+    """Create an OpenAI batch from an input file the caller parsed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INPUT_FILE_ID_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    COMPLETION_WINDOW_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    LINES_FIELD_NUMBER: _builtins.int
+    REJECTED_FIELD_NUMBER: _builtins.int
+    WEBHOOK_URL_FIELD_NUMBER: _builtins.int
+    input_file_id: _builtins.str
+    """The uploaded input file."""
+    endpoint: _builtins.str
+    """"/v1/chat/completions" or "/v1/completions"."""
+    completion_window: _builtins.str
+    """Only "24h"."""
+    webhook_url: _builtins.str
+    """Called when the batch finishes (optional; else the account default)."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Up to 16 client key/value pairs, returned as given."""
+
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchLine]:
+        """The well-formed lines, in file order."""
+
+    @_builtins.property
+    def rejected(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchLineRejection]:
+        """Lines that could not be parsed; they go to the error file, the rest runs."""
+
+    def __init__(
+        self,
+        *,
+        input_file_id: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        completion_window: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        lines: _abc.Iterable[Global___BatchLine] | None = ...,
+        rejected: _abc.Iterable[Global___BatchLineRejection] | None = ...,
+        webhook_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_window", b"completion_window", "endpoint", b"endpoint", "input_file_id", b"input_file_id", "lines", b"lines", "metadata", b"metadata", "rejected", b"rejected", "webhook_url", b"webhook_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateBatchRequest: _TypeAlias = CreateBatchRequest  # noqa: Y015
+
+@_typing.final
+class BatchLine(_message.Message):
+    """One parsed line of an input file."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CUSTOM_ID_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    custom_id: _builtins.str
+    """The client's id for the line, unique in the file."""
+    line: _builtins.int
+    """1-based line of the input file."""
+    @_builtins.property
+    def request(self) -> Global___QueuedRequest:
+        """The request."""
+
+    def __init__(
+        self,
+        *,
+        custom_id: _builtins.str = ...,
+        line: _builtins.int = ...,
+        request: Global___QueuedRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["custom_id", b"custom_id", "line", b"line", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchLine: _TypeAlias = BatchLine  # noqa: Y015
+
+@_typing.final
+class BatchLineRejection(_message.Message):
+    """A line refused before it could run."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CUSTOM_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    custom_id: _builtins.str
+    """The client's id, when the line had one."""
+    @_builtins.property
+    def error(self) -> Global___BatchLineError:
+        """Why."""
+
+    def __init__(
+        self,
+        *,
+        custom_id: _builtins.str = ...,
+        error: Global___BatchLineError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["custom_id", b"custom_id", "error", b"error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchLineRejection: _TypeAlias = BatchLineRejection  # noqa: Y015
+
+@_typing.final
+class GetBatchRequest(_message.Message):
+    """Name a batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_ID_FIELD_NUMBER: _builtins.int
+    batch_id: _builtins.str
+    """"batch-..." id."""
+    def __init__(
+        self,
+        *,
+        batch_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBatchRequest: _TypeAlias = GetBatchRequest  # noqa: Y015
+
+@_typing.final
+class Batch(_message.Message):
+    """An OpenAI batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    INPUT_FILE_ID_FIELD_NUMBER: _builtins.int
+    COMPLETION_WINDOW_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    OUTPUT_FILE_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FILE_ID_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    IN_PROGRESS_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    FINALIZING_AT_FIELD_NUMBER: _builtins.int
+    COMPLETED_AT_FIELD_NUMBER: _builtins.int
+    FAILED_AT_FIELD_NUMBER: _builtins.int
+    CANCELLING_AT_FIELD_NUMBER: _builtins.int
+    CANCELLED_AT_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """"batch-..." id."""
+    endpoint: _builtins.str
+    """The endpoint every line calls."""
+    input_file_id: _builtins.str
+    """The input file."""
+    completion_window: _builtins.str
+    """"24h"."""
+    status: Global___OpenAIBatchStatus.ValueType
+    """Where it is."""
+    output_file_id: _builtins.str
+    """Completions, once finished (empty when none succeeded)."""
+    error_file_id: _builtins.str
+    """Failures, once finished (empty when none failed)."""
+    created_at: _builtins.int
+    """Unix seconds of each step; 0 when not reached."""
+    in_progress_at: _builtins.int
+    expires_at: _builtins.int
+    finalizing_at: _builtins.int
+    completed_at: _builtins.int
+    failed_at: _builtins.int
+    cancelling_at: _builtins.int
+    cancelled_at: _builtins.int
+    total: _builtins.int
+    """Lines in the input file (run or refused)."""
+    completed: _builtins.int
+    """Lines that answered."""
+    failed: _builtins.int
+    """Lines that failed or never ran."""
+    model: _builtins.str
+    """The model its lines use; empty when no line was valid."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """As given at creation."""
+
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchLineError]:
+        """Why the batch failed as a whole (every line refused)."""
+
+    @_builtins.property
+    def usage(self) -> _common_pb2.Usage:
+        """Tokens of the lines that answered, summed."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        input_file_id: _builtins.str = ...,
+        completion_window: _builtins.str = ...,
+        status: Global___OpenAIBatchStatus.ValueType = ...,
+        output_file_id: _builtins.str = ...,
+        error_file_id: _builtins.str = ...,
+        created_at: _builtins.int = ...,
+        in_progress_at: _builtins.int = ...,
+        expires_at: _builtins.int = ...,
+        finalizing_at: _builtins.int = ...,
+        completed_at: _builtins.int = ...,
+        failed_at: _builtins.int = ...,
+        cancelling_at: _builtins.int = ...,
+        cancelled_at: _builtins.int = ...,
+        total: _builtins.int = ...,
+        completed: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        errors: _abc.Iterable[Global___BatchLineError] | None = ...,
+        model: _builtins.str = ...,
+        usage: _common_pb2.Usage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed", b"completed", "completed_at", b"completed_at", "completion_window", b"completion_window", "created_at", b"created_at", "endpoint", b"endpoint", "error_file_id", b"error_file_id", "errors", b"errors", "expires_at", b"expires_at", "failed", b"failed", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "id", b"id", "in_progress_at", b"in_progress_at", "input_file_id", b"input_file_id", "metadata", b"metadata", "model", b"model", "output_file_id", b"output_file_id", "status", b"status", "total", b"total", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Batch: _TypeAlias = Batch  # noqa: Y015
+
+@_typing.final
+class ListBatchesRequest(_message.Message):
+    """List batches."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    after: _builtins.str
+    """Only batches older than this batch id (the last id of the previous page)."""
+    limit: _builtins.int
+    """Page size, 1 to 100 (0: 20)."""
+    def __init__(
+        self,
+        *,
+        after: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBatchesRequest: _TypeAlias = ListBatchesRequest  # noqa: Y015
+
+@_typing.final
+class ListBatchesResponse(_message.Message):
+    """A page of batches."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHES_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    has_more: _builtins.bool
+    """Whether older batches follow."""
+    @_builtins.property
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___Batch]:
+        """Newest first."""
+
+    def __init__(
+        self,
+        *,
+        batches: _abc.Iterable[Global___Batch] | None = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "has_more", b"has_more"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBatchesResponse: _TypeAlias = ListBatchesResponse  # noqa: Y015

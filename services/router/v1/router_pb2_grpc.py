@@ -70,6 +70,51 @@ class InferenceServiceStub:
                 request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.GetQueuedBatchRequest.SerializeToString,
                 response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.QueuedBatch.FromString,
                 _registered_method=True)
+        self.CancelQueuedBatch = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/CancelQueuedBatch',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.CancelQueuedBatchRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.QueuedBatch.FromString,
+                _registered_method=True)
+        self.ListWebhookAttempts = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/ListWebhookAttempts',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListWebhookAttemptsRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListWebhookAttemptsResponse.FromString,
+                _registered_method=True)
+        self.UploadFile = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/UploadFile',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.UploadFileRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.File.FromString,
+                _registered_method=True)
+        self.GetFile = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/GetFile',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.GetFileRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.File.FromString,
+                _registered_method=True)
+        self.GetFileContent = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/GetFileContent',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.GetFileRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.FileContent.FromString,
+                _registered_method=True)
+        self.CreateBatch = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/CreateBatch',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.CreateBatchRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.Batch.FromString,
+                _registered_method=True)
+        self.GetBatch = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/GetBatch',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.GetBatchRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.Batch.FromString,
+                _registered_method=True)
+        self.CancelBatch = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/CancelBatch',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.GetBatchRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.Batch.FromString,
+                _registered_method=True)
+        self.ListBatches = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/ListBatches',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -125,6 +170,69 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelQueuedBatch(self, request, context):
+        """Cancel a queued batch: jobs not started never run; running ones finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWebhookAttempts(self, request, context):
+        """Delivery attempts of a batch's webhook, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadFile(self, request, context):
+        """OpenAI Files: store an input file (JSON lines, purpose "batch").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetFile(self, request, context):
+        """A file's description (uploaded, or a batch's output or error file).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetFileContent(self, request, context):
+        """A file's content: the uploaded bytes, or a batch's results to render.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateBatch(self, request, context):
+        """OpenAI Batch API: queue the parsed lines of an input file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBatch(self, request, context):
+        """A batch with its status and counts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelBatch(self, request, context):
+        """Cancel a batch: cancelling until its running requests end, then cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBatches(self, request, context):
+        """The caller's batches, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +270,51 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.GetQueuedBatch,
                     request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.GetQueuedBatchRequest.FromString,
                     response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.QueuedBatch.SerializeToString,
+            ),
+            'CancelQueuedBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelQueuedBatch,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.CancelQueuedBatchRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.QueuedBatch.SerializeToString,
+            ),
+            'ListWebhookAttempts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWebhookAttempts,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListWebhookAttemptsRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListWebhookAttemptsResponse.SerializeToString,
+            ),
+            'UploadFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadFile,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.UploadFileRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.File.SerializeToString,
+            ),
+            'GetFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFile,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.GetFileRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.File.SerializeToString,
+            ),
+            'GetFileContent': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFileContent,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.GetFileRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.FileContent.SerializeToString,
+            ),
+            'CreateBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateBatch,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.CreateBatchRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.Batch.SerializeToString,
+            ),
+            'GetBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBatch,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.GetBatchRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.Batch.SerializeToString,
+            ),
+            'CancelBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelBatch,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.GetBatchRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.Batch.SerializeToString,
+            ),
+            'ListBatches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBatches,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +507,249 @@ class InferenceService:
             '/cachet.router.v1.InferenceService/GetQueuedBatch',
             cachet_dot_router_dot_v1_dot_router__pb2.GetQueuedBatchRequest.SerializeToString,
             cachet_dot_router_dot_v1_dot_router__pb2.QueuedBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelQueuedBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/CancelQueuedBatch',
+            cachet_dot_router_dot_v1_dot_router__pb2.CancelQueuedBatchRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.QueuedBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWebhookAttempts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/ListWebhookAttempts',
+            cachet_dot_router_dot_v1_dot_router__pb2.ListWebhookAttemptsRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.ListWebhookAttemptsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/UploadFile',
+            cachet_dot_router_dot_v1_dot_router__pb2.UploadFileRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.File.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/GetFile',
+            cachet_dot_router_dot_v1_dot_router__pb2.GetFileRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.File.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFileContent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/GetFileContent',
+            cachet_dot_router_dot_v1_dot_router__pb2.GetFileRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.FileContent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/CreateBatch',
+            cachet_dot_router_dot_v1_dot_router__pb2.CreateBatchRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/GetBatch',
+            cachet_dot_router_dot_v1_dot_router__pb2.GetBatchRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/CancelBatch',
+            cachet_dot_router_dot_v1_dot_router__pb2.GetBatchRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/ListBatches',
+            cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,24 @@ class InferenceServiceStub:
     """Queue requests for execution in headroom; answers at once with an id."""
     GetQueuedBatch: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetQueuedBatchRequest, _router_pb2.QueuedBatch]
     """Status of a queued batch, with results once finished."""
+    CancelQueuedBatch: _grpc.UnaryUnaryMultiCallable[_router_pb2.CancelQueuedBatchRequest, _router_pb2.QueuedBatch]
+    """Cancel a queued batch: jobs not started never run; running ones finish."""
+    ListWebhookAttempts: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListWebhookAttemptsRequest, _router_pb2.ListWebhookAttemptsResponse]
+    """Delivery attempts of a batch's webhook, oldest first."""
+    UploadFile: _grpc.UnaryUnaryMultiCallable[_router_pb2.UploadFileRequest, _router_pb2.File]
+    """OpenAI Files: store an input file (JSON lines, purpose "batch")."""
+    GetFile: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetFileRequest, _router_pb2.File]
+    """A file's description (uploaded, or a batch's output or error file)."""
+    GetFileContent: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetFileRequest, _router_pb2.FileContent]
+    """A file's content: the uploaded bytes, or a batch's results to render."""
+    CreateBatch: _grpc.UnaryUnaryMultiCallable[_router_pb2.CreateBatchRequest, _router_pb2.Batch]
+    """OpenAI Batch API: queue the parsed lines of an input file."""
+    GetBatch: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetBatchRequest, _router_pb2.Batch]
+    """A batch with its status and counts."""
+    CancelBatch: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetBatchRequest, _router_pb2.Batch]
+    """Cancel a batch: cancelling until its running requests end, then cancelled."""
+    ListBatches: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListBatchesRequest, _router_pb2.ListBatchesResponse]
+    """The caller's batches, newest first."""
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
@@ -70,6 +88,24 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """Queue requests for execution in headroom; answers at once with an id."""
     GetQueuedBatch: _aio.UnaryUnaryMultiCallable[_router_pb2.GetQueuedBatchRequest, _router_pb2.QueuedBatch]  # type: ignore[assignment]
     """Status of a queued batch, with results once finished."""
+    CancelQueuedBatch: _aio.UnaryUnaryMultiCallable[_router_pb2.CancelQueuedBatchRequest, _router_pb2.QueuedBatch]  # type: ignore[assignment]
+    """Cancel a queued batch: jobs not started never run; running ones finish."""
+    ListWebhookAttempts: _aio.UnaryUnaryMultiCallable[_router_pb2.ListWebhookAttemptsRequest, _router_pb2.ListWebhookAttemptsResponse]  # type: ignore[assignment]
+    """Delivery attempts of a batch's webhook, oldest first."""
+    UploadFile: _aio.UnaryUnaryMultiCallable[_router_pb2.UploadFileRequest, _router_pb2.File]  # type: ignore[assignment]
+    """OpenAI Files: store an input file (JSON lines, purpose "batch")."""
+    GetFile: _aio.UnaryUnaryMultiCallable[_router_pb2.GetFileRequest, _router_pb2.File]  # type: ignore[assignment]
+    """A file's description (uploaded, or a batch's output or error file)."""
+    GetFileContent: _aio.UnaryUnaryMultiCallable[_router_pb2.GetFileRequest, _router_pb2.FileContent]  # type: ignore[assignment]
+    """A file's content: the uploaded bytes, or a batch's results to render."""
+    CreateBatch: _aio.UnaryUnaryMultiCallable[_router_pb2.CreateBatchRequest, _router_pb2.Batch]  # type: ignore[assignment]
+    """OpenAI Batch API: queue the parsed lines of an input file."""
+    GetBatch: _aio.UnaryUnaryMultiCallable[_router_pb2.GetBatchRequest, _router_pb2.Batch]  # type: ignore[assignment]
+    """A batch with its status and counts."""
+    CancelBatch: _aio.UnaryUnaryMultiCallable[_router_pb2.GetBatchRequest, _router_pb2.Batch]  # type: ignore[assignment]
+    """Cancel a batch: cancelling until its running requests end, then cancelled."""
+    ListBatches: _aio.UnaryUnaryMultiCallable[_router_pb2.ListBatchesRequest, _router_pb2.ListBatchesResponse]  # type: ignore[assignment]
+    """The caller's batches, newest first."""
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """Chat and text completions, sync and queued."""
@@ -129,5 +165,77 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_router_pb2.QueuedBatch, _abc.Awaitable[_router_pb2.QueuedBatch]]:
         """Status of a queued batch, with results once finished."""
+
+    @_abc_1.abstractmethod
+    def CancelQueuedBatch(
+        self,
+        request: _router_pb2.CancelQueuedBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.QueuedBatch, _abc.Awaitable[_router_pb2.QueuedBatch]]:
+        """Cancel a queued batch: jobs not started never run; running ones finish."""
+
+    @_abc_1.abstractmethod
+    def ListWebhookAttempts(
+        self,
+        request: _router_pb2.ListWebhookAttemptsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.ListWebhookAttemptsResponse, _abc.Awaitable[_router_pb2.ListWebhookAttemptsResponse]]:
+        """Delivery attempts of a batch's webhook, oldest first."""
+
+    @_abc_1.abstractmethod
+    def UploadFile(
+        self,
+        request: _router_pb2.UploadFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.File, _abc.Awaitable[_router_pb2.File]]:
+        """OpenAI Files: store an input file (JSON lines, purpose "batch")."""
+
+    @_abc_1.abstractmethod
+    def GetFile(
+        self,
+        request: _router_pb2.GetFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.File, _abc.Awaitable[_router_pb2.File]]:
+        """A file's description (uploaded, or a batch's output or error file)."""
+
+    @_abc_1.abstractmethod
+    def GetFileContent(
+        self,
+        request: _router_pb2.GetFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.FileContent, _abc.Awaitable[_router_pb2.FileContent]]:
+        """A file's content: the uploaded bytes, or a batch's results to render."""
+
+    @_abc_1.abstractmethod
+    def CreateBatch(
+        self,
+        request: _router_pb2.CreateBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.Batch, _abc.Awaitable[_router_pb2.Batch]]:
+        """OpenAI Batch API: queue the parsed lines of an input file."""
+
+    @_abc_1.abstractmethod
+    def GetBatch(
+        self,
+        request: _router_pb2.GetBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.Batch, _abc.Awaitable[_router_pb2.Batch]]:
+        """A batch with its status and counts."""
+
+    @_abc_1.abstractmethod
+    def CancelBatch(
+        self,
+        request: _router_pb2.GetBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.Batch, _abc.Awaitable[_router_pb2.Batch]]:
+        """Cancel a batch: cancelling until its running requests end, then cancelled."""
+
+    @_abc_1.abstractmethod
+    def ListBatches(
+        self,
+        request: _router_pb2.ListBatchesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.ListBatchesResponse, _abc.Awaitable[_router_pb2.ListBatchesResponse]]:
+        """The caller's batches, newest first."""
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
