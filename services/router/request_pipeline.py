@@ -131,8 +131,8 @@ class RequestPipeline:
                 request.model,
                 prompt,
                 request.sampling,
-                # A forced tool call is a grammar of its own (plan_tools refuses both at once).
-                tools.constraint or request.response_format,
+                # Forced calls and strict tools under auto are grammars of their own (see tool_choice).
+                tools.constraint_for(family) or request.response_format,
                 caller,
                 "assistant",
                 arrived,

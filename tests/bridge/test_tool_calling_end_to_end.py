@@ -322,3 +322,31 @@ def test_workers_ai_tool_choice_naming_no_tool_is_refused(platform: Platform) ->
     )
     assert reply.status_code == 400, reply.text
     assert "get_weather" in reply.text
+
+
+def test_strict_tools_under_auto_are_enforced_by_grammar(platform: Platform) -> None:
+    """Free text or valid calls: the engine runs the router's grammar for strict tools under auto.
+
+    (The grammar itself is walked at random in tests/router/test_strict_auto_grammar.py; here
+    the random model writes what it likes at temperature 1 and nothing it writes breaks it.)
+    """
+    client, messages = platform.client(), conversation()
+    strict_tools = [tool | {"function": tool["function"] | {"strict": True}} for tool in TOOLS]
+    for seed in range(6):
+        answer = whole(
+            client.chat.completions.create(
+                model=TINY_MODEL_ID,
+                messages=messages,
+                tools=strict_tools,
+                temperature=1.0,
+                max_tokens=40,
+                seed=seed,
+            )
+        )
+        for call in answer["tool_calls"]:
+            if call["name"] == "get_weather":
+                check_weather_call(call["arguments"])
+            else:
+                assert json.loads(call["arguments"]) == {}
+        # A tag the model writes must open a call the grammar checks: it is never left as text.
+        assert "<tool_call>" not in (answer["content"] or "")

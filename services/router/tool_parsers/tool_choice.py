@@ -22,9 +22,13 @@ offers, which grammar constrains the output, and how the output is read.
   the next turn the way an ``auto`` call is.
 
 Tools marked ``strict`` are enforced the same way when forced (and the engine then
-refuses schema keywords it cannot enforce, rather than skipping them); under ``auto`` a
-strict tool is only checked by the parser (a call must name an offered tool and
-carry an object), since a JSON schema cannot say "free text or a tagged call".
+refuses schema keywords it cannot enforce, rather than skipping them). Under ``auto``,
+when any offered tool is strict, the constraint is a grammar in the model family's
+call format (``strict_auto_grammar``): text stays free, but a call the model opens
+must name an offered tool, with arguments valid for its schema when the tool is
+strict. It depends on the family, so the plan builds it once the family is known
+(``constraint_for``). A ``response_format`` constraint on the same request wins (it
+shapes the whole answer, and one grammar applies).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from typing import Any
 
 from cachet.common.v1 import common_pb2
 from cachet.errors import InvalidArgument
+from cachet.router.tool_parsers.model_family import ModelFamily
+from cachet.router.tool_parsers.strict_auto_grammar import strict_auto_grammar
 from cachet.router.v1 import router_pb2
 
 
@@ -53,6 +59,15 @@ class ToolPlan:
     tool_names: frozenset[str]  # names a parsed call may carry
     forced_name: str = ""  # the function of a NAMED plan
     constraint: common_pb2.ResponseFormat | None = None  # grammar for NAMED / REQUIRED
+    # AUTO with strict tools: each offered tool with its parameters schema, for the family's grammar.
+    strict_auto: tuple[tuple[common_pb2.Tool, dict[str, Any]], ...] = ()
+    parallel: bool = True  # parallel_tool_calls
+
+    def constraint_for(self, family: ModelFamily) -> common_pb2.ResponseFormat | None:
+        """The grammar the engine enforces for this plan on a model of ``family``; None for free text."""
+        if self.strict_auto:
+            return strict_auto_grammar(family, self.strict_auto, parallel=self.parallel)
+        return self.constraint
 
 
 # A function that takes no arguments is called with {} (an open object would let a
@@ -138,7 +153,10 @@ def plan_tools(request: router_pb2.ChatCompletionRequest) -> ToolPlan:
         if name not in names:
             raise InvalidArgument(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
         return ToolPlan(ToolMode.NAMED, tuple(tools), names, name, named_constraint(tools, name))
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     if forced:
-        parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
         return ToolPlan(ToolMode.REQUIRED, tuple(tools), names, "", required_constraint(tools, parallel))
-    return ToolPlan(ToolMode.AUTO, tuple(tools), names)
+    strict_auto: tuple[tuple[common_pb2.Tool, dict[str, Any]], ...] = ()
+    if any(tool.strict for tool in tools) and request.response_format.WhichOneof("format") in (None, "text"):
+        strict_auto = tuple((tool, _parameters(tool, index)) for index, tool in enumerate(tools))
+    return ToolPlan(ToolMode.AUTO, tuple(tools), names, strict_auto=strict_auto, parallel=parallel)

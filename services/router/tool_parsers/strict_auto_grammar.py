@@ -1,0 +1,103 @@
+"""The grammar of ``tool_choice: auto`` with ``strict`` tools: free text, but every call valid.
+
+Under ``auto`` the model may answer in text or call tools; a JSON schema cannot say
+"text, or a tagged call". A Lark grammar (llguidance's dialect, sent to the engine
+as ``ResponseFormat.ebnf``) can: text is free until the model opens a call in its
+family's format, and from there the call must be one of the offered tools, its
+arguments valid for that tool's ``parameters`` when the tool is ``strict`` (any
+JSON object when it is not), and then closed.
+
+- Hermes: text up to the first ``<tool_call>`` is one *lazy* lexeme (it ends at
+  that tag); the closing text may not contain the tag at all (regex ``&`` / ``~``),
+  so a tag the model writes always starts a checked call.
+- Kimi K2: its markers are special tokens, which text lexemes never match: the
+  section can only be written through the grammar's own rule.
+- Reasoning families may open with one ``<think>...</think>`` block (llguidance
+  sees those added tokens as special, so the grammar names them).
+
+The call object is written name first (``{"name": ..., "arguments": ...}``),
+which is the order the parsers stream; ``parallel_tool_calls: false`` allows
+one call. JSON inside calls is compact, as for ``response_format`` (free
+whitespace lets a weak model spend its budget on newlines).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from cachet.common.v1 import common_pb2
+from cachet.router.tool_parsers import hermes, kimi_k2, reasoning
+from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat
+
+# An object with any keys: the arguments of a tool that is not strict.
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+
+
+def strict_auto_grammar(
+    family: ModelFamily, tools: Sequence[tuple[common_pb2.Tool, dict[str, Any]]], *, parallel: bool
+) -> common_pb2.ResponseFormat:
+    """``tools``: each offered tool with its parameters schema (as ``tool_choice`` reads it)."""
+    rules = _kimi_k2_rules if family.tool_format is ToolFormat.KIMI_K2 else _hermes_rules
+    answer, body = rules(tools, parallel)
+    # Special tokens are named as they are spelled (<|...|>, <think>): Lark's token syntax.
+    start = [f"start: {answer}"]
+    if family.reasoning:
+        start = [
+            f"start: think? {answer}",
+            f"think: {reasoning.THINK_OPEN} THOUGHT {reasoning.THINK_CLOSE}",
+            r"THOUGHT: /(.|\n)*/",
+        ]
+    return common_pb2.ResponseFormat(ebnf="\n".join(["%llguidance {}", *start, *body]) + "\n")
+
+
+def _arguments(tool: common_pb2.Tool, parameters: dict[str, Any]) -> str:
+    schema = parameters if tool.strict else _ANY_OBJECT
+    return "%json " + json.dumps(schema | _COMPACT)
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal has JSON's escapes
+
+
+def _choice(count: int) -> str:
+    return " | ".join(f"call_{index}" for index in range(count))
+
+
+def _hermes_rules(
+    tools: Sequence[tuple[common_pb2.Tool, dict[str, Any]]], parallel: bool
+) -> tuple[str, list[str]]:
+    rules = [
+        f"text_then_call[lazy]: ANY {_literal(hermes.OPEN)}",
+        r"ANY: /(.|\n)*/",
+        # The text after the last call never holds the tag: written, it must start a call.
+        rf"TEXT: /(.|\n)*/ & ~/(.|\n)*{_regex_literal(hermes.OPEN)}(.|\n)*/",
+        f'call: "\\n"? ({_choice(len(tools))}) "\\n"? {_literal(hermes.CLOSE)}',
+    ]
+    for index, (tool, parameters) in enumerate(tools):
+        opening = _literal(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
+        rules.append(f'call_{index}: {opening} {_arguments(tool, parameters)} "}}"')
+    return f"(text_then_call call){'*' if parallel else '?'} TEXT", rules
+
+
+def _kimi_k2_rules(
+    tools: Sequence[tuple[common_pb2.Tool, dict[str, Any]]], parallel: bool
+) -> tuple[str, list[str]]:
+    rules = [
+        r"TEXT: /(.|\n)*/",
+        f"section: {kimi_k2.SECTION_BEGIN} call{'+' if parallel else ''} {kimi_k2.SECTION_END}",
+        f"call: {kimi_k2.CALL_BEGIN} ({_choice(len(tools))}) {kimi_k2.CALL_END}",
+    ]
+    for index, (tool, parameters) in enumerate(tools):
+        rules.append(
+            f"call_{index}: {_literal(f'functions.{tool.name}:')} /[0-9]{{1,6}}/"
+            f" {kimi_k2.ARGUMENT_BEGIN} {_arguments(tool, parameters)}"
+        )
+    return f"TEXT (section TEXT){'*' if parallel else '?'}", rules
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` matched literally inside a Lark ``/regex/``."""
+    return "".join(f"\\{char}" if char in r"\/.^$|?*+()[]{}" else char for char in text)
