@@ -80,6 +80,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         "CACHET_ROUTER_WEBHOOK_SECRET": SECRET,
         "CACHET_ROUTER_WEBHOOK_FIRST_BACKOFF_SECONDS": "0.2",
         "CACHET_ROUTER_DEFAULT_WEBHOOKS": json.dumps({"acct-hooked": receiver.url}),
+        # A few jobs at a time: a cancel lands while some run and most still wait.
+        "CACHET_ROUTER_BATCH_MAX_IN_FLIGHT": "4",
     }
     stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engines=1, router_env=router_env)
     port = free_port()
@@ -267,14 +269,19 @@ def test_cancel_stops_queued_lines_and_bills_only_what_ran(platform: Platform) -
     batch = client.batches.create(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline, "the batch never started"
+        time.sleep(0.05)
     cancelling = client.batches.cancel(batch.id)
+    # Started lines run on (cancelling) unless none was running at that instant.
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
     done = wait_for(client, batch.id, {"cancelled"})
     ran = done.request_counts.completed
-    assert ran < count and done.request_counts.failed == 0 and done.cancelled_at
+    assert 2 <= ran < count and done.request_counts.failed == 0 and done.cancelled_at
     errors = jsonl(client, done.error_file_id)
     assert len(errors) == count - ran and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
-    output = jsonl(client, done.output_file_id) if ran else []
+    output = jsonl(client, done.output_file_id)
     assert {line["custom_id"] for line in output} | {e["custom_id"] for e in errors} == {
         f"c-{i}" for i in range(count)
     }
@@ -287,7 +294,7 @@ def test_cancel_stops_queued_lines_and_bills_only_what_ran(platform: Platform) -
             done.usage.output_tokens,
         )
     ]
-    assert platform.ledger("cancel") == (expected if ran else [])
+    assert platform.ledger("cancel") == expected
     # Cancelling again changes nothing.
     assert client.batches.cancel(batch.id).status == "cancelled"
 
@@ -315,10 +322,16 @@ def test_a_queued_workers_ai_batch_is_cancelled_over_grpc(platform: Platform) ->
     with pytest.raises(grpc.RpcError) as foreign:
         inference.CancelQueuedBatch(cancel, metadata=(("authorization", "Bearer sk-other"),), timeout=10)
     assert foreign.value.code() == grpc.StatusCode.NOT_FOUND
+    poll = router_pb2.GetQueuedBatchRequest(request_id=queued.request_id)
+    deadline = time.monotonic() + 60
+    while (
+        inference.GetQueuedBatch(poll, metadata=metadata, timeout=10).status == router_pb2.BATCH_STATUS_QUEUED
+    ):
+        assert time.monotonic() < deadline, "the batch never started"
+        time.sleep(0.05)
     first = inference.CancelQueuedBatch(cancel, metadata=metadata, timeout=10)
     assert first.status in (router_pb2.BATCH_STATUS_CANCELLING, router_pb2.BATCH_STATUS_CANCELLED)
     deadline = time.monotonic() + 60
-    poll = router_pb2.GetQueuedBatchRequest(request_id=queued.request_id)
     while (batch := inference.GetQueuedBatch(poll, metadata=metadata, timeout=10)).status != (
         router_pb2.BATCH_STATUS_CANCELLED
     ):
@@ -327,7 +340,7 @@ def test_a_queued_workers_ai_batch_is_cancelled_over_grpc(platform: Platform) ->
     assert len(batch.results) == 40
     completions = [r.completion for r in batch.results if r.HasField("completion")]
     cancelled = [r.error for r in batch.results if r.HasField("error")]
-    assert len(completions) < 40 and {e.code for e in cancelled} == {"CANCELLED"}
+    assert 1 <= len(completions) < 40 and {e.code for e in cancelled} == {"CANCELLED"}
     assert all(c.usage.completion_tokens == 48 for c in completions)
     ledger = platform.ledger("queued")
     assert sum(row[0] for row in ledger) == len(completions)
