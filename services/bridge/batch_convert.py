@@ -167,8 +167,10 @@ def results_to_jsonl(results: router_pb2.BatchResults) -> bytes:
 
 def _result_line(batch_id: str, line: router_pb2.BatchResultLine) -> Json:
     outcome = line.WhichOneof("outcome")
-    # A line that never ran has no request id of its own; its custom_id is unique in the file.
-    line_id = f"batch_req_{line.request_id or f'{batch_id}-{line.custom_id}'}"
+    # A line that never ran has no request id: a refused one is named by its line number
+    # (it may lack a custom_id), a cancelled one by its custom_id (unique among good lines).
+    never_ran = f"{batch_id}-{line.line_error.line or line.custom_id}"
+    line_id = f"batch_req_{line.request_id or never_ran}"
     if outcome == "line_error":
         return {
             "id": line_id,
