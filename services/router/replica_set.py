@@ -51,6 +51,8 @@ class _Latest:
 
     report: engine_pb2.LoadReport
     received_at: float
+    # This router's requests in flight when it arrived: the most of them the report can count.
+    in_flight: int = 0
 
 
 class Replica:
@@ -84,6 +86,10 @@ class Replica:
         """The newest load report as the engine sent it (None before the first); see ``available()``."""
         return self._latest.report if self._latest is not None else None
 
+    def in_flight_at_report(self) -> int:
+        """``in_flight`` when the latest report arrived; ours that ended since still show in it."""
+        return self._latest.in_flight if self._latest is not None else 0
+
     async def wait_reported(self) -> None:
         await self._reported.wait()
 
@@ -116,7 +122,7 @@ class Replica:
                 if report.replica_id != self.info.replica_id:
                     # The engine restarted behind the same address: its facts may have changed.
                     await self._refresh_info()
-                self._latest = _Latest(report, time.monotonic())
+                self._latest = _Latest(report, time.monotonic(), self.in_flight)
                 self._reported.set()
         finally:
             call.cancel()

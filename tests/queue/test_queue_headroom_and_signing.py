@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from cachet.engine.v1 import engine_pb2
-from cachet.router.dispatcher import HeadroomPolicy, batch_slots, replica_slots
+from cachet.router.dispatcher import HeadroomPolicy, ReplicaView, batch_slots, replica_slots
 from cachet.router.webhooks import backoff_seconds, sign, verify
 
 POLICY = HeadroomPolicy(max_running_fraction=0.75, min_free_kv_fraction=0.2)
@@ -42,8 +42,9 @@ def test_low_free_kv_means_no_headroom() -> None:
 
 
 def test_an_interactive_request_waiting_anywhere_stops_dispatch() -> None:
-    assert batch_slots([(report(), 0), (report(running=2), 0)], POLICY) == 10
-    assert batch_slots([(report(), 0), (report(interactive_waiting=1, waiting=1), 0)], POLICY) == 0
+    assert batch_slots([ReplicaView(report(), 0, 0), ReplicaView(report(running=2), 0, 0)], POLICY) == 10
+    waiting = report(interactive_waiting=1, waiting=1)
+    assert batch_slots([ReplicaView(report(), 0, 0), ReplicaView(waiting, 0, 0)], POLICY) == 0
 
 
 def test_a_one_slot_engine_still_takes_batch_work() -> None:

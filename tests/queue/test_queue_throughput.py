@@ -1,4 +1,5 @@
-"""The queue's cost per operation does not grow with the backlog, and the faster paths keep its order.
+"""The queue's cost per operation does not grow with the backlog, the faster paths keep its order,
+and the headroom estimate frees a finished job's slot without waiting for the next load report.
 
 Costs are counted, not timed: SQLite calls a progress handler every N virtual-machine
 instructions, so the work one ``lease`` does is a number that is the same on a busy
@@ -11,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from cachet.engine.v1 import engine_pb2
+from cachet.router.dispatcher import HeadroomPolicy, replica_slots
 from cachet.router.queue_store import QueueStore
+
+HEADROOM = HeadroomPolicy(max_running_fraction=0.75, min_free_kv_fraction=0.2)
 
 
 class Clock:
@@ -133,3 +138,32 @@ async def test_round_robin_wraps_to_an_account_that_only_has_a_lapsed_lease(
         order.append(job.request_id)
         last = job.account_id
     assert order == [f"{b_batch}-0", f"{a_batch}-0", f"{b_batch}-1"]
+
+
+# ------------------------------------------------------------- headroom estimate
+
+
+def load_report(running: int = 0, waiting: int = 0) -> engine_pb2.LoadReport:
+    return engine_pb2.LoadReport(
+        running_requests=running,
+        waiting_requests=waiting,
+        free_kv_blocks=100,
+        total_kv_blocks=100,
+        max_running_requests=8,
+        max_waiting_requests=16,
+    )
+
+
+def test_our_jobs_that_ended_after_the_report_free_their_slots_at_once() -> None:
+    """The report (6 running) predates 4 of our 6 requests ending: 6 - 2 slots, not 6 - 6."""
+    assert replica_slots(load_report(running=6), 2, HEADROOM, in_flight_at_report=6) == 4
+
+
+def test_other_routers_requests_in_the_report_still_count() -> None:
+    """6 running, of which only our 2: the other 4 are someone else's and hold their slots."""
+    assert replica_slots(load_report(running=6), 2, HEADROOM, in_flight_at_report=2) == 0
+    assert replica_slots(load_report(running=3, waiting=1), 1, HEADROOM, in_flight_at_report=1) == 2
+
+
+def test_requests_sent_after_the_report_count_before_the_engine_shows_them() -> None:
+    assert replica_slots(load_report(running=1), 4, HEADROOM, in_flight_at_report=1) == 2
