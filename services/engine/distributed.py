@@ -1,7 +1,10 @@
-"""A replica as a group of ranks: process launch, torch.distributed, DeepSpeed AutoTP, the step channel.
+"""A replica as a group of ranks: process launch, torch.distributed, the all-reduce, the step channel.
 
 This is the one engine module that owns DeepSpeed and the process group (the
-expert-parallel split in ``expert_parallel`` joins the group made here).
+expert-parallel split in ``expert_parallel`` joins the group made here). The
+model code is built already split (``tensor_parallel``: each rank reads
+only its slices of the checkpoint) and sums partial results with the
+DeepSpeed all-reduce this module hands it.
 
 Shape of a tensor-parallel replica of N ranks::
 
@@ -46,9 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from cachet.engine.step_plan import StepPlan, StepResult
+from cachet.engine.tensor_parallel import TensorParallelRank
 from cachet.logs import get_logger
 
 if TYPE_CHECKING:
@@ -63,40 +66,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 HEARTBEAT_SECONDS = 2.0
 # Followers exit with this when their parent (rank 0) is gone.
 EXIT_PARENT_LOST = 3
-
-
-@dataclass(frozen=True)
-class _TensorParallelPlan:
-    """What AutoTP shards in one model family."""
-
-    # The decoder stack handed to AutoTP. Not the whole model: AutoTP always also cuts a
-    # root-level ``lm_head`` into a layer that wants [batch, seq, hidden] input, where ours
-    # is a flat [tokens, hidden]; so the head stays whole on every rank (tied to the
-    # embedding in small models, so no extra memory; a vocab-parallel head is future work).
-    body: str
-    # The decoder block class and its row-parallel linears (outputs are partial sums,
-    # all-reduced); AutoTP cuts every other nn.Linear in the block by output columns.
-    # Names are relative to the block, as AutoTP builds them: a direct child's starts
-    # with a dot, a grandchild's is "child.grandchild".
-    block: str
-    row_parallel: tuple[str, ...]
-
-
-_PLANS: dict[str, _TensorParallelPlan] = {
-    "LlamaForCausalLM": _TensorParallelPlan("model", "DecoderLayer", ("self_attn.o_proj", "mlp.down_proj")),
-}
-
-
-class _AutoTPView(nn.Module):
-    """The decoder stack as AutoTP should see it: with the model's config at ``.config``, where
-    AutoTP reads the KV head count (without it, it cuts q/k/v on plain row counts, out of step
-    with the KV heads), and without an ``lm_head`` (see ``_TensorParallelPlan.body``). The
-    stack is shared, not copied: AutoTP's replacements land in the real model."""
-
-    def __init__(self, body: nn.Module, config: object) -> None:
-        super().__init__()
-        self.body = body
-        self.config = config
+# How long the rank watchdog waits for a dead follower's exit status before calling it lost.
+EXIT_STATUS_WAIT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -206,6 +177,16 @@ def init_distributed(device: torch.device) -> RankInfo:
     )
 
 
+def _inference_all_reduce_(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the replica's ranks in place: DeepSpeed's shared-memory op on CPU (~7 us for a
+    small tensor where gloo takes ~2 ms), NCCL on GPU. It spans the whole world: a replica's
+    process group is its tensor-parallel group."""
+    import deepspeed.comm as ds_comm
+
+    ds_comm.inference_all_reduce(tensor)
+    return tensor
+
+
 @dataclass
 class TensorParallel:
     """The tensor-parallel group of a replica: how to shard a model, how ranks agree.
@@ -225,29 +206,10 @@ class TensorParallel:
     def size(self) -> int:
         return self.info.world_size
 
-    def shard(self, model: nn.Module) -> nn.Module:
-        """Cut the loaded model's linears over the group in place (DeepSpeed AutoTP).
-
-        Every rank loads the full checkpoint and keeps its slices; reading only one's
-        slices from the safetensors files is future work that large models will need.
-        """
-        import deepspeed
-
-        kind = type(model).__name__
-        if kind not in _PLANS:
-            raise NotImplementedError(f"no tensor-parallel plan for {kind}; known: {sorted(_PLANS)}")
-        plan = _PLANS[kind]
-        body = model.get_submodule(plan.body)
-        block = next(m for m in body.modules() if type(m).__name__ == plan.block)
-        deepspeed.init_inference(
-            _AutoTPView(body, model.config),
-            tensor_parallel={"tp_size": self.size},
-            dtype=next(model.parameters()).dtype,
-            replace_with_kernel_inject=False,  # kernel injection has no CPU ops
-            injection_policy={type(block): plan.row_parallel},
-        )
-        # AutoTP replaced the body's linears in place: the model object is still ours.
-        return model
+    @property
+    def model_rank(self) -> TensorParallelRank:
+        """What the model code needs to build this rank's slices and sum partial results."""
+        return TensorParallelRank(self.info.rank, self.info.world_size, _inference_all_reduce_)
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` of any rank: KV heads can split unevenly (9 over 2 ranks),
@@ -359,18 +321,25 @@ def follow(runner: ModelRunner, tp: TensorParallel) -> None:
 
 
 def watch_followers(followers: list[BaseProcess], on_lost: Callable[[str], None]) -> Callable[[], None]:
-    """Call ``on_lost(reason)`` (on a watchdog thread) when any follower exits.
+    """Call ``on_lost(reason)`` (on a watchdog thread) when any follower exits unplanned.
 
     Returns a disarm function for a planned shutdown, when followers exit on purpose.
+    A follower that exits 0 was told to stop (``follow`` returns only on rank 0's stop
+    message, a lost parent exits with ``EXIT_PARENT_LOST``), so that is no loss either:
+    rank 0's own shutdown tells them before it disarms.
     """
     disarmed = threading.Event()
 
     def wait() -> None:
         ready = multiprocessing.connection.wait([p.sentinel for p in followers])
-        if disarmed.is_set():
-            return
         dead = next(p for p in followers if p.sentinel in ready)
-        dead.join(timeout=1)
+        # The sentinel can fire a while before the exit status is in (the kernel is still
+        # freeing a large KV cache); the status decides whether this was planned.
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_SECONDS
+        while dead.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if disarmed.is_set() or dead.exitcode == 0:
+            return
         on_lost(f"rank process {dead.name} (pid {dead.pid}) exited with {dead.exitcode}")
 
     threading.Thread(target=wait, name="rank-watchdog", daemon=True).start()

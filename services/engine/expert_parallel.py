@@ -2,7 +2,7 @@
 
 An engine replica's ranks all see the same tokens (attention is replicated or
 tensor-parallel), so expert parallelism here needs no token exchange: rank r
-holds experts ``[r * E / ep, (r + 1) * E / ep)``, runs only those on the tokens
+holds a contiguous run of about ``E / ep`` experts, runs only those on the tokens
 routed to them, and one sum over the expert-parallel group adds the partial
 outputs. That is vLLM's expert-parallel layout without data-parallel attention.
 
@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cachet.engine.tensor_parallel import TensorParallelRank
+
 
 @dataclass(frozen=True)
 class ExpertParallel:
@@ -43,13 +45,9 @@ class ExpertParallel:
         return cls(rank=dist.get_rank(), size=dist.get_world_size())
 
     def local_experts(self, num_experts: int) -> range:
-        """Global ids of the experts this rank holds (a contiguous slice, so loading is a name filter)."""
-        if num_experts % self.size:
-            raise ValueError(
-                f"{num_experts} experts do not split evenly over {self.size} expert-parallel ranks"
-            )
-        per_rank = num_experts // self.size
-        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+        """Global ids of the experts this rank holds: a contiguous run (so loading is a name filter),
+        as even as tensor-parallel splits are (8 experts over 3 ranks: 3 + 3 + 2)."""
+        return TensorParallelRank(self.rank, self.size).split(num_experts, "routed experts")
 
     def reduce_(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum every rank's partial expert output in place; all ranks end with the full sum."""

@@ -6,8 +6,9 @@ and the seeded generator. The scheduler sends only diffs (see ``step_plan``);
 the runner appends its own sampled tokens, so a decode step needs no token ids
 from the scheduler at all.
 
-In a tensor-parallel replica every rank holds a runner over its shard of the
-model (``distributed.TensorParallel.shard``) and of the KV heads; rank 0 calls
+In a tensor-parallel replica every rank holds a runner over its slices of the
+model (built split and loaded slice by slice, ``tensor_parallel``) and of
+the KV heads; rank 0 calls
 ``execute``, followers call ``forward_only`` and get rank 0's sampled tokens
 through ``accept_sampled`` (see ``distributed``, which owns DeepSpeed).
 """
@@ -32,6 +33,7 @@ from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.step_plan import NewRequest, StepPlan, StepResult
+from cachet.engine.tensor_parallel import SINGLE_RANK
 from cachet.engine.weights import load_model
 
 if TYPE_CHECKING:
@@ -86,9 +88,13 @@ class ModelRunner:
         self.config = ModelConfig.from_model_dir(Path(model_dir))
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = load_eos_token_ids(Path(model_dir), self.config)
-        self.model = load_model(Path(model_dir), self.config, dtype=dtype, device=self.device)
-        if tp is not None:
-            self.model = tp.shard(self.model)
+        self.model = load_model(
+            Path(model_dir),
+            self.config,
+            dtype=dtype,
+            device=self.device,
+            tp=tp.model_rank if tp is not None else SINGLE_RANK,
+        )
         self.num_kv_blocks = self._fit_blocks(kv_cache_bytes)
         if tp is not None:
             # Every rank must hold every block id the scheduler (on rank 0) hands out.

@@ -3,8 +3,11 @@
 The model is built on the meta device (no memory, no random init), materialised
 empty on the target device in the target dtype, and then every parameter is
 filled from the checkpoint, one tensor at a time, so peak host memory stays at
-one tensor rather than one model. Anything the checkpoint lacks or has in excess
-is an error: a silently half-loaded model produces fluent garbage.
+one tensor rather than one model. A tensor-parallel rank's model is built with
+its own slices' shapes, and the loader reads only those slices (safetensors
+``get_slice``): no rank ever holds a weight it does not own. Anything the
+checkpoint lacks or has in excess is an error: a silently half-loaded model
+produces fluent garbage.
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from safetensors import safe_open
 from torch import nn
 
 from cachet.engine.models import ModelConfig, model_class
+from cachet.engine.tensor_parallel import (
+    SINGLE_RANK,
+    TensorParallelRank,
+    TensorSlice,
+    checkpoint_slices,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,10 +53,16 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallelRank = SINGLE_RANK,
 ) -> nn.Module:
+    """This rank's part of the model (all of it for a lone rank), filled from the checkpoint."""
     with torch.device("meta"):
-        model = model_class(config)(config)
+        model = model_class(config)(config, tp)
     model = model.to(dtype=dtype)
     if hasattr(model, "keep_fp32_"):
         model.keep_fp32_()  # parameters whose precision decides behaviour (MoE routing biases)
@@ -58,8 +73,10 @@ def load_model(
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name, casting to its dtype."""
+    """Copy every checkpoint tensor (or the slice of it this rank holds) into the parameter of the
+    same name, casting to its dtype."""
     params = dict(model.named_parameters())  # tied parameters appear once, under their owner
+    slices = checkpoint_slices(model)
     aliases: dict[str, str] = (
         model.tied_parameter_aliases() if hasattr(model, "tied_parameter_aliases") else {}
     )
@@ -77,7 +94,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                     # A tied copy: used only if the owner's own name is absent.
                     deferred[aliases[name]] = path
                 elif name in params:
-                    _copy(params[name], f.get_tensor(name), name)
+                    _copy(params[name], _read(f, name, slices.get(name)), name)
                     loaded.add(name)
                 elif not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(name)
@@ -85,7 +102,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         if owner not in loaded:
             alias = next(a for a, o in aliases.items() if o == owner)
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                _copy(params[owner], f.get_tensor(alias), alias)
+                _copy(params[owner], _read(f, alias, slices.get(owner)), alias)
             loaded.add(owner)
     missing = sorted(set(params) - loaded)
     if missing or unexpected:
@@ -93,6 +110,15 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             f"checkpoint in {model_dir} does not match the model: "
             f"missing {_summary(missing)}, unexpected {_summary(sorted(unexpected))}"
         )
+
+
+def _read(handle: object, name: str, part: TensorSlice | None) -> torch.Tensor:
+    if part is None:
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+    try:
+        return part.read(name, handle.get_slice(name))  # type: ignore[attr-defined]
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

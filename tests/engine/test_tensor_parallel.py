@@ -1,4 +1,5 @@
-"""Tensor-parallel replicas (DeepSpeed AutoTP over gloo on CPU): same numbers, same tokens, clean failure.
+"""Tensor-parallel replicas (split model code, DeepSpeed's all-reduce on CPU): same numbers, same tokens,
+clean failure.
 
 Rank processes are spawned with one torch thread each (the box has two cores); the
 first distributed init compiles DeepSpeed's shared-memory all-reduce unless
@@ -53,11 +54,19 @@ def uneven_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
+@pytest.fixture(scope="module")
+def kimi_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MLA (4 heads) + MoE (8 routed experts, 2 shared) + a dense first layer."""
+    root = tmp_path_factory.mktemp("tp")
+    return write_tiny_model(root / "tiny-kimi-k2", family="kimi-k2", tokenizer_cache_dir=root / "tok-cache")
+
+
 # ----------------------------------------------------------------- logits parity
 
 
-def _steps(model_dir: Path, tp: object | None) -> list[torch.Tensor]:
-    """Logits of a 19-token prefill and two decode steps through a runner's (sharded) model."""
+def _steps(model_dir: Path, tp: object | None) -> tuple[list[torch.Tensor], int]:
+    """Logits of a 19-token prefill and two decode steps through a runner's (split) model, and
+    how many weights this rank holds."""
     from cachet.engine.attention import SequenceSpan, build_attention_metadata
     from cachet.engine.model_runner import ModelRunner
 
@@ -78,7 +87,7 @@ def _steps(model_dir: Path, tp: object | None) -> list[torch.Tensor]:
             out.append(logits)
             tokens.append(int(logits[-1].argmax()))
             spans.append((start + count, 1))
-    return out
+    return out, sum(p.numel() for p in runner.model.parameters())
 
 
 def _rank_worker(rank: int, world: int, port: int, model_dir: str, results: multiprocessing.Queue) -> None:
@@ -87,12 +96,12 @@ def _rank_worker(rank: int, world: int, port: int, model_dir: str, results: mult
     from cachet.engine.distributed import TensorParallel, init_distributed
 
     tp = TensorParallel.create(init_distributed(torch.device("cpu")))
-    logits = _steps(Path(model_dir), tp)
+    logits, held = _steps(Path(model_dir), tp)
     # Plain lists: a pickled tensor travels as a shared-memory handle that dies with this process.
-    results.put((rank, tp.size, [t.tolist() for t in logits]))
+    results.put((rank, tp.size, held, [t.tolist() for t in logits]))
 
 
-def _tensor_parallel_logits(model_dir: Path, world: int) -> dict[int, list[torch.Tensor]]:
+def _tensor_parallel_logits(model_dir: Path, world: int) -> dict[int, tuple[int, list[torch.Tensor]]]:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -105,9 +114,9 @@ def _tensor_parallel_logits(model_dir: Path, world: int) -> dict[int, list[torch
     try:
         collected = {}
         for _ in range(world):
-            rank, size, logits = results.get(timeout=240)
+            rank, size, held, logits = results.get(timeout=240)
             assert size == world
-            collected[rank] = [torch.tensor(rows) for rows in logits]
+            collected[rank] = (held, [torch.tensor(rows) for rows in logits])
         return collected
     finally:
         for process in ranks:
@@ -116,13 +125,16 @@ def _tensor_parallel_logits(model_dir: Path, world: int) -> dict[int, list[torch
                 process.kill()
 
 
-@pytest.mark.parametrize("model_name", ["tiny_model", "uneven_model"])
+@pytest.mark.parametrize("model_name", ["tiny_model", "uneven_model", "kimi_model"])
 def test_tp2_logits_equal_tp1(model_name: str, request: pytest.FixtureRequest) -> None:
     model_dir: Path = request.getfixturevalue(model_name)
     torch.set_num_threads(1)
-    reference = _steps(model_dir, None)
+    reference, whole = _steps(model_dir, None)
     sharded = _tensor_parallel_logits(model_dir, world=2)
-    for rank, logits in sharded.items():
+    # Not vacuous: the ranks hold different, smaller parts of the model (replicated parts aside).
+    assert sum(held for held, _ in sharded.values()) < 1.2 * whole
+    for rank, (held, logits) in sharded.items():
+        assert held < 0.6 * whole, f"rank {rank} holds {held} of {whole} weights"
         for step, (want, got) in enumerate(zip(reference, logits, strict=True)):
             assert want.shape == got.shape
             # fp32: the sums differ only in order (partial sums all-reduced).
@@ -141,7 +153,8 @@ def _engine(model_dir: Path, log_dir: Path, tp: int, name: str) -> ServiceProces
 
 
 def _generate(stub: engine_pb2_grpc.EngineServiceStub, request_id: str, prompt: list[int], n: int):
-    request = engine_pb2.GenerateRequest(request_id=request_id, model="tiny-llama", prompt_token_ids=prompt)
+    model = stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest()).model
+    request = engine_pb2.GenerateRequest(request_id=request_id, model=model, prompt_token_ids=prompt)
     request.sampling.max_tokens = n
     request.sampling.temperature = 0.0  # greedy (the default is 1)
     request.sampling.ignore_eos = True
@@ -166,7 +179,11 @@ def _conversation(address: str) -> tuple[list[list[int]], list[int]]:
     return outputs, cached
 
 
-def test_greedy_tokens_tp2_equal_tp1_over_grpc(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model_name", ["tiny_model", "kimi_model"])
+def test_greedy_tokens_tp2_equal_tp1_over_grpc(
+    model_name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    tiny_model: Path = request.getfixturevalue(model_name)
     single = _engine(tiny_model, tmp_path, 1, "engine-tp1")
     try:
         want, want_cached = _conversation(single.address)

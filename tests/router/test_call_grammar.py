@@ -1,4 +1,5 @@
-"""``tool_choice: auto`` with strict tools: text stays free, every call the grammar lets out validates.
+"""Grammars in the family's call format: strict tools under ``auto`` (text stays free, every call
+the grammar lets out validates) and Kimi K2's forced calls (only valid calls, read by its parser).
 
 The grammar the router builds is compiled by the engine's own ``GrammarCompiler``
 (llguidance, against the tiny models' real tokenizers) and walked at random: each
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 import pytest
+from test_tool_parsers import Answer
 from tokenizers import Tokenizer
 
 from cachet.common.v1 import common_pb2
@@ -30,6 +33,7 @@ from cachet.router.tool_parsers import hermes, kimi_k2
 from cachet.router.tool_parsers.hermes import HermesToolParser
 from cachet.router.tool_parsers.kimi_k2 import KimiK2ToolParser
 from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat
+from cachet.router.tool_parsers.selection import output_parser_for
 from cachet.router.tool_parsers.tool_choice import ToolMode, plan_tools
 from cachet.router.v1 import router_pb2
 
@@ -120,8 +124,11 @@ class Family:
         self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size, [self.eos], max_workers=1)
         self.family, self.opening, self.new_parser = family, opening, parser
 
-    def matcher(self, plan_parallel: bool = True) -> llguidance.LLMatcher:
-        request = auto_request() if plan_parallel else auto_request(parallel_tool_calls=False)
+    def matcher(
+        self, plan_parallel: bool = True, request: router_pb2.ChatCompletionRequest | None = None
+    ) -> llguidance.LLMatcher:
+        if request is None:
+            request = auto_request() if plan_parallel else auto_request(parallel_tool_calls=False)
         constraint = plan_tools(request).constraint_for(self.family)
         assert constraint is not None
         return self.compiler.new_matcher(grammar_spec_from_proto(constraint)).result(timeout=60)
@@ -144,12 +151,14 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return Family(model, KIMI_K2, opening, lambda: KimiK2ToolParser(SCHEMAS))
 
 
-def walk(family: Family, seed: int) -> str:
+def walk(
+    family: Family, seed: int, request: router_pb2.ChatCompletionRequest | None = None, opening: str = ""
+) -> str:
     """The opening, then random allowed tokens until end-of-sequence or MAX_STEPS."""
     draw = random.Random(seed)
-    matcher = family.matcher()
-    opening = family.tokenizer.encode(family.opening, add_special_tokens=False).ids
-    assert matcher.consume_tokens(opening), matcher.get_error()
+    matcher = family.matcher(request=request)
+    opening = family.tokenizer.encode(opening if request else family.opening, add_special_tokens=False).ids
+    assert not opening or matcher.consume_tokens(opening), matcher.get_error()
     tokens = list(opening)
     for _ in range(MAX_STEPS):
         allowed = family.allowed(matcher)
@@ -196,3 +205,41 @@ def test_one_call_when_parallel_calls_are_off(family: Family) -> None:
         text = f"{family.opening}functions.ping:0{end}{kimi_k2.CALL_BEGIN}functions.ping:1{end}"
     ids = family.tokenizer.encode(text, add_special_tokens=False).ids
     assert not all(matcher.consume_token(token) for token in ids)
+
+
+# ---------------------------------------------------------------- Kimi K2's forced calls
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel"),
+    [
+        (common_pb2.ToolChoice(function_name="book_hotel"), True),
+        (common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED), True),
+        (common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED), False),
+    ],
+    ids=["named", "required", "required-one"],
+)
+def test_kimi_k2_forced_calls_are_its_own_format(
+    family: Family, choice: common_pb2.ToolChoice, parallel: bool
+) -> None:
+    if family.family is not KIMI_K2:
+        pytest.skip("Hermes-family forced calls are JSON (test_tool_choice)")
+    request = auto_request(tool_choice=choice, parallel_tool_calls=parallel)
+    plan = plan_tools(request)
+    seen = set()
+    for seed in range(WALKS // 2):
+        text = walk(family, seed, request)
+        assert text.startswith("<think></think>" + kimi_k2.SECTION_BEGIN), text
+        parser = output_parser_for(family.family, plan)
+        answer = Answer()
+        answer.add(parser.feed(text))
+        answer.add(parser.finish())
+        assert answer.content == "" and answer.reasoning == "", text
+        assert answer.calls, text
+        if not parallel or plan.mode is ToolMode.NAMED:
+            assert len(answer.calls) == 1
+        for call_id, name, arguments in answer.calls.values():
+            assert re.fullmatch(rf"functions\.{name}:\d+", call_id)
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+            seen.add(name)
+    assert seen == ({"book_hotel"} if plan.mode is ToolMode.NAMED else set(SCHEMAS))

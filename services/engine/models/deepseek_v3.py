@@ -1,9 +1,17 @@
 """DeepSeek-V3 family decoder (DeepSeek-V3, Kimi K2): latent attention + routed/shared experts.
 
-Same flat-step contract as ``llama.py``: every token of a step on one axis, logits
-only for the sampling positions. Parameter names match Hugging Face checkpoints
-(per-expert ``mlp.experts.{j}.{gate,up,down}_proj``), so loading is name for name;
-with expert parallelism a rank builds and loads only its own experts.
+The decoder skeleton is ``decoder.py``'s; this file holds what differs. Parameter
+names match Hugging Face checkpoints (per-expert ``mlp.experts.{j}.{gate,up,down}_proj``).
+
+Tensor parallel over N ranks (the same group is the expert-parallel group):
+
+    attention   q_a/kv_a projections and their norms replicated (small, and the
+                latent must be whole: every rank caches all of it for its heads);
+                q_b (or q) and kv_b cut by heads, o_proj by the same heads' columns
+    dense MLP   gate/up by channels, down by channels: one all-reduce
+    MoE         routed experts split whole across ranks (expert parallel), shared
+                experts cut by channels; both partial sums meet in one all-reduce
+    embedding / lm_head  vocab-parallel (``tensor_parallel``)
 """
 
 from __future__ import annotations
@@ -19,7 +27,14 @@ from cachet.engine.attention import AttentionMetadata
 from cachet.engine.expert_parallel import ExpertParallel
 from cachet.engine.mla_attention import PagedLatentAttention
 from cachet.engine.models.config import MLAConfig, ModelConfig, MoEConfig
-from cachet.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
+from cachet.engine.models.decoder import CausalLM, DecoderLayer, DecoderModel, RMSNorm
+from cachet.engine.models.rotary import apply_rotary
+from cachet.engine.tensor_parallel import (
+    SINGLE_RANK,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+)
 
 # DeepSeek's own code builds q_a_layernorm / kv_a_layernorm with the RMSNorm default,
 # not config.rms_norm_eps; checkpoints were trained that way.
@@ -56,23 +71,25 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelRank = SINGLE_RANK) -> None:
         super().__init__()
         mla: MLAConfig = config.mla  # type: ignore[assignment]
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.mla = mla
+
+        def by_heads(in_features: int, width: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear.by_units(in_features, heads, width, tp, what="attention heads")
+
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False)
+            self.q_proj = by_heads(hidden, mla.qk_head_dim)
         else:
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
+            self.q_b_proj = by_heads(mla.q_lora_rank, mla.qk_head_dim)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(
-            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
-        )
-        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=False)
+        self.kv_b_proj = by_heads(mla.kv_lora_rank, mla.qk_nope_head_dim + mla.v_head_dim)
+        self.o_proj = RowParallelLinear.by_units(heads, mla.v_head_dim, hidden, tp, what="attention heads")
         self.attn = PagedLatentAttention(mla.kv_lora_rank, softmax_scale(config))
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,11 +124,15 @@ class MLAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inner: int) -> None:
+    """SwiGLU, its channels cut over ``tp``; ``reduce=False`` returns this rank's partial sum."""
+
+    def __init__(
+        self, hidden: int, inner: int, tp: TensorParallelRank = SINGLE_RANK, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear.by_units(hidden, inner, 1, tp, what="MLP channels")
+        self.up_proj = ColumnParallelLinear.by_units(hidden, inner, 1, tp, what="MLP channels")
+        self.down_proj = RowParallelLinear.by_units(inner, 1, hidden, tp, reduce=reduce, what="MLP channels")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -165,7 +186,12 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (this rank's share) plus shared experts that every token passes through."""
+    """Routed experts (this rank's share) plus shared experts that every token passes through.
+
+    Both kinds are split over the expert-parallel group (routed experts whole, shared
+    experts by channels), so each rank's output is a partial sum and one all-reduce
+    per layer completes it.
+    """
 
     def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel) -> None:
         super().__init__()
@@ -181,8 +207,15 @@ class MoE(nn.Module):
                 for j in expert_parallel.local_experts(moe.n_routed_experts)
             }
         )
+        # Their reduction is the routed experts' (below), so the shared down_proj does not reduce.
+        shared_split = TensorParallelRank(expert_parallel.rank, expert_parallel.size)
         self.shared_experts = (
-            DenseMLP(config.hidden_size, moe.moe_intermediate_size * moe.n_shared_experts)
+            DenseMLP(
+                config.hidden_size,
+                moe.moe_intermediate_size * moe.n_shared_experts,
+                shared_split,
+                reduce=False,
+            )
             if moe.n_shared_experts
             else None
         )
@@ -190,11 +223,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self._routed(x, weights, ids)
-        # Summed before the shared experts: those run on every rank and must count once.
-        self.expert_parallel.reduce_(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.expert_parallel.reduce_(out)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -217,70 +248,39 @@ class MoE(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, expert_parallel: ExpertParallel) -> None:
-        super().__init__()
-        moe: MoEConfig = config.moe  # type: ignore[assignment]
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module = (
-            MoE(config, expert_parallel)
-            if moe.is_moe_layer(layer)
-            else DenseMLP(config.hidden_size, config.intermediate_size)
-        )
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def _mlp(
+    config: ModelConfig, layer: int, tp: TensorParallelRank, expert_parallel: ExpertParallel
+) -> nn.Module:
+    moe: MoEConfig = config.moe  # type: ignore[assignment]
+    if moe.is_moe_layer(layer):
+        return MoE(config, expert_parallel)
+    return DenseMLP(config.hidden_size, config.intermediate_size, tp)
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel) -> None:
-        super().__init__()
-        mla: MLAConfig = config.mla  # type: ignore[assignment]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, expert_parallel) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # RoPE covers only the shared rotary slice of each head.
-        self.rotary_emb = RotaryEmbedding(mla.qk_rope_head_dim, config.rope, config.max_position_embeddings)
+class DeepseekV3ForCausalLM(CausalLM):
+    """``expert_parallel`` defaults to the tensor-parallel group when there is one, else to
+    every rank of an initialised process group (expert parallel alone), else one rank."""
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, meta.token_seq_lens)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
-
-
-class DeepseekV3ForCausalLM(nn.Module):
-    """Returns logits (fp32) only for the step's sampling positions."""
-
-    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallelRank = SINGLE_RANK,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
         if config.mla is None or config.moe is None:
             raise ValueError(f"model_type {config.model_type!r} has no MLA/MoE settings")
-        self.config = config
-        self.expert_parallel = expert_parallel or ExpertParallel.from_environment()
-        self._local_experts = set(self.expert_parallel.local_experts(config.moe.n_routed_experts))
-        self.model = DeepseekV3Model(config, self.expert_parallel)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Re-run after anything that replaces parameters (``to_empty``, loading)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def tied_parameter_aliases(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+        if expert_parallel is None:
+            expert_parallel = (
+                ExpertParallel(tp.rank, tp.size) if tp.size > 1 else ExpertParallel.from_environment()
+            )
+        layers = (
+            DecoderLayer(config, MLAttention(config, tp), _mlp(config, i, tp, expert_parallel))
+            for i in range(config.num_hidden_layers)
+        )
+        # RoPE covers only the shared rotary slice of each head.
+        super().__init__(config, DecoderModel(config, layers, config.mla.qk_rope_head_dim, tp), tp)
+        self.expert_parallel = expert_parallel
+        self._local_experts = set(expert_parallel.local_experts(config.moe.n_routed_experts))
 
     def keep_fp32_(self) -> None:
         """Undo the serving-dtype cast where it would change routing: the bias separates experts
@@ -298,19 +298,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         expert = _EXPERT_INDEX.match(name)
         return expert is not None and int(expert.group(1)) not in self._local_experts
 
-    def attention_layers(self) -> list[PagedLatentAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
     def kv_cache_shape_per_token(self) -> tuple[int, ...]:
-        """One latent per token per layer, shared by all heads (instead of K and V per KV head)."""
+        """One latent per token per layer, shared by all heads (instead of K and V per KV head).
+        Whole on every rank: each rank's heads attend over all of it."""
         assert self.config.mla is not None
         return (self.config.mla.latent_dim,)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, meta)
-        return self.lm_head(hidden[meta.sample_indices]).float()
 
 
 __all__ = ["DeepseekV3ForCausalLM", "MLAttention", "MoE", "Router", "softmax_scale"]

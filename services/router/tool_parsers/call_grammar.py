@@ -1,11 +1,11 @@
-"""The grammar of ``tool_choice: auto`` with ``strict`` tools: free text, but every call valid.
+"""Grammars in a model family's own call format (llguidance Lark, sent as ``ResponseFormat.ebnf``).
 
-Under ``auto`` the model may answer in text or call tools; a JSON schema cannot say
-"text, or a tagged call". A Lark grammar (llguidance's dialect, sent to the engine
-as ``ResponseFormat.ebnf``) can: text is free until the model opens a call in its
-family's format, and from there the call must be one of the offered tools, its
-arguments valid for that tool's ``parameters`` when the tool is ``strict`` (any
-JSON object when it is not), and then closed.
+``tool_choice: auto`` with ``strict`` tools: the model may answer in text or call
+tools, and a JSON schema cannot say "text, or a tagged call". A Lark grammar can:
+text is free until the model opens a call in its family's format, and from there
+the call must be one of the offered tools, its arguments valid for that tool's
+``parameters`` when the tool is ``strict`` (any JSON object when it is not), and
+then closed.
 
 - Hermes: text up to the first ``<tool_call>`` is one *lazy* lexeme (it ends at
   that tag); the closing text may not contain the tag at all (regex ``&`` / ``~``),
@@ -15,10 +15,18 @@ JSON object when it is not), and then closed.
 - Reasoning families may open with one ``<think>...</think>`` block (llguidance
   sees those added tokens as special, so the grammar names them).
 
-The call object is written name first (``{"name": ..., "arguments": ...}``),
-which is the order the parsers stream; ``parallel_tool_calls: false`` allows
-one call. JSON inside calls is compact, as for ``response_format`` (free
-whitespace lets a weak model spend its budget on newlines).
+Forced calls (``tool_choice`` named or required) on Kimi K2 are written in its
+format too (``kimi_k2_forced_grammar``): an empty think block, then the section
+with the calls. That is exactly what its chat template renders for the turn
+afterwards, so the next turn's prompt starts with this turn's tokens (cached),
+and the family's own parser reads it.
+
+The Hermes call object is written name first (``{"name": ..., "arguments": ...}``),
+the order the parsers stream; ``parallel_tool_calls: false`` allows one call.
+Arguments are spaced exactly as chat templates render them back (``tojson`` /
+``json.dumps``: ``", "`` and ``": "``, no other whitespace), so a turn's call and
+its rendering in the next prompt are the same tokens; free whitespace would also
+let a weak model spend its budget on newlines.
 """
 
 from __future__ import annotations
@@ -33,15 +41,19 @@ from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat
 
 # An object with any keys: the arguments of a tool that is not strict.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+_AS_RENDERED = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+ToolSchemas = Sequence[tuple[common_pb2.Tool, dict[str, Any]]]
 
 
 def strict_auto_grammar(
-    family: ModelFamily, tools: Sequence[tuple[common_pb2.Tool, dict[str, Any]]], *, parallel: bool
+    family: ModelFamily, tools: ToolSchemas, *, parallel: bool
 ) -> common_pb2.ResponseFormat:
     """``tools``: each offered tool with its parameters schema (as ``tool_choice`` reads it)."""
     rules = _kimi_k2_rules if family.tool_format is ToolFormat.KIMI_K2 else _hermes_rules
-    answer, body = rules(tools, parallel)
+    arguments = [(tool, schema if tool.strict else _ANY_OBJECT) for tool, schema in tools]
+    answer, body = rules(arguments, parallel)
     # Special tokens are named as they are spelled (<|...|>, <think>): Lark's token syntax.
     start = [f"start: {answer}"]
     if family.reasoning:
@@ -53,9 +65,18 @@ def strict_auto_grammar(
     return common_pb2.ResponseFormat(ebnf="\n".join(["%llguidance {}", *start, *body]) + "\n")
 
 
-def _arguments(tool: common_pb2.Tool, parameters: dict[str, Any]) -> str:
-    schema = parameters if tool.strict else _ANY_OBJECT
-    return "%json " + json.dumps(schema | _COMPACT)
+def kimi_k2_forced_grammar(tools: ToolSchemas, *, parallel: bool) -> common_pb2.ResponseFormat:
+    """Kimi K2 output that is only calls of ``tools`` (each its schema enforced): one, or several."""
+    _, body = _kimi_k2_rules(tools, parallel)
+    empty_think = f"{reasoning.THINK_OPEN} {reasoning.THINK_CLOSE}"
+    # body[0] is the free-text lexeme, not needed here: the answer is the section alone.
+    return common_pb2.ResponseFormat(
+        ebnf="\n".join(["%llguidance {}", f"start: {empty_think} section", *body[1:]]) + "\n"
+    )
+
+
+def _arguments(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps(schema | _AS_RENDERED)
 
 
 def _literal(text: str) -> str:
@@ -66,9 +87,7 @@ def _choice(count: int) -> str:
     return " | ".join(f"call_{index}" for index in range(count))
 
 
-def _hermes_rules(
-    tools: Sequence[tuple[common_pb2.Tool, dict[str, Any]]], parallel: bool
-) -> tuple[str, list[str]]:
+def _hermes_rules(tools: ToolSchemas, parallel: bool) -> tuple[str, list[str]]:
     rules = [
         f"text_then_call[lazy]: ANY {_literal(hermes.OPEN)}",
         r"ANY: /(.|\n)*/",
@@ -78,13 +97,11 @@ def _hermes_rules(
     ]
     for index, (tool, parameters) in enumerate(tools):
         opening = _literal(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
-        rules.append(f'call_{index}: {opening} {_arguments(tool, parameters)} "}}"')
+        rules.append(f'call_{index}: {opening} {_arguments(parameters)} "}}"')
     return f"(text_then_call call){'*' if parallel else '?'} TEXT", rules
 
 
-def _kimi_k2_rules(
-    tools: Sequence[tuple[common_pb2.Tool, dict[str, Any]]], parallel: bool
-) -> tuple[str, list[str]]:
+def _kimi_k2_rules(tools: ToolSchemas, parallel: bool) -> tuple[str, list[str]]:
     rules = [
         r"TEXT: /(.|\n)*/",
         f"section: {kimi_k2.SECTION_BEGIN} call{'+' if parallel else ''} {kimi_k2.SECTION_END}",
@@ -93,7 +110,7 @@ def _kimi_k2_rules(
     for index, (tool, parameters) in enumerate(tools):
         rules.append(
             f"call_{index}: {_literal(f'functions.{tool.name}:')} /[0-9]{{1,6}}/"
-            f" {kimi_k2.ARGUMENT_BEGIN} {_arguments(tool, parameters)}"
+            f" {kimi_k2.ARGUMENT_BEGIN} {_arguments(parameters)}"
         )
     return f"TEXT (section TEXT){'*' if parallel else '?'}", rules
 

@@ -5,12 +5,13 @@ tool plan      Hermes family                               Kimi K2 family
 =============  ==========================================  =========================
 none           plain text                                  plain text
 auto           ``HermesToolParser``                        ``KimiK2ToolParser``
-named          ``NamedToolCallParser`` (grammar-shaped output, same for both)
-required       ``RequiredToolCallsParser`` (grammar-shaped output, same for both)
+named          ``NamedToolCallParser`` (JSON arguments)       ``KimiK2ToolParser``
+required       ``RequiredToolCallsParser`` (JSON array)      ``KimiK2ToolParser``
 =============  ==========================================  =========================
 
-Reasoning models get any of these wrapped in ``ReasoningParser``, except under a
-forced call: the grammar leaves no room for a think block.
+Kimi K2's forced calls are written in its own format (``call_grammar``), after an
+empty think block. Reasoning models get their parser wrapped in ``ReasoningParser``,
+except Hermes-family forced calls: that grammar leaves no room for a think block.
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ from cachet.router.tool_parsers.tool_choice import ToolMode, ToolPlan
 
 
 def output_parser_for(family: ModelFamily, plan: ToolPlan) -> OutputParser:
-    if plan.mode is ToolMode.NAMED:
-        return NamedToolCallParser(plan.forced_name)
-    if plan.mode is ToolMode.REQUIRED:
-        return RequiredToolCallsParser(plan.tool_names)
     parser: OutputParser
     if plan.mode is ToolMode.NONE:
         parser = PlainTextParser()
     elif family.tool_format is ToolFormat.KIMI_K2:
-        parser = KimiK2ToolParser(plan.tool_names)
+        parser = KimiK2ToolParser({plan.forced_name} if plan.mode is ToolMode.NAMED else plan.tool_names)
+    elif plan.mode is ToolMode.NAMED:
+        return NamedToolCallParser(plan.forced_name)
+    elif plan.mode is ToolMode.REQUIRED:
+        return RequiredToolCallsParser(plan.tool_names)
     else:
         parser = HermesToolParser(plan.tool_names)
     return ReasoningParser(parser) if family.reasoning else parser

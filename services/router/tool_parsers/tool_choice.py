@@ -24,11 +24,15 @@ offers, which grammar constrains the output, and how the output is read.
 Tools marked ``strict`` are enforced the same way when forced (and the engine then
 refuses schema keywords it cannot enforce, rather than skipping them). Under ``auto``,
 when any offered tool is strict, the constraint is a grammar in the model family's
-call format (``strict_auto_grammar``): text stays free, but a call the model opens
-must name an offered tool, with arguments valid for its schema when the tool is
-strict. It depends on the family, so the plan builds it once the family is known
-(``constraint_for``). A ``response_format`` constraint on the same request wins (it
-shapes the whole answer, and one grammar applies).
+call format (``call_grammar``): text stays free, but a call the model opens must
+name an offered tool, with arguments valid for its schema when the tool is strict.
+A ``response_format`` constraint on the same request wins (it shapes the whole
+answer, and one grammar applies).
+
+On Kimi K2, forced calls are written in its own call format instead of the JSON
+shapes above (``call_grammar.kimi_k2_forced_grammar``; read by its own parser), so
+they render back prefix-stably too. Both depend on the family, so the plan builds
+the grammar once the family is known (``constraint_for``).
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ from typing import Any
 
 from cachet.common.v1 import common_pb2
 from cachet.errors import InvalidArgument
-from cachet.router.tool_parsers.model_family import ModelFamily
-from cachet.router.tool_parsers.strict_auto_grammar import strict_auto_grammar
+from cachet.router.tool_parsers.call_grammar import kimi_k2_forced_grammar, strict_auto_grammar
+from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat
 from cachet.router.v1 import router_pb2
 
 
@@ -59,14 +63,18 @@ class ToolPlan:
     tool_names: frozenset[str]  # names a parsed call may carry
     forced_name: str = ""  # the function of a NAMED plan
     constraint: common_pb2.ResponseFormat | None = None  # grammar for NAMED / REQUIRED
-    # AUTO with strict tools: each offered tool with its parameters schema, for the family's grammar.
-    strict_auto: tuple[tuple[common_pb2.Tool, dict[str, Any]], ...] = ()
-    parallel: bool = True  # parallel_tool_calls
+    # The tools a call may name with their parameters schemas, for grammars in the family's
+    # format (forced calls on Kimi K2, strict tools under auto).
+    call_schemas: tuple[tuple[common_pb2.Tool, dict[str, Any]], ...] = ()
+    strict_auto: bool = False  # AUTO with strict tools: calls are checked by grammar
+    parallel: bool = True  # parallel_tool_calls (a NAMED plan makes one call)
 
     def constraint_for(self, family: ModelFamily) -> common_pb2.ResponseFormat | None:
         """The grammar the engine enforces for this plan on a model of ``family``; None for free text."""
         if self.strict_auto:
-            return strict_auto_grammar(family, self.strict_auto, parallel=self.parallel)
+            return strict_auto_grammar(family, self.call_schemas, parallel=self.parallel)
+        if self.constraint is not None and family.tool_format is ToolFormat.KIMI_K2:
+            return kimi_k2_forced_grammar(self.call_schemas, parallel=self.parallel)
         return self.constraint
 
 
@@ -152,11 +160,18 @@ def plan_tools(request: router_pb2.ChatCompletionRequest) -> ToolPlan:
         name = request.tool_choice.function_name
         if name not in names:
             raise InvalidArgument(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
-        return ToolPlan(ToolMode.NAMED, tuple(tools), names, name, named_constraint(tools, name))
+        index = next(i for i, tool in enumerate(tools) if tool.name == name)
+        named = ((tools[index], _parameters(tools[index], index)),)
+        return ToolPlan(
+            ToolMode.NAMED, tuple(tools), names, name, named_constraint(tools, name), named, parallel=False
+        )
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    schemas = tuple((tool, _parameters(tool, index)) for index, tool in enumerate(tools))
     if forced:
-        return ToolPlan(ToolMode.REQUIRED, tuple(tools), names, "", required_constraint(tools, parallel))
-    strict_auto: tuple[tuple[common_pb2.Tool, dict[str, Any]], ...] = ()
-    if any(tool.strict for tool in tools) and request.response_format.WhichOneof("format") in (None, "text"):
-        strict_auto = tuple((tool, _parameters(tool, index)) for index, tool in enumerate(tools))
-    return ToolPlan(ToolMode.AUTO, tuple(tools), names, strict_auto=strict_auto, parallel=parallel)
+        constraint = required_constraint(tools, parallel)
+        return ToolPlan(ToolMode.REQUIRED, tuple(tools), names, "", constraint, schemas, parallel=parallel)
+    strict = any(tool.strict for tool in tools) and request.response_format.WhichOneof("format") in (
+        None,
+        "text",
+    )
+    return ToolPlan(ToolMode.AUTO, tuple(tools), names, "", None, schemas, strict, parallel)

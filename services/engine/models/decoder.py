@@ -1,0 +1,105 @@
+"""The pre-norm decoder both model families share: embed, rotate, N x (attention + MLP), norm, head.
+
+A family differs only in its attention and MLP modules (and which rotary width
+they use), so it hands those to ``DecoderLayer`` and builds a ``DecoderModel``;
+``CausalLM`` adds the head and what the loader and the runner ask of a model.
+
+Contract with the runner: the forward pass sees every token of a step on one
+flat axis (prefill chunks and decodes of many requests concatenated, each with
+its own position) and returns fp32 logits only for ``meta.sample_indices``.
+Parameter names match Hugging Face checkpoints, so loading is name for name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from cachet.engine.attention import AttentionMetadata
+from cachet.engine.models.config import ModelConfig
+from cachet.engine.models.rotary import RotaryEmbedding
+from cachet.engine.tensor_parallel import ParallelLMHead, TensorParallelRank, VocabParallelEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: bf16 sums of squares lose too much over thousands of channels.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x)); ``self_attn`` owns its paged cache (``.attn``)."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layers: Iterable[DecoderLayer], rotary_dim: int, tp: TensorParallelRank
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(rotary_dim, config.rope, config.max_position_embeddings)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, meta.token_seq_lens)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """A ``DecoderModel`` and its head. Returns logits (fp32) only for the step's sampling positions."""
+
+    def __init__(self, config: ModelConfig, model: DecoderModel, tp: TensorParallelRank) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.model = model
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Re-run after anything that replaces parameters (``to_empty``, loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tied_parameter_aliases(self) -> dict[str, str]:
+        """Checkpoint names that may hold a tied parameter, mapped to the name that owns it."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    def attention_layers(self) -> list[nn.Module]:
+        """Each layer's paged attention, for the runner to bind its slice of the KV cache."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, meta)
+        return self.lm_head(hidden[meta.sample_indices]).float()

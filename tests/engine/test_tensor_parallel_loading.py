@@ -1,0 +1,113 @@
+"""Each tensor-parallel rank reads only its own slices of a safetensors checkpoint.
+
+Loading needs no process group (only the forward pass sums over ranks), so the
+ranks' models are built here side by side in one process and checked against
+the full tensors of the checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cachet.engine.models import ModelConfig
+from cachet.engine.tensor_parallel import TensorParallelRank, TensorSlice, checkpoint_slices
+from cachet.engine.weights import CheckpointError, load_model
+from cachet.models.tiny import write_tiny_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-load")
+    cache = root / "tok-cache"
+    return {
+        "llama": write_tiny_model(root / "llama", tokenizer_cache_dir=cache),
+        "kimi-k2": write_tiny_model(root / "kimi", family="kimi-k2", tokenizer_cache_dir=cache),
+    }
+
+
+def _load(model_dir: Path, rank: int, size: int) -> torch.nn.Module:
+    config = ModelConfig.from_model_dir(model_dir)
+    return load_model(model_dir, config, dtype=torch.float32, device=CPU, tp=TensorParallelRank(rank, size))
+
+
+def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.mark.parametrize("family", ["llama", "kimi-k2"])
+def test_each_rank_holds_its_slices_and_together_they_are_the_checkpoint(
+    family: str, models: dict[str, Path]
+) -> None:
+    model_dir = models[family]
+    full = _checkpoint(model_dir)
+    ranks = [_load(model_dir, rank, 2) for rank in range(2)]
+    slices = [checkpoint_slices(model) for model in ranks]
+    split_names = set(slices[0])
+    # The split reaches every kind of layer: attention, MLP (dense or shared experts), embedding.
+    for part in ("q_", "o_proj", "down_proj", "embed_tokens", "lm_head"):
+        assert any(part in name for name in split_names), part
+
+    for name in split_names:
+        mine = [dict(model.named_parameters(remove_duplicate=False))[name] for model in ranks]
+        part: TensorSlice = slices[0][name]
+        source = full.get(name, full.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
+        assert source is not None, name
+        for rank, tensor in enumerate(mine):
+            own = slices[rank][name]
+            assert torch.equal(tensor.detach(), source.narrow(own.dim, own.start, own.stop - own.start)), name
+        # Disjoint, in rank order, and nothing left over.
+        assert torch.equal(torch.cat([t.detach() for t in mine], dim=part.dim), source), name
+
+    # What is not split (norms, latent projections, the router) is whole on both ranks.
+    for name, tensor in ranks[1].named_parameters():
+        if name not in split_names:
+            assert torch.equal(tensor.detach(), full[name]), name
+
+
+def test_experts_are_split_whole_and_shared_experts_by_channels(models: dict[str, Path]) -> None:
+    model_dir = models["kimi-k2"]
+    full = _checkpoint(model_dir)
+    rank1 = _load(model_dir, 1, 2)
+    moe = rank1.model.layers[1].mlp
+    assert sorted(int(j) for j in moe.experts) == [4, 5, 6, 7]
+    torch.testing.assert_close(
+        moe.experts["5"].down_proj.weight,
+        full["model.layers.1.mlp.experts.5.down_proj.weight"],
+        rtol=0,
+        atol=0,
+    )
+    shared = full["model.layers.1.mlp.shared_experts.gate_proj.weight"]
+    assert moe.shared_experts.gate_proj.weight.shape[0] == shared.shape[0] // 2
+
+
+def test_uneven_heads_and_too_many_ranks(models: dict[str, Path]) -> None:
+    model_dir = models["kimi-k2"]
+    # 4 MLA heads over 3 ranks: 2 + 1 + 1.
+    heads = [_load(model_dir, rank, 3).model.layers[0].self_attn.o_proj.in_features for rank in range(3)]
+    v_head_dim = ModelConfig.from_model_dir(model_dir).mla.v_head_dim  # type: ignore[union-attr]
+    assert [h // v_head_dim for h in heads] == [2, 1, 1]
+    with pytest.raises(ValueError, match="4 attention heads cannot be split over 8"):
+        _load(model_dir, 0, 8)
+
+
+def test_a_checkpoint_tensor_of_the_wrong_full_shape_is_named(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    model_dir = models["llama"]
+    tensors = _checkpoint(model_dir)
+    # Still long enough to cut a rank's rows from: only the full-shape check can catch it.
+    name = "model.layers.0.mlp.gate_proj.weight"
+    tensors[name] = torch.cat([tensors[name], tensors[name]])
+    copy = tmp_path / "bad"
+    copy.mkdir()
+    for file in ("config.json", "generation_config.json"):
+        (copy / file).write_bytes((model_dir / file).read_bytes())
+    save_file(tensors, str(copy / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        _load(copy, 0, 2)
