@@ -11,8 +11,9 @@ shared machine falls on every path alike:
 
 * **engine**: ``EngineService.Generate`` straight to the engine, stream read to its end;
 * **router**: ``InferenceService.CreateCompletion`` with ``prompt_token_ids`` (the
-  full pipeline: cache-index lookup, placement, engine, detokenize stream,
-  usage record awaited before the answer);
+  full pipeline: placement, engine, detokenize stream, usage record sent beside
+  the answer; with one replica there is no cache-index lookup to make, so a
+  second run with two replicas shows what the lookup adds);
 * **bridge**: ``POST /v1/completions`` with the token ids, over one keep-alive
   HTTP connection (JSON, auth, the router path above).
 

@@ -6,6 +6,7 @@ spaces); the router only feeds it each engine message and reads the text back.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import grpc
@@ -20,7 +21,13 @@ PROMPT_CONTEXT_TOKENS = 16
 
 
 class DetokenizeSession:
-    """Text for one generation; one ``push`` at a time (each message gets exactly one answer)."""
+    """Text for one generation; one ``push`` at a time (each message gets exactly one answer).
+
+    The stream opens as soon as the session is made, with a message that carries only its
+    settings: the router makes the session when it sends the request to the engine, so
+    opening the stream (a new HTTP/2 stream, the tokenizer's session) overlaps the engine's
+    prefill instead of delaying the first chunk.
+    """
 
     def __init__(
         self,
@@ -31,14 +38,18 @@ class DetokenizeSession:
         skip_special_tokens: bool = True,
     ) -> None:
         self._call = stub.DetokenizeStream()
-        self._first: tokenizer_pb2.DetokenizeStreamRequest | None = tokenizer_pb2.DetokenizeStreamRequest(
+        settings = tokenizer_pb2.DetokenizeStreamRequest(
             model=model,
             prompt_token_ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
             skip_special_tokens=skip_special_tokens,
         )
+        self._opening: asyncio.Task[str] | None = asyncio.create_task(self._exchange(settings))
 
     async def push(self, token_ids: Sequence[int], *, last: bool = False) -> str:
         """Text for ``token_ids``; ``last`` also flushes what was held back and ends the call."""
+        if self._opening is not None:
+            opening, self._opening = self._opening, None
+            await opening  # nothing to show yet (no tokens), but it carries the stream's errors
         text = await self._exchange(
             tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids), flush=last)
         )
@@ -47,13 +58,15 @@ class DetokenizeSession:
         return text
 
     def cancel(self) -> None:
+        if self._opening is not None:
+            opening, self._opening = self._opening, None
+            if not opening.done():
+                opening.cancel()
+            elif not opening.cancelled():
+                opening.exception()  # retrieved: a stream cut short has nothing more to say
         self._call.cancel()
 
     async def _exchange(self, request: tokenizer_pb2.DetokenizeStreamRequest) -> str:
-        if self._first is not None:
-            # The first message carries the stream's settings together with the first tokens.
-            self._first.MergeFrom(request)
-            request, self._first = self._first, None
         try:
             await self._call.write(request)
             response = await self._call.read()

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -54,8 +54,6 @@ log = get_logger(__name__)
 
 # Engine answers after which the request may go to one other replica: it was never started.
 _RETRY_ELSEWHERE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
-# How long the last chunk waits for the usage record to land (it keeps retrying after that).
-_USAGE_WAIT_SECONDS = 1.0
 _ABORT_TIMEOUT_SECONDS = 2.0
 # The engine closes its stream right after the last message; never wait long for that.
 _ENGINE_EOF_TIMEOUT_SECONDS = 0.5
@@ -110,8 +108,8 @@ class RequestPipeline:
         self._policy = policy
         self._cache_timeout = cache_timeout_seconds
         self._families = ModelFamilies(tokenizer, _MODEL_INFO_TIMEOUT_SECONDS)
-        # Strong references to fire-and-forget engine aborts.
-        self._aborts: set[asyncio.Task[None]] = set()
+        # Strong references to fire-and-forget work (engine aborts, reading a stream's end).
+        self._background: set[asyncio.Task[None]] = set()
 
     async def start_chat(
         self,
@@ -174,9 +172,12 @@ class RequestPipeline:
         ]
 
     def abort_in_background(self, replica: Replica, request_id: str) -> None:
-        task = asyncio.create_task(self._abort(replica, request_id))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+        self.in_background(self._abort(replica, request_id))
+
+    def in_background(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort(self, replica: Replica, request_id: str) -> None:
         try:
@@ -198,7 +199,11 @@ class RequestPipeline:
     async def _start(self, request: GenerationRequest, engine: engine_pb2.EngineInfo) -> Generation:
         prompt_param = "messages" if request.role else "prompt"
         check_context_window(len(request.prompt_token_ids), request.sampling, engine, prompt_param)
-        cached = await self._cached_prefix_tokens(engine, request.prompt_token_ids)
+        cached = (
+            await self._cached_prefix_tokens(engine, request.prompt_token_ids)
+            if len(self._replicas.addresses_serving(request.model)) > 1
+            else {}  # one replica: where the prefix lives cannot change the choice
+        )
         refused: list[str] = []
         while True:
             placement = self._place(request, cached, refused)
@@ -268,28 +273,32 @@ class RequestPipeline:
             )
         )
         replica.in_flight += 1
-        try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as error:
-            replica.in_flight -= 1
-            if error.code() in _RETRY_ELSEWHERE:
-                raise _Refused(error) from error
-            raise domain_error(error, "engine") from error
-        except BaseException:
-            # Cancelled while the engine was prefilling: stop the work we asked for.
-            replica.in_flight -= 1
-            call.cancel()
-            self.abort_in_background(replica, request.request_id)
-            raise
-        if first is grpc.aio.EOF:
-            replica.in_flight -= 1
-            raise Unavailable("the engine ended the request without an answer; retry")
+        # Opened now so that its set-up overlaps the engine's prefill.
         detokenizer = DetokenizeSession(
             self._tokenizer,
             request.model,
             request.prompt_token_ids,
             skip_special_tokens=not request.output.keep_special_tokens,
         )
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as error:
+            replica.in_flight -= 1
+            detokenizer.cancel()
+            if error.code() in _RETRY_ELSEWHERE:
+                raise _Refused(error) from error
+            raise domain_error(error, "engine") from error
+        except BaseException:
+            # Cancelled while the engine was prefilling: stop the work we asked for.
+            replica.in_flight -= 1
+            detokenizer.cancel()
+            call.cancel()
+            self.abort_in_background(replica, request.request_id)
+            raise
+        if first is grpc.aio.EOF:
+            replica.in_flight -= 1
+            detokenizer.cancel()
+            raise Unavailable("the engine ended the request without an answer; retry")
         return Generation(self, request, replica, placement, call, first, detokenizer)
 
 
@@ -412,7 +421,7 @@ class Generation:
                 text = self._stop.feed(await self._detokenizer.push(token_ids, last=bool(finish)))
             if finish:
                 self._engine_done = True
-                await self._read_engine_eof()
+                self._pipeline.in_background(self._read_engine_eof())
                 yield await self._last_chunk(text, finish, response)
                 return
             if self._stop.matched is not None:
@@ -475,7 +484,10 @@ class Generation:
             self._completion_tokens = max(self._completion_tokens, last.usage.completion_tokens)
         self._finished = True
         usage = self._usage()
-        await asyncio.wait({self._submit_usage()}, timeout=_USAGE_WAIT_SECONDS)
+        # The record goes out beside the last chunk, not before it: the ledger is idempotent
+        # and the recorder retries on its own, so waiting for the usage service's fsync would
+        # only add its latency to every request. Shutdown drains records still in flight.
+        self._submit_usage()
         if finish == common_pb2.FINISH_REASON_STOP and (self._made_tool_calls or delta.tool_calls):
             finish = common_pb2.FINISH_REASON_TOOL_CALLS  # OpenAI's reason for a turn that called tools
         chunk = self._chunk(delta, last.logprobs if last is not None else (), finish)
