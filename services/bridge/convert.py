@@ -98,11 +98,11 @@ def workers_ai_request_to_proto(
             sampling=sampling,
             tools=[_tool(t.definition()) for t in body.tools or []],
         )
-    if response_format is not None:
         if body.tool_choice is not None:
             request.tool_choice.CopyFrom(_tool_choice(body.tool_choice))
         if body.parallel_tool_calls is not None:
             request.parallel_tool_calls = body.parallel_tool_calls
+    if response_format is not None:
         request.response_format.CopyFrom(response_format)
     return request
 
@@ -327,7 +327,6 @@ def workers_ai_result_to_json(completion: router_pb2.ChatCompletion) -> Json:
     return _workers_ai_envelope(result)
 
 
-def workers_ai_chunk_to_json(chunk: router_pb2.ChatCompletionChunk) -> list[Json]:
 def _arguments_object(arguments_json: str) -> Json | str:
     """Workers AI answers a call's arguments as an object; text that is none (cut short) stays text."""
     try:
@@ -337,6 +336,7 @@ def _arguments_object(arguments_json: str) -> Json | str:
     return arguments if isinstance(arguments, dict) else arguments_json
 
 
+def workers_ai_chunk_to_json(chunk: router_pb2.ChatCompletionChunk) -> list[Json]:
     """Workers AI streams ``{"response": delta}`` events and puts usage on the last one."""
     event: Json = {"response": chunk.content_delta}
     if chunk.tool_call_deltas:
@@ -430,7 +430,6 @@ def _has_choice_content(chunk: router_pb2.ChatCompletionChunk) -> bool:
     )
 
 
-def _tool_call_delta(delta: router_pb2.ToolCallDelta) -> Json:
 def _choice_deltas(chunk: router_pb2.ChatCompletionChunk) -> list[Json]:
     """The chunk's choice deltas, one SSE event each.
 
@@ -449,6 +448,7 @@ def _choice_deltas(chunk: router_pb2.ChatCompletionChunk) -> list[Json]:
     return [text, *calls] if text or not calls else calls
 
 
+def _tool_call_delta(delta: router_pb2.ToolCallDelta) -> Json:
     out: Json = {"index": delta.index, "function": {"arguments": delta.arguments_delta}}
     if delta.id:
         out["id"] = delta.id
