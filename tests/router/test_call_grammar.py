@@ -243,3 +243,14 @@ def test_kimi_k2_forced_calls_are_its_own_format(
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
             seen.add(name)
     assert seen == ({"book_hotel"} if plan.mode is ToolMode.NAMED else set(SCHEMAS))
+
+
+def test_text_without_calls_is_free(family: Family) -> None:
+    """Under auto the model may just answer: any text (tag look-alikes included) then end-of-turn."""
+    if family.family is HERMES:
+        text = "Sure: a < b, <tool calls> and </tool_call> are text.\n\nDone."
+    else:
+        text = "<think>a <|tool plan</think>Sure: no call needed.\n"
+    matcher = family.matcher()
+    assert matcher.consume_tokens(family.tokenizer.encode(text, add_special_tokens=False).ids)
+    assert matcher.consume_token(family.eos) and matcher.is_stopped()
