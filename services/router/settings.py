@@ -17,9 +17,9 @@ class RouterServiceSettings(RouterSettings):
     # Empty means development mode: every caller is the "anonymous" account.
     api_keys: dict[str, str] = Field(default_factory=dict, validation_alias=API_KEYS_ALIASES["router"])
     # Bounded-load slack of session affinity (see placement.py).
-    load_epsilon: float = Field(default=0.25, ge=0)
+    load_epsilon: float = Field(default=1.0, ge=0)
     # Cached prompt tokens one queued or running request is worth when scoring replicas.
-    load_penalty_tokens: float = Field(default=128.0, ge=0)
+    load_penalty_tokens: float = Field(default=512.0, ge=0)
     # A replica whose last load report is older than this is treated as down. Generous, because
     # a CPU engine busy with a long prefill may report late, and a dropped stream is caught at once.
     report_stale_seconds: float = Field(default=5.0, gt=0)

@@ -105,7 +105,10 @@ def test_session_skips_a_second_choice_that_is_also_over_the_bound() -> None:
     order = rendezvous_order(session, ALL)
     loads = {order[0]: 3, order[1]: 3, order[2]: 0}  # capacity = ceil(1.25 × 7 / 3) = 3
     replicas = [idle(address, running=load, max_running=16) for address, load in loads.items()]
-    assert choose_replica(replicas, {}, session_id=session, all_addresses=ALL).address == order[2]
+    tight = PlacementPolicy(load_epsilon=0.25)
+    assert (
+        choose_replica(replicas, {}, session_id=session, all_addresses=ALL, policy=tight).address == order[2]
+    )
 
 
 def test_session_fails_over_to_longest_prefix_when_home_is_gone() -> None:
@@ -121,7 +124,11 @@ def test_session_fails_over_to_longest_prefix_when_home_is_gone() -> None:
 def test_session_fails_over_when_home_is_saturated() -> None:
     session = session_homed_on(C)
     replicas = [idle(A), idle(B, running=1), idle(C, running=8, waiting=2)]
-    placement = choose_replica(replicas, {B: 160, C: 4096}, session_id=session, all_addresses=ALL)
+    # With 128 tokens a request, B's 160 cached tokens outweigh its one running request.
+    policy = PlacementPolicy(load_penalty_tokens=128)
+    placement = choose_replica(
+        replicas, {B: 160, C: 4096}, session_id=session, all_addresses=ALL, policy=policy
+    )
     assert (placement.address, placement.reason) == (B, "session_failover")
 
 
