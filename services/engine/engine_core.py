@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from cachet.common.v1 import common_pb2
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.errors import InvalidRequest
-from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar
+from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar, StepMasks
 from cachet.engine.kv_cache_manager import KVCacheManager
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.sampling_params import InvalidSamplingParams
@@ -137,7 +137,10 @@ class EngineCore:
     def has_work_now(self) -> bool:
         """Whether ``step()`` would do anything: not when every live request awaits its grammar."""
         return (
-            bool(self._pending or self.scheduler.running) or self.scheduler.waiting.peek_ready() is not None
+            bool(self._pending or self.scheduler.running)
+            or self.scheduler.waiting.peek_ready() is not None
+            # A failed grammar is never ready, but its refusal is work: the next step sends it.
+            or any(r.grammar is not None and r.grammar.error is not None for r in self._compiling.values())
         )
 
     # -------------------------------------------------------------------- step
@@ -153,12 +156,20 @@ class EngineCore:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         masks = self._grammar_masks(plan)
-        return self.runner.execute(plan, logit_masks=masks) if masks else self.runner.execute(plan)
+        if masks is None:
+            return self.runner.execute(plan)
+        try:
+            return self.runner.execute(plan, logit_masks=masks)
+        finally:
+            # A runner that failed may not have read every mask: the fill must be over before any
+            # matcher is advanced or replayed again.
+            masks.wait()
 
-    def _grammar_masks(self, plan: StepPlan) -> dict[str, torch.Tensor]:
-        """Token masks for the constrained requests that sample this step (their span reaches the end)."""
+    def _grammar_masks(self, plan: StepPlan) -> StepMasks | None:
+        """Start filling the token masks of the constrained requests that sample this step (their
+        span reaches the end); the fill runs while the model computes the logits."""
         if self._masks is None:
-            return {}
+            return None
         grammars: dict[str, RequestGrammar] = {}
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.scheduler.get_request(request_id)
@@ -168,17 +179,16 @@ class EngineCore:
                 # after exactly those tokens (it does; sync verifies and repairs if not).
                 request.grammar.sync(request.output_token_ids)
                 grammars[request_id] = request.grammar
-        return self._masks.build(grammars)
+        return self._masks.start(grammars) if grammars else None
 
     def _reap_failed_grammars(self) -> None:
         """Forget requests whose grammar is built; refuse those whose grammar failed."""
         for request_id, request in list(self._compiling.items()):
             assert request.grammar is not None
-            if not request.grammar.ready:
-                continue
-            del self._compiling[request_id]
-            error = request.grammar.error
-            if error is not None:
+            if request.grammar.ready:
+                del self._compiling[request_id]
+            elif (error := request.grammar.error) is not None:
+                del self._compiling[request_id]
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
                 self._stop_checkers.pop(request_id, None)
                 self._pending.append(dataclasses.replace(self._output(request, []), error=error))

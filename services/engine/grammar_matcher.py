@@ -2,8 +2,9 @@
 
 Contract with the engine loop (the only thread that touches a ``RequestGrammar`` after it is built):
 
-- ``ready`` turns true once the pool has compiled the spec and built this request's matcher (or
-  failed: then ``error`` says why). The scheduler does not admit a request before that.
+- ``ready`` turns true once the pool has compiled the spec and built this request's matcher; the
+  scheduler admits only ready requests. A failed build is never ready (``error`` says why), so a
+  compile that fails between two looks of the engine cannot slip into a batch.
 - Before each step that samples for the request, ``sync(output_token_ids)`` makes the matcher's
   state the one after exactly those tokens. The engine normally keeps them equal token by token;
   sync is the safety net for anything that rewinds output (it resets and replays).
@@ -14,7 +15,7 @@ Contract with the engine loop (the only thread that touches a ``RequestGrammar``
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import llguidance
 import llguidance.torch
@@ -40,16 +41,16 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        """Compiled and built, or failed; either way nothing is left to wait for."""
-        return self._future.done()
+        """Compiled and built: the matcher can be used."""
+        return self._future.done() and self._future.exception() is None
 
     def on_ready(self, callback: Callable[[], object]) -> None:
-        """Call ``callback`` (on a pool thread, or now) once ``ready``."""
+        """Call ``callback`` (on a pool thread, or now) once built or failed."""
         self._future.add_done_callback(lambda _: callback())
 
     @property
     def error(self) -> str | None:
-        """Why the grammar could not be built, once ``ready``; None if it was."""
+        """Why the grammar could not be built, once that is known; None while building or once built."""
         if not self._future.done():
             return None
         error = self._future.exception()
@@ -86,26 +87,71 @@ class RequestGrammar:
         self.num_accepted += len(token_ids)
 
 
-class MaskBuilder:
-    """Fills every constrained request's token mask for one step, in parallel, as bool [vocab] rows.
+class StepMasks(Mapping[str, torch.Tensor]):
+    """One step's masks, request id -> bool [vocab] (True = allowed), being filled in the background.
 
-    llguidance writes packed int32 bitmasks (bit j of word i = token 32*i + j) from its own threads;
-    one vectorised unpack turns the whole batch into the bool rows the runner's mask hook takes.
+    Ids, length and iteration answer at once; reading a mask waits for the fill. The runner reads
+    masks only after the model's forward, so the fill (llguidance releases the GIL) overlaps it.
+    Until ``wait()`` returns, the matchers belong to the fill: nothing may ``accept`` or ``sync``.
+    """
+
+    def __init__(self, rows: dict[str, int], allowed: concurrent.futures.Future[torch.Tensor]) -> None:
+        self._rows = rows
+        self._allowed = allowed
+
+    def __getitem__(self, request_id: str) -> torch.Tensor:
+        return self._allowed.result()[self._rows[request_id]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def wait(self) -> None:
+        """Block until the fill is over (successful or not): the matchers are the caller's again."""
+        concurrent.futures.wait([self._allowed])
+
+
+class MaskBuilder:
+    """Fills every constrained request's token mask for one step, as bool [vocab] rows.
+
+    llguidance writes packed int32 bitmasks (bit j of word i = token 32*i + j) with its own thread
+    pool, one row per request; one vectorised unpack turns the whole batch into bool rows. ``start``
+    does this on a background thread, so it runs while the model computes the step's logits.
     """
 
     def __init__(self, vocab_size: int, num_threads: int = 2) -> None:
         self.vocab_size = vocab_size
         self._executor = llguidance.LLExecutor(num_threads)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        # One fill at a time (steps are sequential), so the packed buffer is reused across steps.
+        self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._packed = llguidance.torch.allocate_token_bitmask(0, vocab_size)
+        self._bits = torch.tensor([1 << bit for bit in range(32)], dtype=torch.int64).to(torch.int32)
+
+    def start(self, grammars: Mapping[str, RequestGrammar]) -> StepMasks:
+        """Begin filling the masks of ``grammars`` (ready and synced); read them from the answer."""
+        rows = {request_id: row for row, request_id in enumerate(grammars)}
+        if not rows:
+            nothing: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+            nothing.set_result(torch.empty(0, self.vocab_size, dtype=torch.bool))
+            return StepMasks(rows, nothing)
+        matchers = [(grammar.matcher, row) for row, grammar in enumerate(grammars.values())]
+        return StepMasks(rows, self._filler.submit(self._fill, matchers))
 
     def build(self, grammars: Mapping[str, RequestGrammar]) -> dict[str, torch.Tensor]:
-        """request id -> bool [vocab], True = allowed; ``grammars`` must be ready and synced."""
-        if not grammars:
-            return {}
-        ids = list(grammars)
-        bitmask = llguidance.torch.allocate_token_bitmask(len(ids), self.vocab_size)
-        matchers = [(grammars[rid].matcher, row) for row, rid in enumerate(ids)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
-        allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).view(len(ids), -1)[:, : self.vocab_size]
-        allowed = allowed.bool()
-        return {rid: allowed[row] for row, rid in enumerate(ids)}
+        """The same masks, filled now: request id -> bool [vocab]."""
+        return dict(self.start(grammars))
+
+    def shutdown(self) -> None:
+        self._filler.shutdown(wait=True)
+
+    def _fill(self, matchers: list[tuple[llguidance.LLMatcher, int]]) -> torch.Tensor:
+        batch = len(matchers)
+        if self._packed.shape[0] < batch:
+            self._packed = llguidance.torch.allocate_token_bitmask(batch, self.vocab_size)
+        packed = self._packed[:batch]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, packed)
+        # [batch, words, 32] bit tests -> [batch, 32 * words], trimmed to the vocabulary. A fresh
+        # tensor each step: callers may keep a step's rows.
+        return (packed.unsqueeze(-1) & self._bits).ne(0).view(batch, -1)[:, : self.vocab_size]

@@ -88,14 +88,18 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def apply_allowed_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf where a row's mask forbids; only the masked rows are touched (one fill for all of them)."""
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return logits
-    allowed = torch.ones_like(logits, dtype=torch.bool)
-    allowed[masked] = torch.stack([rows[i].allowed.to(logits.device, torch.bool) for i in masked])  # type: ignore[union-attr]
-    if not bool(allowed.any(dim=1).all()):
+    forbidden = ~torch.stack([rows[i].allowed for i in masked]).to(logits.device, torch.bool)  # type: ignore[misc]
+    if bool(forbidden.all(dim=1).any()):
         raise ValueError("a logit mask allows no token at all")
-    return logits.masked_fill(~allowed, float("-inf"))
+    if len(masked) == len(rows):
+        return logits.masked_fill(forbidden, float("-inf"))
+    logits = logits.clone()
+    logits[masked] = logits[masked].masked_fill(forbidden, float("-inf"))
+    return logits
 
 
 def apply_top_k_top_p_min_p(

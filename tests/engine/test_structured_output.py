@@ -229,6 +229,32 @@ def test_sync_replays_the_output_after_a_rewind(compiler: GrammarCompiler, token
     assert not torch.equal(masks.build({"x": fresh})["x"], torch.ones(compiler.vocab_size, dtype=torch.bool))
 
 
+def test_batch_masks_equal_each_matchers_own_mask_and_outlive_the_next_fill(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+):
+    masks = MaskBuilder(compiler.vocab_size)
+    spec = schema_spec(SCHEMAS["tags"])
+    grammars = {name: RequestGrammar(spec, _done(compiler, spec)) for name in ("start", "inside", "after")}
+    for token in tokenizer.encode('{"tags":["ab', add_special_tokens=False).ids:
+        grammars["inside"].accept(token)
+    for token in tokenizer.encode('{"tags":["a"],"scores":[', add_special_tokens=False).ids:
+        grammars["after"].accept(token)
+    step = masks.start(grammars)
+    assert list(step) == ["start", "inside", "after"]
+    first = {name: step[name] for name in step}
+    kept = {name: row.clone() for name, row in first.items()}
+    for name, grammar in grammars.items():
+        # llguidance's byte-per-token mask, computed apart from the packed bits we unpack.
+        reference = torch.frombuffer(bytearray(grammar.matcher.compute_logit_bias()), dtype=torch.uint8) != 0
+        assert torch.equal(first[name], reference[: compiler.vocab_size]), name
+    assert len({tuple(row.nonzero().flatten().tolist()) for row in first.values()}) == 3
+    # The next step reuses the packed buffer; the rows handed out for this one must not change.
+    grammars["start"].accept(tokenizer.encode("{", add_special_tokens=False).ids[0])
+    masks.start(grammars).wait()
+    masks.start({"start": grammars["start"]})["start"]
+    assert all(torch.equal(first[name], kept[name]) for name in first)
+
+
 def _done(compiler: GrammarCompiler, spec: GrammarSpec) -> concurrent.futures.Future:
     future = compiler.new_matcher(spec)
     future.result(timeout=30)
@@ -265,6 +291,21 @@ def test_a_grammar_that_fails_late_refuses_the_request(model_dir: Path, compiler
     assert output.status == RequestStatus.FINISHED_ERROR
     assert output.error == "invalid response_format.regex: boom"
     engine.scheduler.check_invariants()
+
+
+def test_a_grammar_failing_between_reap_and_schedule_is_never_scheduled(
+    model_dir: Path, compiler: GrammarCompiler
+):
+    # step() reaps failed grammars, then schedules; a compile (on its own thread) can fail in between.
+    engine = make_engine(model_dir, compiler)
+    failing: concurrent.futures.Future = concurrent.futures.Future()
+    engine.add_request(make_request("bad", RequestGrammar(GrammarSpec("regex", "x"), failing), seed=0))
+    engine._reap_failed_grammars()
+    failing.set_exception(InvalidRequest("invalid response_format.regex: boom"))
+    assert engine.scheduler.schedule().is_empty
+    assert engine.has_work_now()
+    [output] = run(engine)["bad"]
+    assert output.status == RequestStatus.FINISHED_ERROR and output.error.endswith("boom")
 
 
 @pytest.mark.parametrize(
