@@ -7,8 +7,9 @@ row-parallel all-reduce (DeepSpeed's shared-memory op), timed around
 ``deepspeed.comm.inference_all_reduce``.
 
 Expect TP to lose here: two ranks on two shared cores halve each rank's matmuls but
-add two all-reduces per layer and a broadcast per step, and the model is small. TP pays
-when a model does not fit one device, or with NVLink-connected GPUs.
+add two all-reduces per layer (plus the embedding's and the head's) and a broadcast per
+step, and the models are small. TP pays when a model does not fit one device, or with
+NVLink-connected GPUs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -137,22 +139,87 @@ def _run(world: int, model_dir: Path, tokens: int) -> dict:
                 process.kill()
 
 
+def _load_rank(model_dir: str, rank: int, size: int, out: Any) -> None:
+    """Load one rank's slices in a fresh process; report its weights and its peak RSS growth.
+
+    Peak RSS counts the checkpoint's mmap'd pages the loader touched, not only the weights:
+    a row-parallel slice (columns of a row-major tensor) touches every page of its tensor.
+    """
+    import resource
+
+    from cachet.engine.models import ModelConfig
+    from cachet.engine.tensor_parallel import TensorParallelRank
+    from cachet.engine.weights import load_model
+
+    torch.set_num_threads(1)
+    directory = Path(model_dir)
+    config = ModelConfig.from_model_dir(directory)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model = load_model(
+        directory, config, dtype=torch.float32, device=torch.device("cpu"), tp=TensorParallelRank(rank, size)
+    )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    out.put(
+        {"tp": size, "rank": rank, "weights_mb": held / 2**20, "peak_rss_growth_mb": (peak - before) / 1024}
+    )
+
+
+def _loading_rows(model_dir: Path) -> list[dict]:
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for rank, size in ((0, 1), (0, 2), (1, 2)):
+        out = context.Queue()
+        process = context.Process(target=_load_rank, args=(str(model_dir), rank, size, out))
+        process.start()
+        rows.append(out.get(timeout=600))
+        process.join(60)
+    return rows
+
+
+def _print_loading(name: str, rows: list[dict]) -> None:
+    print(f"\nLoading {name}: what one rank holds and its peak RSS growth (fp32)")
+    print(f"{'TP':<6}{'rank':>6}{'weights MB':>12}{'peak RSS MB':>13}{'vs TP=1':>10}")
+    print("-" * 47)
+    for row in rows:
+        ratio = row["peak_rss_growth_mb"] / rows[0]["peak_rss_growth_mb"]
+        print(
+            f"{row['tp']:<6}{row['rank']:>6}{row['weights_mb']:>12.0f}"
+            f"{row['peak_rss_growth_mb']:>13.0f}{ratio:>9.2f}x"
+        )
+
+
+def _print_table(title: str, rows: list[dict], tokens: int) -> None:
+    print(f"\n{title} ({STREAMS} decode streams, {tokens} tokens each)")
+    print(f"{'TP':<6}{'decode tok/s':>14}{'step ms':>10}{'in collectives':>16}{'vs TP=1':>10}")
+    print("-" * 56)
+    for row in rows:
+        ratio = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+        print(
+            f"{row['tp']:<6}{row['decode_tokens_per_s']:>14.1f}{row['step_ms']:>10.1f}"
+            f"{100 * row['collective_share']:>15.1f}%{ratio:>9.2f}x"
+        )
+
+
 def run_tensor_parallel_bench(model: str | None, quick: bool) -> dict:
+    """The default (or given) model, then the tiny Kimi K2 checkpoint (MLA + MoE: a split
+    latent attention, expert parallel and shared experts by channels)."""
     from cachet.models.catalog import ensure_model
+    from cachet.models.tiny import write_tiny_model
 
     print("[bench] tensor parallel (TP=1 vs TP=2, fp32, one thread per rank)", flush=True)
     model_dir = Path(ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data"))).path)
     tokens = 16 if quick else 64
-    rows = [_run(world, model_dir, tokens) for world in (1, 2)]
-    print(f"\nTensor parallel ({STREAMS} decode streams, {tokens} tokens each)")
-    print(f"{'TP':<6}{'decode tok/s':>14}{'step ms':>10}{'in collectives':>16}")
-    print("-" * 46)
-    for row in rows:
-        print(
-            f"{row['tp']:<6}{row['decode_tokens_per_s']:>14.1f}{row['step_ms']:>10.1f}"
-            f"{100 * row['collective_share']:>15.1f}%"
-        )
-    return {"streams": STREAMS, "tokens": tokens, "rows": rows}
+    results: dict[str, Any] = {"streams": STREAMS, "tokens": tokens}
+    results["loading"] = _loading_rows(model_dir)
+    _print_loading(model_dir.name, results["loading"])
+    with tempfile.TemporaryDirectory(prefix="cachet-tp-bench-") as scratch:
+        kimi_dir = write_tiny_model(Path(scratch) / "tiny-kimi-k2", family="kimi-k2")
+        for name, directory in ((model_dir.name, model_dir), ("tiny-kimi-k2", kimi_dir)):
+            rows = [_run(world, directory, tokens) for world in (1, 2)]
+            _print_table(f"Tensor parallel, {name}", rows, tokens)
+            results[name] = rows
+    return results
 
 
 if __name__ == "__main__":
