@@ -161,6 +161,33 @@ def test_choices_that_cannot_be_honoured(bad: router_pb2.ChatCompletionRequest) 
         plan_tools(bad)
 
 
+@pytest.mark.parametrize(
+    "choice",
+    [
+        None,
+        common_pb2.ToolChoice(function_name="f"),
+        common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED),
+    ],
+    ids=["auto", "named", "required"],
+)
+def test_strict_schema_that_cannot_be_enforced_is_refused(choice: common_pb2.ToolChoice | None) -> None:
+    unenforceable = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    tools = [
+        common_pb2.Tool(name="g", strict=True),
+        common_pb2.Tool(name="f", parameters_schema_json=json.dumps(unenforceable), strict=True),
+    ]
+    strict = router_pb2.ChatCompletionRequest(model="m", tools=tools)
+    if choice is not None:
+        strict.tool_choice.CopyFrom(choice)
+    with pytest.raises(InvalidArgument) as raised:
+        plan_tools(strict)
+    assert raised.value.param == "tools[1].parameters"
+    assert "uniqueItems" in str(raised.value)
+    # The same schema on a tool that is not strict is the client's choice.
+    strict.tools[1].strict = False
+    plan_tools(strict)
+
+
 def test_broken_parameters_schema_is_the_clients_error() -> None:
     broken = router_pb2.ChatCompletionRequest(
         model="m",

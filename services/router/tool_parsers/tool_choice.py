@@ -21,8 +21,10 @@ offers, which grammar constrains the output, and how the output is read.
   re-rendered in the family's format, which is why it is not prefix-stable for
   the next turn the way an ``auto`` call is.
 
-Tools marked ``strict`` are enforced the same way when forced (and the engine then
-refuses schema keywords it cannot enforce, rather than skipping them). Under ``auto``,
+Tools marked ``strict`` are enforced the same way when forced, and a strict tool's
+schema that uses keywords llguidance cannot enforce is refused here (INVALID_ARGUMENT
+naming the tool) rather than silently half-enforced: the Lark grammars below cannot
+ask the engine for that check the way a JSON-schema constraint does. Under ``auto``,
 when any offered tool is strict, the constraint is a grammar in the model family's
 call format (``call_grammar``): text stays free, but a call the model opens must
 name an offered tool, with arguments valid for its schema when the tool is strict.
@@ -37,10 +39,13 @@ the grammar once the family is known (``constraint_for``).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+import llguidance
 
 from cachet.common.v1 import common_pb2
 from cachet.errors import InvalidArgument
@@ -101,8 +106,29 @@ def _parameters(tool: common_pb2.Tool, index: int) -> dict[str, Any]:
         and not schema.get("properties")
         and "additionalProperties" not in schema
     ):
-        return _NO_ARGUMENTS | schema
+        schema = _NO_ARGUMENTS | schema
+    if tool.strict:
+        _check_enforceable(json.dumps(schema), index)
     return schema
+
+
+@functools.lru_cache(maxsize=256)
+def _check_enforceable(schema_json: str, index: int) -> None:
+    """A strict tool's schema must be enforced whole (OpenAI's ``strict``): refuse what llguidance skips.
+
+    The family-format grammars (Lark) carry schemas the engine cannot hold to strict itself;
+    asking llguidance here, without a tokenizer, gives the same verdict the engine would.
+    """
+    param = f"tools[{index}].parameters"
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json)
+    except ValueError as error:
+        raise InvalidArgument(f"{param} is not a usable JSON schema: {error}", param=param) from None
+    _, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if problems:
+        raise InvalidArgument(
+            f"{param} of a strict tool uses what cannot be enforced: {'; '.join(problems)}", param=param
+        )
 
 
 def _schema_format(name: str, schema: dict[str, Any], strict: bool) -> common_pb2.ResponseFormat:
@@ -166,12 +192,13 @@ def plan_tools(request: router_pb2.ChatCompletionRequest) -> ToolPlan:
             ToolMode.NAMED, tuple(tools), names, name, named_constraint(tools, name), named, parallel=False
         )
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
-    schemas = tuple((tool, _parameters(tool, index)) for index, tool in enumerate(tools))
     if forced:
+        schemas = tuple((tool, _parameters(tool, index)) for index, tool in enumerate(tools))
         constraint = required_constraint(tools, parallel)
         return ToolPlan(ToolMode.REQUIRED, tuple(tools), names, "", constraint, schemas, parallel=parallel)
     strict = any(tool.strict for tool in tools) and request.response_format.WhichOneof("format") in (
         None,
         "text",
     )
+    schemas = tuple((tool, _parameters(tool, index)) for index, tool in enumerate(tools)) if strict else ()
     return ToolPlan(ToolMode.AUTO, tuple(tools), names, "", None, schemas, strict, parallel)
