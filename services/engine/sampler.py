@@ -92,13 +92,13 @@ def apply_allowed_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> to
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return logits
-    forbidden = ~torch.stack([rows[i].allowed for i in masked]).to(logits.device, torch.bool)  # type: ignore[misc]
-    if bool(forbidden.all(dim=1).any()):
+    allowed = torch.stack([rows[i].allowed for i in masked]).to(logits.device, torch.bool)  # type: ignore[misc]
+    if not bool(allowed.any(dim=1).all()):
         raise ValueError("a logit mask allows no token at all")
     if len(masked) == len(rows):
-        return logits.masked_fill(forbidden, float("-inf"))
+        return torch.where(allowed, logits, float("-inf"))
     logits = logits.clone()
-    logits[masked] = logits[masked].masked_fill(forbidden, float("-inf"))
+    logits[masked] = torch.where(allowed, logits[masked], float("-inf"))
     return logits
 
 
