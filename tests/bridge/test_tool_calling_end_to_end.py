@@ -2,10 +2,11 @@
 
 The tiny model has random weights, so what it writes under ``auto`` is noise;
 these tests hold what does not depend on its wisdom: the request and response
-shapes, streamed deltas adding up to the whole answer, ``tool_choice: none``
-offering nothing, a tool-result turn reusing the first turn's cached prefix and
-rendering prefix-stably, and (once the engine enforces grammars) forced calls
-that always parse and validate.
+shapes, streamed deltas adding up to the whole answer (name first, then argument
+fragments), ``tool_choice: none`` offering nothing, a tool-result turn reusing
+the first turn's cached prefix and rendering prefix-stably (forced calls too),
+forced calls and strict tools that always parse and validate, and Workers AI's
+tool fields.
 """
 
 # ruff: noqa: F811 (pytest fixtures imported from test_end_to_end are parameters here)
@@ -350,3 +351,49 @@ def test_strict_tools_under_auto_are_enforced_by_grammar(platform: Platform) -> 
                 assert json.loads(call["arguments"]) == {}
         # A tag the model writes must open a call the grammar checks: it is never left as text.
         assert "<tool_call>" not in (answer["content"] or "")
+
+
+def test_forced_call_turn_is_prefix_stable(platform: Platform) -> None:
+    """A forced call is written as the template renders it back: turn 2 = turn 1 + the call tokens + more."""
+    client, messages = platform.client(), conversation()
+    session = {"x-session-affinity": uuid.uuid4().hex}
+    first = client.chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=1.0,
+        max_tokens=120,
+        seed=2,
+        extra_headers=session,
+    )
+    (call,) = first.choices[0].message.tool_calls
+    turn_two = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": ["sun"]}'},
+    ]
+    stub = tokenizer_pb2_grpc.TokenizerServiceStub(grpc.insecure_channel(platform.stack.address("tokenizer")))
+
+    def render(turn: list[dict]) -> list[int]:
+        from cachet.bridge import convert, schemas
+
+        proto = convert.chat_request_to_proto(
+            schemas.ChatCompletionBody(model=TINY_MODEL_ID, messages=turn, tools=TOOLS)
+        )
+        request = tokenizer_pb2.ApplyChatTemplateRequest(
+            model=TINY_MODEL_ID, messages=proto.messages, tools=proto.tools, add_generation_prompt=True
+        )
+        return list(stub.ApplyChatTemplate(request, timeout=TIMEOUT).token_ids)
+
+    written = f'<tool_call>\n{{"name": "get_weather", "arguments": {call.function.arguments}}}\n</tool_call>'
+    output = list(
+        stub.Encode(tokenizer_pb2.EncodeRequest(model=TINY_MODEL_ID, text=written), timeout=TIMEOUT).token_ids
+    )
+    assert first.usage.completion_tokens in (len(output), len(output) + 1)  # + the end-of-turn token
+    first_prompt, second_prompt = render(messages), render(turn_two)
+    assert second_prompt[: len(first_prompt) + len(output)] == first_prompt + output
+    second = client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=turn_two, tools=TOOLS, max_tokens=4, extra_headers=session
+    )
+    assert second.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 1) // 16 * 16

@@ -207,7 +207,7 @@ def test_one_call_when_parallel_calls_are_off(family: Family) -> None:
     assert not all(matcher.consume_token(token) for token in ids)
 
 
-# ---------------------------------------------------------------- Kimi K2's forced calls
+# ---------------------------------------------------------------- forced calls
 
 
 @pytest.mark.parametrize(
@@ -219,30 +219,56 @@ def test_one_call_when_parallel_calls_are_off(family: Family) -> None:
     ],
     ids=["named", "required", "required-one"],
 )
-def test_kimi_k2_forced_calls_are_its_own_format(
+def test_forced_calls_are_the_familys_own_format(
     family: Family, choice: common_pb2.ToolChoice, parallel: bool
 ) -> None:
-    if family.family is not KIMI_K2:
-        pytest.skip("Hermes-family forced calls are JSON (test_tool_choice)")
+    """Only calls, every one valid, written as the template renders them and read by the family's parser."""
     request = auto_request(tool_choice=choice, parallel_tool_calls=parallel)
     plan = plan_tools(request)
-    seen = set()
+    opening = "<think></think>" + kimi_k2.SECTION_BEGIN if family.family is KIMI_K2 else hermes.OPEN + "\n"
+    seen, counts = set(), set()
     for seed in range(WALKS // 2):
         text = walk(family, seed, request)
-        assert text.startswith("<think></think>" + kimi_k2.SECTION_BEGIN), text
+        assert text.startswith(opening), text
         parser = output_parser_for(family.family, plan)
         answer = Answer()
         answer.add(parser.feed(text))
         answer.add(parser.finish())
         assert answer.content == "" and answer.reasoning == "", text
-        assert answer.calls, text
-        if not parallel or plan.mode is ToolMode.NAMED:
-            assert len(answer.calls) == 1
+        counts.add(len(answer.calls))
         for call_id, name, arguments in answer.calls.values():
-            assert re.fullmatch(rf"functions\.{name}:\d+", call_id)
+            if family.family is KIMI_K2:
+                assert re.fullmatch(rf"functions\.{name}:\d+", call_id)  # K2's own id, kept
+            else:
+                assert call_id.startswith("call_")
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
             seen.add(name)
+    assert 0 not in counts
+    if not parallel or plan.mode is ToolMode.NAMED:
+        assert counts == {1}
     assert seen == ({"book_hotel"} if plan.mode is ToolMode.NAMED else set(SCHEMAS))
+
+
+def test_forced_call_grammar_refuses_what_the_schema_does(family: Family) -> None:
+    named = auto_request(tool_choice=common_pb2.ToolChoice(function_name="book_hotel"))
+    if family.family is KIMI_K2:
+        head = f"<think></think>{kimi_k2.SECTION_BEGIN}{kimi_k2.CALL_BEGIN}functions.book_hotel:0{kimi_k2.ARGUMENT_BEGIN}"
+    else:
+        head = f'{hermes.OPEN}\n{{"name": "book_hotel", "arguments": '
+    for bad in (
+        '{"city": 3',
+        '{"city": "Oslo", "nights": 31',
+        '{"city": "Oslo", "nights": 2, "room": "tent"',
+    ):
+        matcher = family.matcher(request=named)
+        ids = family.tokenizer.encode(head + bad, add_special_tokens=False).ids
+        assert not all(matcher.consume_token(token) for token in ids), bad
+    # Another function than the named one cannot be written at all.
+    matcher = family.matcher(request=named)
+    other = head.replace("book_hotel", "ping")
+    assert not all(
+        matcher.consume_token(t) for t in family.tokenizer.encode(other, add_special_tokens=False).ids
+    )
 
 
 def test_text_without_calls_is_free(family: Family) -> None:

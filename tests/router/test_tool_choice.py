@@ -1,23 +1,20 @@
-"""tool_choice as a plan, the grammar constraints it builds, and the model-family rule.
+"""tool_choice as a plan (what is offered, what a call may name, with which schema) and the model-family rule.
 
-The constraints are checked by what they accept: sample outputs are validated
-against each schema (the engine compiles the same schema into its grammar).
+The grammars the plans become are compiled and walked in test_call_grammar.py.
 """
 
 from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
 from cachet.common.v1 import common_pb2
 from cachet.errors import InvalidArgument
 from cachet.router.output_parser import PlainTextParser
-from cachet.router.tool_parsers.forced import NamedToolCallParser, RequiredToolCallsParser
 from cachet.router.tool_parsers.hermes import HermesToolParser
 from cachet.router.tool_parsers.kimi_k2 import KimiK2ToolParser
-from cachet.router.tool_parsers.model_family import ToolFormat, family_of
+from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat, family_of
 from cachet.router.tool_parsers.reasoning import ReasoningParser
 from cachet.router.tool_parsers.selection import output_parser_for, output_setup_for
 from cachet.router.tool_parsers.tool_choice import ToolMode, plan_tools
@@ -34,6 +31,10 @@ TOOLS = [
     common_pb2.Tool(name="get_weather", parameters_schema_json=json.dumps(WEATHER)),
     common_pb2.Tool(name="ping"),  # no parameters: a function that takes none
 ]
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+HERMES = ModelFamily(
+    ToolFormat.HERMES, reasoning=False, keep_special_tokens=False, stop_token_ids=frozenset()
+)
 
 
 def request(
@@ -45,101 +46,46 @@ def request(
     return built
 
 
-def schema_of(fmt: common_pb2.ResponseFormat) -> dict:
-    assert fmt.WhichOneof("format") == "json_schema"
-    return json.loads(fmt.json_schema.schema_json)
-
-
-def accepts(schema: dict, text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), schema)
-    except (json.JSONDecodeError, jsonschema.ValidationError):
-        return False
-    return True
+def schemas(plan) -> dict[str, dict]:
+    return {tool.name: schema for tool, schema in plan.call_schemas}
 
 
 def test_auto_is_the_default_with_tools() -> None:
     plan = plan_tools(request())
-    assert plan.mode is ToolMode.AUTO and plan.constraint is None
+    assert plan.mode is ToolMode.AUTO and plan.constraint_for(HERMES) is None
     assert [tool.name for tool in plan.offered] == ["get_weather", "ping"]
 
 
 def test_none_offers_no_tools() -> None:
     plan = plan_tools(request(common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_NONE)))
-    assert (plan.mode, plan.offered, plan.constraint) == (ToolMode.NONE, (), None)
+    assert (plan.mode, plan.offered, plan.constraint_for(HERMES)) == (ToolMode.NONE, (), None)
 
 
 def test_no_tools_is_none() -> None:
     assert plan_tools(router_pb2.ChatCompletionRequest(model="m")).mode is ToolMode.NONE
 
 
-def test_named_constrains_to_the_parameters_schema() -> None:
+def test_named_calls_that_function_with_its_parameters_schema() -> None:
     plan = plan_tools(request(common_pb2.ToolChoice(function_name="get_weather")))
-    assert (plan.mode, plan.forced_name) == (ToolMode.NAMED, "get_weather")
-    assert plan.constraint is not None
-    schema = schema_of(plan.constraint)
-    assert schema == WEATHER
-    assert accepts(schema, '{"city": "Paris", "days": 3}')
-    assert not accepts(schema, '{"days": 3}')
-    assert not accepts(schema, '{"city": 3}')
+    assert (plan.mode, plan.forced_name, plan.parallel) == (ToolMode.NAMED, "get_weather", False)
+    assert schemas(plan) == {"get_weather": WEATHER}
+    grammar = plan.constraint_for(HERMES)
+    assert grammar is not None and grammar.WhichOneof("format") == "ebnf"
 
 
 def test_named_function_without_parameters_takes_an_empty_object() -> None:
-    plan = plan_tools(request(common_pb2.ToolChoice(function_name="ping")))
-    assert plan.constraint is not None
-    schema = schema_of(plan.constraint)
-    assert accepts(schema, "{}")
-    assert not accepts(schema, '{"invented": 1}')
-    assert plan.constraint.json_schema.strict is False  # ping is not a strict tool
+    # An open object would let a weak model invent keys until max_tokens.
+    assert schemas(plan_tools(request(common_pb2.ToolChoice(function_name="ping")))) == {"ping": NO_ARGUMENTS}
 
 
-def test_strict_tools_ask_the_engine_for_strict_schemas() -> None:
-    strict = [common_pb2.Tool(name="f", strict=True), common_pb2.Tool(name="g", strict=True)]
-    named = plan_tools(
-        router_pb2.ChatCompletionRequest(
-            model="m", tools=strict, tool_choice=common_pb2.ToolChoice(function_name="g")
-        )
-    )
-    required = plan_tools(
-        router_pb2.ChatCompletionRequest(
-            model="m",
-            tools=strict,
-            tool_choice=common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED),
-        )
-    )
-    assert named.constraint is not None and named.constraint.json_schema.strict
-    assert required.constraint is not None and required.constraint.json_schema.strict
-
-
-def test_required_is_an_array_of_calls_of_offered_tools() -> None:
+def test_required_may_call_any_offered_tool() -> None:
     plan = plan_tools(request(common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED)))
-    assert plan.mode is ToolMode.REQUIRED and plan.constraint is not None
-    schema = schema_of(plan.constraint)
-    assert accepts(
-        schema, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "ping", "arguments": {}}]'
-    )
-    assert not accepts(schema, "[]")
-    assert not accepts(schema, '[{"name": "get_weather", "arguments": {"days": 1}}]')
-    assert not accepts(schema, '[{"name": "other", "arguments": {}}]')
-
-
-def test_required_without_parallel_calls_allows_one() -> None:
-    plan = plan_tools(
+    assert (plan.mode, plan.parallel) == (ToolMode.REQUIRED, True)
+    assert schemas(plan) == {"get_weather": WEATHER, "ping": NO_ARGUMENTS}
+    one = plan_tools(
         request(common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED), parallel_tool_calls=False)
     )
-    assert plan.constraint is not None
-    schema = schema_of(plan.constraint)
-    assert accepts(schema, '[{"name": "ping", "arguments": {}}]')
-    assert not accepts(schema, '[{"name": "ping", "arguments": {}}, {"name": "ping", "arguments": {}}]')
-
-
-def test_forced_output_reads_back_through_the_parsers() -> None:
-    required = RequiredToolCallsParser({"get_weather", "ping"})
-    header, arguments = required.feed('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]').tool_calls
-    assert (header.name, header.arguments_delta) == ("get_weather", "")
-    assert json.loads(arguments.arguments_delta) == {"city": "Oslo"}
-    named = NamedToolCallParser("ping")
-    assert [(d.name, d.arguments_delta) for d in named.feed("{}").tool_calls] == [("ping", ""), ("", "{}")]
+    assert one.parallel is False
 
 
 @pytest.mark.parametrize(
@@ -240,5 +186,6 @@ def test_think_token_turns_on_reasoning_for_hermes_models() -> None:
     family = family_of(info("<think>", "</think>"))
     assert (family.tool_format, family.reasoning) == (ToolFormat.HERMES, True)
     forced = plan_tools(request(common_pb2.ToolChoice(function_name="ping")))
-    # The grammar leaves no room for a think block.
-    assert isinstance(output_parser_for(family, forced), NamedToolCallParser)
+    # Forced calls are read by the family's own parser (the grammar writes its format).
+    parser = output_parser_for(family, forced)
+    assert isinstance(parser, ReasoningParser) and isinstance(parser._inner, HermesToolParser)

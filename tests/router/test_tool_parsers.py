@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from cachet.router.output_parser import OutputDelta, OutputParser, PlainTextParser
-from cachet.router.tool_parsers.forced import NamedToolCallParser, RequiredToolCallsParser
 from cachet.router.tool_parsers.hermes import HermesToolParser
 from cachet.router.tool_parsers.kimi_k2 import KimiK2ToolParser
 from cachet.router.tool_parsers.reasoning import ReasoningParser
@@ -344,54 +343,3 @@ def test_prompt_that_opened_the_block() -> None:
 def test_prefix_of_think_tag_only() -> None:
     answer = check_every_split(lambda: ReasoningParser(PlainTextParser()), " <thi")
     assert (answer.reasoning, answer.content) == ("", " <thi")
-
-
-# ---------------------------------------------------------------- forced (grammar-shaped) output
-
-
-def test_named_call_streams_arguments() -> None:
-    text = ' {"city": "Paris", "days": [1, 2]}  '
-    answer = check_every_split(lambda: NamedToolCallParser("get_weather"), text)
-    assert answer.named_calls() == [("get_weather", {"city": "Paris", "days": [1, 2]})]
-    assert answer.content == ""
-    streamed = run(lambda: NamedToolCallParser("get_weather"), list(text))
-    assert len(streamed.calls) == 1
-    assert streamed.fragments[0] > 20  # whitespace is held back until text follows it
-
-
-def test_named_call_output_that_is_no_object_is_content() -> None:
-    answer = check_every_split(lambda: NamedToolCallParser("get_weather"), "Sorry, no.")
-    assert (answer.content, answer.calls) == ("Sorry, no.", {})
-
-
-def test_required_calls_array() -> None:
-    text = '[{"name": "search", "arguments": {"q": "]"}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
-    answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), text)
-    assert answer.named_calls() == [("search", {"q": "]"}), ("get_weather", {"city": "Oslo"})]
-    assert answer.content == ""
-    assert [args for _, _, args in answer.calls.values()] == ['{"q": "]"}', '{"city": "Oslo"}']
-    assert run(lambda: RequiredToolCallsParser(TOOLS), list(text)).fragments == {0: 9, 1: 15}
-
-
-def test_required_cut_short_keeps_whole_calls() -> None:
-    text = '[{"name": "search", "arguments": {}}, {"name": "get_wea'
-    answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), text)
-    assert answer.named_calls() == [("search", {})]
-    assert answer.content == '{"name": "get_wea'
-
-
-def test_required_output_that_is_no_array_is_content() -> None:
-    answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), "no calls")
-    assert (answer.content, answer.calls) == ("no calls", {})
-
-
-def test_required_cut_short_before_any_call_is_all_content() -> None:
-    text = '[{"name": "search", "argu'
-    answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), text)
-    assert (answer.content, answer.calls) == (text, {})
-
-
-def test_required_array_of_a_bad_call_is_all_content() -> None:
-    text = '[{"name": "nope", "arguments": {}}]'
-    answer = check_every_split(lambda: RequiredToolCallsParser(TOOLS), text)
-    assert (answer.content, answer.calls) == (text, {})

@@ -15,11 +15,12 @@ then closed.
 - Reasoning families may open with one ``<think>...</think>`` block (llguidance
   sees those added tokens as special, so the grammar names them).
 
-Forced calls (``tool_choice`` named or required) on Kimi K2 are written in its
-format too (``kimi_k2_forced_grammar``): an empty think block, then the section
-with the calls. That is exactly what its chat template renders for the turn
-afterwards, so the next turn's prompt starts with this turn's tokens (cached),
-and the family's own parser reads it.
+Forced calls (``tool_choice`` named or required, ``forced_grammar``) are written
+in the family's format too, exactly as its chat template renders a turn of calls
+afterwards: Kimi K2 an empty think block then the call section, Hermes
+``<tool_call>\n{...}\n</tool_call>`` blocks joined by newlines. So the next
+turn's prompt starts with this turn's tokens (cached), and the family's own
+parser reads the calls.
 
 The Hermes call object is written name first (``{"name": ..., "arguments": ...}``),
 the order the parsers stream; ``parallel_tool_calls: false`` allows one call.
@@ -65,14 +66,21 @@ def strict_auto_grammar(
     return common_pb2.ResponseFormat(ebnf="\n".join(["%llguidance {}", *start, *body]) + "\n")
 
 
-def kimi_k2_forced_grammar(tools: ToolSchemas, *, parallel: bool) -> common_pb2.ResponseFormat:
-    """Kimi K2 output that is only calls of ``tools`` (each its schema enforced): one, or several."""
-    _, body = _kimi_k2_rules(tools, parallel)
-    empty_think = f"{reasoning.THINK_OPEN} {reasoning.THINK_CLOSE}"
-    # body[0] is the free-text lexeme, not needed here: the answer is the section alone.
-    return common_pb2.ResponseFormat(
-        ebnf="\n".join(["%llguidance {}", f"start: {empty_think} section", *body[1:]]) + "\n"
-    )
+def forced_grammar(family: ModelFamily, tools: ToolSchemas, *, parallel: bool) -> common_pb2.ResponseFormat:
+    """Output that is only calls of ``tools`` (each schema enforced), written as the family's template
+    renders a turn of calls: one call, or with ``parallel`` one or more."""
+    if family.tool_format is ToolFormat.KIMI_K2:
+        _, rules = _kimi_k2_rules(tools, parallel)
+        # K2's template writes an empty think block before the calls of a turn without reasoning;
+        # rules[0] is the free-text lexeme, not needed when the answer is the section alone.
+        start = f"start: {reasoning.THINK_OPEN} {reasoning.THINK_CLOSE} section"
+        rules = rules[1:]
+    else:
+        # The generic rendering: each call "<tool_call>\n{...}\n</tool_call>", calls joined by "\n".
+        opening, closing = _literal(hermes.OPEN + "\n"), _literal("\n" + hermes.CLOSE)
+        rules = [f"call: {opening} ({_choice(len(tools))}) {closing}", *_hermes_calls(tools)]
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return common_pb2.ResponseFormat(ebnf="\n".join(["%llguidance {}", start, *rules]) + "\n")
 
 
 def _arguments(schema: dict[str, Any]) -> str:
@@ -94,11 +102,18 @@ def _hermes_rules(tools: ToolSchemas, parallel: bool) -> tuple[str, list[str]]:
         # The text after the last call never holds the tag: written, it must start a call.
         rf"TEXT: /(.|\n)*/ & ~/(.|\n)*{_regex_literal(hermes.OPEN)}(.|\n)*/",
         f'call: "\\n"? ({_choice(len(tools))}) "\\n"? {_literal(hermes.CLOSE)}',
+        *_hermes_calls(tools),
     ]
-    for index, (tool, parameters) in enumerate(tools):
-        opening = _literal(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
-        rules.append(f'call_{index}: {opening} {_arguments(parameters)} "}}"')
     return f"(text_then_call call){'*' if parallel else '?'} TEXT", rules
+
+
+def _hermes_calls(tools: ToolSchemas) -> list[str]:
+    """One rule per tool: its call object, name first (the order the parsers stream)."""
+    rules = []
+    for index, (tool, parameters) in enumerate(tools):
+        opening = _literal('{"name": ' + json.dumps(tool.name) + ', "arguments": ')
+        rules.append(f'call_{index}: {opening} {_arguments(parameters)} "}}"')
+    return rules
 
 
 def _kimi_k2_rules(tools: ToolSchemas, parallel: bool) -> tuple[str, list[str]]:

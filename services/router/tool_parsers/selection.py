@@ -1,17 +1,17 @@
 """The output parser of one request: the family's tool parser as the tool plan asks, inside the reasoning parser.
 
-=============  ==========================================  =========================
-tool plan      Hermes family                               Kimi K2 family
-=============  ==========================================  =========================
-none           plain text                                  plain text
-auto           ``HermesToolParser``                        ``KimiK2ToolParser``
-named          ``NamedToolCallParser`` (JSON arguments)       ``KimiK2ToolParser``
-required       ``RequiredToolCallsParser`` (JSON array)      ``KimiK2ToolParser``
-=============  ==========================================  =========================
+=============  ==================================  =========================
+tool plan      Hermes family                       Kimi K2 family
+=============  ==================================  =========================
+none           plain text                          plain text
+auto           ``HermesToolParser``                ``KimiK2ToolParser``
+named          ``HermesToolParser`` (that name)    ``KimiK2ToolParser`` (that name)
+required       ``HermesToolParser``                ``KimiK2ToolParser``
+=============  ==================================  =========================
 
-Kimi K2's forced calls are written in its own format (``call_grammar``), after an
-empty think block. Reasoning models get their parser wrapped in ``ReasoningParser``,
-except Hermes-family forced calls: that grammar leaves no room for a think block.
+Forced calls are written in the family's own format (``call_grammar``), so one
+parser per family reads every plan. Reasoning models get theirs wrapped in
+``ReasoningParser`` (a forced Kimi K2 turn opens with an empty think block).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachet.router.output_parser import OutputParser, PlainTextParser
-from cachet.router.tool_parsers.forced import NamedToolCallParser, RequiredToolCallsParser
 from cachet.router.tool_parsers.hermes import HermesToolParser
 from cachet.router.tool_parsers.kimi_k2 import KimiK2ToolParser
 from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat
@@ -29,17 +28,14 @@ from cachet.router.tool_parsers.tool_choice import ToolMode, ToolPlan
 
 
 def output_parser_for(family: ModelFamily, plan: ToolPlan) -> OutputParser:
+    names = {plan.forced_name} if plan.mode is ToolMode.NAMED else plan.tool_names
     parser: OutputParser
     if plan.mode is ToolMode.NONE:
         parser = PlainTextParser()
     elif family.tool_format is ToolFormat.KIMI_K2:
-        parser = KimiK2ToolParser({plan.forced_name} if plan.mode is ToolMode.NAMED else plan.tool_names)
-    elif plan.mode is ToolMode.NAMED:
-        return NamedToolCallParser(plan.forced_name)
-    elif plan.mode is ToolMode.REQUIRED:
-        return RequiredToolCallsParser(plan.tool_names)
+        parser = KimiK2ToolParser(names)
     else:
-        parser = HermesToolParser(plan.tool_names)
+        parser = HermesToolParser(names)
     return ReasoningParser(parser) if family.reasoning else parser
 
 

@@ -29,7 +29,7 @@ def new_call_id() -> str:
 
 
 def is_offered(name: object, tool_names: Collection[str]) -> bool:
-    """A call may name any function when no list is known (forced output), else an offered one."""
+    """A call must name an offered function (any, when no list is given)."""
     return isinstance(name, str) and bool(name) and (not tool_names or name in tool_names)
 
 
