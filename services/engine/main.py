@@ -145,7 +145,7 @@ def build_engine(
         total_kv_blocks=runner.num_kv_blocks,
         dtype=str(dtype).removeprefix("torch."),
         tensor_parallel_size=group.tp.size if group else 1,
-        expert_parallel_size=1,
+        expert_parallel_size=runner.expert_parallel_size,
         device=device.type,
     )
     return engine, info

@@ -158,6 +158,13 @@ class ModelRunner:
         return requested
 
     @property
+    def expert_parallel_size(self) -> int:
+        """Over how many ranks the routed experts are split (1 for a dense model; the
+        tensor-parallel size for an MoE model in a tensor-parallel replica)."""
+        expert_parallel = getattr(self.model, "expert_parallel", None)
+        return expert_parallel.size if expert_parallel is not None else 1
+
+    @property
     def num_requests(self) -> int:
         return len(self._requests)
 

@@ -194,6 +194,8 @@ def test_greedy_tokens_tp2_equal_tp1_over_grpc(
         with grpc.insecure_channel(sharded.address) as channel:
             info = engine_pb2_grpc.EngineServiceStub(channel).GetEngineInfo(engine_pb2.GetEngineInfoRequest())
         assert info.tensor_parallel_size == 2
+        # An MoE model's routed experts are split over the same ranks.
+        assert info.expert_parallel_size == (2 if model_name == "kimi_model" else 1)
         got, got_cached = _conversation(sharded.address)
     finally:
         assert sharded.stop() == 0, sharded.log_tail()
