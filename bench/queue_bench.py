@@ -16,7 +16,9 @@ engine work for both kinds. In order, in the same run:
    (interactive) for a window; completed requests/s is what the engine can do.
 2. **interactive alone**: ``StreamCompletion`` arrivals at a fixed rate
    (``INTERACTIVE_SHARE`` of capacity, evenly spaced, open loop) for a window; time
-   to first token is from sending to the first chunk.
+   to first token is from sending to the first chunk. Every fourth arrival goes
+   straight to the engine instead, which splits the cost of a backlog into the
+   engine's (bigger steps) and the router's (the dispatcher's jobs share its process).
 3. **interactive + backlog**: a backlog (several windows' worth of work at full
    capacity) is queued through ``QueueRequests``, then the same arrivals run again.
    Drain rate = jobs the queue store marks done during the window (read from the
@@ -50,6 +52,7 @@ import grpc
 
 from bench.service_chain_bench import MODEL_ID, _Services
 from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
@@ -134,18 +137,40 @@ async def measure_capacity(stub, seconds: float, clients: int, rng: random.Rando
     return done / (time.perf_counter() - started) if done else 0.0
 
 
-async def interactive_arrivals(stub, rate: float, seconds: float, rng: random.Random) -> dict[str, Any]:
-    """Evenly spaced streaming arrivals at ``rate``/s for ``seconds``; TTFT percentiles in ms."""
-    ttfts: list[float] = []
+async def interactive_arrivals(
+    stub, engine, rate: float, seconds: float, rng: random.Random
+) -> dict[str, Any]:
+    """Evenly spaced streaming arrivals at ``rate``/s for ``seconds``; TTFT percentiles in ms.
+
+    Every fourth arrival goes straight to the engine (``Generate``, interactive priority)
+    instead of through the router: what the engine alone adds to the first token, apart
+    from what the router process (where the dispatcher's jobs run too) adds.
+    """
+    ttfts: dict[str, list[float]] = {"router": [], "engine": []}
     failures: list[str] = []
 
-    async def one() -> None:
+    def stream(path: str):
+        if path == "router":
+            return stub.StreamCompletion(_completion(rng), timeout=120)
+        completion = _completion(rng)
+        return engine.Generate(
+            engine_pb2.GenerateRequest(
+                request_id=f"bench-{rng.getrandbits(64):016x}",
+                model=MODEL_ID,
+                prompt_token_ids=completion.prompt_token_ids,
+                sampling=completion.sampling,
+                priority=common_pb2.PRIORITY_INTERACTIVE,
+            ),
+            timeout=120,
+        )
+
+    async def one(path: str) -> None:
         sent = time.perf_counter()
         try:
             first = True
-            async for _ in stub.StreamCompletion(_completion(rng), timeout=120):
+            async for _ in stream(path):
                 if first:
-                    ttfts.append((time.perf_counter() - sent) * 1000)
+                    ttfts[path].append((time.perf_counter() - sent) * 1000)
                     first = False
         except grpc.aio.AioRpcError as error:
             failures.append(error.code().name)
@@ -154,17 +179,19 @@ async def interactive_arrivals(stub, rate: float, seconds: float, rng: random.Ra
     tasks = []
     for index in range(int(rate * seconds)):
         await asyncio.sleep(max(0.0, started + index / rate - time.perf_counter()))
-        tasks.append(asyncio.create_task(one()))
+        tasks.append(asyncio.create_task(one("engine" if index % 4 == 3 else "router")))
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - started
-    ordered = sorted(ttfts)
+    router, direct = sorted(ttfts["router"]), sorted(ttfts["engine"])
     return {
         "requests": len(tasks),
         "failed": len(failures),
         "failures": sorted(set(failures)),
-        "requests_per_s": len(ttfts) / elapsed,
-        "ttft_p50_ms": statistics.median(ordered),
-        "ttft_p99_ms": _percentile(ordered, 0.99),
+        "requests_per_s": (len(router) + len(direct)) / elapsed,
+        "ttft_p50_ms": statistics.median(router),
+        "ttft_p99_ms": _percentile(router, 0.99),
+        "engine_direct_ttft_p50_ms": statistics.median(direct),
+        "engine_direct_ttft_p99_ms": _percentile(direct, 0.99),
         "window_s": elapsed,
     }
 
@@ -185,22 +212,30 @@ async def fill_queue(stub, requests: int, rng: random.Random) -> dict[str, float
     return {"requests": requests, "seconds": elapsed, "requests_per_s": requests / elapsed}
 
 
-async def measure(router: str, router_pid: int, queue_file: Path, scale: Scale) -> dict[str, Any]:
+async def measure(
+    router: str, engine_address: str, router_pid: int, queue_file: Path, scale: Scale
+) -> dict[str, Any]:
     rng = random.Random(0)
     window = scale.window_seconds
-    async with grpc.aio.insecure_channel(router) as channel:
+    async with (
+        grpc.aio.insecure_channel(router) as channel,
+        grpc.aio.insecure_channel(engine_address) as engine_channel,
+    ):
         stub = router_pb2_grpc.InferenceServiceStub(channel)
-        await measure_capacity(stub, 2.0, MAX_NUM_SEQS, rng)  # warm-up: compile paths, fill caches
+        engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
+        # Warm-up: every batch size once (a GPU engine's first step at a new size is slow).
+        for clients in range(1, MAX_NUM_SEQS + 1):
+            await measure_capacity(stub, 0.2, clients, rng)
         capacity = await measure_capacity(stub, window, MAX_NUM_SEQS, rng)
         rate = INTERACTIVE_SHARE * capacity
-        alone = await interactive_arrivals(stub, rate, window, rng)
+        alone = await interactive_arrivals(stub, engine, rate, window, rng)
 
         # Enough work that the queue cannot run dry during the window, even at full capacity.
         backlog = max(5_000, int(capacity * window * 3))
         await fill_queue(stub, backlog, rng)
         await asyncio.sleep(2.0)  # the dispatcher reaches its steady state
         drain_alone = await _drain_rate(queue_file, asyncio.sleep(window))
-        with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, rate, window, rng))
+        with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, engine, rate, window, rng))
         drain_rate = await _drain_rate(queue_file, with_backlog_run)
         with_backlog = with_backlog_run.result()
 
@@ -228,6 +263,10 @@ async def measure(router: str, router_pid: int, queue_file: Path, scale: Scale) 
         "backlog_requests": backlog,
         "ttft_p50_ratio": with_backlog["ttft_p50_ms"] / alone["ttft_p50_ms"],
         "ttft_p99_ratio": with_backlog["ttft_p99_ms"] / alone["ttft_p99_ms"],
+        "engine_direct_ttft_p50_ratio": with_backlog["engine_direct_ttft_p50_ms"]
+        / alone["engine_direct_ttft_p50_ms"],
+        "engine_direct_ttft_p99_ratio": with_backlog["engine_direct_ttft_p99_ms"]
+        / alone["engine_direct_ttft_p99_ms"],
         "drain_requests_per_s": drain_rate,
         "free_capacity_requests_per_s": free_capacity,
         "free_capacity_share": drain_rate / free_capacity if free_capacity > 0 else 0.0,
@@ -276,7 +315,8 @@ def run_queue_bench(
                 | (router_env or {}),
             )
             router_pid = services.processes[-1].pid
-            result = asyncio.run(measure(router, router_pid, root / "router-data" / "queue.sqlite3", scale))
+            queue_file = root / "router-data" / "queue.sqlite3"
+            result = asyncio.run(measure(router, engine, router_pid, queue_file, scale))
             result["engine_device"] = engine_device
         finally:
             services.stop()
@@ -296,6 +336,8 @@ def _print(result: dict[str, Any]) -> None:
     for name, key, ratio in (
         ("interactive TTFT p50 (ms)", "ttft_p50_ms", "ttft_p50_ratio"),
         ("interactive TTFT p99 (ms)", "ttft_p99_ms", "ttft_p99_ratio"),
+        ("  straight to the engine, p50 (ms)", "engine_direct_ttft_p50_ms", "engine_direct_ttft_p50_ratio"),
+        ("  straight to the engine, p99 (ms)", "engine_direct_ttft_p99_ms", "engine_direct_ttft_p99_ratio"),
     ):
         print(
             f"{name:<50}{alone[key]:>12.1f}{loaded[key]:>12.1f}{result[ratio]:>10.2f}"
