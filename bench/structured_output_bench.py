@@ -2,12 +2,14 @@
 
 - decode tokens/s on the default model at 1 and 8 concurrent streams, free text vs constrained
   by a JSON schema (target: constrained >= 0.9x free). Both sides decode the same work: each
-  constrained stream stops when its document is complete, so the free run gives every stream
-  exactly the token count its constrained twin produced (``ignore_eos``). Otherwise the
-  constrained batch thins out as documents finish (a mean batch of ~6 of 8 measured) while the
-  free one stays full, and the ratio measures batch size, not the grammar. Rounds run in ABBA
-  order (constrained, free, free, constrained) in one process because these CPUs drift 30-40%
-  between runs minutes apart;
+  constrained stream stops when its document is complete, so every free stream decodes exactly
+  the token count its constrained twin wrote (``ignore_eos``; seeded streams write the same
+  documents every time). Otherwise the constrained batch thins out as documents finish (a mean
+  batch of ~6 of 8 measured) while the free one stays full, and the ratio measures batch size,
+  not the grammar. The last column keeps that former comparison (free streams to max_tokens).
+- The two sides run side by side, one step of each in turn on two engines (alternating which goes
+  first), each step timed alone: the CPUs this runs on are shared, and load swings 2x within a
+  minute, so runs one after the other compare the load, not the grammar.
 - compile + first-matcher time per schema of the test set (tests/engine/test_structured_output_schemas.py),
   each with an empty cache, and the same again from the cache.
 """
@@ -77,67 +79,103 @@ def compile_times(tokenizer: Tokenizer, vocab_size: int, eos: list[int]) -> dict
 
 @dataclass
 class DecodeRun:
-    """One batch of concurrent streams decoded to the end."""
+    """Streams decoded to the end on one engine, with the time spent in its steps."""
 
+    request_ids: list[str]
     tokens_per_stream: list[int]
-    seconds: float
-    steps: int
+    seconds: float = 0.0
+    steps: int = 0
 
     @property
     def tokens(self) -> int:
         return sum(self.tokens_per_stream)
 
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
 
-def decode(core: EngineCore, compiler: GrammarCompiler | None, lengths: list[int]) -> DecodeRun:
-    """Decode one stream per entry of ``lengths`` (its max_tokens), seeded at temperature 0.7.
+
+def add_streams(core: EngineCore, compiler: GrammarCompiler | None, lengths: list[int]) -> DecodeRun:
+    """One stream per entry of ``lengths`` (its max_tokens), seeded at temperature 0.7.
 
     With ``compiler`` the streams follow the bench schema and stop when their document is done;
     without, they ignore EOS and run to exactly their length.
     """
     spec = schema_spec(load_schemas()[_BENCH_SCHEMA])
-    ids = []
+    run = DecodeRun([], [0] * len(lengths))
     for i, max_tokens in enumerate(lengths):
         grammar = RequestGrammar.create(compiler, spec) if compiler is not None else None
         prompt = [1, *range(1000 + 7 * i, 1032 + 7 * i)]
         params = SamplingParams(temperature=0.7, seed=i, ignore_eos=compiler is None)
-        ids.append(f"r{time.monotonic_ns()}-{i}")
-        core.add_request(Request(ids[-1], prompt, params, max_tokens, grammar=grammar))
+        run.request_ids.append(f"r{time.monotonic_ns()}-{i}")
+        core.add_request(Request(run.request_ids[-1], prompt, params, max_tokens, grammar=grammar))
     while any(r.grammar is not None and not r.grammar.ready for r in core.scheduler.waiting):
         time.sleep(0.001)  # compiles are not what this measures
-    produced = dict.fromkeys(ids, 0)
-    steps, start = 0, time.perf_counter()
-    while core.has_unfinished_requests():
-        for output in core.step():
-            produced[output.request_id] += len(output.new_token_ids)
-        steps += 1
-    return DecodeRun([produced[i] for i in ids], time.perf_counter() - start, steps)
+    return run
 
 
-def compare(core: EngineCore, compiler: GrammarCompiler, streams: int, max_tokens: int, rounds: int) -> dict:
-    """Constrained vs free on the same per-stream token counts, ``rounds`` ABBA pairs."""
-    constrained: list[DecodeRun] = []
-    free: list[DecodeRun] = []
-    for round_index in range(rounds):
-        if round_index % 2 == 0:
-            constrained.append(decode(core, compiler, [max_tokens] * streams))
-            free.append(decode(core, None, constrained[-1].tokens_per_stream))
-        else:
-            # Free first: seeded streams write the same documents again, so last round's counts hold.
-            free.append(decode(core, None, constrained[-1].tokens_per_stream))
-            constrained.append(decode(core, compiler, [max_tokens] * streams))
+def step_timed(core: EngineCore, run: DecodeRun) -> None:
+    start = time.perf_counter()
+    outputs = core.step()
+    run.seconds += time.perf_counter() - start
+    run.steps += 1
+    for output in outputs:
+        run.tokens_per_stream[run.request_ids.index(output.request_id)] += len(output.new_token_ids)
+
+
+def side_by_side(
+    schema_core: EngineCore,
+    free_core: EngineCore,
+    compiler: GrammarCompiler,
+    max_tokens: int,
+    free_lengths: list[int],
+) -> tuple[DecodeRun, DecodeRun]:
+    """Constrained streams (to max_tokens) and free streams (to ``free_lengths``), a step of each in turn."""
+    schema_run = add_streams(schema_core, compiler, [max_tokens] * len(free_lengths))
+    free_run = add_streams(free_core, None, free_lengths)
+    sides = [(schema_core, schema_run), (free_core, free_run)]
+    while any(core.has_unfinished_requests() for core, _ in sides):
+        for core, run in sides:
+            if core.has_unfinished_requests():
+                step_timed(core, run)
+        sides.reverse()  # neither side always steps right after the other
+    return schema_run, free_run
+
+
+def compare(
+    schema_core: EngineCore,
+    free_core: EngineCore,
+    compiler: GrammarCompiler,
+    streams: int,
+    max_tokens: int,
+    rounds: int,
+) -> dict:
+    """Constrained vs free on the same per-stream token counts (``rounds`` side-by-side runs), and
+    once against free streams that all run to max_tokens."""
+    lengths = add_streams(schema_core, compiler, [max_tokens] * streams)
+    while schema_core.has_unfinished_requests():
+        step_timed(schema_core, lengths)
+    pairs = [
+        side_by_side(schema_core, free_core, compiler, max_tokens, lengths.tokens_per_stream)
+        for _ in range(rounds)
+    ]
+    constrained = [schema for schema, _ in pairs]
+    free = [free for _, free in pairs]
     schema_rate = sum(r.tokens for r in constrained) / sum(r.seconds for r in constrained)
     free_rate = sum(r.tokens for r in free) / sum(r.seconds for r in free)
-    # The former measure, for comparison: free streams all run to max_tokens, the batch stays full.
-    full = decode(core, None, [max_tokens] * streams)
+    schema_full, free_full = side_by_side(
+        schema_core, free_core, compiler, max_tokens, [max_tokens] * streams
+    )
     return {
         "streams": streams,
         "free_tok_s": free_rate,
         "schema_tok_s": schema_rate,
         "ratio": schema_rate / free_rate,
-        "full_length_free_tok_s": full.tokens / full.seconds,
-        "ratio_vs_full_length_free": schema_rate / (full.tokens / full.seconds),
+        "round_ratios": [schema.rate / free.rate for schema, free in pairs],
         "mean_batch": sum(r.tokens for r in constrained) / sum(r.steps for r in constrained),
-        "tokens_per_stream": constrained[0].tokens_per_stream,
+        "tokens_per_stream": lengths.tokens_per_stream,
+        "same_documents": all(r.tokens_per_stream == lengths.tokens_per_stream for r in constrained),
+        "ratio_vs_full_length_free": schema_full.rate / free_full.rate,
     }
 
 
@@ -145,30 +183,38 @@ def run_structured_output_bench(model: str | None = None, dtype: str = "auto", q
     resolved = ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data")))
     torch_dtype = default_dtype(torch.device("cpu")) if dtype == "auto" else getattr(torch, dtype)
     tokenizer = Tokenizer.from_file(str(resolved.path / "tokenizer.json"))
-    runner = ModelRunner(resolved.path, dtype=torch_dtype, device=torch.device("cpu"), kv_cache_bytes=1 << 30)
-    eos = list(runner.eos_token_ids)
-    compiler = GrammarCompiler(tokenizer, runner.vocab_size, eos)
-    config = SchedulerConfig(
-        max_model_len=runner.max_model_len, max_num_batched_tokens=2048, eos_token_ids=tuple(eos)
-    )
-    core = EngineCore(runner, model=resolved.model_id, scheduler_config=config, grammar_compiler=compiler)
-    max_tokens, rounds = (32, 1) if quick else (96, 2)
+    cores = []
+    for _ in range(2):  # one engine per side; each holds its own copy of the weights
+        runner = ModelRunner(
+            resolved.path, dtype=torch_dtype, device=torch.device("cpu"), kv_cache_bytes=256 << 20
+        )
+        eos = list(runner.eos_token_ids)
+        config = SchedulerConfig(
+            max_model_len=runner.max_model_len, max_num_batched_tokens=2048, eos_token_ids=tuple(eos)
+        )
+        compiler = GrammarCompiler(tokenizer, runner.vocab_size, eos)
+        cores.append(
+            EngineCore(runner, model=resolved.model_id, scheduler_config=config, grammar_compiler=compiler)
+        )
+    schema_core, free_core = cores
+    compiler = schema_core.grammar_compiler
+    assert compiler is not None
+    max_tokens, rounds = (32, 1) if quick else (96, 3)
     _progress(f"structured output: {resolved.model_id}, {torch_dtype}, schema {_BENCH_SCHEMA!r}")
-    decode(core, compiler, [8])  # warm up both paths
-    decode(core, None, [8])
+    side_by_side(schema_core, free_core, compiler, 8, [8])  # warm up both engines
     rows = []
     for streams in (1, 8):
-        _progress(f"decode, {streams} streams, {rounds} round(s) of constrained and free")
-        rows.append(compare(core, compiler, streams, max_tokens, rounds))
-    compiles = compile_times(tokenizer, runner.vocab_size, eos)
+        _progress(f"decode, {streams} streams, {rounds} side-by-side round(s)")
+        rows.append(compare(schema_core, free_core, compiler, streams, max_tokens, rounds))
+    compiles = compile_times(tokenizer, compiler.vocab_size, eos)
     _print(rows, compiles)
     return {"model": resolved.model_id, "dtype": str(torch_dtype), "decode": rows, "compile_ms": compiles}
 
 
 def _print(rows: list[dict], compiles: dict[str, dict[str, float]]) -> None:
     print("\nStructured output: decode with a JSON schema vs free text (target ratio >= 0.9)")
-    print("(same tokens per stream on both sides; mean batch = tokens / steps of the constrained runs;")
-    print(" last column: against free streams that all run to max_tokens, a fuller batch)")
+    print("(same tokens per stream on both sides, stepped in turn; mean batch = tokens / steps of the")
+    print(" constrained runs; last column: against free streams that all run to max_tokens, a fuller batch)")
     print(
         f"{'streams':<10}{'mean batch':>12}{'free tok/s':>14}{'schema tok/s':>14}{'ratio':>10}"
         f"{'vs full-length':>16}"
@@ -179,6 +225,10 @@ def _print(rows: list[dict], compiles: dict[str, dict[str, float]]) -> None:
             f"{row['streams']:<10}{row['mean_batch']:>12.1f}{row['free_tok_s']:>14.1f}"
             f"{row['schema_tok_s']:>14.1f}{row['ratio']:>10.2f}{row['ratio_vs_full_length_free']:>16.2f}"
         )
+    for row in rows:
+        rounds = ", ".join(f"{ratio:.2f}" for ratio in row["round_ratios"])
+        same = "" if row["same_documents"] else " (a round's documents differed in length)"
+        print(f"{row['streams']} streams, ratio per round: {rounds}{same}")
     print("\nGrammar compile per schema (ms): cold / cached")
     for name, t in compiles.items():
         print(f"{name:<20}{t['cold_ms']:>10.1f}{t['cached_ms']:>10.1f}")
