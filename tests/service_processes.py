@@ -199,6 +199,29 @@ class CachetStack:
         router.metrics_port = metrics_port
         return router
 
+    def start_bridge(self, **env: str) -> ServiceProcess:
+        """The REST bridge in front of this stack's router, returned once the router answers behind it;
+        ``env`` adds or replaces its variables (API keys, limits)."""
+        port = free_port()
+        bridge = launch_service(
+            "bridge",
+            {
+                "CACHET_PORT": str(port),
+                "CACHET_BRIDGE_ROUTER_ADDRESS": self.address("router"),
+                "CACHET_BRIDGE_USAGE_ADDRESS": self.address("usage"),
+            }
+            | env,
+            self.log_dir,
+            port=port,
+        )
+        self._add(bridge)
+        wait_http_healthy(bridge)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"http://{bridge.address}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, f"router never healthy behind the bridge:\n{self.logs()}"
+            time.sleep(0.1)
+        return bridge
+
     @property
     def engine_addresses(self) -> list[str]:
         return [p.address for name, p in self.processes.items() if name.startswith("engine")]

@@ -22,9 +22,6 @@ from service_processes import (
     TINY_MODEL_ID,
     CachetStack,
     ServiceProcess,
-    free_port,
-    launch_service,
-    wait_http_healthy,
 )
 
 from cachet.models.tiny import write_tiny_model
@@ -51,28 +48,11 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         pytest.skip("the engine server (cachet.engine.main) is not built yet")
     root = tmp_path_factory.mktemp("bridge-e2e")
     stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engines=1)
-    port = free_port()
-    bridge = launch_service(
-        "bridge",
-        {
-            "CACHET_PORT": str(port),
-            "CACHET_BRIDGE_ROUTER_ADDRESS": stack.address("router"),
-            "CACHET_BRIDGE_USAGE_ADDRESS": stack.address("usage"),
-        },
-        root,
-        port=port,
-    )
     try:
-        wait_http_healthy(bridge)
-        deadline = time.monotonic() + 60
-        while httpx.get(f"http://{bridge.address}/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "router never healthy behind the bridge"
-            time.sleep(0.1)
-        yield Platform(stack, bridge)
+        yield Platform(stack, stack.start_bridge())
     finally:
-        bridge.stop()
         stack.stop()
-        print(stack.logs(), bridge.output()[-4000:])
+        print(stack.logs())
 
 
 def messages(question: str = "What is the capital of France?") -> list[dict]:

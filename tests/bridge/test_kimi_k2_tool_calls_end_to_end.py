@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
-import httpx
 import openai
 import pytest
 from service_processes import (
     ENGINE_SERVER_BUILT,
     CachetStack,
     ServiceProcess,
-    free_port,
-    launch_service,
-    wait_http_healthy,
 )
 
 from cachet.bridge import convert, schemas
@@ -73,28 +68,11 @@ def kimi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KimiPlatform]:
         pytest.skip("the engine server (cachet.engine.main) is not built yet")
     root = tmp_path_factory.mktemp("kimi-e2e")
     stack = CachetStack(root, write_tiny_model(root / MODEL, family="kimi-k2")).start(engines=1)
-    port = free_port()
-    bridge = launch_service(
-        "bridge",
-        {
-            "CACHET_PORT": str(port),
-            "CACHET_BRIDGE_ROUTER_ADDRESS": stack.address("router"),
-            "CACHET_BRIDGE_USAGE_ADDRESS": stack.address("usage"),
-        },
-        root,
-        port=port,
-    )
     try:
-        wait_http_healthy(bridge)
-        deadline = time.monotonic() + 60
-        while httpx.get(f"http://{bridge.address}/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "router never healthy behind the bridge"
-            time.sleep(0.1)
-        yield KimiPlatform(stack, bridge)
+        yield KimiPlatform(stack, stack.start_bridge())
     finally:
-        bridge.stop()
         stack.stop()
-        print(stack.logs(), bridge.output()[-4000:])
+        print(stack.logs())
 
 
 def conversation() -> list[dict]:

@@ -23,9 +23,6 @@ from service_processes import (
     TINY_MODEL_ID,
     CachetStack,
     ServiceProcess,
-    free_port,
-    launch_service,
-    wait_http_healthy,
 )
 from test_queue_end_to_end import Receiver
 
@@ -84,26 +81,12 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         "CACHET_ROUTER_BATCH_MAX_IN_FLIGHT": "4",
     }
     stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engines=1, router_env=router_env)
-    port = free_port()
-    bridge = launch_service(
-        "bridge",
-        {
-            "CACHET_PORT": str(port),
-            "CACHET_BRIDGE_ROUTER_ADDRESS": stack.address("router"),
-            "CACHET_BRIDGE_USAGE_ADDRESS": stack.address("usage"),
-            "CACHET_API_KEYS": json.dumps(ACCOUNTS),
-        },
-        root,
-        port=port,
-    )
     try:
-        wait_http_healthy(bridge)
-        yield Platform(stack, bridge, receiver)
+        yield Platform(stack, stack.start_bridge(CACHET_API_KEYS=json.dumps(ACCOUNTS)), receiver)
     finally:
-        bridge.stop()
         stack.stop()
         receiver.close()
-        print(stack.logs(), bridge.output()[-4000:])
+        print(stack.logs())
 
 
 def chat_line(custom_id: str, max_tokens: int = 4, system: str = "") -> dict:
