@@ -122,7 +122,7 @@ def test_cache_size_accounting() -> None:
 
 
 def test_attention_infers_local_heads_from_sharded_weights() -> None:
-    """Split heads over two 'ranks' the way AutoTP does; the partial outputs sum to the whole."""
+    """Split heads over two 'ranks' the way the tensor-parallel layers do; the partial outputs sum to the whole."""
     config = ModelConfig.from_dict(
         dict(
             model_type="llama",
