@@ -1,5 +1,5 @@
 """The queue's cost per operation does not grow with the backlog, the faster paths keep its order,
-and the headroom estimate frees a finished job's slot without waiting for the next load report.
+and a finished job's slot is lent again at once (not at the next load report, nor the next poll).
 
 Costs are counted, not timed: SQLite calls a progress handler every N virtual-machine
 instructions, so the work one ``lease`` does is a number that is the same on a busy
@@ -8,13 +8,21 @@ machine and an idle one. (The wall-clock figures live in ``python -m bench --onl
 
 from __future__ import annotations
 
+import sqlite3
+import time
+from itertools import pairwise
 from pathlib import Path
 
+import grpc
 import pytest
+from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack
 
+from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
+from cachet.models.tiny import write_tiny_model
 from cachet.router.dispatcher import HeadroomPolicy, replica_slots
 from cachet.router.queue_store import QueueStore
+from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 HEADROOM = HeadroomPolicy(max_running_fraction=0.75, min_free_kv_fraction=0.2)
 
@@ -167,3 +175,58 @@ def test_other_routers_requests_in_the_report_still_count() -> None:
 
 def test_requests_sent_after_the_report_count_before_the_engine_shows_them() -> None:
     assert replica_slots(load_report(running=1), 4, HEADROOM, in_flight_at_report=1) == 2
+
+
+# ------------------------------------------------------------- real processes
+
+
+@pytest.fixture(scope="module")
+def serial_stack(tmp_path_factory: pytest.TempPathFactory):
+    """One engine and a router that runs one queued job at a time and polls the queue only every 10 s."""
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    root = tmp_path_factory.mktemp("queue-serial")
+    router_env = {"CACHET_ROUTER_QUEUE_POLL_SECONDS": "10", "CACHET_ROUTER_BATCH_MAX_IN_FLIGHT": "1"}
+    stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engines=1, router_env=router_env)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+        print(stack.logs())
+
+
+def test_the_next_job_starts_when_one_ends_not_at_the_next_poll(serial_stack: CachetStack) -> None:
+    jobs = 6
+    sampling = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    request = router_pb2.QueueRequestsRequest(
+        model=TINY_MODEL_ID,
+        requests=[
+            router_pb2.QueuedRequest(
+                completion=router_pb2.CompletionRequest(
+                    model=TINY_MODEL_ID, prompt_token_ids=[1000 + i, 2000, 3000], sampling=sampling
+                )
+            )
+            for i in range(jobs)
+        ],
+    )
+    with grpc.insecure_channel(serial_stack.address("router")) as channel:
+        stub = router_pb2_grpc.InferenceServiceStub(channel)
+        batch_id = stub.QueueRequests(request, timeout=30).request_id
+        deadline = time.monotonic() + 300
+        while (
+            stub.GetQueuedBatch(router_pb2.GetQueuedBatchRequest(request_id=batch_id), timeout=30).status
+            != router_pb2.BATCH_STATUS_DONE
+        ):
+            assert time.monotonic() < deadline, "queued batch not done after 300 s"
+            time.sleep(0.2)
+    queue_file = serial_stack.log_dir / "router-data" / "queue.sqlite3"
+    with sqlite3.connect(f"file:{queue_file}?mode=ro", uri=True) as db:
+        # A lease lasts queue_lease_seconds (30 s by default) from when it was taken; these
+        # jobs end long before their first renewal, so expiry - 30 s is when each started.
+        rows = db.execute(
+            "SELECT lease_expires_at_ms - 30000, finished_at_ms FROM jobs WHERE batch_id = ? ORDER BY position",
+            (batch_id,),
+        ).fetchall()
+    gaps_ms = [next_start - finished for (_, finished), (next_start, _) in pairwise(rows)]
+    # Waiting for the 10 s poll instead would make each gap anywhere in 0-10 s.
+    assert all(0 <= gap < 2_000 for gap in gaps_ms), gaps_ms
