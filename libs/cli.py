@@ -37,15 +37,29 @@ def serve(
             "--tp", min=1, help="engine: tensor-parallel ranks of this replica (overrides CACHET_TP)."
         ),
     ] = None,
+    ep: Annotated[
+        int | None,
+        typer.Option(
+            "--ep",
+            min=1,
+            help=(
+                "engine, mixture-of-experts models: expert-parallel size (overrides CACHET_EP). "
+                "1 or the --tp size: the replica's ranks are its TP group; EP=TP puts whole routed "
+                "experts on each rank, EP=1 (default) cuts every expert by channels across them."
+            ),
+        ),
+    ] = None,
 ) -> None:
     """Run one service in the foreground until SIGTERM or Ctrl-C."""
     if service not in SERVICES:
         raise typer.BadParameter(f"unknown service {service!r}; choose one of {', '.join(SERVICES)}")
-    if tp is not None:
-        if service != "engine":
-            raise typer.BadParameter("--tp applies to the engine only")
-        # Through the environment: the engine's settings read it, and its spawned ranks inherit it.
-        os.environ["CACHET_TP"] = str(tp)
+    # Through the environment: the engine's settings read them, and its spawned ranks inherit them.
+    # The engine checks the pair (and the model) at start, whichever way they were set.
+    for flag, value, variable in (("--tp", tp, "CACHET_TP"), ("--ep", ep, "CACHET_EP")):
+        if value is not None:
+            if service != "engine":
+                raise typer.BadParameter(f"{flag} applies to the engine only")
+            os.environ[variable] = str(value)
     try:
         entry = importlib.import_module(f"cachet.{service}.main")
     except ModuleNotFoundError as missing:

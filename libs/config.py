@@ -76,6 +76,9 @@ class EngineSettings(ServiceSettings):
     max_num_batched_tokens: int = Field(default=512, ge=16)
     max_waiting: int = Field(default=256, ge=1)
     max_model_len: int | None = Field(default=None, ge=16)
+    # Ranks of one replica (its TP group). CACHET_EP, for mixture-of-experts models only: 1 cuts
+    # every routed expert by channels over those ranks, CACHET_TP puts whole experts on each; any
+    # other value, or EP > 1 on a dense model, is refused when the engine starts.
     tensor_parallel_size: int = Field(default=1, ge=1, validation_alias=_shared("CACHET_TP"))
     expert_parallel_size: int = Field(default=1, ge=1, validation_alias=_shared("CACHET_EP"))
     load_report_interval_ms: int = Field(default=200, ge=10)

@@ -53,8 +53,13 @@ def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[Planne
     model_env = {"CACHET_MODEL": str(model_dir)}
     # CACHET_TP=N: each engine replica is N ranks; its `python -m cachet.engine` spawns ranks
     # 1..N-1 itself, so the supervisor still sees one process per replica (if a rank dies, the
-    # replica exits and honcho stops the rest).
-    engine_env = {**model_env, "CACHET_TP": os.environ.get("CACHET_TP", "1")}
+    # replica exits and honcho stops the rest). CACHET_EP (1 or N, MoE models) rides along and
+    # every replica checks it at start.
+    engine_env = {
+        **model_env,
+        "CACHET_TP": os.environ.get("CACHET_TP", "1"),
+        "CACHET_EP": os.environ.get("CACHET_EP", "1"),
+    }
     plan = [
         PlannedService(
             "tokenizer",

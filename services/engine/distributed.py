@@ -197,10 +197,13 @@ class TensorParallel:
 
     info: RankInfo
     control: Any = field(default=None, repr=False)
+    # CACHET_EP: 1 or the group's size (``TensorParallelRank.expert_parallel_size``).
+    expert_parallel_size: int = 1
 
     @classmethod
-    def create(cls, info: RankInfo) -> TensorParallel:
-        return cls(info, dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT))
+    def create(cls, info: RankInfo, expert_parallel_size: int = 1) -> TensorParallel:
+        control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        return cls(info, control, expert_parallel_size)
 
     @property
     def size(self) -> int:
@@ -209,7 +212,9 @@ class TensorParallel:
     @property
     def model_rank(self) -> TensorParallelRank:
         """What the model code needs to build this rank's slices and sum partial results."""
-        return TensorParallelRank(self.info.rank, self.info.world_size, _inference_all_reduce_)
+        return TensorParallelRank(
+            self.info.rank, self.info.world_size, _inference_all_reduce_, self.expert_parallel_size
+        )
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` of any rank: KV heads can split unevenly (9 over 2 ranks),

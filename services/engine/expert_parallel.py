@@ -13,6 +13,17 @@ With replicated tokens it would compute every expert twice over, drop tokens
 past capacity, and its dense dispatch grows with tokens squared; so the
 collective used here is DeepSpeed's inference all-reduce (``deepspeed.comm``), nothing more.
 
+Inside a tensor-parallel replica the same ranks serve both splits, and
+``CACHET_EP`` chooses how routed experts are spread over them (the rule lives in
+``check_expert_parallel_size``)::
+
+    EP = TP   whole experts per rank (E / TP each); a token's expert runs on one rank
+    EP = 1    every expert on every rank, cut by channels (gate/up column-parallel,
+              down row-parallel), as shared experts and dense MLPs are
+
+Either way each rank's routed and shared outputs are partial sums that meet in
+the layer's one all-reduce over the replica.
+
 This module is the only place in the engine's model code that talks to
 DeepSpeed / torch.distributed for experts.
 """
@@ -36,6 +47,14 @@ class ExpertParallel:
     size: int = 1
     # The torch.distributed process group the partial outputs are summed over; None = the world.
     group: Any = None
+
+    @classmethod
+    def within(cls, tp: TensorParallelRank) -> ExpertParallel:
+        """The expert split of a tensor-parallel replica: its ranks when it chose whole experts
+        (``expert_parallel_size == size``), a single holder of every expert otherwise."""
+        if tp.expert_parallel_size == 1:
+            return cls()
+        return cls(rank=tp.rank, size=tp.size)
 
     @classmethod
     def from_environment(cls) -> ExpertParallel:
@@ -70,3 +89,28 @@ def init_expert_parallel(backend: str | None = None) -> ExpertParallel:
 
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return ExpertParallel.from_environment()
+
+
+def check_expert_parallel_size(expert_parallel_size: int, tensor_parallel_size: int) -> None:
+    """Refuse, with the settings' names, an expert-parallel size a replica cannot have.
+
+    A replica's ranks are its tensor-parallel group and expert parallelism reuses them,
+    so EP is 1 (every expert cut by channels) or TP (whole experts per rank).
+    """
+    ep, tp = expert_parallel_size, tensor_parallel_size
+    if ep not in (1, tp):
+        raise ValueError(
+            f"CACHET_EP={ep} (--ep) must be 1 or equal to CACHET_TP={tp} (--tp): a replica's "
+            f"ranks are its tensor-parallel group; EP=TP puts whole routed experts on each rank, "
+            f"EP=1 cuts every expert by channels across them"
+        )
+
+
+def check_model_has_experts(expert_parallel_size: int, model: str, is_moe: bool) -> None:
+    """EP > 1 on a dense model is refused rather than ignored: it asks for a layout the model
+    cannot have, and quietly serving EP=1 would hide a mistaken deployment."""
+    if expert_parallel_size > 1 and not is_moe:
+        raise ValueError(
+            f"CACHET_EP={expert_parallel_size} (--ep): model {model} has no routed experts "
+            f"(it is not a mixture-of-experts model); leave CACHET_EP at 1"
+        )

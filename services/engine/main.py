@@ -17,7 +17,9 @@ from cachet.engine import distributed
 from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import EngineUnavailable
+from cachet.engine.expert_parallel import check_expert_parallel_size, check_model_has_experts
 from cachet.engine.model_runner import ModelRunner, default_dtype
+from cachet.engine.models import ModelConfig
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.servicer import SERVICE_NAME, EngineServicer
 from cachet.engine.structured_output import GrammarCompiler
@@ -61,8 +63,20 @@ class RankGroup:
         distributed.stop_followers(self.followers)
 
 
+def check_parallel_layout(settings: EngineSettings) -> None:
+    """Refuse CACHET_TP / CACHET_EP a replica cannot have before any rank starts (ValueError)."""
+    ep = settings.expert_parallel_size
+    check_expert_parallel_size(ep, settings.tensor_parallel_size)
+    if ep > 1:
+        # Resolved only here: whether the model has experts is the remaining question.
+        model = ensure_model(settings.model or None, settings.data_dir)
+        config = ModelConfig.from_model_dir(Path(model.path))
+        check_model_has_experts(ep, model.model_id, is_moe=config.moe is not None)
+
+
 def start_rank_group(settings: EngineSettings) -> RankGroup | None:
     """None for a single-rank replica; otherwise spawn (or join) the ranks and the process group."""
+    check_parallel_layout(settings)
     size = settings.tensor_parallel_size
     if size == 1 and not distributed.externally_launched():
         return None
@@ -74,7 +88,7 @@ def start_rank_group(settings: EngineSettings) -> RankGroup | None:
     if info.world_size != size:
         raise ValueError(f"tensor_parallel_size={size}, but the launcher started {info.world_size} ranks")
     log.info("rank group up", world_size=info.world_size, spawned=len(followers))
-    return RankGroup(distributed.TensorParallel.create(info), followers)
+    return RankGroup(distributed.TensorParallel.create(info, settings.expert_parallel_size), followers)
 
 
 def build_runner(
@@ -103,7 +117,9 @@ def run_follower(rank: int, settings: EngineSettings) -> None:
     """Rank ``rank`` (> 0) of a replica: load its shard, then run what rank 0 sends until told to stop."""
     configure_logging("engine", settings.log_level)
     torch.set_num_threads(_threads_per_rank(settings))
-    tp = distributed.TensorParallel.create(distributed.init_distributed(choose_device(settings.device)))
+    tp = distributed.TensorParallel.create(
+        distributed.init_distributed(choose_device(settings.device)), settings.expert_parallel_size
+    )
     runner, *_ = build_runner(settings, tp)
     log.info("follower ready", rank=rank, kv_blocks=runner.num_kv_blocks)
     distributed.follow(runner, tp)
@@ -174,7 +190,12 @@ def main(port: int | None = None) -> None:
         # A launcher started every rank with this same command; only rank 0 serves.
         run_follower(int(os.environ["RANK"]), settings)
         return
-    group = start_rank_group(settings)
+    try:
+        group = start_rank_group(settings)
+    except ValueError as invalid:
+        # A start-up mistake in the settings: one line naming them, not a traceback.
+        log.error("invalid engine settings", error=str(invalid))
+        raise SystemExit(f"cachet engine: {invalid}") from None
     asyncio.run(_serve(settings, group))
 
 

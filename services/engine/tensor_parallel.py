@@ -37,6 +37,17 @@ class TensorParallelRank:
     size: int = 1
     # Sums a tensor over the group in place (every rank ends with the sum).
     all_reduce_: Callable[[torch.Tensor], torch.Tensor] = field(default=_no_reduce, repr=False, compare=False)
+    # How a mixture-of-experts model spreads its routed experts over this group: ``size`` puts
+    # whole experts on each rank (expert parallel), 1 cuts every expert by channels like a dense
+    # MLP. Nothing in between: the group's ranks are the only ranks a replica has.
+    expert_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.expert_parallel_size not in (1, self.size):
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} must be 1 or the "
+                f"tensor-parallel size ({self.size})"
+            )
 
     def split(self, units: int, what: str = "units") -> range:
         """This rank's share of ``units`` (heads, channels, vocabulary rows): as even as possible,

@@ -90,23 +90,27 @@ def _steps(model_dir: Path, tp: object | None) -> tuple[list[torch.Tensor], int]
     return out, sum(p.numel() for p in runner.model.parameters())
 
 
-def _rank_worker(rank: int, world: int, port: int, model_dir: str, results: multiprocessing.Queue) -> None:
+def _rank_worker(
+    rank: int, world: int, ep: int, port: int, model_dir: str, results: multiprocessing.Queue
+) -> None:
     os.environ.update(local_group_environment(rank, world, port))
     torch.set_num_threads(1)
     from cachet.engine.distributed import TensorParallel, init_distributed
 
-    tp = TensorParallel.create(init_distributed(torch.device("cpu")))
+    tp = TensorParallel.create(init_distributed(torch.device("cpu")), expert_parallel_size=ep)
     logits, held = _steps(Path(model_dir), tp)
     # Plain lists: a pickled tensor travels as a shared-memory handle that dies with this process.
     results.put((rank, tp.size, held, [t.tolist() for t in logits]))
 
 
-def _tensor_parallel_logits(model_dir: Path, world: int) -> dict[int, tuple[int, list[torch.Tensor]]]:
+def _tensor_parallel_logits(
+    model_dir: Path, world: int, ep: int = 1
+) -> dict[int, tuple[int, list[torch.Tensor]]]:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
     ranks = [
-        context.Process(target=_rank_worker, args=(rank, world, port, str(model_dir), results))
+        context.Process(target=_rank_worker, args=(rank, world, ep, port, str(model_dir), results))
         for rank in range(world)
     ]
     for process in ranks:
@@ -125,12 +129,21 @@ def _tensor_parallel_logits(model_dir: Path, world: int) -> dict[int, tuple[int,
                 process.kill()
 
 
-@pytest.mark.parametrize("model_name", ["tiny_model", "uneven_model", "kimi_model"])
-def test_tp2_logits_equal_tp1(model_name: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    ("model_name", "ep"),
+    [
+        ("tiny_model", 1),
+        ("uneven_model", 1),
+        # MoE: whole routed experts per rank (EP = TP), and every expert cut by channels (EP = 1).
+        ("kimi_model", 2),
+        ("kimi_model", 1),
+    ],
+)
+def test_tp2_logits_equal_tp1(model_name: str, ep: int, request: pytest.FixtureRequest) -> None:
     model_dir: Path = request.getfixturevalue(model_name)
     torch.set_num_threads(1)
     reference, whole = _steps(model_dir, None)
-    sharded = _tensor_parallel_logits(model_dir, world=2)
+    sharded = _tensor_parallel_logits(model_dir, world=2, ep=ep)
     # Not vacuous: the ranks hold different, smaller parts of the model (replicated parts aside).
     assert sum(held for held, _ in sharded.values()) < 1.2 * whole
     for rank, (held, logits) in sharded.items():
@@ -147,8 +160,13 @@ def test_tp2_logits_equal_tp1(model_name: str, request: pytest.FixtureRequest) -
 # --------------------------------------------------------- through the gRPC API
 
 
-def _engine(model_dir: Path, log_dir: Path, tp: int, name: str) -> ServiceProcess:
-    env = {"CACHET_MODEL": str(model_dir), "CACHET_TP": str(tp), "CACHET_DTYPE": "float32"}
+def _engine(model_dir: Path, log_dir: Path, tp: int, name: str, ep: int = 1) -> ServiceProcess:
+    env = {
+        "CACHET_MODEL": str(model_dir),
+        "CACHET_TP": str(tp),
+        "CACHET_EP": str(ep),
+        "CACHET_DTYPE": "float32",
+    }
     return start_service("engine", env, log_dir, name=name, timeout=240)
 
 
@@ -179,9 +197,9 @@ def _conversation(address: str) -> tuple[list[list[int]], list[int]]:
     return outputs, cached
 
 
-@pytest.mark.parametrize("model_name", ["tiny_model", "kimi_model"])
+@pytest.mark.parametrize(("model_name", "ep"), [("tiny_model", 1), ("kimi_model", 2), ("kimi_model", 1)])
 def test_greedy_tokens_tp2_equal_tp1_over_grpc(
-    model_name: str, request: pytest.FixtureRequest, tmp_path: Path
+    model_name: str, ep: int, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     tiny_model: Path = request.getfixturevalue(model_name)
     single = _engine(tiny_model, tmp_path, 1, "engine-tp1")
@@ -189,13 +207,14 @@ def test_greedy_tokens_tp2_equal_tp1_over_grpc(
         want, want_cached = _conversation(single.address)
     finally:
         single.stop()
-    sharded = _engine(tiny_model, tmp_path, 2, "engine-tp2")
+    sharded = _engine(tiny_model, tmp_path, 2, "engine-tp2", ep=ep)
     try:
         with grpc.insecure_channel(sharded.address) as channel:
             info = engine_pb2_grpc.EngineServiceStub(channel).GetEngineInfo(engine_pb2.GetEngineInfoRequest())
         assert info.tensor_parallel_size == 2
-        # An MoE model's routed experts are split over the same ranks.
-        assert info.expert_parallel_size == (2 if model_name == "kimi_model" else 1)
+        # What the replica really runs: CACHET_EP=2 puts whole experts on the two ranks,
+        # CACHET_EP=1 cuts each expert across them.
+        assert info.expert_parallel_size == ep
         got, got_cached = _conversation(sharded.address)
     finally:
         assert sharded.stop() == 0, sharded.log_tail()

@@ -31,22 +31,23 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _load(model_dir: Path, rank: int, size: int) -> torch.nn.Module:
+def _load(model_dir: Path, rank: int, size: int, ep: int = 1) -> torch.nn.Module:
     config = ModelConfig.from_model_dir(model_dir)
-    return load_model(model_dir, config, dtype=torch.float32, device=CPU, tp=TensorParallelRank(rank, size))
+    tp = TensorParallelRank(rank, size, expert_parallel_size=ep)
+    return load_model(model_dir, config, dtype=torch.float32, device=CPU, tp=tp)
 
 
 def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
-@pytest.mark.parametrize("family", ["llama", "kimi-k2"])
+@pytest.mark.parametrize(("family", "ep"), [("llama", 1), ("kimi-k2", 2), ("kimi-k2", 1)])
 def test_each_rank_holds_its_slices_and_together_they_are_the_checkpoint(
-    family: str, models: dict[str, Path]
+    family: str, ep: int, models: dict[str, Path]
 ) -> None:
     model_dir = models[family]
     full = _checkpoint(model_dir)
-    ranks = [_load(model_dir, rank, 2) for rank in range(2)]
+    ranks = [_load(model_dir, rank, 2, ep) for rank in range(2)]
     slices = [checkpoint_slices(model) for model in ranks]
     split_names = set(slices[0])
     # The split reaches every kind of layer: attention, MLP (dense or shared experts), embedding.
@@ -64,16 +65,23 @@ def test_each_rank_holds_its_slices_and_together_they_are_the_checkpoint(
         # Disjoint, in rank order, and nothing left over.
         assert torch.equal(torch.cat([t.detach() for t in mine], dim=part.dim), source), name
 
-    # What is not split (norms, latent projections, the router) is whole on both ranks.
+    # What is not split (norms, latent projections, the router; whole experts under EP) is
+    # whole on every rank that holds it.
     for name, tensor in ranks[1].named_parameters():
         if name not in split_names:
             assert torch.equal(tensor.detach(), full[name]), name
+    # Every checkpoint tensor lands somewhere (the loader's own check, seen from outside).
+    held = {name for model in ranks for name, _ in model.named_parameters(remove_duplicate=False)}
+    assert set(full) <= held
 
 
-def test_experts_are_split_whole_and_shared_experts_by_channels(models: dict[str, Path]) -> None:
+def test_ep_equal_to_tp_splits_experts_whole_and_shared_experts_by_channels(
+    models: dict[str, Path],
+) -> None:
     model_dir = models["kimi-k2"]
     full = _checkpoint(model_dir)
-    rank1 = _load(model_dir, 1, 2)
+    rank1 = _load(model_dir, 1, 2, ep=2)
+    assert rank1.expert_parallel.size == 2
     moe = rank1.model.layers[1].mlp
     assert sorted(int(j) for j in moe.experts) == [4, 5, 6, 7]
     torch.testing.assert_close(
@@ -84,6 +92,36 @@ def test_experts_are_split_whole_and_shared_experts_by_channels(models: dict[str
     )
     shared = full["model.layers.1.mlp.shared_experts.gate_proj.weight"]
     assert moe.shared_experts.gate_proj.weight.shape[0] == shared.shape[0] // 2
+
+
+def test_ep_1_cuts_every_expert_by_channels(models: dict[str, Path]) -> None:
+    model_dir = models["kimi-k2"]
+    full = _checkpoint(model_dir)
+    rank1 = _load(model_dir, 1, 2, ep=1)
+    assert rank1.expert_parallel.size == 1
+    moe = rank1.model.layers[1].mlp
+    assert sorted(int(j) for j in moe.experts) == list(range(8))
+    inner = full["model.layers.1.mlp.experts.5.gate_proj.weight"].shape[0]
+    # Rank 1 holds the upper half of expert 5's channels: gate/up rows, down columns.
+    torch.testing.assert_close(
+        moe.experts["5"].gate_proj.weight,
+        full["model.layers.1.mlp.experts.5.gate_proj.weight"][inner // 2 :],
+        rtol=0,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        moe.experts["5"].down_proj.weight,
+        full["model.layers.1.mlp.experts.5.down_proj.weight"][:, inner // 2 :],
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_an_expert_parallel_size_other_than_1_or_tp_is_refused(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="expert_parallel_size=3 must be 1 or the tensor-parallel size"):
+        TensorParallelRank(0, 2, expert_parallel_size=3)
+    with pytest.raises(ValueError, match="must be 1 or the tensor-parallel size"):
+        _load(models["kimi-k2"], 0, 4, ep=2)
 
 
 def test_uneven_heads_and_too_many_ranks(models: dict[str, Path]) -> None:

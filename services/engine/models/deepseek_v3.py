@@ -3,14 +3,15 @@
 The decoder skeleton is ``decoder.py``'s; this file holds what differs. Parameter
 names match Hugging Face checkpoints (per-expert ``mlp.experts.{j}.{gate,up,down}_proj``).
 
-Tensor parallel over N ranks (the same group is the expert-parallel group):
+Tensor parallel over N ranks (expert parallelism, when chosen, reuses the same ranks):
 
     attention   q_a/kv_a projections and their norms replicated (small, and the
                 latent must be whole: every rank caches all of it for its heads);
                 q_b (or q) and kv_b cut by heads, o_proj by the same heads' columns
     dense MLP   gate/up by channels, down by channels: one all-reduce
-    MoE         routed experts split whole across ranks (expert parallel), shared
-                experts cut by channels; both partial sums meet in one all-reduce
+    MoE         routed experts split whole across ranks (EP = N) or each cut by
+                channels like a dense MLP (EP = 1); shared experts by channels;
+                routed and shared partial sums meet in one all-reduce
     embedding / lm_head  vocab-parallel (``tensor_parallel``)
 """
 
@@ -188,32 +189,46 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (this rank's share) plus shared experts that every token passes through.
 
-    Both kinds are split over the expert-parallel group (routed experts whole, shared
-    experts by channels), so each rank's output is a partial sum and one all-reduce
-    per layer completes it.
+    The layer's work is split over one group of ranks: a tensor-parallel replica's, or
+    the expert-parallel group when there is no tensor parallelism. Routed experts go whole
+    to the ranks (``expert_parallel.size > 1``) or are each cut by channels (size 1);
+    shared experts are cut by channels. Every rank's output is then a partial sum, and
+    one all-reduce per layer completes it.
     """
 
-    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, expert_parallel: ExpertParallel, tp: TensorParallelRank = SINGLE_RANK
+    ) -> None:
         super().__init__()
         moe: MoEConfig = config.moe  # type: ignore[assignment]
+        if tp.size > 1 and expert_parallel.size not in (1, tp.size):
+            raise ValueError(
+                f"{expert_parallel.size} expert-parallel ranks inside {tp.size} tensor-parallel "
+                "ranks: expert parallelism must span the replica's ranks or none"
+            )
         self.top_k = moe.num_experts_per_tok
         self.num_experts = moe.n_routed_experts
         self.expert_parallel = expert_parallel
+        self.group = (
+            tp
+            if tp.size > 1
+            else TensorParallelRank(expert_parallel.rank, expert_parallel.size, expert_parallel.reduce_)
+        )
         self.gate = Router(config.hidden_size, moe)
+        # The sum over the group is the layer's (forward), so no expert's down_proj reduces.
+        expert_split = self.group if expert_parallel.size == 1 else SINGLE_RANK
         # Keyed by global expert id, so parameter names equal checkpoint names on every rank.
         self.experts = nn.ModuleDict(
             {
-                str(j): DenseMLP(config.hidden_size, moe.moe_intermediate_size)
+                str(j): DenseMLP(config.hidden_size, moe.moe_intermediate_size, expert_split, reduce=False)
                 for j in expert_parallel.local_experts(moe.n_routed_experts)
             }
         )
-        # Their reduction is the routed experts' (below), so the shared down_proj does not reduce.
-        shared_split = TensorParallelRank(expert_parallel.rank, expert_parallel.size)
         self.shared_experts = (
             DenseMLP(
                 config.hidden_size,
                 moe.moe_intermediate_size * moe.n_shared_experts,
-                shared_split,
+                self.group,
                 reduce=False,
             )
             if moe.n_shared_experts
@@ -225,7 +240,7 @@ class MoE(nn.Module):
         out = self._routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return self.expert_parallel.reduce_(out)
+        return self.group.all_reduce_(out)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -253,13 +268,15 @@ def _mlp(
 ) -> nn.Module:
     moe: MoEConfig = config.moe  # type: ignore[assignment]
     if moe.is_moe_layer(layer):
-        return MoE(config, expert_parallel)
+        return MoE(config, expert_parallel, tp)
     return DenseMLP(config.hidden_size, config.intermediate_size, tp)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    """``expert_parallel`` defaults to the tensor-parallel group when there is one, else to
-    every rank of an initialised process group (expert parallel alone), else one rank."""
+    """``expert_parallel`` defaults to what a tensor-parallel replica chose
+    (``tp.expert_parallel_size``: whole experts over its ranks, or every expert cut by
+    channels), else to every rank of an initialised process group (expert parallel
+    alone), else one rank."""
 
     def __init__(
         self,
@@ -270,9 +287,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         if config.mla is None or config.moe is None:
             raise ValueError(f"model_type {config.model_type!r} has no MLA/MoE settings")
         if expert_parallel is None:
-            expert_parallel = (
-                ExpertParallel(tp.rank, tp.size) if tp.size > 1 else ExpertParallel.from_environment()
-            )
+            expert_parallel = ExpertParallel.within(tp) if tp.size > 1 else ExpertParallel.from_environment()
         layers = (
             DecoderLayer(config, MLAttention(config, tp), _mlp(config, i, tp, expert_parallel))
             for i in range(config.num_hidden_layers)
