@@ -5,6 +5,8 @@ or decode phase: every running request asks for the tokens it has not computed
 yet (1 when decoding, the rest of its prompt when prefilling) and gets what the
 budget still holds, so a long prompt is computed in chunks across steps.
 Decoding requests are served first, so a long prompt never stalls them.
+Interactive requests are admitted before batch (async queue) ones, and the step
+that starts an interactive request carries no batch work.
 
 When the KV pool runs dry, the most recently arrived running request (batch
 work before interactive work) is preempted by recompute: its blocks are freed
@@ -19,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
-from cachet.engine.kv_cache_manager import KVCacheManager
+from cachet.engine.kv_cache_manager import KVCacheManager, cdiv
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.step_plan import NewRequest, RunningRequestDiff, SampledToken, StepPlan, StepResult
 from cachet.engine.waiting_queue import WaitingQueue
@@ -185,7 +187,7 @@ class Scheduler:
         """
         plan = _PlanBuilder(budget=self.config.max_num_batched_tokens)
         num_running = len(self.running)
-        self._schedule_running(plan)
+        self._schedule_running(plan, hold_batch=self._interactive_can_start())
         # After a preemption blocks are short: admitting more would only thrash
         # (and could resume the victim in the very plan that drops it).
         if len(self.running) == num_running:
@@ -195,11 +197,29 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, set()
         return plan.build(finished)
 
-    def _schedule_running(self, plan: _PlanBuilder) -> None:
+    def _interactive_can_start(self) -> bool:
+        """True when the next request to admit is interactive and a seat and blocks await it.
+
+        Its first step then carries no batch work: the backlog's decodes and prompt chunks
+        beside a new interactive prefill would make its first token wait for them (the
+        async queue's promise is that interactive traffic keeps its latency). Batch work
+        resumes the step after. Only when the request surely fits (free blocks for its
+        whole prompt, hits not counted), so held batch requests never keep blocks it needs.
+        """
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        request = self.waiting.peek_ready()
+        if request is None or not request.interactive:
+            return False
+        return self.kv.num_free_blocks >= cdiv(request.num_tokens, self.kv.block_size)
+
+    def _schedule_running(self, plan: _PlanBuilder, *, hold_batch: bool) -> None:
         """Give each running request its tokens, decoding ones first (sorted is stable)."""
         for request in sorted(self.running, key=self._is_prefilling):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if hold_batch and not request.interactive:
+                continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             if num_tokens <= 0:
                 continue

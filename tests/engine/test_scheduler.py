@@ -204,6 +204,35 @@ def test_interactive_requests_go_before_batch_ones():
     assert set(step(scheduler, runner).num_scheduled_tokens) == {"batch"}
 
 
+def test_a_starting_interactive_request_gets_a_step_without_batch_work():
+    scheduler, runner = make_scheduler(max_num_seqs=4)
+    batch = make_request("batch", [1, 2, 3], max_tokens=8, interactive=False)
+    scheduler.add_request(batch)
+    step(scheduler, runner)  # the batch request is decoding now
+    scheduler.add_request(make_request("chat", [4, 5, 6], max_tokens=8))
+    assert set(step(scheduler, runner).num_scheduled_tokens) == {"chat"}
+    # Its prefill done, the batch request decodes beside it again.
+    assert set(step(scheduler, runner).num_scheduled_tokens) == {"chat", "batch"}
+    run_to_completion(scheduler, runner)
+    assert batch.output_token_ids == reference_output([1, 2, 3], 8)
+
+
+def test_batch_work_is_not_held_for_an_interactive_request_that_cannot_start():
+    # No free seat: holding the batch request back would only waste the step.
+    scheduler, runner = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("batch", [1, 2, 3], max_tokens=4, interactive=False))
+    step(scheduler, runner)
+    scheduler.add_request(make_request("chat", [4, 5, 6], max_tokens=4))
+    assert set(step(scheduler, runner).num_scheduled_tokens) == {"batch"}
+    # No free blocks for its prompt: the batch request holds them and must finish to free them.
+    scheduler, runner = make_scheduler(num_blocks=3, max_num_seqs=2)
+    scheduler.add_request(make_request("batch", list(range(1, 2 * BS + 1)), max_tokens=4, interactive=False))
+    step(scheduler, runner)
+    scheduler.add_request(make_request("chat", list(range(60, 60 + 2 * BS)), max_tokens=4))
+    assert "batch" in step(scheduler, runner).num_scheduled_tokens
+    run_to_completion(scheduler, runner)
+
+
 # ----------------------------------------------------------------- caching
 
 
