@@ -124,14 +124,13 @@ def step_timed(core: EngineCore, run: DecodeRun) -> None:
 
 
 def side_by_side(
-    schema_core: EngineCore,
-    free_core: EngineCore,
-    compiler: GrammarCompiler,
-    max_tokens: int,
-    free_lengths: list[int],
+    schema_core: EngineCore, free_core: EngineCore, max_tokens: int, free_lengths: list[int]
 ) -> tuple[DecodeRun, DecodeRun]:
-    """Constrained streams (to max_tokens) and free streams (to ``free_lengths``), a step of each in turn."""
-    schema_run = add_streams(schema_core, compiler, [max_tokens] * len(free_lengths))
+    """Constrained streams (to max_tokens) and free streams (to ``free_lengths``), a step of each in turn.
+
+    Either engine can take either side: both have a grammar compiler, as every engine does.
+    """
+    schema_run = add_streams(schema_core, schema_core.grammar_compiler, [max_tokens] * len(free_lengths))
     free_run = add_streams(free_core, None, free_lengths)
     sides = [(schema_core, schema_run), (free_core, free_run)]
     while any(core.has_unfinished_requests() for core, _ in sides):
@@ -143,29 +142,23 @@ def side_by_side(
 
 
 def compare(
-    schema_core: EngineCore,
-    free_core: EngineCore,
-    compiler: GrammarCompiler,
-    streams: int,
-    max_tokens: int,
-    rounds: int,
+    schema_core: EngineCore, free_core: EngineCore, streams: int, max_tokens: int, rounds: int
 ) -> dict:
     """Constrained vs free on the same per-stream token counts (``rounds`` side-by-side runs), and
     once against free streams that all run to max_tokens."""
-    lengths = add_streams(schema_core, compiler, [max_tokens] * streams)
+    lengths = add_streams(schema_core, schema_core.grammar_compiler, [max_tokens] * streams)
     while schema_core.has_unfinished_requests():
         step_timed(schema_core, lengths)
+    # The engines swap sides every round: two copies of the weights need not run equally fast.
     pairs = [
-        side_by_side(schema_core, free_core, compiler, max_tokens, lengths.tokens_per_stream)
-        for _ in range(rounds)
+        side_by_side(*engines, max_tokens, lengths.tokens_per_stream)
+        for engines in [(schema_core, free_core), (free_core, schema_core)] * (rounds // 2)
     ]
     constrained = [schema for schema, _ in pairs]
     free = [free for _, free in pairs]
     schema_rate = sum(r.tokens for r in constrained) / sum(r.seconds for r in constrained)
     free_rate = sum(r.tokens for r in free) / sum(r.seconds for r in free)
-    schema_full, free_full = side_by_side(
-        schema_core, free_core, compiler, max_tokens, [max_tokens] * streams
-    )
+    schema_full, free_full = side_by_side(schema_core, free_core, max_tokens, [max_tokens] * streams)
     return {
         "streams": streams,
         "free_tok_s": free_rate,
@@ -197,15 +190,14 @@ def run_structured_output_bench(model: str | None = None, dtype: str = "auto", q
             EngineCore(runner, model=resolved.model_id, scheduler_config=config, grammar_compiler=compiler)
         )
     schema_core, free_core = cores
-    compiler = schema_core.grammar_compiler
-    assert compiler is not None
-    max_tokens, rounds = (32, 1) if quick else (96, 3)
+    max_tokens, rounds = (32, 2) if quick else (96, 4)
     _progress(f"structured output: {resolved.model_id}, {torch_dtype}, schema {_BENCH_SCHEMA!r}")
-    side_by_side(schema_core, free_core, compiler, 8, [8])  # warm up both engines
+    side_by_side(schema_core, free_core, 8, [8])  # warm up both engines
+    side_by_side(free_core, schema_core, 8, [8])
     rows = []
     for streams in (1, 8):
         _progress(f"decode, {streams} streams, {rounds} side-by-side round(s)")
-        rows.append(compare(schema_core, free_core, compiler, streams, max_tokens, rounds))
+        rows.append(compare(schema_core, free_core, streams, max_tokens, rounds))
     compiles = compile_times(tokenizer, compiler.vocab_size, eos)
     _print(rows, compiles)
     return {"model": resolved.model_id, "dtype": str(torch_dtype), "decode": rows, "compile_ms": compiles}
