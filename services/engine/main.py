@@ -76,7 +76,6 @@ def check_parallel_layout(settings: EngineSettings) -> None:
 
 def start_rank_group(settings: EngineSettings) -> RankGroup | None:
     """None for a single-rank replica; otherwise spawn (or join) the ranks and the process group."""
-    check_parallel_layout(settings)
     size = settings.tensor_parallel_size
     if size == 1 and not distributed.externally_launched():
         return None
@@ -186,16 +185,19 @@ def main(port: int | None = None) -> None:
     configure_logging("engine", settings.log_level)
     configure_tracing("engine")
     torch.set_num_threads(_threads_per_rank(settings))
-    if distributed.externally_launched() and int(os.environ["RANK"]) != 0:
-        # A launcher started every rank with this same command; only rank 0 serves.
-        run_follower(int(os.environ["RANK"]), settings)
-        return
     try:
-        group = start_rank_group(settings)
+        # Every rank checks, launched ones too: a rank that went on alone would wait for its
+        # peers at the rendezvous instead of failing.
+        check_parallel_layout(settings)
     except ValueError as invalid:
         # A start-up mistake in the settings: one line naming them, not a traceback.
         log.error("invalid engine settings", error=str(invalid))
         raise SystemExit(f"cachet engine: {invalid}") from None
+    if distributed.externally_launched() and int(os.environ["RANK"]) != 0:
+        # A launcher started every rank with this same command; only rank 0 serves.
+        run_follower(int(os.environ["RANK"]), settings)
+        return
+    group = start_rank_group(settings)
     asyncio.run(_serve(settings, group))
 
 

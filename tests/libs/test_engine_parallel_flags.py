@@ -56,8 +56,12 @@ def test_serve_engine_refuses_an_ep_other_than_1_or_tp(tmp_path: Path) -> None:
     by_environment = _cachet(["serve", "engine"], tmp_path, CACHET_EP="2")
     assert by_environment.returncode != 0
     assert "CACHET_EP=2 (--ep) must be 1 or equal to CACHET_TP=1" in by_environment.stderr
+    # A launcher's follower rank (deepspeed, torchrun) refuses too, rather than wait at the rendezvous.
+    launched = _cachet(["serve", "engine", "--tp", "2", "--ep", "3"], tmp_path, RANK="1", WORLD_SIZE="2")
+    assert launched.returncode != 0
+    assert "CACHET_EP=3 (--ep) must be 1 or equal to CACHET_TP=2" in launched.stderr, launched.stderr
     # One line, not a traceback.
-    assert "Traceback" not in by_flags.stderr + by_environment.stderr
+    assert "Traceback" not in by_flags.stderr + by_environment.stderr + launched.stderr
 
 
 def test_serve_engine_refuses_expert_parallel_for_a_dense_model(tmp_path: Path) -> None:
