@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import os
 import shlex
 import sys
@@ -159,6 +160,11 @@ def _announce_when_healthy(manager: Manager, services: list[PlannedService]) -> 
 
 def run_local(rest_port: int, replicas: int, model_dir: Path) -> int:
     services = plan_services(rest_port, replicas, model_dir)
+    # Honcho runs each service from a multiprocessing child. Forked while the health
+    # watcher's thread is inside gRPC, such a child inherits gRPC's poller mid-call and can
+    # abort ("Check failed: next_worker->state == KICKED"), taking a service down at start.
+    # Spawned children start from a clean interpreter.
+    multiprocessing.set_start_method("spawn", force=True)
     manager = Manager()
     python = shlex.quote(sys.executable)
     for service in services:

@@ -1,0 +1,86 @@
+"""`cachet run-local` as a user starts it: every service up, the URL printed, a request served, a clean stop.
+
+run-local listens on its fixed internal ports (README), so this test needs them free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from service_processes import free_port
+
+from cachet.models.tiny import write_tiny_model
+
+CACHET = str(Path(sys.executable).with_name("cachet"))
+START_TIMEOUT_SECONDS = 240
+
+
+def test_run_local_announces_its_url_serves_a_chat_and_stops_cleanly(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny-llama")
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
+    env = clean | {
+        "CACHET_PORT": str(port),
+        "CACHET_REPLICAS": "2",
+        "CACHET_MODEL": str(model),
+        "CACHET_DATA_DIR": str(tmp_path / "data"),
+        "OMP_NUM_THREADS": "1",
+    }
+    log = (tmp_path / "run-local.log").open("w+b")
+    process = subprocess.Popen(
+        [CACHET, "run-local"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        url = _announced_url(process, log)
+        assert url == f"http://127.0.0.1:{port}"
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 3
+        # Every service started once: none crashed at start and was left out.
+        started = re.findall(rb"(\w+) started \(pid=", _read(log))
+        assert sorted(started) == sorted(
+            [b"tokenizer", b"usage", b"engine0", b"engine1", b"cache", b"router", b"bridge"]
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    assert b"Check failed" not in _read(log), _read(log)[-4000:].decode(errors="replace")
+    # Honcho answers a TERM with 128 + 15 once every service has stopped.
+    assert returncode in (0, 128 + signal.SIGTERM), _read(log)[-4000:].decode(errors="replace")
+    assert _read(log).count(b" stopped (rc=") == 7
+
+
+def _announced_url(process: subprocess.Popen[bytes], log) -> str:
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        match = re.search(rb"Cachet REST API on (http://\S+)", _read(log))
+        if match:
+            return match.group(1).decode()
+        if process.poll() is not None:
+            pytest.fail(
+                f"run-local exited with {process.returncode}:\n{_read(log)[-4000:].decode(errors='replace')}"
+            )
+        time.sleep(0.5)
+    pytest.fail(f"no URL after {START_TIMEOUT_SECONDS} s:\n{_read(log)[-4000:].decode(errors='replace')}")
+
+
+def _read(log) -> bytes:
+    log.flush()
+    log.seek(0)
+    return log.read()
