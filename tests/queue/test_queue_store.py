@@ -5,31 +5,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
+from settable_clock import Clock
 
 from cachet.router.queue_store import BatchState, QueueStore
-
-
-class Clock:
-    """A settable clock (milliseconds), so lease expiry is tested without sleeping."""
-
-    def __init__(self) -> None:
-        self.now_ms = 1_000_000
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def store(tmp_path: Path, clock: Clock):
-    opened = QueueStore(tmp_path / "queue.sqlite3", clock_ms=clock)
-    yield opened
-    await opened.close()
 
 
 async def test_a_lease_expires_and_the_job_is_taken_again(store: QueueStore, clock: Clock) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack
+from settable_clock import Clock
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
@@ -25,26 +26,6 @@ from cachet.router.queue_store import QueueStore
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 HEADROOM = HeadroomPolicy(max_running_fraction=0.75, min_free_kv_fraction=0.2)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now_ms = 1_000_000
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def store(tmp_path: Path, clock: Clock):
-    opened = QueueStore(tmp_path / "queue.sqlite3", clock_ms=clock)
-    yield opened
-    await opened.close()
 
 
 async def fill(store: QueueStore, jobs: int, accounts: int = 4, per_batch: int = 1000) -> None:
