@@ -50,12 +50,9 @@ class DetokenizeSession:
         if self._opening is not None:
             opening, self._opening = self._opening, None
             await opening  # nothing to show yet (no tokens), but it carries the stream's errors
-        text = await self._exchange(
-            tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids), flush=last)
+        return await self._exchange(
+            tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids), flush=last), last=last
         )
-        if last:
-            await self._call.done_writing()
-        return text
 
     def cancel(self) -> None:
         if self._opening is not None:
@@ -66,9 +63,12 @@ class DetokenizeSession:
                 opening.exception()  # retrieved: a stream cut short has nothing more to say
         self._call.cancel()
 
-    async def _exchange(self, request: tokenizer_pb2.DetokenizeStreamRequest) -> str:
+    async def _exchange(self, request: tokenizer_pb2.DetokenizeStreamRequest, *, last: bool = False) -> str:
         try:
             await self._call.write(request)
+            if last:
+                # Half-close while the tokenizer decodes, not after its answer is read.
+                await self._call.done_writing()
             response = await self._call.read()
         except grpc.aio.AioRpcError as error:
             raise domain_error(error, "tokenizer") from error
