@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,18 +46,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.loopback_port import free_loopback_port
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 MODEL_ID = "tiny-llama"
 PROMPT = list(range(1000, 1024))  # 24 tokens: one full (cacheable) block and a partial one
 ROUTER_OVERHEAD_TARGET_MS = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class _Services:
@@ -70,7 +64,7 @@ class _Services:
         self.trace_env = {"CACHET_TRACE_FILE": str(trace_file)} if trace_file else {}
 
     def start(self, service: str, env: dict[str, str], name: str | None = None) -> str:
-        port = _free_port()
+        port = free_loopback_port()
         base = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
         # One math thread per process, as the tests run them: the box has few cores.
         base |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CACHET_DEVICE": "cpu"}

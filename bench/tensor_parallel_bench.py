@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -25,14 +24,9 @@ from typing import Any
 import torch
 
 from cachet.engine.distributed import local_group_environment
+from cachet.loopback_port import free_loopback_port
 
 STREAMS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class _CollectiveClock:
@@ -123,7 +117,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, tokens: int, out: An
 def _run(world: int, model_dir: Path, tokens: int) -> dict:
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    port = _free_port()
+    port = free_loopback_port()
     ranks = [
         context.Process(target=_rank, args=(rank, world, port, str(model_dir), tokens, out))
         for rank in range(world)

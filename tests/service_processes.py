@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,14 +26,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cachet.loopback_port import free_loopback_port as free_port
+
 TINY_MODEL_ID = "tiny-llama"
 ENGINE_SERVER_BUILT = importlib.util.find_spec("cachet.engine.main") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

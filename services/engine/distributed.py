@@ -39,7 +39,6 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,6 +52,7 @@ import torch.distributed as dist
 from cachet.engine.step_plan import StepPlan, StepResult
 from cachet.engine.tensor_parallel import TensorParallelRank
 from cachet.logs import get_logger
+from cachet.loopback_port import free_loopback_port
 
 if TYPE_CHECKING:
     from cachet.engine.model_runner import ModelRunner
@@ -88,12 +88,6 @@ def externally_launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _set_rank_environment(rank: int, world_size: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
 
@@ -118,7 +112,7 @@ def local_group_environment(rank: int, world_size: int, master_port: int) -> dic
 
 def prepare_local_group(world_size: int) -> None:
     """Rank 0's environment for a local group; spawned children inherit it (and set their rank)."""
-    os.environ.update(local_group_environment(0, world_size, _free_port()))
+    os.environ.update(local_group_environment(0, world_size, free_loopback_port()))
 
 
 def spawn_followers(world_size: int, target: Callable[..., None], *args: Any) -> list[BaseProcess]:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -22,6 +21,7 @@ from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.config import CacheSettings
 from cachet.errors import error_info_from_metadata
 from cachet.grpc_channel import create_channel
+from cachet.loopback_port import free_loopback_port
 
 CHAIN = block_hashes(list(range(4 * 16)), MODEL)
 
@@ -142,15 +142,9 @@ async def test_metrics_report_the_index_figures(cache, scripted) -> None:
     assert figures["cachet_cache_index_replicas_connected"] == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 async def test_the_process_follows_configured_engines_and_stops_on_sigterm(scripted, tmp_path) -> None:
     servicer, engine = scripted
-    port = _free_port()
+    port = free_loopback_port()
     env = {
         **os.environ,
         "CACHET_CACHE_PORT": str(port),

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,16 +24,11 @@ from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
+from cachet.loopback_port import free_loopback_port
 from cachet.models.tiny import write_tiny_model
 
 # 64 tokens: exactly 4 full blocks of 16; ids well inside the tiny model's vocabulary.
 PROMPT = list(range(1000, 1064))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _spawn(module: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
@@ -67,7 +61,7 @@ async def _until(probe: Callable, timeout: float, what: str):
 @pytest.fixture
 async def engine_and_cache(tmp_path):
     model_dir = write_tiny_model(tmp_path / "model")
-    engine_port, cache_port = _free_port(), _free_port()
+    engine_port, cache_port = free_loopback_port(), free_loopback_port()
     engine_address = f"127.0.0.1:{engine_port}"
     engine = _spawn(
         "cachet.engine",

@@ -9,7 +9,6 @@ bit for bit, and greedy tokens agree exactly on this checkpoint.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import deepseek_ep_worker as ep_worker
@@ -24,6 +23,7 @@ from cachet.engine.model_runner import ModelRunner
 from cachet.engine.models.config import ModelConfig, MoEConfig
 from cachet.engine.models.deepseek_v3 import MoE, Router
 from cachet.engine.weights import CheckpointError, load_model
+from cachet.loopback_port import free_loopback_port
 from cachet.models import write_tiny_model
 
 torch.set_num_threads(1)
@@ -195,15 +195,9 @@ def test_loader_skips_mtp_layers_but_not_strangers(kimi_dir: Path, tmp_path: Pat
 # ---------------------------------------------------------------- expert parallel (2 CPU ranks, gloo)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_expert_parallel_two_ranks_equal_one(kimi_dir: Path, tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")  # never fork a process that may hold gRPC / OpenMP threads
-    port = _free_port()
+    port = free_loopback_port()
     procs = [
         ctx.Process(target=ep_worker.run_rank, args=(r, port, str(kimi_dir), str(tmp_path), NEW_TOKENS))
         for r in range(2)

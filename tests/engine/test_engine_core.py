@@ -40,7 +40,7 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 6, **samp
     return Request(request_id, list(prompt), SamplingParams(**sampling), max_tokens)
 
 
-def run(engine: EngineCore, max_steps: int = 1000) -> dict[str, list[RequestOutput]]:
+def run(engine: EngineCore, max_steps: int = 5000) -> dict[str, list[RequestOutput]]:
     outputs: dict[str, list[RequestOutput]] = {}
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():

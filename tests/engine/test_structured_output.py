@@ -14,6 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from test_engine_core import run
 from test_structured_output_schemas import SCHEMAS
 from tokenizers import Tokenizer
 
@@ -67,16 +68,6 @@ def make_request(
 ) -> Request:
     params = SamplingParams(temperature=1.0, seed=seed, **sampling)  # type: ignore[arg-type]
     return Request(request_id, list(PROMPT), params, max_tokens, grammar=grammar)
-
-
-def run(engine: EngineCore, max_steps: int = 5000) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return outputs
-        for output in engine.step():
-            outputs.setdefault(output.request_id, []).append(output)
-    raise AssertionError("engine made no progress")
 
 
 def text_of(outputs: list[RequestOutput], tokenizer: Tokenizer) -> str:

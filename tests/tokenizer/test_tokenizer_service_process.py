@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cachet.block_hash import block_hashes
 from cachet.common.v1 import common_pb2
 from cachet.errors import error_info_from_metadata
+from cachet.loopback_port import free_loopback_port
 from cachet.tokenizer.chat_messages import messages_to_dicts, tools_to_dicts
 from cachet.tokenizer.tokenizer_model import TokenizerModel
 from cachet.tokenizer.v1 import tokenizer_pb2 as pb
@@ -27,12 +27,6 @@ from cachet.tokenizer.v1 import tokenizer_pb2_grpc
 MAX_INPUT_CHARS = 2000
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _wait_until_serving(address: str, process: subprocess.Popen, log_path: Path) -> None:
@@ -57,7 +51,7 @@ def _wait_until_serving(address: str, process: subprocess.Popen, log_path: Path)
 def service_address(
     tiny_model_dir: Path, tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    port = _free_port()
+    port = free_loopback_port()
     work = tmp_path_factory.mktemp("tokenizer-process")
     env = {
         **os.environ,

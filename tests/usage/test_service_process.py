@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cachet.errors import error_info_from_metadata
 from cachet.grpc_channel import create_channel
+from cachet.loopback_port import free_loopback_port
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
 SERVICE = "cachet.usage.v1.UsageService"
 DAY_MS = 1_772_366_400_000  # 2026-03-01T12:00:00Z
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
@@ -45,7 +39,7 @@ class UsageProcess:
 
 def launch(data_dir: Path, log_name: str = "usage.log") -> UsageProcess:
     """Start ``python -m cachet.usage`` on a free port and wait until health says SERVING."""
-    port = free_port()
+    port = free_loopback_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
     env |= {"CACHET_USAGE_PORT": str(port), "CACHET_DATA_DIR": str(data_dir)}
     log = data_dir / log_name
