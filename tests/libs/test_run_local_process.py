@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,9 @@ import httpx
 import pytest
 from service_processes import free_port
 
+from cachet.config import LOOPBACK
 from cachet.models.tiny import write_tiny_model
+from cachet.run_local import plan_services
 
 CACHET = str(Path(sys.executable).with_name("cachet"))
 START_TIMEOUT_SECONDS = 240
@@ -34,6 +37,9 @@ def test_run_local_announces_its_url_serves_a_chat_and_stops_cleanly(tmp_path: P
         "CACHET_DATA_DIR": str(tmp_path / "data"),
         "OMP_NUM_THREADS": "1",
     }
+    # run-local's internal ports are fixed; a server of an earlier test, given one of them as a
+    # free ephemeral port, may still be shutting down.
+    _wait_until_free([s.grpc_port for s in plan_services(port, 2, model) if s.grpc_port is not None])
     log = (tmp_path / "run-local.log").open("w+b")
     process = subprocess.Popen(
         [CACHET, "run-local"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -64,6 +70,22 @@ def test_run_local_announces_its_url_serves_a_chat_and_stops_cleanly(tmp_path: P
     # Honcho answers a TERM with 128 + 15 once every service has stopped.
     assert returncode in (0, 128 + signal.SIGTERM), _read(log)[-4000:].decode(errors="replace")
     assert _read(log).count(b" stopped (rc=") == 7
+
+
+def _wait_until_free(ports: list[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    for port in ports:
+        while True:
+            with socket.socket() as probe:
+                # As the servers bind: connections of an earlier run left in TIME_WAIT do not count.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind((LOOPBACK, port))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"run-local's port {port} is still taken after {timeout} s")
+            time.sleep(0.2)
 
 
 def _announced_url(process: subprocess.Popen[bytes], log) -> str:
