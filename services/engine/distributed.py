@@ -39,6 +39,7 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -68,6 +69,9 @@ HEARTBEAT_SECONDS = 2.0
 EXIT_PARENT_LOST = 3
 # How long the rank watchdog waits for a dead follower's exit status before calling it lost.
 EXIT_STATUS_WAIT_SECONDS = 5.0
+# DeepSpeed's name for a rank's shm all-reduce segment (csrc/cpu/comm/shm.cpp), followed
+# by _<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>.
+SHM_ALL_REDUCE_PREFIX = "deepspeed_allreduce_buffer"
 
 
 @dataclass(frozen=True)
@@ -164,11 +168,33 @@ def init_distributed(device: torch.device) -> RankInfo:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device.type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT, verbose=False)
+    if backend == "gloo":
+        release_shared_memory_name()
     return RankInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def release_shared_memory_name() -> None:
+    """Unlink this rank's DeepSpeed all-reduce segment in /dev/shm, keeping its mapping.
+
+    DeepSpeed's CPU all-reduce gives each rank a ~69 MB shm segment that it never
+    unlinks, and tmpfs is RAM: every group started on a machine left 69 MB per rank
+    behind, and a test run's groups added up until the kernel killed the run. Once
+    every rank has mapped every peer's segment (they all have when this barrier
+    opens, as DeepSpeed maps them while the group starts) the names are no longer
+    needed; the memory goes when the last rank exits, however it exits.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    name = (
+        f"{SHM_ALL_REDUCE_PREFIX}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
+        f"_{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    )
+    pathlib.Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def _inference_all_reduce_(tensor: torch.Tensor) -> torch.Tensor:

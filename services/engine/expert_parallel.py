@@ -87,7 +87,11 @@ def init_expert_parallel(backend: str | None = None) -> ExpertParallel:
     """
     import deepspeed
 
+    from cachet.engine.distributed import release_shared_memory_name
+
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    if dist.get_backend() == "gloo":
+        release_shared_memory_name()
     return ExpertParallel.from_environment()
 
 

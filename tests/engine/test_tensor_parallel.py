@@ -121,12 +121,16 @@ def _tensor_parallel_logits(
             rank, size, held, logits = results.get(timeout=240)
             assert size == world
             collected[rank] = (held, [torch.tensor(rows) for rows in logits])
-        return collected
     finally:
         for process in ranks:
             process.join(30)
             if process.is_alive():
                 process.kill()
+    # DeepSpeed never unlinks its shm all-reduce segments; tmpfs is RAM, so each leaked
+    # group costs ~69 MB per rank until the machine runs out (it killed a CI run).
+    leaked = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not leaked, f"shm segments outlived their group: {leaked}"
+    return collected
 
 
 @pytest.mark.parametrize(
