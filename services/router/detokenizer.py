@@ -1,7 +1,12 @@
-"""One ``DetokenizeStream`` call: generated token ids in, text deltas out.
+"""Generated token ids to text deltas, decoded in the router's own process.
 
-The tokenizer service owns incremental decoding (split UTF-8 characters, leading
-spaces); the router only feeds it each engine message and reads the text back.
+The decoding is the tokenizer service's all the same: ``ExportTokenizer`` hands
+over the model's tokenizer exactly as that service loaded it (special-token flags
+included), so the text equals its ``Decode``, and the incremental algorithm is the
+shared ``cachet.incremental_detokenizer``. Only where it runs changed: an engine
+step's few tokens decode here in about a microsecond, while a ``DetokenizeStream``
+exchange with another process cost every request half a millisecond and the
+tokenizer's CPU on a shared machine (docs/ARCHITECTURE.md, "Router").
 """
 
 from __future__ import annotations
@@ -10,68 +15,54 @@ import asyncio
 from collections.abc import Sequence
 
 import grpc
+from tokenizers import Tokenizer
 
-from cachet.errors import Unavailable
+from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.router.upstream_errors import domain_error
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
-# The tokenizer needs only the prompt's last few tokens to decode the first output
-# token as it reads after them (it keeps 5); sending a whole long prompt is waste.
-PROMPT_CONTEXT_TOKENS = 16
 
+class Detokenizers:
+    """Makes a model's incremental detokenizers; its tokenizer is fetched once and kept
+    (a model's vocabulary never changes). Requests that arrive while the first fetch runs
+    wait for that one; a fetch that failed is tried again by the next request."""
 
-class DetokenizeSession:
-    """Text for one generation; one ``push`` at a time (each message gets exactly one answer).
+    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub, timeout_seconds: float) -> None:
+        self._stub = tokenizer
+        self._timeout = timeout_seconds
+        self._fetches: dict[str, asyncio.Future[Tokenizer]] = {}
 
-    The stream opens as soon as the session is made, with a message that carries only its
-    settings: the router makes the session when it sends the request to the engine, so
-    opening the stream (a new HTTP/2 stream, the tokenizer's session) overlaps the engine's
-    prefill instead of delaying the first chunk.
-    """
+    async def new(
+        self, model: str, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool
+    ) -> IncrementalDetokenizer:
+        tokenizer = await self._tokenizer(model)
 
-    def __init__(
-        self,
-        stub: tokenizer_pb2_grpc.TokenizerServiceStub,
-        model: str,
-        prompt_ids: Sequence[int],
-        *,
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self._call = stub.DetokenizeStream()
-        settings = tokenizer_pb2.DetokenizeStreamRequest(
-            model=model,
-            prompt_token_ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
-            skip_special_tokens=skip_special_tokens,
-        )
-        self._opening: asyncio.Task[str] | None = asyncio.create_task(self._exchange(settings))
+        def decode(token_ids: Sequence[int]) -> str:
+            return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    async def push(self, token_ids: Sequence[int], *, last: bool = False) -> str:
-        """Text for ``token_ids``; ``last`` also flushes what was held back and ends the call."""
-        if self._opening is not None:
-            opening, self._opening = self._opening, None
-            await opening  # nothing to show yet (no tokens), but it carries the stream's errors
-        return await self._exchange(
-            tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids), flush=last), last=last
-        )
+        return IncrementalDetokenizer(decode, prompt_token_ids)
 
-    def cancel(self) -> None:
-        if self._opening is not None:
-            opening, self._opening = self._opening, None
-            if not opening.done():
-                opening.cancel()
-            elif not opening.cancelled():
-                opening.exception()  # retrieved: a stream cut short has nothing more to say
-        self._call.cancel()
-
-    async def _exchange(self, request: tokenizer_pb2.DetokenizeStreamRequest, *, last: bool = False) -> str:
+    async def _tokenizer(self, model: str) -> Tokenizer:
+        fetch = self._fetches.get(model)
+        if fetch is not None and fetch.done() and not fetch.cancelled() and fetch.exception() is None:
+            return fetch.result()
+        if fetch is None or fetch.done():
+            fetch = self._fetches[model] = asyncio.ensure_future(self._fetch(model))
         try:
-            await self._call.write(request)
-            if last:
-                # Half-close while the tokenizer decodes, not after its answer is read.
-                await self._call.done_writing()
-            response = await self._call.read()
+            # Shielded: one waiting request going away must not cancel the others' fetch.
+            return await asyncio.shield(fetch)
+        except BaseException:
+            failed = fetch.done() and (fetch.cancelled() or fetch.exception() is not None)
+            if failed and self._fetches.get(model) is fetch:
+                del self._fetches[model]
+            raise
+
+    async def _fetch(self, model: str) -> Tokenizer:
+        try:
+            reply = await self._stub.ExportTokenizer(
+                tokenizer_pb2.ExportTokenizerRequest(model=model), timeout=self._timeout
+            )
         except grpc.aio.AioRpcError as error:
             raise domain_error(error, "tokenizer") from error
-        if response is grpc.aio.EOF:
-            raise Unavailable("the tokenizer service ended a detokenization stream early; retry")
-        return response.text_delta
+        # Parsing a few MB of JSON takes ~0.1 s: off the event loop.
+        return await asyncio.to_thread(Tokenizer.from_str, reply.tokenizer_json)

@@ -4,8 +4,8 @@
 
     validate → template / encode (tokenizer) → block hashes (cachet.block_hash, local)
       → MatchPrefix (cache index; down → score by load alone) → choose a replica
-      → engine Generate stream ─┐
-                                └→ DetokenizeStream → stop strings → output parser → chunks
+      → engine Generate stream → detokenize (in process, the tokenizer's own tokenizer)
+      → stop strings → output parser → chunks
       → RecordUsage once (request id is the ledger key)
 
 ``RequestPipeline.start_*`` runs everything up to the engine's first message, so
@@ -32,10 +32,11 @@ from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
 from cachet.errors import NotFound, ResourceExhausted, Unavailable
+from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.logs import get_logger
 from cachet.router import metrics
 from cachet.router.caller import Caller
-from cachet.router.detokenizer import DetokenizeSession
+from cachet.router.detokenizer import Detokenizers
 from cachet.router.output_parser import OutputDelta, merge_deltas
 from cachet.router.placement import Placement, PlacementPolicy, choose_replica
 from cachet.router.prompt import PromptBuilder, check_context_window, validate_chat, validate_completion
@@ -57,7 +58,8 @@ _RETRY_ELSEWHERE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILA
 _ABORT_TIMEOUT_SECONDS = 2.0
 # The engine closes its stream right after the last message; never wait long for that.
 _ENGINE_EOF_TIMEOUT_SECONDS = 0.5
-# Asked once per model (then kept): how long the tokenizer may take to describe it.
+# Asked once per model (then kept): how long the tokenizer may take to describe it, or to
+# hand over its tokenizer.
 _MODEL_INFO_TIMEOUT_SECONDS = 10.0
 
 
@@ -102,12 +104,12 @@ class RequestPipeline:
     ) -> None:
         self._replicas = replicas
         self._prompts = prompts
-        self._tokenizer = tokenizer
         self._cache = cache
         self.usage = usage
         self._policy = policy
         self._cache_timeout = cache_timeout_seconds
         self._families = ModelFamilies(tokenizer, _MODEL_INFO_TIMEOUT_SECONDS)
+        self._detokenizers = Detokenizers(tokenizer, _MODEL_INFO_TIMEOUT_SECONDS)
         # Strong references to fire-and-forget work (engine aborts, reading a stream's end).
         self._background: set[asyncio.Task[None]] = set()
 
@@ -204,12 +206,17 @@ class RequestPipeline:
             if len(self._replicas.addresses_serving(request.model)) > 1
             else {}  # one replica: where the prefix lives cannot change the choice
         )
+        detokenizer = await self._detokenizers.new(
+            request.model,
+            request.prompt_token_ids,
+            skip_special_tokens=not request.output.keep_special_tokens,
+        )
         refused: list[str] = []
         while True:
             placement = self._place(request, cached, refused)
             replica = self._replicas.get(placement.address)
             try:
-                return await self._open(request, replica, placement)
+                return await self._open(request, replica, placement, detokenizer)
             except _Refused as refusal:
                 refused.append(placement.address)
                 log.info(
@@ -260,7 +267,13 @@ class RequestPipeline:
             return {}
         return {match.address: match.matched_blocks * block_size for match in reply.matches}
 
-    async def _open(self, request: GenerationRequest, replica: Replica, placement: Placement) -> Generation:
+    async def _open(
+        self,
+        request: GenerationRequest,
+        replica: Replica,
+        placement: Placement,
+        detokenizer: IncrementalDetokenizer,
+    ) -> Generation:
         """Send the request to ``replica`` and wait for its first message (or its refusal)."""
         call = replica.stub.Generate(
             engine_pb2.GenerateRequest(
@@ -273,31 +286,21 @@ class RequestPipeline:
             )
         )
         replica.in_flight += 1
-        # Opened now so that its set-up overlaps the engine's prefill.
-        detokenizer = DetokenizeSession(
-            self._tokenizer,
-            request.model,
-            request.prompt_token_ids,
-            skip_special_tokens=not request.output.keep_special_tokens,
-        )
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as error:
             replica.in_flight -= 1
-            detokenizer.cancel()
             if error.code() in _RETRY_ELSEWHERE:
                 raise _Refused(error) from error
             raise domain_error(error, "engine") from error
         except BaseException:
             # Cancelled while the engine was prefilling: stop the work we asked for.
             replica.in_flight -= 1
-            detokenizer.cancel()
             call.cancel()
             self.abort_in_background(replica, request.request_id)
             raise
         if first is grpc.aio.EOF:
             replica.in_flight -= 1
-            detokenizer.cancel()
             raise Unavailable("the engine ended the request without an answer; retry")
         return Generation(self, request, replica, placement, call, first, detokenizer)
 
@@ -313,7 +316,7 @@ class Generation:
         placement: Placement,
         call: grpc.aio.UnaryStreamCall,
         first: engine_pb2.GenerateResponse,
-        detokenizer: DetokenizeSession,
+        detokenizer: IncrementalDetokenizer,
     ) -> None:
         self.request = request
         self.replica_address = replica.address
@@ -393,12 +396,10 @@ class Generation:
         if not self._engine_done:
             self._call.cancel()
             self._pipeline.abort_in_background(self._replica, self.request.request_id)
-        if not self._finished:
-            self._detokenizer.cancel()
-            # A queued job cut short runs again under the same id (the ledger key): only the
-            # attempt that finishes is billed, so the ledger agrees with the stored result.
-            if self.request.priority != common_pb2.PRIORITY_BATCH:
-                self._submit_usage()
+        # A queued job cut short runs again under the same id (the ledger key): only the
+        # attempt that finishes is billed, so the ledger agrees with the stored result.
+        if not self._finished and self.request.priority != common_pb2.PRIORITY_BATCH:
+            self._submit_usage()
         outcome = metrics.outcome_of(error) if error is not None or self._finished else "cancelled"
         metrics.REQUESTS.labels(outcome).inc()
         log.info(
@@ -418,7 +419,10 @@ class Generation:
             text = ""
             if response.token_ids or finish:
                 token_ids = self._answer_tokens(response)
-                text = self._stop.feed(await self._detokenizer.push(token_ids, last=bool(finish)))
+                text = self._detokenizer.add(token_ids)
+                if finish:
+                    text += self._detokenizer.flush()
+                text = self._stop.feed(text)
             if finish:
                 self._engine_done = True
                 self._pipeline.in_background(self._read_engine_eof())
@@ -476,8 +480,6 @@ class Generation:
         if self._stop.matched is None:
             # No stop string after all: release the tail held back in case it became one.
             text += self._stop.flush()
-        else:
-            self._detokenizer.cancel()
         delta = merge_deltas(self._parser.feed(text), self._parser.finish())
         if last is not None and last.HasField("usage"):
             self._cached_tokens = last.usage.cached_tokens

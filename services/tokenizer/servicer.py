@@ -148,6 +148,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 text_delta=delta.text, tokens_consumed=delta.tokens_consumed
             )
 
+    async def ExportTokenizer(
+        self, request: tokenizer_pb2.ExportTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.ExportTokenizerResponse:
+        model = self._registry.get(request.model)
+        # A few MB of JSON to serialise: off the loop.
+        tokenizer_json = await asyncio.to_thread(model.tokenizer_json)
+        return tokenizer_pb2.ExportTokenizerResponse(
+            model=model.model_id, tokenizer_json=tokenizer_json, vocab_size=model.info.vocab_size
+        )
+
     async def CountTokens(
         self, request: tokenizer_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.CountTokensResponse:

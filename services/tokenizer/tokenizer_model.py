@@ -23,8 +23,8 @@ import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cachet.errors import InvalidArgument
+from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.tokenizer.generic_tool_prompt import rewrite_for_generic_tools, template_supports_tools
-from cachet.tokenizer.incremental_detokenizer import IncrementalDetokenizer
 from cachet.tokenizer.model_info import ModelInfo, read_model_info
 
 # Any non-empty list makes transformers pick a checkpoint's "tool_use" template
@@ -51,6 +51,12 @@ class TokenizerModel:
     def load(cls, model_id: str, path: Path) -> TokenizerModel:
         """Load the tokenizer files of ``path`` (config.json, tokenizer.json, tokenizer_config.json)."""
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if getattr(tokenizer, "backend_tokenizer", None) is None:
+            # ExportTokenizer hands the router this Rust tokenizer: a slow one has none to hand.
+            raise ValueError(
+                f"{path}: {type(tokenizer).__name__} is not backed by the tokenizers library; "
+                "Cachet needs a tokenizer.json (a fast tokenizer)"
+            )
         source = _template_source(tokenizer, tools=_TOOLS_PROBE)
         supports_tools = source is not None and template_supports_tools(source)
         info = read_model_info(model_id, Path(path), tokenizer, template_supports_tools=supports_tools)
@@ -70,6 +76,10 @@ class TokenizerModel:
         return self._tokenizer.decode(
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+    def tokenizer_json(self) -> str:
+        """The Rust tokenizer as loaded (special-token flags included): it decodes like ``decode``."""
+        return self._tokenizer.backend_tokenizer.to_str()
 
     def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
         """Raise ``InvalidArgument`` naming the first id outside the vocabulary."""

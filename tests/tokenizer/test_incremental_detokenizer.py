@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 from tokenizer_samples import SAMPLES
 
-from cachet.tokenizer.incremental_detokenizer import IncrementalDetokenizer
+from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.tokenizer.tokenizer_model import TokenizerModel
 
 

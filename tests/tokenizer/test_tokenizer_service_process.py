@@ -163,6 +163,24 @@ async def test_detokenize_stream_joins_up_to_the_full_decode(stub, tiny_model: T
     assert consumed == sorted(consumed) and consumed[-1] == len(output)
 
 
+async def test_an_exported_tokenizer_decodes_like_the_service(stub, tiny_model: TokenizerModel) -> None:
+    from tokenizers import Tokenizer
+
+    exported = await stub.ExportTokenizer(pb.ExportTokenizerRequest())
+    assert exported.model == "tiny-llama" and exported.vocab_size == 49152
+    tokenizer = Tokenizer.from_str(exported.tokenizer_json)
+    text = " Hello, 世界! 👨\u200d👩\u200d👧 done"
+    token_ids = [1, *tiny_model.encode(text, add_special_tokens=False), 2]
+    for skip in (True, False):
+        served = await stub.Decode(
+            pb.DecodeRequest(model="tiny-llama", token_ids=token_ids, skip_special_tokens=skip)
+        )
+        assert tokenizer.decode(token_ids, skip_special_tokens=skip) == served.text
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stub.ExportTokenizer(pb.ExportTokenizerRequest(model="no-such-model"))
+    assert failure.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 async def test_block_hashes_use_the_shared_function_and_the_model_id(stub) -> None:
     token_ids = list(range(100, 150))  # three full blocks of 16 and a partial one
     reply = await stub.BlockHashes(pb.BlockHashesRequest(model="tiny-llama", token_ids=token_ids))

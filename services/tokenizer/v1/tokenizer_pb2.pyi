@@ -268,6 +268,60 @@ class DetokenizeStreamResponse(_message.Message):
 Global___DetokenizeStreamResponse: _TypeAlias = DetokenizeStreamResponse  # noqa: Y015
 
 @_typing.final
+class ExportTokenizerRequest(_message.Message):
+    """Export one model's tokenizer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model id; empty means the default model."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportTokenizerRequest: _TypeAlias = ExportTokenizerRequest  # noqa: Y015
+
+@_typing.final
+class ExportTokenizerResponse(_message.Message):
+    """A tokenizer that decodes exactly as this service does."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOKENIZER_JSON_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model id the tokenizer belongs to."""
+    tokenizer_json: _builtins.str
+    """Hugging Face tokenizers' JSON (tokenizers.Tokenizer.from_str), with the special-token
+    flags as loaded here: skip_special_tokens then skips the same tokens as Decode.
+    """
+    vocab_size: _builtins.int
+    """Vocabulary size: token ids at or above it are not the model's."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        tokenizer_json: _builtins.str = ...,
+        vocab_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportTokenizerResponse: _TypeAlias = ExportTokenizerResponse  # noqa: Y015
+
+@_typing.final
 class CountTokensRequest(_message.Message):
     """Count tokens."""
 

@@ -55,6 +55,11 @@ class TokenizerServiceStub:
                 request_serializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DetokenizeStreamRequest.SerializeToString,
                 response_deserializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DetokenizeStreamResponse.FromString,
                 _registered_method=True)
+        self.ExportTokenizer = channel.unary_unary(
+                '/cachet.tokenizer.v1.TokenizerService/ExportTokenizer',
+                request_serializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.ExportTokenizerRequest.SerializeToString,
+                response_deserializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.ExportTokenizerResponse.FromString,
+                _registered_method=True)
         self.CountTokens = channel.unary_unary(
                 '/cachet.tokenizer.v1.TokenizerService/CountTokens',
                 request_serializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.CountTokensRequest.SerializeToString,
@@ -110,6 +115,15 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportTokenizer(self, request, context):
+        """The model's tokenizer as loaded here, for a caller that decodes on its own: the
+        router detokenizes in process, as a hop per engine step would cost more than the
+        decoding itself. Decoding with it equals Decode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CountTokens(self, request, context):
         """Count tokens of a text without returning them.
         """
@@ -160,6 +174,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.DetokenizeStream,
                     request_deserializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DetokenizeStreamRequest.FromString,
                     response_serializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DetokenizeStreamResponse.SerializeToString,
+            ),
+            'ExportTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportTokenizer,
+                    request_deserializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.ExportTokenizerRequest.FromString,
+                    response_serializer=cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.ExportTokenizerResponse.SerializeToString,
             ),
             'CountTokens': grpc.unary_unary_rpc_method_handler(
                     servicer.CountTokens,
@@ -291,6 +310,33 @@ class TokenizerService:
             '/cachet.tokenizer.v1.TokenizerService/DetokenizeStream',
             cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DetokenizeStreamRequest.SerializeToString,
             cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DetokenizeStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.tokenizer.v1.TokenizerService/ExportTokenizer',
+            cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.ExportTokenizerRequest.SerializeToString,
+            cachet_dot_tokenizer_dot_v1_dot_tokenizer__pb2.ExportTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

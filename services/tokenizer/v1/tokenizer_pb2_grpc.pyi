@@ -43,6 +43,11 @@ class TokenizerServiceStub:
     """Stream token ids in, stream text deltas out: never a split UTF-8 character,
     never a lost space. The first message names the model.
     """
+    ExportTokenizer: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.ExportTokenizerRequest, _tokenizer_pb2.ExportTokenizerResponse]
+    """The model's tokenizer as loaded here, for a caller that decodes on its own: the
+    router detokenizes in process, as a hop per engine step would cost more than the
+    decoding itself. Decoding with it equals Decode.
+    """
     CountTokens: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.CountTokensRequest, _tokenizer_pb2.CountTokensResponse]
     """Count tokens of a text without returning them."""
     BlockHashes: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.BlockHashesRequest, _tokenizer_pb2.BlockHashesResponse]
@@ -66,6 +71,11 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     DetokenizeStream: _aio.StreamStreamMultiCallable[_tokenizer_pb2.DetokenizeStreamRequest, _tokenizer_pb2.DetokenizeStreamResponse]  # type: ignore[assignment]
     """Stream token ids in, stream text deltas out: never a split UTF-8 character,
     never a lost space. The first message names the model.
+    """
+    ExportTokenizer: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.ExportTokenizerRequest, _tokenizer_pb2.ExportTokenizerResponse]  # type: ignore[assignment]
+    """The model's tokenizer as loaded here, for a caller that decodes on its own: the
+    router detokenizes in process, as a hop per engine step would cost more than the
+    decoding itself. Decoding with it equals Decode.
     """
     CountTokens: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.CountTokensRequest, _tokenizer_pb2.CountTokensResponse]  # type: ignore[assignment]
     """Count tokens of a text without returning them."""
@@ -111,6 +121,17 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_tokenizer_pb2.DetokenizeStreamResponse], _abc.AsyncIterator[_tokenizer_pb2.DetokenizeStreamResponse]]:
         """Stream token ids in, stream text deltas out: never a split UTF-8 character,
         never a lost space. The first message names the model.
+        """
+
+    @_abc_1.abstractmethod
+    def ExportTokenizer(
+        self,
+        request: _tokenizer_pb2.ExportTokenizerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_tokenizer_pb2.ExportTokenizerResponse, _abc.Awaitable[_tokenizer_pb2.ExportTokenizerResponse]]:
+        """The model's tokenizer as loaded here, for a caller that decodes on its own: the
+        router detokenizes in process, as a hop per engine step would cost more than the
+        decoding itself. Decoding with it equals Decode.
         """
 
     @_abc_1.abstractmethod
