@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
@@ -33,8 +34,11 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACE_FILE_VARIABLE = "CACHET_TRACE_FILE"
+
+_TRACE_CONTEXT = TraceContextTextMapPropagator()
 
 _configured = False
 
@@ -120,6 +124,21 @@ def configure_tracing(service: str, extra_processor: SpanProcessor | None = None
 
 def get_tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
+
+
+def current_traceparent() -> str:
+    """The current span's W3C traceparent ("" outside a traced context), for work that
+    leaves the call it belongs to, such as a usage record sent later in a batch."""
+    carrier: dict[str, str] = {}
+    _TRACE_CONTEXT.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def context_from_traceparent(traceparent: str) -> Context | None:
+    """The context a span started from ``traceparent`` should have as its parent (None: a new trace)."""
+    if not traceparent:
+        return None
+    return _TRACE_CONTEXT.extract({"traceparent": traceparent})
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

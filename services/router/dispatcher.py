@@ -250,7 +250,12 @@ class Dispatcher:
         try:
             generation = await self._start(job, queued)
             mark_placed()
-            return router_pb2.QueuedResult(completion=await generation.collect())
+            completion = await generation.collect()
+            # The ledger before the result: a router killed in between runs the job again,
+            # and its record is then a no-op, instead of leaving a result that was never billed.
+            if generation.usage_recorded is not None:
+                await generation.usage_recorded
+            return router_pb2.QueuedResult(completion=completion)
         except (ResourceExhausted, Unavailable) as refusal:
             # Capacity or an outage, never the request's fault: it waits for the next headroom.
             self._paused_until = asyncio.get_running_loop().time() + _REFUSAL_PAUSE_SECONDS

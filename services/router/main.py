@@ -81,7 +81,11 @@ async def start(settings: RouterSettings) -> RunningServer:
     replicas = ReplicaSet(
         options.engine_addresses, options.report_stale_seconds, options.load_report_interval_ms
     )
-    usage = UsageRecorder(usage_pb2_grpc.UsageServiceStub(usage_channel), options.dependency_timeout_seconds)
+    usage = UsageRecorder(
+        usage_pb2_grpc.UsageServiceStub(usage_channel),
+        options.dependency_timeout_seconds,
+        flush_seconds=options.usage_flush_seconds,
+    )
     clients = RouterClients(replicas, usage, [tokenizer_channel, cache_channel, usage_channel])
     tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(tokenizer_channel)
     pipeline = RequestPipeline(

@@ -338,6 +338,8 @@ class Generation:
         self._engine_done = False  # the engine sent its last message
         self._finished = False  # the last chunk was built
         self._closed = False
+        # Whether the ledger has this request's usage; set when the record is sent.
+        self.usage_recorded: asyncio.Future[bool] | None = None
 
     async def chunks(self) -> AsyncIterator[router_pb2.ChatCompletionChunk]:
         """The stream of chunks; the last carries finish_reason and usage."""
@@ -486,9 +488,10 @@ class Generation:
             self._completion_tokens = max(self._completion_tokens, last.usage.completion_tokens)
         self._finished = True
         usage = self._usage()
-        # The record goes out beside the last chunk, not before it: the ledger is idempotent
-        # and the recorder retries on its own, so waiting for the usage service's fsync would
-        # only add its latency to every request. Shutdown drains records still in flight.
+        # The record goes out after the last chunk, in the recorder's next batch, not before
+        # it: the ledger is idempotent and the recorder retries on its own, so waiting for the
+        # usage service's fsync would only add its latency to every request. Shutdown sends
+        # and drains what is still waiting.
         self._submit_usage()
         if finish == common_pb2.FINISH_REASON_STOP and (self._made_tool_calls or delta.tool_calls):
             finish = common_pb2.FINISH_REASON_TOOL_CALLS  # OpenAI's reason for a turn that called tools
@@ -528,12 +531,13 @@ class Generation:
             completion_tokens=self._completion_tokens,
         )
 
-    def _submit_usage(self) -> asyncio.Task[None]:
+    def _submit_usage(self) -> None:
         usage = self._usage()
+        batch = self.request.priority == common_pb2.PRIORITY_BATCH
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.inc(usage.cached_tokens)
         metrics.COMPLETION_TOKENS.inc(usage.completion_tokens)
-        return self._pipeline.usage.submit(
+        self.usage_recorded = self._pipeline.usage.submit(
             usage_pb2.UsageRecord(
                 request_id=self.request.request_id,
                 account_id=self.request.caller.account_id,
@@ -544,8 +548,10 @@ class Generation:
                 completion_tokens=usage.completion_tokens,
                 finished_at_ms=int(time.time() * 1000),
                 replica_address=self.replica_address,
-                priority="batch" if self.request.priority == common_pb2.PRIORITY_BATCH else "interactive",
-            )
+                priority="batch" if batch else "interactive",
+            ),
+            # The dispatcher waits for a queued job's record before storing its result.
+            at_once=batch,
         )
 
 

@@ -31,6 +31,9 @@ class RouterServiceSettings(RouterSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535)
     # Deadline of each call to the tokenizer, cache index and usage services.
     dependency_timeout_seconds: float = Field(default=10.0, gt=0)
+    # A finished request's usage record waits at most this long for others to share its
+    # RecordUsageBatch call (one ledger fsync for the lot); shutdown sends at once.
+    usage_flush_seconds: float = Field(default=0.02, ge=0)
     # The cache index is an optimisation: wait for it only this long before scoring by load.
     cache_timeout_seconds: float = Field(default=0.5, gt=0)
 

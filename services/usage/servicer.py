@@ -11,6 +11,8 @@ import time
 
 import grpc
 
+from cachet.errors import InvalidArgument
+from cachet.tracing import context_from_traceparent, get_tracer
 from cachet.usage import metrics
 from cachet.usage.ledger import SqliteLedger
 from cachet.usage.prices import ModelPrice, PriceTable
@@ -18,6 +20,10 @@ from cachet.usage.records import UsageEntry, UsageQuery, UsageTotals, parse_grou
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
 SERVICE_NAME = usage_pb2.DESCRIPTOR.services_by_name["UsageService"].full_name
+# The span of one record's write, in the trace of the request it bills.
+RECORD_SPAN_NAME = "cachet.usage.record"
+
+_TRACER = get_tracer("cachet.usage")
 
 
 def entry_from_proto(record: usage_pb2.UsageRecord, now_ms: int) -> UsageEntry:
@@ -80,6 +86,44 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
         outcome = await self._ledger.record(entry, self._prices.price_for(entry.model))
         metrics.observe_record(entry, outcome)
         return usage_pb2.RecordUsageResponse(duplicate=outcome.duplicate, cost_picousd=outcome.cost_picousd)
+
+    async def RecordUsageBatch(
+        self, request: usage_pb2.RecordUsageBatchRequest, context: grpc.aio.ServicerContext
+    ) -> usage_pb2.RecordUsageBatchResponse:
+        now_ms = int(time.time() * 1000)
+        entries = []
+        for index, record in enumerate(request.records):
+            try:
+                entries.append(entry_from_proto(record, now_ms))
+            except InvalidArgument as error:
+                # The whole batch is refused, so that nothing of it is half recorded.
+                raise InvalidArgument(
+                    f"records[{index}].{error.message}", param=f"records[{index}].{error.param}"
+                ) from None
+        # A span per record in its request's trace: the batch's own call belongs to none of them.
+        spans = [
+            _TRACER.start_span(
+                RECORD_SPAN_NAME,
+                context=context_from_traceparent(record.traceparent),
+                attributes={"cachet.request_id": record.request_id},
+            )
+            for record in request.records
+        ]
+        try:
+            outcomes = await self._ledger.record_many(
+                [(entry, self._prices.price_for(entry.model)) for entry in entries]
+            )
+        finally:
+            for span in spans:
+                span.end()
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            metrics.observe_record(entry, outcome)
+        return usage_pb2.RecordUsageBatchResponse(
+            results=[
+                usage_pb2.RecordUsageResponse(duplicate=outcome.duplicate, cost_picousd=outcome.cost_picousd)
+                for outcome in outcomes
+            ]
+        )
 
     async def QueryUsage(
         self, request: usage_pb2.QueryUsageRequest, context: grpc.aio.ServicerContext

@@ -221,7 +221,6 @@ def test_one_trace_spans_bridge_router_tokenizer_engine_and_usage(platform: Plat
     required = {
         "tokenizer": "/cachet.tokenizer.v1.TokenizerService/ApplyChatTemplate",
         "engine": "/cachet.engine.v1.EngineService/Generate",
-        "usage": "/cachet.usage.v1.UsageService/RecordUsage",
     }
     deadline = time.monotonic() + 10
     while True:
@@ -229,11 +228,18 @@ def test_one_trace_spans_bridge_router_tokenizer_engine_and_usage(platform: Plat
         by_id = {span["span_id"]: span for span in spans}
         servers = [s for s in spans if s["service"] in required and s["kind"] == "SERVER"]
         complete = [s for s in servers if _ancestry(s, by_id)[-1]["parent_span_id"] == caller_span]
+        # The usage record travels in a batch; its ledger span carries the request's context.
+        records = [s for s in spans if (s["service"], s["name"]) == ("usage", "cachet.usage.record")]
+        records = [s for s in records if _ancestry(s, by_id)[-1]["parent_span_id"] == caller_span]
         # A client span is written when it ends, after the server span it called: poll for stragglers.
-        if {(s["service"], s["name"]) for s in complete} >= set(required.items()):
+        if {(s["service"], s["name"]) for s in complete} >= set(required.items()) and records:
             break
         assert time.monotonic() < deadline, [(s["service"], s["kind"], s["name"]) for s in spans]
         time.sleep(0.1)
+    # The record's span hangs off the router's span of the request, which the bridge called.
+    record_line = _ancestry(records[0], by_id)
+    assert [(s["service"], s["kind"]) for s in record_line[1:]][:1] == [("router", "SERVER")]
+    assert record_line[-1]["service"] == "bridge"
     assert {s["service"] for s in spans} >= set(SERVICES)
     for span in complete:
         line = _ancestry(span, by_id)

@@ -122,6 +122,27 @@ async def test_record_query_and_prices_over_grpc(service: UsageProcess) -> None:
         assert prices.default_price.cached_input_microusd_per_mtok == 100_000
 
 
+async def test_a_batch_records_each_once_and_a_bad_record_refuses_it_whole(service: UsageProcess) -> None:
+    async with create_channel(service.address) as channel:
+        usage = usage_pb2_grpc.UsageServiceStub(channel)
+        await usage.RecordUsage(record("b0", account_id="batched"))
+        records = [record(f"b{i}", account_id="batched").record for i in range(3)]
+        # b0 is in the ledger already; the second b2 is a retry inside the same batch.
+        reply = await usage.RecordUsageBatch(
+            usage_pb2.RecordUsageBatchRequest(records=[*records, records[2]])
+        )
+        assert [result.duplicate for result in reply.results] == [True, False, False, True]
+        assert len({result.cost_picousd for result in reply.results}) == 1
+
+        bad = [record("b3", account_id="batched").record, record("b4", account_id="batched", model="").record]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await usage.RecordUsageBatch(usage_pb2.RecordUsageBatchRequest(records=bad))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error_info_from_metadata(refused.value.trailing_metadata()).param == "records[1].model"
+        [row] = (await usage.QueryUsage(usage_pb2.QueryUsageRequest(account_id="batched"))).rows
+        assert row.requests == 3  # b0..b2 once each, nothing of the refused batch
+
+
 async def test_unset_finish_time_is_stamped_by_the_server(service: UsageProcess) -> None:
     before = int(time.time() * 1000)
     async with create_channel(service.address) as channel:

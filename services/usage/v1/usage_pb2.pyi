@@ -34,6 +34,7 @@ class UsageRecord(_message.Message):
     FINISHED_AT_MS_FIELD_NUMBER: _builtins.int
     REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id; the ledger's key."""
     account_id: _builtins.str
@@ -54,6 +55,10 @@ class UsageRecord(_message.Message):
     """Replica that served it."""
     priority: _builtins.str
     """"interactive" or "batch"."""
+    traceparent: _builtins.str
+    """W3C traceparent of the request this record closes, if it was traced: the ledger's span
+    for the record joins that request's trace, also when the record travels in a batch.
+    """
     def __init__(
         self,
         *,
@@ -67,10 +72,11 @@ class UsageRecord(_message.Message):
         finished_at_ms: _builtins.int = ...,
         replica_address: _builtins.str = ...,
         priority: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finished_at_ms", b"finished_at_ms", "model", b"model", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "replica_address", b"replica_address", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finished_at_ms", b"finished_at_ms", "model", b"model", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "replica_address", b"replica_address", "request_id", b"request_id", "session_id", b"session_id", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -125,6 +131,54 @@ class RecordUsageResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RecordUsageResponse: _TypeAlias = RecordUsageResponse  # noqa: Y015
+
+@_typing.final
+class RecordUsageBatchRequest(_message.Message):
+    """Record several requests' usage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageRecord]:
+        """The records; a request id seen before (in the ledger or earlier in the batch) is a no-op."""
+
+    def __init__(
+        self,
+        *,
+        records: _abc.Iterable[Global___UsageRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordUsageBatchRequest: _TypeAlias = RecordUsageBatchRequest  # noqa: Y015
+
+@_typing.final
+class RecordUsageBatchResponse(_message.Message):
+    """Outcomes, one per record, in the order of the request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecordUsageResponse]:
+        """As RecordUsage would have answered each record."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___RecordUsageResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordUsageBatchResponse: _TypeAlias = RecordUsageBatchResponse  # noqa: Y015
 
 @_typing.final
 class ModelPrice(_message.Message):

@@ -40,6 +40,11 @@ class UsageServiceStub:
                 request_serializer=cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageRequest.SerializeToString,
                 response_deserializer=cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageResponse.FromString,
                 _registered_method=True)
+        self.RecordUsageBatch = channel.unary_unary(
+                '/cachet.usage.v1.UsageService/RecordUsageBatch',
+                request_serializer=cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageBatchRequest.SerializeToString,
+                response_deserializer=cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageBatchResponse.FromString,
+                _registered_method=True)
         self.QueryUsage = channel.unary_unary(
                 '/cachet.usage.v1.UsageService/QueryUsage',
                 request_serializer=cachet_dot_usage_dot_v1_dot_usage__pb2.QueryUsageRequest.SerializeToString,
@@ -58,6 +63,14 @@ class UsageServiceServicer:
 
     def RecordUsage(self, request, context):
         """Record one request's usage; a second record with the same id is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordUsageBatch(self, request, context):
+        """Record several requests' usage in one ledger transaction (one fsync), each exactly as
+        RecordUsage would: the router sends what finished in the last few milliseconds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +97,11 @@ def add_UsageServiceServicer_to_server(servicer, server):
                     servicer.RecordUsage,
                     request_deserializer=cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageRequest.FromString,
                     response_serializer=cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageResponse.SerializeToString,
+            ),
+            'RecordUsageBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordUsageBatch,
+                    request_deserializer=cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageBatchRequest.FromString,
+                    response_serializer=cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageBatchResponse.SerializeToString,
             ),
             'QueryUsage': grpc.unary_unary_rpc_method_handler(
                     servicer.QueryUsage,
@@ -124,6 +142,33 @@ class UsageService:
             '/cachet.usage.v1.UsageService/RecordUsage',
             cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageRequest.SerializeToString,
             cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordUsageBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.usage.v1.UsageService/RecordUsageBatch',
+            cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageBatchRequest.SerializeToString,
+            cachet_dot_usage_dot_v1_dot_usage__pb2.RecordUsageBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

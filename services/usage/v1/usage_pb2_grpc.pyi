@@ -35,6 +35,10 @@ class UsageServiceStub:
     def __new__(cls, channel: _aio.Channel) -> UsageServiceAsyncStub: ...
     RecordUsage: _grpc.UnaryUnaryMultiCallable[_usage_pb2.RecordUsageRequest, _usage_pb2.RecordUsageResponse]
     """Record one request's usage; a second record with the same id is a no-op."""
+    RecordUsageBatch: _grpc.UnaryUnaryMultiCallable[_usage_pb2.RecordUsageBatchRequest, _usage_pb2.RecordUsageBatchResponse]
+    """Record several requests' usage in one ledger transaction (one fsync), each exactly as
+    RecordUsage would: the router sends what finished in the last few milliseconds.
+    """
     QueryUsage: _grpc.UnaryUnaryMultiCallable[_usage_pb2.QueryUsageRequest, _usage_pb2.QueryUsageResponse]
     """Tokens and cost grouped by account, model, day and session."""
     ListPrices: _grpc.UnaryUnaryMultiCallable[_usage_pb2.ListPricesRequest, _usage_pb2.ListPricesResponse]
@@ -47,6 +51,10 @@ class UsageServiceAsyncStub(UsageServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     RecordUsage: _aio.UnaryUnaryMultiCallable[_usage_pb2.RecordUsageRequest, _usage_pb2.RecordUsageResponse]  # type: ignore[assignment]
     """Record one request's usage; a second record with the same id is a no-op."""
+    RecordUsageBatch: _aio.UnaryUnaryMultiCallable[_usage_pb2.RecordUsageBatchRequest, _usage_pb2.RecordUsageBatchResponse]  # type: ignore[assignment]
+    """Record several requests' usage in one ledger transaction (one fsync), each exactly as
+    RecordUsage would: the router sends what finished in the last few milliseconds.
+    """
     QueryUsage: _aio.UnaryUnaryMultiCallable[_usage_pb2.QueryUsageRequest, _usage_pb2.QueryUsageResponse]  # type: ignore[assignment]
     """Tokens and cost grouped by account, model, day and session."""
     ListPrices: _aio.UnaryUnaryMultiCallable[_usage_pb2.ListPricesRequest, _usage_pb2.ListPricesResponse]  # type: ignore[assignment]
@@ -62,6 +70,16 @@ class UsageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_usage_pb2.RecordUsageResponse, _abc.Awaitable[_usage_pb2.RecordUsageResponse]]:
         """Record one request's usage; a second record with the same id is a no-op."""
+
+    @_abc_1.abstractmethod
+    def RecordUsageBatch(
+        self,
+        request: _usage_pb2.RecordUsageBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_usage_pb2.RecordUsageBatchResponse, _abc.Awaitable[_usage_pb2.RecordUsageBatchResponse]]:
+        """Record several requests' usage in one ledger transaction (one fsync), each exactly as
+        RecordUsage would: the router sends what finished in the last few milliseconds.
+        """
 
     @_abc_1.abstractmethod
     def QueryUsage(
