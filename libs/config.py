@@ -74,6 +74,8 @@ class EngineSettings(ServiceSettings):
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=16)
+    # Most tokens of async-queue work in one step (unset: a quarter of max_num_batched_tokens).
+    max_batch_tokens_per_step: int | None = Field(default=None, ge=1)
     max_waiting: int = Field(default=256, ge=1)
     max_model_len: int | None = Field(default=None, ge=16)
     # Ranks of one replica (its TP group). CACHET_EP, for mixture-of-experts models only: 1 cuts

@@ -142,6 +142,7 @@ def build_engine(
         scheduler_config=SchedulerConfig(
             max_model_len=runner.max_model_len,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_batch_tokens_per_step=settings.max_batch_tokens_per_step,
             max_num_seqs=settings.max_num_seqs,
             max_waiting=settings.max_waiting,
             eos_token_ids=tuple(runner.eos_token_ids),

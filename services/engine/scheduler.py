@@ -5,8 +5,12 @@ or decode phase: every running request asks for the tokens it has not computed
 yet (1 when decoding, the rest of its prompt when prefilling) and gets what the
 budget still holds, so a long prompt is computed in chunks across steps.
 Decoding requests are served first, so a long prompt never stalls them.
-Interactive requests are admitted before batch (async queue) ones, and the step
-that starts an interactive request carries no batch work.
+Interactive requests are admitted before batch (async queue) ones. While any
+interactive request is running or waiting, batch work spends at most
+``batch_token_budget`` tokens of a step, and the step that starts
+an interactive request carries none of its prompt work (its decodes, a token
+each, go on): a step's time grows with its tokens, and an interactive arrival
+waits for the step in flight and then its own.
 
 When the KV pool runs dry, the most recently arrived running request (batch
 work before interactive work) is preempted by recompute: its blocks are freed
@@ -38,6 +42,17 @@ class SchedulerConfig:
     max_waiting: int = 256
     # The model's end-of-sequence ids; ignored by requests with ignore_eos.
     eos_token_ids: tuple[int, ...] = ()
+    # Most tokens of batch (async queue) work in one step while interactive requests are
+    # about; None: a quarter of the step's budget. A step's time grows with its tokens, and
+    # an interactive arrival waits for the step in flight: batch prompt chunks must not make
+    # that step long. Enough for a full batch's decodes and a steady stream of short prompts.
+    max_batch_tokens_per_step: int | None = None
+
+    @property
+    def batch_token_budget(self) -> int:
+        if self.max_batch_tokens_per_step is not None:
+            return self.max_batch_tokens_per_step
+        return max(self.max_num_batched_tokens // 4, 1)
 
     def __post_init__(self) -> None:
         if (
@@ -63,9 +78,15 @@ class _PlanBuilder:
     """The step plan under construction; a preempted request can be taken back out."""
 
     budget: int
+    # What batch work may still spend of ``budget`` this step.
+    batch_budget: int
     new_requests: dict[str, NewRequest] = field(default_factory=dict)
     running: dict[str, RunningRequestDiff] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
+    batch_ids: set[str] = field(default_factory=set)
+
+    def budget_for(self, request: Request) -> int:
+        return self.budget if request.interactive else min(self.budget, self.batch_budget)
 
     def add_new(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
         self.new_requests[request.request_id] = NewRequest(
@@ -76,16 +97,20 @@ class _PlanBuilder:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
         )
-        self._spend(request.request_id, num_tokens)
+        self._spend(request, num_tokens)
 
     def add_running(self, request: Request, new_block_ids: list[int], num_tokens: int) -> None:
         self.running[request.request_id] = RunningRequestDiff(
             request.request_id, new_block_ids, request.num_computed_tokens
         )
-        self._spend(request.request_id, num_tokens)
+        self._spend(request, num_tokens)
 
     def drop(self, request_id: str) -> None:
-        self.budget += self.tokens.pop(request_id, 0)
+        tokens = self.tokens.pop(request_id, 0)
+        self.budget += tokens
+        if request_id in self.batch_ids:
+            self.batch_ids.discard(request_id)
+            self.batch_budget += tokens
         self.new_requests.pop(request_id, None)
         self.running.pop(request_id, None)
 
@@ -94,9 +119,12 @@ class _PlanBuilder:
             list(self.new_requests.values()), list(self.running.values()), self.tokens, finished_request_ids
         )
 
-    def _spend(self, request_id: str, num_tokens: int) -> None:
-        self.tokens[request_id] = num_tokens
+    def _spend(self, request: Request, num_tokens: int) -> None:
+        self.tokens[request.request_id] = num_tokens
         self.budget -= num_tokens
+        if not request.interactive:
+            self.batch_ids.add(request.request_id)
+            self.batch_budget -= num_tokens
 
 
 class Scheduler:
@@ -185,13 +213,17 @@ class Scheduler:
         a caller may skip the runner on an empty plan without losing them. The
         runner drops ``finished_request_ids`` before it adds ``new_requests``.
         """
-        plan = _PlanBuilder(budget=self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        # The cap protects interactive traffic; with none about, batch work takes whole steps.
+        interactive = self.waiting.num_interactive or any(r.interactive for r in self.running)
+        plan = _PlanBuilder(budget, batch_budget=self.config.batch_token_budget if interactive else budget)
         num_running = len(self.running)
-        self._schedule_running(plan, hold_batch=self._interactive_can_start())
+        hold_batch = self._interactive_can_start()
+        self._schedule_running(plan, hold_batch=hold_batch)
         # After a preemption blocks are short: admitting more would only thrash
         # (and could resume the victim in the very plan that drops it).
         if len(self.running) == num_running:
-            self._schedule_waiting(plan)
+            self._schedule_waiting(plan, admit_batch=not hold_batch)
         if not plan.tokens:
             return StepPlan()
         finished, self._finished_ids = self._finished_ids, set()
@@ -200,10 +232,12 @@ class Scheduler:
     def _interactive_can_start(self) -> bool:
         """True when the next request to admit is interactive and a seat and blocks await it.
 
-        Its first step then carries no batch work: the backlog's decodes and prompt chunks
-        beside a new interactive prefill would make its first token wait for them (the
-        async queue's promise is that interactive traffic keeps its latency). Batch work
-        resumes the step after. Only when the request surely fits (free blocks for its
+        Its first step then carries no batch prompt work: the backlog's prompt chunks beside
+        a new interactive prefill would make its first token wait for them (the async
+        queue's promise is that interactive traffic keeps its latency). Batch decodes stay:
+        a token each, and holding them cost the backlog a step per interactive arrival
+        (its drain fell to 0.6-0.75 of the free capacity in ``make bench``; 0.93 with
+        them). Batch prompts resume the step after. Only when the request surely fits (free blocks for its
         whole prompt, hits not counted), so held batch requests never keep blocks it needs.
         """
         if len(self.running) >= self.config.max_num_seqs:
@@ -218,9 +252,9 @@ class Scheduler:
         for request in sorted(self.running, key=self._is_prefilling):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if hold_batch and not request.interactive:
+            if hold_batch and not request.interactive and self._is_prefilling(request):
                 continue
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, plan.budget_for(request))
             if num_tokens <= 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, num_tokens, plan)
@@ -236,16 +270,18 @@ class Scheduler:
                 return None
         return new_blocks
 
-    def _schedule_waiting(self, plan: _PlanBuilder) -> None:
+    def _schedule_waiting(self, plan: _PlanBuilder, *, admit_batch: bool) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last.
 
         Requests not ready yet (grammar still compiling) are passed over, not waited for."""
         while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_ready()
-            if request is None:
+            if request is None or (not admit_batch and not request.interactive):
                 return
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget)
+            num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget_for(request))
+            if num_tokens <= 0:
+                return  # batch work has spent its share (interactive requests queue ahead of it)
             if self.kv.allocate_slots(request, num_tokens, hits) is None:
                 return  # keep queue order: wait for blocks rather than let others pass
             self.waiting.remove(request)

@@ -204,17 +204,36 @@ def test_interactive_requests_go_before_batch_ones():
     assert set(step(scheduler, runner).num_scheduled_tokens) == {"batch"}
 
 
-def test_a_starting_interactive_request_gets_a_step_without_batch_work():
-    scheduler, runner = make_scheduler(max_num_seqs=4)
-    batch = make_request("batch", [1, 2, 3], max_tokens=8, interactive=False)
-    scheduler.add_request(batch)
-    step(scheduler, runner)  # the batch request is decoding now
+def test_a_starting_interactive_request_gets_a_step_without_batch_prompt_work():
+    # A budget of 16 tokens a step, of which batch work may spend 4 beside interactive work.
+    scheduler, runner = make_scheduler(max_num_seqs=4, max_num_batched_tokens=16)
+    decoding = make_request("decoding", [1, 2, 3], max_tokens=8, interactive=False)
+    scheduler.add_request(decoding)
+    step(scheduler, runner)
+    long = make_request("long", list(range(10, 50)), max_tokens=4, interactive=False)
+    scheduler.add_request(long)
+    assert step(scheduler, runner).num_scheduled_tokens == {"decoding": 1, "long": 15}
     scheduler.add_request(make_request("chat", [4, 5, 6], max_tokens=8))
-    assert set(step(scheduler, runner).num_scheduled_tokens) == {"chat"}
-    # Its prefill done, the batch request decodes beside it again.
-    assert set(step(scheduler, runner).num_scheduled_tokens) == {"chat", "batch"}
+    # Batch decodes (a token each) stay; the batch prompt chunk waits one step.
+    assert step(scheduler, runner).num_scheduled_tokens == {"chat": 3, "decoding": 1}
+    assert step(scheduler, runner).num_scheduled_tokens == {"chat": 1, "decoding": 1, "long": 3}
     run_to_completion(scheduler, runner)
-    assert batch.output_token_ids == reference_output([1, 2, 3], 8)
+    assert decoding.output_token_ids == reference_output([1, 2, 3], 8)
+    assert long.output_token_ids == reference_output(list(range(10, 50)), 4)
+
+
+def test_batch_work_spends_at_most_its_share_of_a_step_beside_interactive_work():
+    # Alone, batch work takes whole steps.
+    scheduler, runner = make_scheduler(max_num_seqs=4, max_num_batched_tokens=8, max_batch_tokens_per_step=2)
+    scheduler.add_request(make_request("batch", list(range(1, 13)), max_tokens=2, interactive=False))
+    assert step(scheduler, runner).num_scheduled_tokens == {"batch": 8}
+    # Beside interactive work it gets its share; interactive work may spend the whole budget.
+    scheduler, runner = make_scheduler(max_num_seqs=4, max_num_batched_tokens=16)
+    scheduler.add_request(make_request("batch", list(range(1, 13)), max_tokens=2, interactive=False))
+    scheduler.add_request(make_request("chat", list(range(20, 32)), max_tokens=2))
+    assert step(scheduler, runner).num_scheduled_tokens == {"chat": 12}  # the chat's first step
+    assert step(scheduler, runner).num_scheduled_tokens == {"chat": 1, "batch": 4}
+    run_to_completion(scheduler, runner)
 
 
 def test_batch_work_is_not_held_for_an_interactive_request_that_cannot_start():
