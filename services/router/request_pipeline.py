@@ -6,7 +6,7 @@
       → MatchPrefix (cache index; down → score by load alone) → choose a replica
       → engine Generate stream → detokenize (in process, the tokenizer's own tokenizer)
       → stop strings → output parser → chunks
-      → RecordUsage once (request id is the ledger key)
+      → usage recorded once, in the recorder's next RecordUsageBatch (request id is the ledger key)
 
 ``RequestPipeline.start_*`` runs everything up to the engine's first message, so
 that every refusal (bad request, unknown model, no capacity) is an error status
