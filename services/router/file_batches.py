@@ -47,6 +47,7 @@ _ERRORS_PREFIX = "file-errors-"
 _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 _DEFAULT_PAGE, _MAX_PAGE = 20, 100
 
+_ENDED_UNCANCELLED = (router_pb2.OPEN_AI_BATCH_STATUS_COMPLETED, router_pb2.OPEN_AI_BATCH_STATUS_FAILED)
 _STATUSES = {
     BatchState.QUEUED: router_pb2.OPEN_AI_BATCH_STATUS_IN_PROGRESS,
     BatchState.RUNNING: router_pb2.OPEN_AI_BATCH_STATUS_IN_PROGRESS,
@@ -151,7 +152,12 @@ class FileBatches:
         return await self._view(request.batch_id, caller)
 
     async def cancel(self, request: router_pb2.GetBatchRequest, caller: Caller) -> router_pb2.Batch:
-        await self._record(request.batch_id, caller)  # a plain queued batch is not an OpenAI batch
+        before = await self._view(request.batch_id, caller)  # a plain queued batch is not an OpenAI batch
+        if before.status in _ENDED_UNCANCELLED:
+            # As OpenAI answers: a batch that ended is not cancelled after the fact (a cancelled
+            # one is, again, at no cost: the answer is the batch as it stands).
+            status = router_pb2.OpenAIBatchStatus.Name(before.status).removeprefix("OPEN_AI_BATCH_STATUS_")
+            raise InvalidArgument(f"Cannot cancel a batch with status '{status.lower()}'.", param="batch_id")
         await self._queue.cancel(router_pb2.CancelQueuedBatchRequest(request_id=request.batch_id), caller)
         return await self._view(request.batch_id, caller)
 
