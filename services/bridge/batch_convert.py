@@ -157,6 +157,24 @@ def batch_list_to_json(response: router_pb2.ListBatchesResponse) -> Json:
     }
 
 
+def webhook_attempts_to_json(response: router_pb2.ListWebhookAttemptsResponse) -> Json:
+    return {
+        "object": "list",
+        "webhook_url": response.webhook_url or None,
+        "state": response.state or None,
+        "data": [
+            {
+                "object": "webhook_attempt",
+                "attempt": attempt.attempt,
+                "at": attempt.at_ms,
+                "http_status": attempt.http_status or None,
+                "error": attempt.error or None,
+            }
+            for attempt in response.attempts
+        ],
+    }
+
+
 def results_to_jsonl(results: router_pb2.BatchResults) -> bytes:
     """An output or error file: one JSON object per line, in OpenAI's batch output shape."""
     return b"".join(

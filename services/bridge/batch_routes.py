@@ -15,7 +15,13 @@ from fastapi.responses import JSONResponse, Response
 from cachet.bridge import batch_convert
 from cachet.bridge.app import BackendsDep, CallerDep, _unary
 from cachet.bridge.auth import Caller
-from cachet.bridge.batch_schemas import BatchCreateBody, BatchList, BatchObject, FileObject
+from cachet.bridge.batch_schemas import (
+    BatchCreateBody,
+    BatchList,
+    BatchObject,
+    FileObject,
+    WebhookAttemptList,
+)
 from cachet.bridge.errors import ERROR_RESPONSES, BridgeError
 from cachet.router.v1 import router_pb2
 
@@ -104,6 +110,17 @@ async def cancel_batch(batch_id: str, request: Request, caller: CallerDep, backe
     message = router_pb2.GetBatchRequest(batch_id=batch_id)
     batch = await _unary(request, backends.inference.CancelBatch, message, caller)
     return JSONResponse(batch_convert.batch_to_json(batch))
+
+
+@api.get("/v1/batches/{batch_id}/webhook_attempts", response_model=WebhookAttemptList)
+async def list_webhook_attempts(
+    batch_id: str, request: Request, caller: CallerDep, backends: BackendsDep
+) -> Response:
+    """Every call of the batch's webhook so far, oldest first (a Cachet extension). Any queued
+    batch id works: an OpenAI batch's, or a Workers AI ``queueRequest`` request id."""
+    message = router_pb2.ListWebhookAttemptsRequest(request_id=batch_id)
+    response = await _unary(request, backends.inference.ListWebhookAttempts, message, caller)
+    return JSONResponse(batch_convert.webhook_attempts_to_json(response))
 
 
 @api.get("/v1/batches", response_model=BatchList)

@@ -121,6 +121,25 @@ class BatchList(_Answer):
     has_more: bool
 
 
+class WebhookAttemptObject(_Answer):
+    """One call of a batch's webhook (a Cachet extension; OpenAI has no such resource)."""
+
+    object: Literal["webhook_attempt"]
+    attempt: int = Field(description="1 for the first call, then one more per retry.")
+    at: int = Field(description="When the call was made, Unix time in milliseconds.")
+    http_status: int | None = Field(description="The receiver's HTTP status; null when no answer came.")
+    error: str | None = Field(description="Why the attempt failed; null when it succeeded.")
+
+
+class WebhookAttemptList(_Answer):
+    object: Literal["list"]
+    webhook_url: str | None = Field(description="Where the batch's end is announced; null: nowhere.")
+    state: Literal["pending", "delivered", "failed"] | None = Field(
+        description="null while the batch runs, or when it has no webhook."
+    )
+    data: list[WebhookAttemptObject]
+
+
 class BatchResponseOut(_Answer):
     status_code: int
     request_id: str

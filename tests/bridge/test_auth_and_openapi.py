@@ -120,6 +120,7 @@ async def test_openapi_declares_models_errors_and_streams() -> None:
         "/v1/batches",
         "/v1/batches/{batch_id}",
         "/v1/batches/{batch_id}/cancel",
+        "/v1/batches/{batch_id}/webhook_attempts",
     }
     chat = paths["/v1/chat/completions"]["post"]
     ok = chat["responses"]["200"]["content"]

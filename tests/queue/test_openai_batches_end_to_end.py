@@ -170,6 +170,11 @@ def test_a_batch_file_runs_with_the_openai_client(platform: Platform) -> None:
     assert described.purpose == "batch_output"
     assert described.bytes == len(client.files.content(done.output_file_id).content)
     assert batch.id in [listed.id for listed in client.batches.list()]
+    # An ended batch is not cancelled after the fact; OpenAI answers the same.
+    with pytest.raises(openai.BadRequestError) as ended:
+        client.batches.cancel(batch.id)
+    assert "status 'completed'" in str(ended.value)
+    assert client.batches.retrieve(batch.id).status == "completed"
 
 
 def test_completions_batches_and_list_pagination(platform: Platform) -> None:
@@ -220,6 +225,8 @@ def test_bad_requests_are_clear_errors(platform: Platform) -> None:
     assert only_bad.status == "failed" and only_bad.failed_at
     assert only_bad.errors is not None and only_bad.errors.data[0].line == 1
     assert (only_bad.request_counts.total, only_bad.request_counts.failed) == (1, 1)
+    with pytest.raises(openai.BadRequestError, match="status 'failed'"):
+        client.batches.cancel(only_bad.id)
 
 
 def test_another_account_sees_neither_files_nor_batches(platform: Platform) -> None:
@@ -373,3 +380,24 @@ def test_the_account_default_webhook_is_called_and_its_attempts_are_listed(platf
     with pytest.raises(grpc.RpcError) as foreign:
         inference.ListWebhookAttempts(listing, metadata=(("authorization", "Bearer sk-other"),), timeout=10)
     assert foreign.value.code() == grpc.StatusCode.NOT_FOUND
+    # The same over REST.
+    path = f"http://{platform.bridge.address}/v1/batches/{queued.request_id}/webhook_attempts"
+    listed = httpx.get(path, headers={"authorization": "Bearer sk-hooked"}, timeout=10)
+    assert listed.status_code == 200, listed.text
+    assert listed.json() == {
+        "object": "list",
+        "webhook_url": platform.receiver.url,
+        "state": "delivered",
+        "data": [
+            {
+                "object": "webhook_attempt",
+                "attempt": a.attempt,
+                "at": a.at_ms,
+                "http_status": a.http_status,
+                "error": a.error or None,
+            }
+            for a in attempts.attempts
+        ],
+    }
+    other = httpx.get(path, headers={"authorization": "Bearer sk-other"}, timeout=10)
+    assert other.status_code == 404 and other.json()["error"]["type"] == "not_found_error"
