@@ -131,7 +131,7 @@ def batch_to_json(batch: router_pb2.Batch) -> Json:
         "finalizing_at": batch.finalizing_at or None,
         "completed_at": batch.completed_at or None,
         "failed_at": batch.failed_at or None,
-        "expired_at": None,
+        "expired_at": batch.expired_at or None,
         "cancelling_at": batch.cancelling_at or None,
         "cancelled_at": batch.cancelled_at or None,
         "request_counts": {"total": batch.total, "completed": batch.completed, "failed": batch.failed},

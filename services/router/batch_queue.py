@@ -31,7 +31,16 @@ _STATUSES = {
     BatchState.DONE: router_pb2.BATCH_STATUS_DONE,
     BatchState.CANCELLING: router_pb2.BATCH_STATUS_CANCELLING,
     BatchState.CANCELLED: router_pb2.BATCH_STATUS_CANCELLED,
+    # Only OpenAI batches expire; a Workers AI batch has no window.
+    BatchState.EXPIRING: router_pb2.BATCH_STATUS_CANCELLING,
+    BatchState.EXPIRED: router_pb2.BATCH_STATUS_CANCELLED,
 }
+# What a job of an OpenAI batch whose completion window ended before it ran answers.
+EXPIRED_RESULT = router_pb2.QueuedResult(
+    error=router_pb2.RequestError(
+        code="EXPIRED", message="the batch's completion window ended before this request ran"
+    )
+)
 # What a job cancelled before it ran answers.
 CANCELLED_RESULT = router_pb2.QueuedResult(
     error=router_pb2.RequestError(code="CANCELLED", message="the batch was cancelled before this request ran")

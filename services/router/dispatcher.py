@@ -48,7 +48,9 @@ from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
 from cachet.errors import CachetError, ResourceExhausted, Unavailable
 from cachet.logs import get_logger
+from cachet.router.batch_queue import EXPIRED_RESULT
 from cachet.router.caller import Caller
+from cachet.router.file_batches import COMPLETION_WINDOW_SECONDS
 from cachet.router.queue_store import Job, QueueStore
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
@@ -59,6 +61,8 @@ log = get_logger(__name__)
 # After an engine refused a queued job, wait this long before trying the queue again:
 # the load reports that said "headroom" were stale, the next ones will not be.
 _REFUSAL_PAUSE_SECONDS = 0.5
+# How often the dispatcher ends OpenAI batches whose completion window is over.
+EXPIRY_SWEEP_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ class Dispatcher:
         max_attempts: int,
         max_in_flight: int = 0,
         on_batch_finished: Callable[[str], None] = lambda batch_id: None,
+        completion_window_seconds: float = COMPLETION_WINDOW_SECONDS,
+        expiry_sweep_seconds: float = EXPIRY_SWEEP_SECONDS,
     ) -> None:
         self._store = store
         self._pipeline = pipeline
@@ -139,6 +145,9 @@ class Dispatcher:
         self._max_attempts = max_attempts
         self._max_in_flight = max_in_flight
         self._on_batch_finished = on_batch_finished
+        self._completion_window_ms = int(completion_window_seconds * 1000)
+        self._expiry_sweep_seconds = expiry_sweep_seconds
+        self._next_expiry_sweep = 0.0
         # Unique per process: a restarted router must not mistake its old leases for its own.
         self.owner = f"router-{uuid.uuid4().hex[:12]}"
         self._last_account = ""
@@ -171,6 +180,7 @@ class Dispatcher:
     async def _loop(self) -> None:
         while True:
             try:
+                await self._expire_overdue_batches()
                 started = await self._start_one()
             except Exception:  # noqa: BLE001 - the only dispatcher of this router must outlive a bad moment
                 log.exception("queue dispatch failed")
@@ -179,6 +189,18 @@ class Dispatcher:
                 self._slot_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), self._poll_seconds)
+
+    async def _expire_overdue_batches(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now < self._next_expiry_sweep:
+            return
+        self._next_expiry_sweep = now + self._expiry_sweep_seconds
+        finished = await self._store.expire_file_batches(
+            self._completion_window_ms, EXPIRED_RESULT.SerializeToString()
+        )
+        for batch_id in finished:
+            log.info("batch expired", batch_id=batch_id)
+            self._on_batch_finished(batch_id)
 
     def free_slots(self) -> int:
         """How many more jobs may start now under the headroom rule."""

@@ -40,20 +40,29 @@ BATCH_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 COMPLETION_WINDOW = "24h"
-_WINDOW_SECONDS = 24 * 3600
+COMPLETION_WINDOW_SECONDS = 24 * 3600
 _OUTPUT_PREFIX = "file-output-"
 _ERRORS_PREFIX = "file-errors-"
 # OpenAI's limits on batch metadata.
 _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 _DEFAULT_PAGE, _MAX_PAGE = 20, 100
 
-_ENDED_UNCANCELLED = (router_pb2.OPEN_AI_BATCH_STATUS_COMPLETED, router_pb2.OPEN_AI_BATCH_STATUS_FAILED)
+_NOT_CANCELLABLE = (
+    router_pb2.OPEN_AI_BATCH_STATUS_COMPLETED,
+    router_pb2.OPEN_AI_BATCH_STATUS_FAILED,
+    router_pb2.OPEN_AI_BATCH_STATUS_FINALIZING,
+    router_pb2.OPEN_AI_BATCH_STATUS_EXPIRED,
+)
 _STATUSES = {
     BatchState.QUEUED: router_pb2.OPEN_AI_BATCH_STATUS_IN_PROGRESS,
     BatchState.RUNNING: router_pb2.OPEN_AI_BATCH_STATUS_IN_PROGRESS,
     BatchState.DONE: router_pb2.OPEN_AI_BATCH_STATUS_COMPLETED,
     BatchState.CANCELLING: router_pb2.OPEN_AI_BATCH_STATUS_CANCELLING,
     BatchState.CANCELLED: router_pb2.OPEN_AI_BATCH_STATUS_CANCELLED,
+    # Its window ended: lines not started never run; started ones finish, and their results
+    # are in the output file once the batch is ``expired``.
+    BatchState.EXPIRING: router_pb2.OPEN_AI_BATCH_STATUS_FINALIZING,
+    BatchState.EXPIRED: router_pb2.OPEN_AI_BATCH_STATUS_EXPIRED,
 }
 
 
@@ -153,7 +162,7 @@ class FileBatches:
 
     async def cancel(self, request: router_pb2.GetBatchRequest, caller: Caller) -> router_pb2.Batch:
         before = await self._view(request.batch_id, caller)  # a plain queued batch is not an OpenAI batch
-        if before.status in _ENDED_UNCANCELLED:
+        if before.status in _NOT_CANCELLABLE:
             # As OpenAI answers: a batch that ended is not cancelled after the fact (a cancelled
             # one is, again, at no cost: the answer is the batch as it stands).
             status = router_pb2.OpenAIBatchStatus.Name(before.status).removeprefix("OPEN_AI_BATCH_STATUS_")
@@ -259,7 +268,7 @@ def _batch(batch: BatchView, record: FileBatchRecord) -> router_pb2.Batch:
         completion_window=record.completion_window,
         status=_STATUSES[batch.state],
         created_at=created,
-        expires_at=created + _WINDOW_SECONDS,
+        expires_at=created + COMPLETION_WINDOW_SECONDS,
         total=len(batch.results) + len(record.rejected),
         completed=completed,
         failed=failed,
@@ -282,7 +291,11 @@ def _batch(batch: BatchView, record: FileBatchRecord) -> router_pb2.Batch:
         )
         return reply
     reply.in_progress_at = created
-    if batch.cancelled_at_ms is not None:
+    if batch.expired_at_ms is not None:
+        reply.finalizing_at = batch.expired_at_ms // 1000
+        if batch.finished:
+            reply.expired_at = finished
+    elif batch.cancelled_at_ms is not None:
         reply.cancelling_at = batch.cancelled_at_ms // 1000
         reply.cancelled_at = finished
     elif batch.finished:
@@ -323,11 +336,17 @@ def _error_lines(batch: BatchView, record: FileBatchRecord) -> list[router_pb2.B
     for position, (result, state) in enumerate(zip(batch.results, batch.job_states, strict=True)):
         custom_id = record.custom_ids[position]
         if state == JobState.CANCELLED:
+            expired = batch.expired_at_ms is not None
             lines.append(
                 router_pb2.BatchResultLine(
                     custom_id=custom_id,
                     line_error=router_pb2.BatchLineError(
-                        code="batch_cancelled", message="the batch was cancelled before this request ran"
+                        code="batch_expired" if expired else "batch_cancelled",
+                        message=(
+                            f"the batch's {COMPLETION_WINDOW} completion window ended before this request ran"
+                            if expired
+                            else "the batch was cancelled before this request ran"
+                        ),
                     ),
                     endpoint=record.endpoint,
                 )

@@ -13,6 +13,8 @@ tables, the same conditional updates):
   of every attempt that finishes, only the first is stored (*exactly once*), and
   only that call sees the batch finish (so the webhook is armed once).
 - ``release`` puts a leased job back (no capacity now) without counting an attempt.
+- ``expire_file_batches`` does the same for OpenAI batches older than their
+  completion window (OpenAI's ``expired``), and marks them expired.
 - ``cancel_batch`` ends every job that has not started (state ``cancelled``, with the
   caller's result) in one transaction, so the dispatcher can never lease one of them
   afterwards; jobs already leased finish, and the last of them finishes the batch.
@@ -98,6 +100,11 @@ CREATE TABLE IF NOT EXISTS batch_cancellations (
     batch_id TEXT PRIMARY KEY REFERENCES batches (batch_id),
     cancelled_at_ms INTEGER NOT NULL
 );
+-- OpenAI batches whose completion window ended before they did.
+CREATE TABLE IF NOT EXISTS batch_expirations (
+    batch_id TEXT PRIMARY KEY REFERENCES batches (batch_id),
+    expired_at_ms INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS files (
     file_id TEXT PRIMARY KEY,
     account_id TEXT NOT NULL,
@@ -152,7 +159,7 @@ class JobState(StrEnum):
     QUEUED = "queued"
     LEASED = "leased"
     DONE = "done"
-    CANCELLED = "cancelled"  # never ran: its batch was cancelled first
+    CANCELLED = "cancelled"  # never ran: its batch was cancelled (or expired) first
 
 
 # Jobs that will not run again (a result is stored).
@@ -165,6 +172,8 @@ class BatchState(StrEnum):
     DONE = "done"  # every job finished (with a result or an error)
     CANCELLING = "cancelling"  # cancelled; jobs that had started are still running
     CANCELLED = "cancelled"  # cancelled, and every started job finished
+    EXPIRING = "expiring"  # its completion window ended; jobs that had started are still running
+    EXPIRED = "expired"  # its completion window ended, and every started job finished
 
 
 @dataclass(frozen=True)
@@ -196,6 +205,7 @@ class BatchView:
     cancelled_at_ms: int | None = None
     # Per job, by position: a JobState value.
     job_states: list[str] = field(default_factory=list)
+    expired_at_ms: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -351,18 +361,21 @@ class QueueStore:
 
     def _batch(self, batch_id: str, account_id: str) -> BatchView | None:
         row = self._db.execute(
-            "SELECT model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms"
-            " FROM batches LEFT JOIN batch_cancellations USING (batch_id)"
+            "SELECT model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms,"
+            " expired_at_ms FROM batches LEFT JOIN batch_cancellations USING (batch_id)"
+            " LEFT JOIN batch_expirations USING (batch_id)"
             " WHERE batch_id = ? AND account_id = ?",
             (batch_id, account_id),
         ).fetchone()
         if row is None:
             return None
-        model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms = row
+        model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms, expired_at_ms = row
         jobs = self._db.execute(
             "SELECT state, result FROM jobs WHERE batch_id = ? ORDER BY position", (batch_id,)
         ).fetchall()
-        if cancelled_at_ms is not None:
+        if expired_at_ms is not None:
+            state = BatchState.EXPIRED if finished_at_ms is not None else BatchState.EXPIRING
+        elif cancelled_at_ms is not None:
             state = BatchState.CANCELLED if finished_at_ms is not None else BatchState.CANCELLING
         elif finished_at_ms is not None:
             state = BatchState.DONE
@@ -382,6 +395,7 @@ class QueueStore:
             finished_at_ms,
             cancelled_at_ms,
             [job_state for job_state, _ in jobs],
+            expired_at_ms,
         )
 
     async def cancel_batch(
@@ -418,6 +432,43 @@ class QueueStore:
             {"result": cancelled_result, "now": now, "batch": batch_id},
         ).rowcount
         return Cancellation(cancelled, batch_finished=self._finish_if_ended(db, batch_id, now))
+
+    async def expire_file_batches(self, window_ms: int, expired_result: bytes) -> list[str]:
+        """Expire every unfinished OpenAI batch created ``window_ms`` or longer ago.
+
+        As a cancel: its jobs that have not started end with ``expired_result``, started
+        ones run to their end. Returns the batches this call finished (their webhooks are
+        armed). A batch cancelled first stays cancelled.
+        """
+        return await self._run(
+            lambda: self._transaction(lambda db: self._expire(db, window_ms, expired_result))
+        )
+
+    def _expire(self, db: sqlite3.Connection, window_ms: int, expired_result: bytes) -> list[str]:
+        now = self._clock_ms()
+        overdue = [
+            batch_id
+            for (batch_id,) in db.execute(
+                "SELECT batch_id FROM file_batches JOIN batches USING (batch_id)"
+                " WHERE finished_at_ms IS NULL AND created_at_ms <= ?"
+                " AND batch_id NOT IN (SELECT batch_id FROM batch_expirations)"
+                " AND batch_id NOT IN (SELECT batch_id FROM batch_cancellations)",
+                (now - window_ms,),
+            ).fetchall()
+        ]
+        finished = []
+        for batch_id in overdue:
+            db.execute(
+                "INSERT INTO batch_expirations (batch_id, expired_at_ms) VALUES (?, ?)", (batch_id, now)
+            )
+            db.execute(
+                f"UPDATE jobs SET state = 'cancelled', result = :result, finished_at_ms = :now,"
+                f" lease_owner = '' WHERE batch_id = :batch AND {_RUNNABLE}",
+                {"result": expired_result, "now": now, "batch": batch_id},
+            )
+            if self._finish_if_ended(db, batch_id, now):
+                finished.append(batch_id)
+        return finished
 
     def _finish_if_ended(self, db: sqlite3.Connection, batch_id: str, now: int) -> bool:
         """Mark the batch finished (and arm its webhook) when no job is left to end; True if this call did."""

@@ -1178,6 +1178,7 @@ class Batch(_message.Message):
     ERRORS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    EXPIRED_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"batch-..." id."""
     endpoint: _builtins.str
@@ -1209,6 +1210,8 @@ class Batch(_message.Message):
     """Lines that failed or never ran."""
     model: _builtins.str
     """The model its lines use; empty when no line was valid."""
+    expired_at: _builtins.int
+    """Unix seconds when its completion window ended before it did; 0 when it did not."""
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """As given at creation."""
@@ -1246,10 +1249,11 @@ class Batch(_message.Message):
         errors: _abc.Iterable[Global___BatchLineError] | None = ...,
         model: _builtins.str = ...,
         usage: _common_pb2.Usage | None = ...,
+        expired_at: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed", b"completed", "completed_at", b"completed_at", "completion_window", b"completion_window", "created_at", b"created_at", "endpoint", b"endpoint", "error_file_id", b"error_file_id", "errors", b"errors", "expires_at", b"expires_at", "failed", b"failed", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "id", b"id", "in_progress_at", b"in_progress_at", "input_file_id", b"input_file_id", "metadata", b"metadata", "model", b"model", "output_file_id", b"output_file_id", "status", b"status", "total", b"total", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed", b"completed", "completed_at", b"completed_at", "completion_window", b"completion_window", "created_at", b"created_at", "endpoint", b"endpoint", "error_file_id", b"error_file_id", "errors", b"errors", "expired_at", b"expired_at", "expires_at", b"expires_at", "failed", b"failed", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "id", b"id", "in_progress_at", b"in_progress_at", "input_file_id", b"input_file_id", "metadata", b"metadata", "model", b"model", "output_file_id", b"output_file_id", "status", b"status", "total", b"total", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
