@@ -10,12 +10,14 @@ line: only when no line can run does it end ``failed``.
 Output and error files are not stored: ``file-output-<batch id>`` and
 ``file-errors-<batch id>`` name the batch's results, which ``GetFileContent`` hands
 to the bridge to render. Hence ``validating`` (done before ``CreateBatch`` answers)
-and ``finalizing`` (nothing to write) are never observed.
+is never observed, and ``finalizing`` only while a batch whose 24 h window ended
+waits for its started lines (then it is ``expired``).
 
 ``request_counts``: ``total`` is every line of the input file, ``completed`` the
 lines that answered, ``failed`` those refused or failed while running. Lines a
-cancel kept from running are in neither (and in the error file as
-``batch_cancelled``), just as the usage ledger holds only what ran.
+cancel or the window's end kept from running are in neither (and in the error
+file as ``batch_cancelled`` / ``batch_expired``), just as the usage ledger holds
+only what ran.
 """
 
 from __future__ import annotations
