@@ -78,7 +78,7 @@ class BatchQueue:
         return requested or self._default_webhooks.get(caller.account_id, "")
 
     async def get(self, request: router_pb2.GetQueuedBatchRequest, caller: Caller) -> router_pb2.QueuedBatch:
-        batch = await self._store.batch(request.request_id, caller.account_id)
+        batch = await self._store.batch(request.request_id, caller.account_id, results_once_finished=True)
         if batch is None:
             raise NotFound(f"no queued batch {request.request_id!r}", param="request_id")
         return _reply(batch)

@@ -191,7 +191,8 @@ class Job:
 
 @dataclass(frozen=True)
 class BatchView:
-    """A batch as its owner sees it; ``results`` are ``None`` for unfinished jobs."""
+    """A batch as its owner sees it; ``results`` are ``None`` for unfinished jobs, and empty
+    when the reader asked for them only once the batch finished and it has not."""
 
     batch_id: str
     account_id: str
@@ -355,11 +356,17 @@ class QueueStore:
         await self._run(lambda: self._transaction(insert))
         return batch_id
 
-    async def batch(self, batch_id: str, account_id: str) -> BatchView | None:
-        """The batch if it exists *and* belongs to ``account_id``; else None (callers answer 404)."""
-        return await self._run(lambda: self._batch(batch_id, account_id))
+    async def batch(
+        self, batch_id: str, account_id: str, *, results_once_finished: bool = False
+    ) -> BatchView | None:
+        """The batch if it exists *and* belongs to ``account_id``; else None (callers answer 404).
 
-    def _batch(self, batch_id: str, account_id: str) -> BatchView | None:
+        ``results_once_finished`` leaves the results out while the batch runs: a poll of a
+        running batch of a thousand jobs then reads their states, not every stored answer.
+        """
+        return await self._run(lambda: self._batch(batch_id, account_id, results_once_finished))
+
+    def _batch(self, batch_id: str, account_id: str, results_once_finished: bool = False) -> BatchView | None:
         row = self._db.execute(
             "SELECT model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms,"
             " expired_at_ms FROM batches LEFT JOIN batch_cancellations USING (batch_id)"
@@ -370,8 +377,9 @@ class QueueStore:
         if row is None:
             return None
         model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms, expired_at_ms = row
+        result_column = "NULL" if results_once_finished and finished_at_ms is None else "result"
         jobs = self._db.execute(
-            "SELECT state, result FROM jobs WHERE batch_id = ? ORDER BY position", (batch_id,)
+            f"SELECT state, {result_column} FROM jobs WHERE batch_id = ? ORDER BY position", (batch_id,)
         ).fetchall()
         if expired_at_ms is not None:
             state = BatchState.EXPIRED if finished_at_ms is not None else BatchState.EXPIRING
@@ -388,7 +396,7 @@ class QueueStore:
             account_id,
             model,
             state,
-            [result for _, result in jobs],
+            [] if result_column == "NULL" else [result for _, result in jobs],
             webhook_url,
             webhook_state,
             created_at_ms,

@@ -58,11 +58,16 @@ async def test_completion_is_stored_once_and_finishes_the_batch_once(store: Queu
     assert (late.stored, late.batch_finished) == (False, False)
     view = await store.batch(batch, "acct-a")
     assert view is not None and view.state is BatchState.RUNNING
+    assert view.results == [b"result from router-2", None]
+    # A poller that wants results only at the end reads the states alone meanwhile.
+    polled = await store.batch(batch, "acct-a", results_once_finished=True)
+    assert polled is not None and polled.results == [] and polled.job_states == ["done", "leased"]
     last = await store.complete(two, b"two done")
     assert (last.stored, last.batch_finished) == (True, True)
-    view = await store.batch(batch, "acct-a")
-    assert view is not None and view.state is BatchState.DONE
-    assert view.results == [b"result from router-2", b"two done"]
+    for results_once_finished in (False, True):
+        view = await store.batch(batch, "acct-a", results_once_finished=results_once_finished)
+        assert view is not None and view.state is BatchState.DONE
+        assert view.results == [b"result from router-2", b"two done"]
     assert view.webhook_state == "pending"
     assert await store.counts() == {"done": 2}
 
