@@ -79,30 +79,39 @@ class UsageRecorder:
             task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[tuple[usage_pb2.UsageRecord, asyncio.Future[bool]]]) -> None:
-        recorded = await self._record([record for record, _ in batch])
+        records = [record for record, _ in batch]
+        failure = await self._record(records)
+        if failure == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
+            # The ledger refuses a batch whole for one bad record (a client's over-long request
+            # id, say): send each alone, so that only that one is lost.
+            for item in batch:
+                await self._send([item])
+            return
+        if failure is not None:
+            # Nothing more this process can do; the log lines are the trail to reconcile from.
+            for record in records:
+                log.error(
+                    "usage not recorded",
+                    request_id=record.request_id,
+                    code=failure.name,
+                    record=str(record).replace("\n", " "),
+                )
         for _, future in batch:
             if not future.done():
-                future.set_result(recorded)
+                future.set_result(failure is None)
 
-    async def _record(self, records: list[usage_pb2.UsageRecord]) -> bool:
+    async def _record(self, records: list[usage_pb2.UsageRecord]) -> grpc.StatusCode | None:
+        """None once the ledger has ``records``; else the status of the last attempt."""
         backoff = _FIRST_BACKOFF_SECONDS
         request = usage_pb2.RecordUsageBatchRequest(records=records)
         for attempt in range(1, _ATTEMPTS + 1):
             try:
                 await self._stub.RecordUsageBatch(request, timeout=self._timeout)
-                return True
+                return None
             except grpc.aio.AioRpcError as error:
                 retryable = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not retryable or attempt == _ATTEMPTS:
-                    # Nothing more this process can do; the log lines are the trail to reconcile from.
-                    for record in records:
-                        log.error(
-                            "usage not recorded",
-                            request_id=record.request_id,
-                            code=error.code().name,
-                            record=str(record).replace("\n", " "),
-                        )
-                    return False
+                    return error.code()
             await asyncio.sleep(backoff)
             backoff *= 2
-        return False  # not reached: the last attempt returns above
+        raise AssertionError("unreachable: the last attempt returns")

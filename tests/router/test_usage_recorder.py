@@ -88,3 +88,13 @@ async def test_an_unreachable_ledger_gives_up_and_says_so(tmp_path: Path) -> Non
     async with create_channel(f"127.0.0.1:{free_port()}") as channel:
         recorder = UsageRecorder(usage_pb2_grpc.UsageServiceStub(channel), timeout_seconds=1, flush_seconds=0)
         assert await asyncio.wait_for(recorder.submit(_record("nobody")), 30) is False
+
+
+async def test_a_record_the_ledger_refuses_loses_only_itself(usage_stub) -> None:
+    account = f"acct-{uuid.uuid4().hex[:8]}"
+    recorder = UsageRecorder(usage_stub, timeout_seconds=10, flush_seconds=0.05)
+    bad = _record(account)
+    bad.request_id = "r" * 600  # over the ledger's 512-character id limit
+    futures = [recorder.submit(_record(account)), recorder.submit(bad), recorder.submit(_record(account))]
+    assert await asyncio.wait_for(asyncio.gather(*futures), 10) == [True, False, True]
+    assert await _requests_recorded(usage_stub, account) == 2
