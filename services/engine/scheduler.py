@@ -237,8 +237,9 @@ class Scheduler:
         queue's promise is that interactive traffic keeps its latency). Batch decodes stay:
         a token each, and holding them cost the backlog a step per interactive arrival
         (its drain fell to 0.6-0.75 of the free capacity in ``make bench``; 0.93 with
-        them). Batch prompts resume the step after. Only when the request surely fits (free blocks for its
-        whole prompt, hits not counted), so held batch requests never keep blocks it needs.
+        them). Batch prompts resume the step after. Only when the request surely fits
+        (free blocks for its whole prompt, hits not counted), so held batch requests never
+        keep blocks it needs.
         """
         if len(self.running) >= self.config.max_num_seqs:
             return False
