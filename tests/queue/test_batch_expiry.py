@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from settable_clock import Clock
@@ -19,13 +17,6 @@ from cachet.router.v1 import router_pb2
 
 WINDOW_MS = 24 * 3600 * 1000
 EXPIRED = EXPIRED_RESULT.SerializeToString()
-
-
-@pytest.fixture
-async def store(tmp_path: Path, clock: Clock) -> AsyncIterator[QueueStore]:
-    opened = QueueStore(tmp_path / "queue.sqlite3", clock_ms=clock)
-    yield opened
-    await opened.close()
 
 
 def record(custom_ids: list[str]) -> FileBatchRecord:
