@@ -104,7 +104,8 @@ class UsageRecorder:
         """None once the ledger has ``records``; else the status of the last attempt."""
         backoff = _FIRST_BACKOFF_SECONDS
         request = usage_pb2.RecordUsageBatchRequest(records=records)
-        for attempt in range(1, _ATTEMPTS + 1):
+        attempt = 1
+        while True:
             try:
                 await self._stub.RecordUsageBatch(request, timeout=self._timeout)
                 return None
@@ -114,4 +115,4 @@ class UsageRecorder:
                     return error.code()
             await asyncio.sleep(backoff)
             backoff *= 2
-        raise AssertionError("unreachable: the last attempt returns")
+            attempt += 1

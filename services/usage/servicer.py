@@ -16,7 +16,7 @@ from cachet.tracing import context_from_traceparent, get_tracer
 from cachet.usage import metrics
 from cachet.usage.ledger import SqliteLedger
 from cachet.usage.prices import ModelPrice, PriceTable
-from cachet.usage.records import UsageEntry, UsageQuery, UsageTotals, parse_group_by
+from cachet.usage.records import RecordOutcome, UsageEntry, UsageQuery, UsageTotals, parse_group_by
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
 SERVICE_NAME = usage_pb2.DESCRIPTOR.services_by_name["UsageService"].full_name
@@ -68,6 +68,10 @@ def row_to_proto(totals: UsageTotals) -> usage_pb2.UsageRow:
     )
 
 
+def outcome_to_proto(outcome: RecordOutcome) -> usage_pb2.RecordUsageResponse:
+    return usage_pb2.RecordUsageResponse(duplicate=outcome.duplicate, cost_picousd=outcome.cost_picousd)
+
+
 def price_to_proto(model: str, price: ModelPrice) -> usage_pb2.ModelPrice:
     return usage_pb2.ModelPrice(model=model, **price.model_dump())
 
@@ -85,7 +89,7 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
         entry = entry_from_proto(request.record, now_ms=int(time.time() * 1000))
         outcome = await self._ledger.record(entry, self._prices.price_for(entry.model))
         metrics.observe_record(entry, outcome)
-        return usage_pb2.RecordUsageResponse(duplicate=outcome.duplicate, cost_picousd=outcome.cost_picousd)
+        return outcome_to_proto(outcome)
 
     async def RecordUsageBatch(
         self, request: usage_pb2.RecordUsageBatchRequest, context: grpc.aio.ServicerContext
@@ -118,12 +122,7 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
                 span.end()
         for entry, outcome in zip(entries, outcomes, strict=True):
             metrics.observe_record(entry, outcome)
-        return usage_pb2.RecordUsageBatchResponse(
-            results=[
-                usage_pb2.RecordUsageResponse(duplicate=outcome.duplicate, cost_picousd=outcome.cost_picousd)
-                for outcome in outcomes
-            ]
-        )
+        return usage_pb2.RecordUsageBatchResponse(results=[outcome_to_proto(outcome) for outcome in outcomes])
 
     async def QueryUsage(
         self, request: usage_pb2.QueryUsageRequest, context: grpc.aio.ServicerContext
