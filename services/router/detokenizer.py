@@ -18,44 +18,28 @@ import grpc
 from tokenizers import Tokenizer
 
 from cachet.incremental_detokenizer import IncrementalDetokenizer
+from cachet.router.fetched_once import FetchedOnce
 from cachet.router.upstream_errors import domain_error
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 
 class Detokenizers:
-    """Makes a model's incremental detokenizers; its tokenizer is fetched once and kept
-    (a model's vocabulary never changes). Requests that arrive while the first fetch runs
-    wait for that one; a fetch that failed is tried again by the next request."""
+    """Makes a model's incremental detokenizers from its tokenizer, fetched once."""
 
     def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub, timeout_seconds: float) -> None:
         self._stub = tokenizer
         self._timeout = timeout_seconds
-        self._fetches: dict[str, asyncio.Future[Tokenizer]] = {}
+        self._tokenizers = FetchedOnce(self._fetch)
 
     async def new(
         self, model: str, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool
     ) -> IncrementalDetokenizer:
-        tokenizer = await self._tokenizer(model)
+        tokenizer = await self._tokenizers.get(model)
 
         def decode(token_ids: Sequence[int]) -> str:
             return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
         return IncrementalDetokenizer(decode, prompt_token_ids)
-
-    async def _tokenizer(self, model: str) -> Tokenizer:
-        fetch = self._fetches.get(model)
-        if fetch is not None and fetch.done() and not fetch.cancelled() and fetch.exception() is None:
-            return fetch.result()
-        if fetch is None or fetch.done():
-            fetch = self._fetches[model] = asyncio.ensure_future(self._fetch(model))
-        try:
-            # Shielded: one waiting request going away must not cancel the others' fetch.
-            return await asyncio.shield(fetch)
-        except BaseException:
-            failed = fetch.done() and (fetch.cancelled() or fetch.exception() is not None)
-            if failed and self._fetches.get(model) is fetch:
-                del self._fetches[model]
-            raise
 
     async def _fetch(self, model: str) -> Tokenizer:
         try:

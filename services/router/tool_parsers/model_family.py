@@ -25,6 +25,7 @@ from enum import Enum
 
 import grpc
 
+from cachet.router.fetched_once import FetchedOnce
 from cachet.router.tool_parsers import kimi_k2, reasoning
 from cachet.router.upstream_errors import domain_error
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -56,21 +57,21 @@ def family_of(info: tokenizer_pb2.ModelInfo) -> ModelFamily:
 
 
 class ModelFamilies:
-    """Each model's family, asked of the tokenizer service once and kept (a model's vocabulary never changes)."""
+    """Each model's family, asked of the tokenizer service once."""
 
     def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub, timeout_seconds: float) -> None:
         self._tokenizer = tokenizer
         self._timeout = timeout_seconds
-        self._known: dict[str, ModelFamily] = {}
+        self._families = FetchedOnce(self._fetch)
 
     async def get(self, model: str) -> ModelFamily:
-        family = self._known.get(model)
-        if family is None:
-            try:
-                info = await self._tokenizer.GetModelInfo(
-                    tokenizer_pb2.GetModelInfoRequest(model=model), timeout=self._timeout
-                )
-            except grpc.aio.AioRpcError as error:
-                raise domain_error(error, "tokenizer") from error
-            family = self._known[model] = family_of(info)
-        return family
+        return await self._families.get(model)
+
+    async def _fetch(self, model: str) -> ModelFamily:
+        try:
+            info = await self._tokenizer.GetModelInfo(
+                tokenizer_pb2.GetModelInfoRequest(model=model), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as error:
+            raise domain_error(error, "tokenizer") from error
+        return family_of(info)
