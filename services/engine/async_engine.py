@@ -55,6 +55,39 @@ class ThroughputWindow:
         return rates
 
 
+class OutputSink:
+    """Where one request's outputs wait for the gRPC side.
+
+    Each message costs this process's event loop, which shares the interpreter lock with the
+    step loop, so fewer messages mean shorter steps on a busy replica. A consumer that fell
+    behind gets everything waiting in one message; one that asked for the first and final
+    outputs only (a caller that does not stream, such as a queued job) gets two.
+    """
+
+    def __init__(self, *, interactive: bool, first_and_final: bool) -> None:
+        self.interactive = interactive
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._hold_until_final = first_and_final
+        self._sent_first = False
+        self._held: RequestOutput | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        if self._held is not None:
+            output = self._held.followed_by(output)
+            self._held = None
+        if self._hold_until_final and self._sent_first and not output.finished:
+            self._held = output
+            return
+        self._sent_first = True
+        self._queue.put_nowait(output)
+
+    async def get(self) -> RequestOutput:
+        output = await self._queue.get()
+        while not output.finished and not self._queue.empty():
+            output = output.followed_by(self._queue.get_nowait())
+        return output
+
+
 class KvEventSubscriber:
     """One follower's queue of KV event batches, starting with a snapshot."""
 
@@ -70,7 +103,7 @@ class AsyncEngine:
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.throughput = ThroughputWindow()
         self._commands: queue.Queue[_Command] = queue.Queue()
-        self._outputs: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._outputs: dict[str, OutputSink] = {}
         self._kv_subscribers: list[KvEventSubscriber] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -98,9 +131,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- requests
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until its terminal one; leaving early aborts it."""
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async def generate(
+        self, request: Request, *, first_and_final: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until its terminal one; leaving early aborts it.
+
+        ``first_and_final``: only the first output and then one with every later token."""
+        outputs = OutputSink(interactive=request.interactive, first_and_final=first_and_final)
         self._outputs[request.request_id] = outputs
         try:
             await self._call(lambda: self.core.add_request(request))
@@ -232,10 +269,18 @@ class AsyncEngine:
     # ------------------------------------------------- back on the event loop
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # Interactive consumers wake first: a new request's first token is last in step order.
+        later: list[tuple[OutputSink, RequestOutput]] = []
         for output in outputs:
             target = self._outputs.get(output.request_id)
-            if target is not None:
-                target.put_nowait(output)
+            if target is None:
+                continue
+            if target.interactive:
+                target.put(output)
+            else:
+                later.append((target, output))
+        for target, output in later:
+            target.put(output)
 
     def _on_kv_events(self, events: list[KvEvent]) -> None:
         # Called on the engine thread inside step(); fan out on the event loop, in order.
@@ -249,7 +294,7 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for request_id, target in list(self._outputs.items()):
             log.error("request failed with the engine loop", request_id=request_id, error=str(error))
-            target.put_nowait(_failed_output(request_id))
+            target.put(_failed_output(request_id))
         self._outputs.clear()
 
 

@@ -68,6 +68,15 @@ class RequestOutput:
     def finish_reason(self) -> common_pb2.FinishReason.ValueType:
         return self.status.finish_reason
 
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One output for this step and ``later`` ones: their tokens in order, ``later``'s state."""
+        assert not self.finished and later.request_id == self.request_id, (self, later)
+        return dataclasses.replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            logprobs=self.logprobs + later.logprobs,
+        )
+
 
 @dataclass
 class EngineCore:

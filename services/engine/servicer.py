@@ -36,7 +36,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         first = True
         # aclosing: when the client goes away this generator is closed, and the engine's
         # must close at once too (that is what aborts the request), not whenever GC runs.
-        async with contextlib.aclosing(self._engine.generate(domain)) as outputs:
+        first_and_final = request.output_kind == engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL
+        async with contextlib.aclosing(
+            self._engine.generate(domain, first_and_final=first_and_final)
+        ) as outputs:
             async for output in outputs:
                 if output.error:
                     # Only a request refused before it produced anything carries an error.

@@ -294,11 +294,13 @@ class Dispatcher:
             chat = queued.chat
             chat.request_id = job.request_id
             caller = Caller(job.account_id, chat.session_id)
-            return await self._pipeline.start_chat(chat, caller, common_pb2.PRIORITY_BATCH)
+            return await self._pipeline.start_chat(chat, caller, common_pb2.PRIORITY_BATCH, stream=False)
         completion = queued.completion
         completion.request_id = job.request_id
         caller = Caller(job.account_id, completion.session_id)
-        return await self._pipeline.start_completion(completion, caller, common_pb2.PRIORITY_BATCH)
+        return await self._pipeline.start_completion(
+            completion, caller, common_pb2.PRIORITY_BATCH, stream=False
+        )
 
     async def _renew(self, job: Job) -> None:
         while True:

@@ -79,6 +79,9 @@ class GenerationRequest:
     # it before, interactive requests.
     priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE
     output: OutputSetup = field(default=PLAIN_TEXT)  # how the answer is decoded and parsed
+    # False when the caller takes the whole answer at once: the engine then sends the first
+    # token (the sign it started) and the rest in one message, not a message per step.
+    stream: bool = True
 
 
 class _Refused(Exception):
@@ -118,6 +121,8 @@ class RequestPipeline:
         request: router_pb2.ChatCompletionRequest,
         caller: Caller,
         priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE,
+        *,
+        stream: bool = True,
     ) -> Generation:
         arrived = time.monotonic()
         with _counting_failures():
@@ -138,6 +143,7 @@ class RequestPipeline:
                 arrived,
                 priority,
                 output_setup_for(family, tools),
+                stream,
             )
             return await self._start(generation, engine)
 
@@ -146,6 +152,8 @@ class RequestPipeline:
         request: router_pb2.CompletionRequest,
         caller: Caller,
         priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE,
+        *,
+        stream: bool = True,
     ) -> Generation:
         arrived = time.monotonic()
         with _counting_failures():
@@ -162,6 +170,7 @@ class RequestPipeline:
                 "",
                 arrived,
                 priority,
+                stream=stream,
             )
             return await self._start(generation, engine)
 
@@ -283,6 +292,9 @@ class RequestPipeline:
                 sampling=request.sampling,
                 response_format=request.response_format,
                 priority=request.priority,
+                output_kind=engine_pb2.OUTPUT_KIND_DELTA
+                if request.stream
+                else engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,
             )
         )
         replica.in_flight += 1

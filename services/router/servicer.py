@@ -36,7 +36,8 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
 
     async def CreateChatCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
         caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
-        return await _owned(await self._pipeline.start_chat(request, caller), context).collect()
+        generation = await self._pipeline.start_chat(request, caller, stream=False)
+        return await _owned(generation, context).collect()
 
     async def StreamChatCompletion(self, request, context) -> AsyncIterator[router_pb2.ChatCompletionChunk]:  # noqa: N802
         caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
@@ -47,7 +48,8 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
 
     async def CreateCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
         caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
-        return await _owned(await self._pipeline.start_completion(request, caller), context).collect()
+        generation = await self._pipeline.start_completion(request, caller, stream=False)
+        return await _owned(generation, context).collect()
 
     async def StreamCompletion(self, request, context) -> AsyncIterator[router_pb2.ChatCompletionChunk]:  # noqa: N802
         caller = self._accounts.caller(context.invocation_metadata(), request.session_id)

@@ -70,6 +70,30 @@ async def test_streams_tokens_with_usage_and_reuses_the_prefix(engine: ServicePr
         assert again[-1].usage.cached_tokens == 48
 
 
+async def test_first_and_final_sends_the_same_tokens_in_two_messages(engine: ServiceProcess) -> None:
+    prompt = list(range(500, 530))
+    sampling = {"temperature": 0, "max_tokens": 10, "ignore_eos": True, "logprobs": True}
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        every_step = await _collect(stub, _request("delta-1", prompt, **sampling))
+        coalesced_request = _request("first-final-1", prompt, **sampling)
+        coalesced_request.output_kind = engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL
+        first, last = await _collect(stub, coalesced_request)
+        one_token_request = _request("first-final-2", prompt, temperature=0, max_tokens=1)
+        one_token_request.output_kind = engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL
+        (only,) = await _collect(stub, one_token_request)
+
+    assert len(every_step) == 10
+    assert len(first.token_ids) == 1 and first.usage.prompt_tokens == 30
+    assert first.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert list(first.token_ids) + list(last.token_ids) == [t for r in every_step for t in r.token_ids]
+    assert [lp.token_id for lp in (*first.logprobs, *last.logprobs)] == list(first.token_ids) + list(
+        last.token_ids
+    )
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 10
+    assert only.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(only.token_ids) == 1
+
+
 async def test_kv_events_name_the_blocks_the_engine_stored(engine: ServiceProcess) -> None:
     prompt = list(range(300, 340))
     async with grpc.aio.insecure_channel(engine.address) as channel:

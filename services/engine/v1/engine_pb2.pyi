@@ -10,6 +10,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -20,6 +21,32 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _OutputKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OutputKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OutputKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OUTPUT_KIND_DELTA: _OutputKind.ValueType  # 0
+    """A message per engine step that sampled (tokens already waiting are sent together)."""
+    OUTPUT_KIND_FIRST_AND_FINAL: _OutputKind.ValueType  # 1
+    """The first message (first token, usage with cached tokens), then one last message with
+    every later token: for callers that do not stream, such as queued jobs. Every step's
+    message costs both ends CPU, and on a busy replica that CPU is the step loop's.
+    """
+
+class OutputKind(_OutputKind, metaclass=_OutputKindEnumTypeWrapper):
+    """How the engine streams a generation's tokens."""
+
+OUTPUT_KIND_DELTA: OutputKind.ValueType  # 0
+"""A message per engine step that sampled (tokens already waiting are sent together)."""
+OUTPUT_KIND_FIRST_AND_FINAL: OutputKind.ValueType  # 1
+"""The first message (first token, usage with cached tokens), then one last message with
+every later token: for callers that do not stream, such as queued jobs. Every step's
+message costs both ends CPU, and on a busy replica that CPU is the step loop's.
+"""
+Global___OutputKind: _TypeAlias = OutputKind  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
@@ -34,6 +61,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    OUTPUT_KIND_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen unique id; the same id is used for abort and usage."""
     model: _builtins.str
@@ -42,6 +70,8 @@ class GenerateRequest(_message.Message):
     """Interactive or queued work."""
     cache_salt: _builtins.str
     """Extra seed of the prefix block hash, isolating caches (e.g. per tenant)."""
+    output_kind: Global___OutputKind.ValueType
+    """Which messages the stream carries."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids (chat template already applied); at least one."""
@@ -64,10 +94,11 @@ class GenerateRequest(_message.Message):
         response_format: _common_pb2.ResponseFormat | None = ...,
         priority: _common_pb2.Priority.ValueType = ...,
         cache_salt: _builtins.str = ...,
+        output_kind: Global___OutputKind.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "output_kind", b"output_kind", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
