@@ -10,7 +10,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cachet.engine.model_runner import ModelRunner
-from cachet.engine.sampler import SamplingRow, apply_penalties, apply_top_k_top_p_min_p, sample, skip_draws
+from cachet.engine.sampler import (
+    SamplingRow,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+    argmax_rows,
+    sample,
+    skip_draws,
+)
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.step_plan import NewRequest, RunningRequestDiff, StepPlan
 
@@ -286,3 +293,17 @@ def test_runner_records_logprobs(model_dir: Path) -> None:
     assert token.top_logprobs[0][0] == token.token_id
     assert token.logprob == pytest.approx(token.top_logprobs[0][1])
     assert math.isfinite(token.logprob) and token.logprob <= 0.0
+
+
+def test_argmax_rows_matches_torch_argmax_with_ties_and_masked_rows() -> None:
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(8, 49_152, generator=generator)
+    values[1, 10] = values[1, 20] = values[1].max() + 1  # a tie: the first index wins
+    values[2] = float("-inf")  # every token forbidden
+    values[3, 7] = float("inf")
+    expected = values.argmax(dim=-1)
+    assert torch.equal(argmax_rows(values), expected)
+    assert argmax_rows(values)[1] == 10 and argmax_rows(values).dtype == torch.int64
+    # Non-contiguous input (a column slice) and a non-float32 dtype take the same answer.
+    assert torch.equal(argmax_rows(values[:, :1000]), values[:, :1000].argmax(dim=-1))
+    assert torch.equal(argmax_rows(values.double()), expected)
