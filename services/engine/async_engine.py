@@ -204,7 +204,7 @@ class AsyncEngine:
 
     @property
     def num_waiting_interactive(self) -> int:
-        return sum(1 for request in self.core.scheduler.waiting if request.interactive)
+        return self.core.scheduler.num_interactive_left_waiting
 
     @property
     def num_free_blocks(self) -> int:

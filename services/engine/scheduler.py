@@ -15,7 +15,10 @@ waits for the step in flight and then its own.
 When the KV pool runs dry, the most recently arrived running request (batch
 work before interactive work) is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue; when it resumes it
-re-prefills prompt + output, mostly from the prefix cache.
+re-prefills prompt + output, mostly from the prefix cache. An interactive
+request that finds every seat taken preempts the newest batch request the same
+way, so batch work never makes interactive work wait for a seat (a long batch
+generation could hold one for many seconds).
 """
 
 from __future__ import annotations
@@ -146,6 +149,10 @@ class Scheduler:
         self._arrival_seq: dict[str, int] = {}
         self._counter = itertools.count()
         self._finished_ids: set[str] = set()
+        # Interactive requests the last schedule() could not admit (no seat or KV room), ready
+        # ones only: what says a replica has no slack to lend batch work. One that arrived
+        # since is not counted: it joins the next step, as it would on an idle replica.
+        self.num_interactive_left_waiting = 0
 
     # ---------------------------------------------------------------- requests
 
@@ -224,6 +231,9 @@ class Scheduler:
         # (and could resume the victim in the very plan that drops it).
         if len(self.running) == num_running:
             self._schedule_waiting(plan, admit_batch=not hold_batch)
+        self.num_interactive_left_waiting = sum(
+            1 for request in self.waiting.interactive_requests() if request.is_ready
+        )
         if not plan.tokens:
             return StepPlan()
         finished, self._finished_ids = self._finished_ids, set()
@@ -241,7 +251,7 @@ class Scheduler:
         (free blocks for its whole prompt, hits not counted), so held batch requests never
         keep blocks it needs.
         """
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) >= self.config.max_num_seqs and self._newest_batch_request() is None:
             return False
         request = self.waiting.peek_ready()
         if request is None or not request.interactive:
@@ -275,10 +285,15 @@ class Scheduler:
         """Admit waiting requests in queue order while budget, seats and blocks last.
 
         Requests not ready yet (grammar still compiling) are passed over, not waited for."""
-        while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while plan.budget > 0:
             request = self.waiting.peek_ready()
             if request is None or (not admit_batch and not request.interactive):
                 return
+            if len(self.running) >= self.config.max_num_seqs:
+                seat_holder = self._newest_batch_request() if request.interactive else None
+                if seat_holder is None:
+                    return
+                self._preempt(seat_holder, plan)
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget_for(request))
             if num_tokens <= 0:
@@ -296,6 +311,13 @@ class Scheduler:
             # Billing reports the hits of the first admission only.
             request.num_cached_tokens = num_hit_tokens
         self.running.append(request)
+
+    def _newest_batch_request(self) -> Request | None:
+        """The running batch request that gives up its seat to an interactive one."""
+        batch = [r for r in self.running if not r.interactive]
+        if not batch:
+            return None
+        return max(batch, key=lambda r: (r.arrival_time, self._arrival_seq[r.request_id]))
 
     def _pick_victim(self) -> Request:
         """Batch work before interactive work, then the most recent arrival."""

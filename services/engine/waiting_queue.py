@@ -31,6 +31,9 @@ class WaitingQueue:
     def num_interactive(self) -> int:
         return len(self._interactive)
 
+    def interactive_requests(self) -> Iterator[Request]:
+        yield from self._interactive
+
     def push(self, request: Request) -> None:
         self._queue_of(request).append(request)
 

@@ -3,8 +3,9 @@
 The headroom rule (knobs in ``RouterServiceSettings``, defaults in brackets):
 
 * If **any** available replica reports an interactive request waiting
-  (``waiting_interactive_requests > 0``), nothing new is dispatched: interactive
-  traffic is already queueing somewhere, so the fleet has no slack to lend.
+  (``waiting_interactive_requests > 0``: one its last step could not admit), nothing
+  new is dispatched: interactive traffic is already queueing somewhere, so the fleet
+  has no slack to lend.
 * Otherwise each available replica lends
   ``max(1, floor(max_running_requests × batch_max_running_fraction [0.75]))
   − running − waiting`` slots (never below 0), where running + waiting is the

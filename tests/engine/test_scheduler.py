@@ -236,13 +236,50 @@ def test_batch_work_spends_at_most_its_share_of_a_step_beside_interactive_work()
     run_to_completion(scheduler, runner)
 
 
-def test_batch_work_is_not_held_for_an_interactive_request_that_cannot_start():
-    # No free seat: holding the batch request back would only waste the step.
-    scheduler, runner = make_scheduler(max_num_seqs=1)
-    scheduler.add_request(make_request("batch", [1, 2, 3], max_tokens=4, interactive=False))
+def test_an_interactive_request_takes_the_seat_of_the_newest_batch_request():
+    scheduler, runner = make_scheduler(max_num_seqs=2)
+    older = make_request("older", [1, 2, 3], max_tokens=6, interactive=False)
+    newer = make_request("newer", [7, 8, 9], max_tokens=6, interactive=False)
+    scheduler.add_request(older)
+    scheduler.add_request(newer)
+    step(scheduler, runner)
     step(scheduler, runner)
     scheduler.add_request(make_request("chat", [4, 5, 6], max_tokens=4))
-    assert set(step(scheduler, runner).num_scheduled_tokens) == {"batch"}
+    plan = step(scheduler, runner)
+    assert set(plan.num_scheduled_tokens) == {"older", "chat"}
+    assert "newer" in plan.finished_request_ids and newer.status == RequestStatus.PREEMPTED
+    run_to_completion(scheduler, runner)
+    # The preempted request resumed where it was, recomputing what it had lost.
+    assert newer.output_token_ids == reference_output([7, 8, 9], 6)
+    assert older.output_token_ids == reference_output([1, 2, 3], 6)
+
+
+def test_interactive_requests_wait_for_a_seat_only_behind_interactive_ones():
+    scheduler, runner = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("first-chat", [1, 2, 3], max_tokens=4))
+    step(scheduler, runner)
+    scheduler.add_request(make_request("second-chat", [4, 5, 6], max_tokens=4))
+    plan = step(scheduler, runner)
+    assert set(plan.num_scheduled_tokens) == {"first-chat"} and not plan.finished_request_ids
+    run_to_completion(scheduler, runner)
+
+
+def test_only_interactive_requests_a_step_could_not_admit_count_as_left_waiting():
+    scheduler, runner = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("first-chat", [1, 2, 3], max_tokens=4))
+    scheduler.add_request(make_request("batch", [7, 8, 9], max_tokens=4, interactive=False))
+    assert scheduler.num_interactive_left_waiting == 0  # nothing scheduled yet
+    step(scheduler, runner)
+    assert scheduler.num_interactive_left_waiting == 0  # the chat got the seat, the batch waits
+    scheduler.add_request(make_request("second-chat", [4, 5, 6], max_tokens=4))
+    assert scheduler.num_interactive_left_waiting == 0  # arrived after the step
+    step(scheduler, runner)
+    assert scheduler.num_interactive_left_waiting == 1  # no seat: the first chat holds it
+    run_to_completion(scheduler, runner)
+    assert scheduler.num_interactive_left_waiting == 0
+
+
+def test_batch_work_is_not_held_for_an_interactive_request_that_cannot_start():
     # No free blocks for its prompt: the batch request holds them and must finish to free them.
     scheduler, runner = make_scheduler(num_blocks=3, max_num_seqs=2)
     scheduler.add_request(make_request("batch", list(range(1, 2 * BS + 1)), max_tokens=4, interactive=False))

@@ -242,7 +242,9 @@ class LoadReport(_message.Message):
     waiting_requests: _builtins.int
     """Requests waiting to join the batch."""
     waiting_interactive_requests: _builtins.int
-    """Interactive requests among the waiting ones."""
+    """Interactive requests the engine's last step could not admit (no free seat or KV
+    room). Ones that arrived since are not counted: they join the next step.
+    """
     free_kv_blocks: _builtins.int
     """KV blocks not held by any request (cached-but-free blocks count as free)."""
     total_kv_blocks: _builtins.int
