@@ -13,7 +13,9 @@ prompt of ``PROMPT_TOKENS`` random token ids (no two share a prefix block) and
 engine work for both kinds. In order, in the same run:
 
 1. **capacity**: ``max_num_seqs`` closed-loop clients calling ``CreateCompletion``
-   (interactive) for a window; completed requests/s is what the engine can do.
+   (interactive) for a window; completed requests/s is what the engine can do. Then
+   the same with ``StreamCompletion``: a stream costs the engine and the router a
+   message per step, a whole answer two (``OUTPUT_KIND_FIRST_AND_FINAL``).
 2. **interactive alone**: ``StreamCompletion`` arrivals at a fixed rate
    (``INTERACTIVE_SHARE`` of capacity, evenly spaced, open loop) for a window; time
    to first token is from sending to the first chunk. Every fourth arrival goes
@@ -120,7 +122,9 @@ def _percentile(ordered: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
 
-async def measure_capacity(stub, seconds: float, clients: int, rng: random.Random) -> float:
+async def measure_capacity(
+    stub, seconds: float, clients: int, rng: random.Random, *, stream: bool = False
+) -> float:
     """Completed requests/s with ``clients`` closed-loop callers keeping the engine full."""
     done = 0
     deadline = time.perf_counter() + seconds
@@ -128,7 +132,11 @@ async def measure_capacity(stub, seconds: float, clients: int, rng: random.Rando
     async def client() -> None:
         nonlocal done
         while time.perf_counter() < deadline:
-            await stub.CreateCompletion(_completion(rng), timeout=120)
+            if stream:
+                async for _ in stub.StreamCompletion(_completion(rng), timeout=120):
+                    pass
+            else:
+                await stub.CreateCompletion(_completion(rng), timeout=120)
             if time.perf_counter() <= deadline:
                 done += 1
 
@@ -227,6 +235,7 @@ async def measure(
         for clients in range(1, MAX_NUM_SEQS + 1):
             await measure_capacity(stub, 0.2, clients, rng)
         capacity = await measure_capacity(stub, window, MAX_NUM_SEQS, rng)
+        capacity_streaming = await measure_capacity(stub, window, MAX_NUM_SEQS, rng, stream=True)
         rate = INTERACTIVE_SHARE * capacity
         alone = await interactive_arrivals(stub, engine, rate, window, rng)
 
@@ -255,6 +264,7 @@ async def measure(
         "engine_max_num_seqs": MAX_NUM_SEQS,
         "window_s": window,
         "capacity_closed_loop_requests_per_s": capacity,
+        "capacity_streaming_requests_per_s": capacity_streaming,
         "drain_alone_requests_per_s": drain_alone,
         "capacity_requests_per_s": capacity_used,
         "interactive_rate_per_s": rate,
@@ -351,6 +361,11 @@ def _print(result: dict[str, Any]) -> None:
     print("-" * 76)
     rows = (
         ("capacity, closed loop (requests/s)", f"{result['capacity_closed_loop_requests_per_s']:.1f}", ""),
+        (
+            "  same, streaming clients (requests/s)",
+            f"{result['capacity_streaming_requests_per_s']:.1f}",
+            "",
+        ),
         ("capacity, backlog drain alone (requests/s)", f"{result['drain_alone_requests_per_s']:.1f}", ""),
         ("free capacity with interactive (requests/s)", f"{result['free_capacity_requests_per_s']:.1f}", ""),
         (
