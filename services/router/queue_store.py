@@ -434,12 +434,17 @@ class QueueStore:
             "INSERT OR IGNORE INTO batch_cancellations (batch_id, cancelled_at_ms) VALUES (?, ?)",
             (batch_id, now),
         )
-        cancelled = db.execute(
+        cancelled = self._end_unstarted_jobs(db, batch_id, cancelled_result, now)
+        return Cancellation(cancelled, batch_finished=self._finish_if_ended(db, batch_id, now))
+
+    @staticmethod
+    def _end_unstarted_jobs(db: sqlite3.Connection, batch_id: str, result: bytes, now: int) -> int:
+        """End (as ``cancelled``, with ``result``) the batch's jobs that are not running; how many."""
+        return db.execute(
             f"UPDATE jobs SET state = 'cancelled', result = :result, finished_at_ms = :now, lease_owner = ''"
             f" WHERE batch_id = :batch AND {_RUNNABLE}",
-            {"result": cancelled_result, "now": now, "batch": batch_id},
+            {"result": result, "now": now, "batch": batch_id},
         ).rowcount
-        return Cancellation(cancelled, batch_finished=self._finish_if_ended(db, batch_id, now))
 
     async def expire_file_batches(self, window_ms: int, expired_result: bytes) -> list[str]:
         """Expire every unfinished OpenAI batch created ``window_ms`` or longer ago.
@@ -469,11 +474,7 @@ class QueueStore:
             db.execute(
                 "INSERT INTO batch_expirations (batch_id, expired_at_ms) VALUES (?, ?)", (batch_id, now)
             )
-            db.execute(
-                f"UPDATE jobs SET state = 'cancelled', result = :result, finished_at_ms = :now,"
-                f" lease_owner = '' WHERE batch_id = :batch AND {_RUNNABLE}",
-                {"result": expired_result, "now": now, "batch": batch_id},
-            )
+            self._end_unstarted_jobs(db, batch_id, expired_result, now)
             if self._finish_if_ended(db, batch_id, now):
                 finished.append(batch_id)
         return finished
