@@ -86,7 +86,6 @@ class _PlanBuilder:
     new_requests: dict[str, NewRequest] = field(default_factory=dict)
     running: dict[str, RunningRequestDiff] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
-    batch_ids: set[str] = field(default_factory=set)
 
     def budget_for(self, request: Request) -> int:
         return self.budget if request.interactive else min(self.budget, self.batch_budget)
@@ -108,14 +107,13 @@ class _PlanBuilder:
         )
         self._spend(request, num_tokens)
 
-    def drop(self, request_id: str) -> None:
-        tokens = self.tokens.pop(request_id, 0)
+    def drop(self, request: Request) -> None:
+        tokens = self.tokens.pop(request.request_id, 0)
         self.budget += tokens
-        if request_id in self.batch_ids:
-            self.batch_ids.discard(request_id)
+        if not request.interactive:
             self.batch_budget += tokens
-        self.new_requests.pop(request_id, None)
-        self.running.pop(request_id, None)
+        self.new_requests.pop(request.request_id, None)
+        self.running.pop(request.request_id, None)
 
     def build(self, finished_request_ids: set[str]) -> StepPlan:
         return StepPlan(
@@ -126,7 +124,6 @@ class _PlanBuilder:
         self.tokens[request.request_id] = num_tokens
         self.budget -= num_tokens
         if not request.interactive:
-            self.batch_ids.add(request.request_id)
             self.batch_budget -= num_tokens
 
 
@@ -328,7 +325,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: _PlanBuilder) -> None:
         """Free the request's blocks and send it to the front of the waiting queue."""
-        plan.drop(request.request_id)
+        plan.drop(request)
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
