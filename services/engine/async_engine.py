@@ -23,6 +23,7 @@ from cachet.engine.block_pool import BlocksStored, KvEvent
 from cachet.engine.engine_core import EngineCore, RequestOutput
 from cachet.engine.errors import EngineUnavailable, RequestNotFound
 from cachet.engine.request import Request, RequestStatus
+from cachet.engine.scheduler import SchedulerCounts
 from cachet.logs import get_logger
 
 log = get_logger(__name__)
@@ -37,21 +38,22 @@ class _Command:
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-@dataclass
 class ThroughputWindow:
-    """Tokens counted since the last load report."""
+    """Token rates between load reports, from the scheduler's running totals."""
 
-    decode_tokens: int = 0
-    prefill_tokens: int = 0
-    since: float = field(default_factory=time.monotonic)
+    def __init__(self, counts: SchedulerCounts) -> None:
+        self._counts = counts
+        self._since = time.monotonic()
+        self._generated = counts.total_generated_tokens
+        self._prefill = counts.prefill_tokens
 
     def rates(self) -> tuple[float, float]:
         """(decode, prefill) tokens per second since the last call; restarts the window."""
         now = time.monotonic()
-        elapsed = max(now - self.since, 1e-6)
-        rates = (self.decode_tokens / elapsed, self.prefill_tokens / elapsed)
-        self.decode_tokens = self.prefill_tokens = 0
-        self.since = now
+        elapsed = max(now - self._since, 1e-6)
+        generated, prefill = self._counts.total_generated_tokens, self._counts.prefill_tokens
+        rates = ((generated - self._generated) / elapsed, (prefill - self._prefill) / elapsed)
+        self._since, self._generated, self._prefill = now, generated, prefill
         return rates
 
 
@@ -101,7 +103,9 @@ class AsyncEngine:
     def __init__(self, core: EngineCore, replica_id: str | None = None) -> None:
         self.core = core
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
-        self.throughput = ThroughputWindow()
+        self.throughput = ThroughputWindow(core.scheduler.counts)
+        # Called on the engine thread with each step's wall time in seconds (metrics).
+        self.on_step: Callable[[float], None] | None = None
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._outputs: dict[str, OutputSink] = {}
         self._kv_subscribers: list[KvEventSubscriber] = []
@@ -255,16 +259,13 @@ class AsyncEngine:
                 return
 
     def _step(self) -> None:
-        prefill_before = self._computed_prompt_tokens()
+        started = time.perf_counter()
         outputs = self.core.step()
-        self.throughput.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
-        self.throughput.prefill_tokens += max(self._computed_prompt_tokens() - prefill_before, 0)
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - started)
         if outputs:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._deliver, outputs)
-
-    def _computed_prompt_tokens(self) -> int:
-        return sum(min(r.num_computed_tokens, r.num_prompt_tokens) for r in self.core.scheduler.running)
 
     # ------------------------------------------------- back on the event loop
 

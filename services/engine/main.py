@@ -18,6 +18,7 @@ from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import EngineUnavailable
 from cachet.engine.expert_parallel import check_expert_parallel_size, check_model_has_experts
+from cachet.engine.metrics import EngineMetrics
 from cachet.engine.model_runner import ModelRunner, default_dtype
 from cachet.engine.models import ModelConfig
 from cachet.engine.scheduler import SchedulerConfig
@@ -171,6 +172,11 @@ async def start(
     settings: EngineSettings, group: RankGroup | None = None
 ) -> tuple[RunningServer, AsyncEngine]:
     engine, info = await asyncio.to_thread(build_engine, settings, group)
+    metrics = EngineMetrics(engine)
+    if settings.metrics_port:
+        # Lives as long as the process, as the router's does.
+        metrics.serve(settings.metrics_port, settings.host)
+        log.info("metrics serving", metrics_port=settings.metrics_port)
     engine.start()
     servicer = EngineServicer(engine, info, settings.load_report_interval_ms)
     running = await create_server(

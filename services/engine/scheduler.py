@@ -68,6 +68,51 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
 
 
+PRIORITIES = ("interactive", "batch")
+PHASES = ("prefill", "decode")
+PREEMPTION_REASONS = ("kv_cache", "seat")
+FINISHED_STATUSES = tuple(status.name for status in RequestStatus if status.is_finished)
+
+
+def priority_of(request: Request) -> str:
+    """The ``priority`` label of a request's figures."""
+    return "interactive" if request.interactive else "batch"
+
+
+@dataclass
+class SchedulerCounts:
+    """Running totals since start, for the engine's metrics and load reports.
+
+    Kept by the scheduler because it alone sees every plan and why a request lost its seat.
+    Bumped on the engine thread, read from others: every key exists from the start, so a
+    reader iterating a dict never sees it change size.
+    """
+
+    steps: int = 0
+    # Sum over steps of the requests in a step: over ``steps``, the mean batch.
+    scheduled_requests: int = 0
+    # (priority, phase) -> tokens run through the model. "decode" is the one token a
+    # generating request adds per step; "prefill" is the rest (prompt chunks, and the
+    # recompute of a preempted request's prompt and output).
+    computed_tokens: dict[tuple[str, str], int] = field(
+        default_factory=lambda: {(p, phase): 0 for p in PRIORITIES for phase in PHASES}
+    )
+    # priority -> tokens sampled.
+    generated_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITIES, 0))
+    # "kv_cache" (the pool ran dry) or "seat" (an interactive arrival took a batch request's seat).
+    preemptions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREEMPTION_REASONS, 0))
+    # RequestStatus name of a finished request -> how many.
+    finished_requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISHED_STATUSES, 0))
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for (_, phase), n in self.computed_tokens.items() if phase == "prefill")
+
+    @property
+    def total_generated_tokens(self) -> int:
+        return sum(self.generated_tokens.values())
+
+
 @dataclass(frozen=True)
 class TokenUpdate:
     """What one step did to one request that sampled a token."""
@@ -150,6 +195,7 @@ class Scheduler:
         # ones only: what says a replica has no slack to lend batch work. One that arrived
         # since is not counted: it joins the next step, as it would on an idle replica.
         self.num_interactive_left_waiting = 0
+        self.counts = SchedulerCounts()
 
     # ---------------------------------------------------------------- requests
 
@@ -180,6 +226,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = status
         request.stop_reason = stop_reason
+        self.counts.finished_requests[status.name] += 1
         self._arrival_seq.pop(request_id)
         self._finished_ids.add(request_id)
         return request
@@ -273,7 +320,7 @@ class Scheduler:
         """Allocate blocks for ``request``, preempting victims until it fits; None if it was the victim."""
         while (new_blocks := self.kv.allocate_slots(request, num_tokens)) is None:
             victim = self._pick_victim()
-            self._preempt(victim, plan)
+            self._preempt(victim, plan, reason="kv_cache")
             if victim is request:
                 return None
         return new_blocks
@@ -290,7 +337,7 @@ class Scheduler:
                 seat_holder = self._newest_batch_request() if request.interactive else None
                 if seat_holder is None:
                     return
-                self._preempt(seat_holder, plan)
+                self._preempt(seat_holder, plan, reason="seat")
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget_for(request))
             if num_tokens <= 0:
@@ -323,8 +370,9 @@ class Scheduler:
             key=lambda r: (not r.interactive, r.arrival_time, self._arrival_seq[r.request_id]),
         )
 
-    def _preempt(self, request: Request, plan: _PlanBuilder) -> None:
+    def _preempt(self, request: Request, plan: _PlanBuilder, *, reason: str) -> None:
         """Free the request's blocks and send it to the front of the waiting queue."""
+        self.counts.preemptions[reason] += 1
         plan.drop(request)
         self.running.remove(request)
         self.kv.free(request)
@@ -351,10 +399,20 @@ class Scheduler:
         the step ran (aborted) are skipped.
         """
         updates: list[TokenUpdate] = []
+        counts = self.counts
+        if plan.num_scheduled_tokens:
+            counts.steps += 1
+            counts.scheduled_requests += len(plan.num_scheduled_tokens)
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self._requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            priority = priority_of(request)
+            # Only the newest token's KV is left to compute: this request is generating.
+            decoding = (
+                bool(request.output_token_ids) and request.num_computed_tokens == request.num_tokens - 1
+            )
+            counts.computed_tokens[priority, "decode" if decoding else "prefill"] += num_tokens
             request.num_computed_tokens += num_tokens
             self.kv.cache_computed_blocks(request)
             sampled = result.sampled.get(request_id)
@@ -363,6 +421,7 @@ class Scheduler:
             if request.num_computed_tokens != request.num_tokens:
                 raise RuntimeError(f"runner sampled for {request_id} before its last token")
             request.output_token_ids.append(sampled.token_id)
+            counts.generated_tokens[priority] += 1
             self._maybe_finish(request, (matched_stops or {}).get(request_id))
             updates.append(TokenUpdate(request, sampled))
         return updates

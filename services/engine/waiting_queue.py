@@ -31,6 +31,10 @@ class WaitingQueue:
     def num_interactive(self) -> int:
         return len(self._interactive)
 
+    @property
+    def num_batch(self) -> int:
+        return len(self._batch)
+
     def interactive_requests(self) -> Iterator[Request]:
         yield from self._interactive
 

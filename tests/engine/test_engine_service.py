@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from service_processes import ServiceProcess, start_service
+from prometheus_client.parser import text_string_to_metric_families
+from service_processes import ServiceProcess, free_port, start_service
 
 from cachet.block_hash import block_hashes
 from cachet.common.v1 import common_pb2
@@ -30,8 +32,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
         "CACHET_ENGINE_MAX_NUM_BATCHED_TOKENS": "64",
         "CACHET_ENGINE_MAX_WAITING": str(MAX_WAITING),
         "CACHET_ENGINE_LOAD_REPORT_INTERVAL_MS": "50",
+        "CACHET_ENGINE_METRICS_PORT": str(metrics_port := free_port()),
     }
     process = start_service("engine", env, root, timeout=300)
+    process.metrics_port = metrics_port
     yield process
     assert process.stop() == 0, process.log_tail()
 
@@ -188,3 +192,75 @@ async def test_bad_input_is_invalid_argument(
             await _collect(engine_pb2_grpc.EngineServiceStub(channel), request)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in bad.value.details()
+
+
+async def test_load_reports_carry_token_rates(engine: ServiceProcess) -> None:
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        reports = stub.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=50))
+        call = stub.Generate(_request("rates-1", list(range(900, 964)), max_tokens=1000, ignore_eos=True))
+        await call.read()
+        decode = prefill = 0.0
+        async for report in reports:
+            decode, prefill = (
+                max(decode, report.decode_tokens_per_second),
+                max(prefill, report.prefill_tokens_per_second),
+            )
+            if decode > 0 and prefill > 0:
+                break
+        reports.cancel()
+        call.cancel()
+        await asyncio.wait_for(_wait_for_load(stub, running=0, waiting=0), timeout=30)
+    assert decode > 0 and prefill > 0
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, sorted labels) -> value, of every engine figure."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("cachet_engine_")
+        for sample in family.samples
+    }
+
+
+async def test_metrics_count_tokens_by_priority_and_seat_preemptions(engine: ServiceProcess) -> None:
+    before = await asyncio.to_thread(_scrape, engine.metrics_port)
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        batch_request = _request("metrics-batch", list(range(700, 720)), max_tokens=1000, ignore_eos=True)
+        batch_request.priority = common_pb2.PRIORITY_BATCH
+        batch = stub.Generate(batch_request)
+        await batch.read()  # it holds the only seat
+        interactive = await _collect(
+            stub, _request("metrics-interactive", list(range(800, 820)), max_tokens=5, ignore_eos=True)
+        )
+        batch.cancel()
+        await asyncio.wait_for(_wait_for_load(stub, running=0, waiting=0), timeout=30)
+    after = await asyncio.to_thread(_scrape, engine.metrics_port)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert sum(len(r.token_ids) for r in interactive) == 5
+    # The interactive arrival found the one seat taken by batch work and took it.
+    assert grew("cachet_engine_preemptions_total", reason="seat") >= 1
+    assert grew("cachet_engine_preemptions_total", reason="kv_cache") == 0
+    assert grew("cachet_engine_generated_tokens_total", priority="interactive") == 5
+    assert grew("cachet_engine_generated_tokens_total", priority="batch") >= 1
+    # 20 prompt tokens, then one decode token for each sampled token but the last.
+    assert grew("cachet_engine_computed_tokens_total", priority="interactive", phase="prefill") == 20
+    assert grew("cachet_engine_computed_tokens_total", priority="interactive", phase="decode") == 4
+    # The batch request's prompt ran once, then after it lost its seat again past its cached block.
+    assert grew("cachet_engine_computed_tokens_total", priority="batch", phase="prefill") > 20
+    assert grew("cachet_engine_requests_finished_total", status="finished_length") == 1
+    assert grew("cachet_engine_requests_finished_total", status="finished_aborted") == 1
+    steps = grew("cachet_engine_steps_total")
+    assert steps >= 5 and grew("cachet_engine_scheduled_requests_total") >= steps
+    assert grew("cachet_engine_step_duration_seconds_count") >= steps
+    assert after["cachet_engine_requests_running", (("priority", "batch"),)] == 0
+    assert after["cachet_engine_requests_waiting", (("priority", "interactive"),)] == 0
+    assert after["cachet_engine_kv_blocks_free", ()] == after["cachet_engine_kv_blocks", ()]

@@ -248,6 +248,7 @@ def test_an_interactive_request_takes_the_seat_of_the_newest_batch_request():
     plan = step(scheduler, runner)
     assert set(plan.num_scheduled_tokens) == {"older", "chat"}
     assert "newer" in plan.finished_request_ids and newer.status == RequestStatus.PREEMPTED
+    assert scheduler.counts.preemptions == {"kv_cache": 0, "seat": 1}
     run_to_completion(scheduler, runner)
     # The preempted request resumed where it was, recomputing what it had lost.
     assert newer.output_token_ids == reference_output([7, 8, 9], 6)
@@ -328,6 +329,7 @@ def test_preemption_frees_the_newest_and_it_resumes_with_the_same_tokens():
             # Blocks are short: nothing is admitted in the step that preempts.
             assert not plan.new_requests
     assert preempted_in, "the pool was meant to run dry"
+    assert scheduler.counts.preemptions == {"kv_cache": len(preempted_in), "seat": 0}
     resumed = [p for p in runner.plans if any(n.request_id == "new" for n in p.new_requests)][1:]
     assert resumed and resumed[0].new_requests[0].output_token_ids, "resumed with its output tokens"
     assert old.output_token_ids == reference_output(old.prompt_token_ids, 10)
@@ -475,3 +477,13 @@ def test_random_traffic_with_aborts_and_preemptions(seed):
             assert len(request.output_token_ids) == request.max_tokens
     assert preempted > 0 and aborted > 0 and overloaded > 0
     assert any(r.num_cached_tokens > 0 for r in requests)
+    # The metrics' totals agree with what happened: each token sampled once (recompute
+    # samples nothing), every model token counted, every preemption and ending counted.
+    counts = scheduler.counts
+    assert counts.total_generated_tokens == sum(len(r.output_token_ids) for r in requests)
+    assert sum(counts.computed_tokens.values()) == sum(p.total_scheduled_tokens for p in runner.plans)
+    assert counts.steps == len(runner.plans)
+    assert counts.scheduled_requests == sum(len(p.num_scheduled_tokens) for p in runner.plans)
+    assert sum(counts.preemptions.values()) >= preempted
+    assert counts.finished_requests["FINISHED_ABORTED"] == aborted
+    assert sum(counts.finished_requests.values()) == len(requests)
