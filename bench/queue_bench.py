@@ -46,15 +46,18 @@ import sqlite3
 import statistics
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.service_chain_bench import MODEL_ID, _Services
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.loopback_port import free_loopback_port
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
@@ -116,6 +119,46 @@ async def _drain_rate(queue_file: Path, window) -> float:
     started = time.perf_counter()
     await window
     return (_done_jobs(queue_file) - done_before) / (time.perf_counter() - started)
+
+
+def _engine_figures(port: int) -> dict[str, float]:
+    """The engine's counters, ``name{label=value,...}`` -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("cachet_engine_")
+        for sample in family.samples
+    }
+
+
+async def _engine_window(metrics_port: int, window) -> tuple[Any, dict[str, float]]:
+    """``window``'s result and what the engine did meanwhile (from its /metrics): how busy it
+    was, how full its steps were, whose tokens it generated, how often batch work lost a seat."""
+    before = await asyncio.to_thread(_engine_figures, metrics_port)
+    started = time.perf_counter()
+    result = await window
+    elapsed = time.perf_counter() - started
+    after = await asyncio.to_thread(_engine_figures, metrics_port)
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    steps = grew("cachet_engine_steps_total")
+    return result, {
+        "busy_share": grew("cachet_engine_step_duration_seconds_sum") / elapsed,
+        "steps_per_s": steps / elapsed,
+        "mean_step_ms": 1000
+        * grew("cachet_engine_step_duration_seconds_sum")
+        / max(grew("cachet_engine_step_duration_seconds_count"), 1),
+        "mean_requests_per_step": grew("cachet_engine_scheduled_requests_total") / max(steps, 1),
+        "interactive_tokens_per_s": grew("cachet_engine_generated_tokens_total{priority=interactive}")
+        / elapsed,
+        "batch_tokens_per_s": grew("cachet_engine_generated_tokens_total{priority=batch}") / elapsed,
+        "seat_preemptions": grew("cachet_engine_preemptions_total{reason=seat}"),
+        "kv_preemptions": grew("cachet_engine_preemptions_total{reason=kv_cache}"),
+    }
 
 
 def _percentile(ordered: list[float], share: float) -> float:
@@ -221,7 +264,12 @@ async def fill_queue(stub, requests: int, rng: random.Random) -> dict[str, float
 
 
 async def measure(
-    router: str, engine_address: str, router_pid: int, queue_file: Path, scale: Scale
+    router: str,
+    engine_address: str,
+    engine_metrics_port: int,
+    router_pid: int,
+    queue_file: Path,
+    scale: Scale,
 ) -> dict[str, Any]:
     rng = random.Random(0)
     window = scale.window_seconds
@@ -234,18 +282,24 @@ async def measure(
         # Warm-up: every batch size once (a GPU engine's first step at a new size is slow).
         for clients in range(1, MAX_NUM_SEQS + 1):
             await measure_capacity(stub, 0.2, clients, rng)
-        capacity = await measure_capacity(stub, window, MAX_NUM_SEQS, rng)
+        engine_windows: dict[str, dict[str, float]] = {}
+
+        async def watched(name: str, window):
+            result, engine_windows[name] = await _engine_window(engine_metrics_port, window)
+            return result
+
+        capacity = await watched("capacity", measure_capacity(stub, window, MAX_NUM_SEQS, rng))
         capacity_streaming = await measure_capacity(stub, window, MAX_NUM_SEQS, rng, stream=True)
         rate = INTERACTIVE_SHARE * capacity
-        alone = await interactive_arrivals(stub, engine, rate, window, rng)
+        alone = await watched("interactive_alone", interactive_arrivals(stub, engine, rate, window, rng))
 
         # Enough work that the queue cannot run dry during the window, even at full capacity.
         backlog = max(5_000, int(capacity * window * 3))
         await fill_queue(stub, backlog, rng)
         await asyncio.sleep(2.0)  # the dispatcher reaches its steady state
-        drain_alone = await _drain_rate(queue_file, asyncio.sleep(window))
+        drain_alone = await watched("drain_alone", _drain_rate(queue_file, asyncio.sleep(window)))
         with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, engine, rate, window, rng))
-        drain_rate = await _drain_rate(queue_file, with_backlog_run)
+        drain_rate = await watched("interactive_with_backlog", _drain_rate(queue_file, with_backlog_run))
         with_backlog = with_backlog_run.result()
 
         rss_before = _rss_mib(router_pid)
@@ -284,6 +338,7 @@ async def measure(
         "router_rss_mib_before": rss_before,
         "router_rss_mib_after": rss_after,
         "router_rss_mib_settled": rss_settled,
+        "engine_windows": engine_windows,
     }
 
 
@@ -292,9 +347,11 @@ def run_queue_bench(
     router_env: dict[str, str] | None = None,
     engine_device: str = "cpu",
     vocab_from: Path | None = None,
+    engine_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """``router_env`` overrides router variables (the headroom knobs); ``vocab_from`` is a Hugging
-    Face directory to take the tokenizer from where the default model's GGUF is not installed."""
+    """``router_env`` and ``engine_env`` override those services' variables (the headroom knobs,
+    the scheduler's); ``vocab_from`` is a Hugging Face directory to take the tokenizer from
+    where the default model's GGUF is not installed."""
     print("[bench] async queue (tokenizer, usage, cache, engine, router processes)", flush=True)
     scale = QUICK if quick else FULL
     with tempfile.TemporaryDirectory(prefix="cachet-queue-bench-") as directory:
@@ -304,13 +361,16 @@ def run_queue_bench(
         try:
             tokenizer = services.start("tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(model_dir)])})
             usage = services.start("usage", {"CACHET_DATA_DIR": str(root / "usage-data")})
+            engine_metrics_port = free_loopback_port()
             engine = services.start(
                 "engine",
                 {
                     "CACHET_MODEL": str(model_dir),
                     "CACHET_ENGINE_MAX_NUM_SEQS": str(MAX_NUM_SEQS),
                     "CACHET_DEVICE": engine_device,
-                },
+                    "CACHET_ENGINE_METRICS_PORT": str(engine_metrics_port),
+                }
+                | (engine_env or {}),
             )
             cache = services.start("cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps([engine])})
             router = services.start(
@@ -326,7 +386,7 @@ def run_queue_bench(
             )
             router_pid = services.processes[-1].pid
             queue_file = root / "router-data" / "queue.sqlite3"
-            result = asyncio.run(measure(router, engine, router_pid, queue_file, scale))
+            result = asyncio.run(measure(router, engine, engine_metrics_port, router_pid, queue_file, scale))
             result["engine_device"] = engine_device
         finally:
             services.stop()
@@ -389,6 +449,22 @@ def _print(result: dict[str, Any]) -> None:
     )
     for name, value, target in rows:
         print(f"{name:<50}{value:>12}{target:>14}")
+    windows = result["engine_windows"]
+    print("\nThe engine in each window (its /metrics)")
+    columns = ("busy", "steps/s", "step ms", "req/step", "int tok/s", "batch tok/s", "seat pre.")
+    print(f"{'window':<26}" + "".join(f"{c:>11}" for c in columns))
+    print("-" * (26 + 11 * len(columns)))
+    for name, figures in windows.items():
+        values = (
+            f"{figures['busy_share']:.2f}",
+            f"{figures['steps_per_s']:.0f}",
+            f"{figures['mean_step_ms']:.1f}",
+            f"{figures['mean_requests_per_step']:.1f}",
+            f"{figures['interactive_tokens_per_s']:.0f}",
+            f"{figures['batch_tokens_per_s']:.0f}",
+            f"{figures['seat_preemptions']:.0f}",
+        )
+        print(f"{name:<26}" + "".join(f"{v:>11}" for v in values))
 
 
 def main() -> None:
@@ -397,11 +473,16 @@ def main() -> None:
     parser.add_argument("--engine-device", default="cpu", help="cpu, or cuda on a GPU machine")
     parser.add_argument("--vocab-from", type=Path, default=None, help="a Hugging Face dir with a tokenizer")
     parser.add_argument(
-        "router_env", nargs="*", help="KEY=VALUE router variables, e.g. CACHET_ROUTER_BATCH_MAX_IN_FLIGHT=8"
+        "overrides",
+        nargs="*",
+        help="KEY=VALUE variables of the router, or of the engine for CACHET_ENGINE_*, e.g."
+        " CACHET_ROUTER_BATCH_MAX_IN_FLIGHT=8",
     )
     args = parser.parse_args()
-    overrides = dict(pair.split("=", 1) for pair in args.router_env)
-    result = run_queue_bench(args.quick, overrides, args.engine_device, args.vocab_from)
+    overrides = dict(pair.split("=", 1) for pair in args.overrides)
+    engine_env = {key: value for key, value in overrides.items() if key.startswith("CACHET_ENGINE_")}
+    router_env = {key: value for key, value in overrides.items() if key not in engine_env}
+    result = run_queue_bench(args.quick, router_env, args.engine_device, args.vocab_from, engine_env)
     print(json.dumps(result, indent=2))
 
 
