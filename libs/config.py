@@ -84,6 +84,8 @@ class EngineSettings(ServiceSettings):
     tensor_parallel_size: int = Field(default=1, ge=1, validation_alias=_shared("CACHET_TP"))
     expert_parallel_size: int = Field(default=1, ge=1, validation_alias=_shared("CACHET_EP"))
     load_report_interval_ms: int = Field(default=200, ge=10)
+    # Least time between two messages of a token stream after its first (0: every step).
+    stream_interval_ms: float = Field(default=0.0, ge=0)
     # Prometheus /metrics HTTP port; 0 turns the endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
 

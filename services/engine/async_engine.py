@@ -61,26 +61,34 @@ class OutputSink:
     """Where one request's outputs wait for the gRPC side.
 
     Each message costs this process's event loop, which shares the interpreter lock with the
-    step loop, so fewer messages mean shorter steps on a busy replica. A consumer that fell
-    behind gets everything waiting in one message; one that asked for the first and final
-    outputs only (a caller that does not stream, such as a queued job) gets two.
+    step loop, so fewer messages mean shorter steps on a busy replica. The first output goes
+    at once (time to first token). After it, a stream sends at most one message per
+    ``stream_interval`` seconds: what came meanwhile is held and goes with the next step's
+    output (at most one step late) or the final one. A consumer that fell behind gets
+    everything waiting in one message; one that asked for the first and final outputs only
+    (a caller that does not stream, such as a queued job) gets two.
     """
 
-    def __init__(self, *, interactive: bool, first_and_final: bool) -> None:
+    def __init__(self, *, interactive: bool, first_and_final: bool, stream_interval: float = 0.0) -> None:
         self.interactive = interactive
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._hold_until_final = first_and_final
+        self._stream_interval = stream_interval
         self._sent_first = False
+        self._last_sent = 0.0
         self._held: RequestOutput | None = None
 
     def put(self, output: RequestOutput) -> None:
         if self._held is not None:
             output = self._held.followed_by(output)
             self._held = None
-        if self._hold_until_final and self._sent_first and not output.finished:
+        now = time.monotonic()
+        too_soon = self._hold_until_final or now - self._last_sent < self._stream_interval
+        if self._sent_first and not output.finished and too_soon:
             self._held = output
             return
         self._sent_first = True
+        self._last_sent = now
         self._queue.put_nowait(output)
 
     async def get(self) -> RequestOutput:
@@ -100,9 +108,13 @@ class KvEventSubscriber:
 class AsyncEngine:
     """Runs an EngineCore on a thread; every public method is for the asyncio side."""
 
-    def __init__(self, core: EngineCore, replica_id: str | None = None) -> None:
+    def __init__(
+        self, core: EngineCore, replica_id: str | None = None, *, stream_interval: float = 0.0
+    ) -> None:
         self.core = core
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        # Seconds between a stream's messages after its first (OutputSink).
+        self.stream_interval = stream_interval
         self.throughput = ThroughputWindow(core.scheduler.counts)
         # Called on the engine thread with each step's wall time in seconds (metrics).
         self.on_step: Callable[[float], None] | None = None
@@ -141,7 +153,11 @@ class AsyncEngine:
         """Outputs of one request until its terminal one; leaving early aborts it.
 
         ``first_and_final``: only the first output and then one with every later token."""
-        outputs = OutputSink(interactive=request.interactive, first_and_final=first_and_final)
+        outputs = OutputSink(
+            interactive=request.interactive,
+            first_and_final=first_and_final,
+            stream_interval=self.stream_interval,
+        )
         self._outputs[request.request_id] = outputs
         try:
             await self._call(lambda: self.core.add_request(request))

@@ -153,7 +153,9 @@ def build_engine(
             GrammarCompiler(tokenizer, runner.vocab_size, runner.eos_token_ids) if tokenizer else None
         ),
     )
-    engine = AsyncEngine(core, replica_id=uuid.uuid4().hex[:12])
+    engine = AsyncEngine(
+        core, replica_id=uuid.uuid4().hex[:12], stream_interval=settings.stream_interval_ms / 1000
+    )
     info = engine_pb2.EngineInfo(
         replica_id=engine.replica_id,
         model=model.model_id,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from cachet.engine.async_engine import OutputSink
 from cachet.engine.engine_core import RequestOutput
 from cachet.engine.request import RequestStatus
@@ -50,3 +54,20 @@ async def test_first_and_final_holds_the_middle_steps() -> None:
     last = await sink.get()
     assert last.new_token_ids == [2, 3, 4] and last.status is RequestStatus.FINISHED_STOPPED
     assert last.num_completion_tokens == 4
+
+
+async def test_a_stream_interval_sends_the_first_token_at_once_then_groups_steps() -> None:
+    sink = OutputSink(interactive=True, first_and_final=False, stream_interval=0.2)
+    sink.put(_output(1))
+    assert (await sink.get()).new_token_ids == [1]
+    for token in (2, 3):
+        sink.put(_output(token))
+    with pytest.raises(TimeoutError):  # well within 0.2 s of the first message: held
+        await asyncio.wait_for(sink.get(), 0.05)
+    await asyncio.sleep(0.2)
+    sink.put(_output(4))
+    assert (await sink.get()).new_token_ids == [2, 3, 4]
+    sink.put(_output(5))
+    sink.put(_output(6, RequestStatus.FINISHED_LENGTH))  # the final output never waits
+    last = await sink.get()
+    assert last.new_token_ids == [5, 6] and last.finished and [s.token_id for s in last.logprobs] == [5, 6]
