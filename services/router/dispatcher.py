@@ -20,7 +20,8 @@ The headroom rule (knobs in ``RouterServiceSettings``, defaults in brackets):
 * The slots summed over replicas, minus jobs this router has leased but not yet
   placed, is how many jobs may start now (capped by ``batch_max_in_flight`` when
   set). Placement itself (cache-aware, bounded load) then picks the replica. The
-  dispatcher looks again whenever one of its jobs ends, else every
+  dispatcher looks again whenever the engine is done with one of its jobs (before its
+  usage and result are written), else every
   ``queue_poll_seconds``.
 
 Jobs run with ``PRIORITY_BATCH``, so even inside that headroom the engine schedules
@@ -154,8 +155,8 @@ class Dispatcher:
         self._last_account = ""
         self._unplaced = 0  # leased jobs not yet counted in any replica's in_flight
         self._paused_until = 0.0
-        # Set when a job ends: its slot is free now, not at the next poll (a job of a quarter
-        # second idled its slot a tenth of the time, waiting on a 50 ms poll).
+        # Set when a job's engine work ends: its slot is free now, not at the next poll (a job of
+        # a quarter second idled its slot a tenth of the time, waiting on a 50 ms poll).
         self._slot_freed = asyncio.Event()
         self._jobs: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -274,6 +275,10 @@ class Dispatcher:
             generation = await self._start(job, queued)
             mark_placed()
             completion = await generation.collect()
+            # The engine is done with it (its seat no longer counts in ``in_flight``): the next job
+            # may start while this one's usage and result are written, which take a ledger
+            # flush and a store transaction, a tenth or more of a short job's life.
+            self._slot_freed.set()
             # The ledger before the result: a router killed in between runs the job again,
             # and its record is then a no-op, instead of leaving a result that was never billed.
             if generation.usage_recorded is not None:
