@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -272,6 +273,13 @@ class WebhookAttempt:
     error: str
 
 
+@dataclass(frozen=True)
+class _PendingCompletion:
+    job: Job
+    result: bytes
+    outcome: asyncio.Future[Completion]
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -289,8 +297,13 @@ class QueueStore:
         # One thread owns the connection: SQLite allows one writer anyway.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-store")
         self._db = self._executor.submit(_connect, path).result()
+        # Completions waiting for the next group commit, and the task that writes them.
+        self._completions: list[_PendingCompletion] = []
+        self._completing: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
+        if self._completing is not None:
+            await asyncio.shield(self._completing)
         await self._run(self._db.close)
         self._executor.shutdown(wait=True)
 
@@ -563,8 +576,50 @@ class QueueStore:
 
         Any attempt may complete, even one whose lease lapsed: its work is as good as
         the retry's, and the conditional update keeps whichever came first.
+
+        Completions share commits: those that arrive while one is being written go in the
+        next transaction together, each in a savepoint of its own (one that fails fails
+        alone). Each commit is an fsync; one per job held the store's one writer for ~2 ms a
+        job, which leases then waited behind, and capped a router at a few hundred jobs/s.
+        A lone completion still commits at once.
         """
-        return await self._run(lambda: self._transaction(lambda db: self._complete(db, job, result)))
+        pending = _PendingCompletion(job, result, asyncio.get_running_loop().create_future())
+        self._completions.append(pending)
+        if self._completing is None:
+            self._completing = asyncio.create_task(self._write_completions())
+        return await asyncio.shield(pending.outcome)
+
+    async def _write_completions(self) -> None:
+        try:
+            while self._completions:
+                group, self._completions = self._completions, []
+                try:
+                    outcomes = await self._run(
+                        partial(self._transaction, partial(self._complete_all, group=group))
+                    )
+                except Exception as error:  # noqa: BLE001 - the commit failed: every caller in it hears why
+                    outcomes = [error] * len(group)
+                for pending, outcome in zip(group, outcomes, strict=True):
+                    if isinstance(outcome, BaseException):
+                        pending.outcome.set_exception(outcome)
+                    else:
+                        pending.outcome.set_result(outcome)
+        finally:
+            self._completing = None
+
+    def _complete_all(
+        self, db: sqlite3.Connection, group: list[_PendingCompletion]
+    ) -> list[Completion | Exception]:
+        outcomes: list[Completion | Exception] = []
+        for pending in group:
+            db.execute("SAVEPOINT completion")
+            try:
+                outcomes.append(self._complete(db, pending.job, pending.result))
+            except sqlite3.Error as error:
+                db.execute("ROLLBACK TO completion")
+                outcomes.append(error)
+            db.execute("RELEASE completion")
+        return outcomes
 
     def _complete(self, db: sqlite3.Connection, job: Job, result: bytes) -> Completion:
         now = self._clock_ms()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 from settable_clock import Clock
 
-from cachet.router.queue_store import BatchState, QueueStore
+from cachet.router.queue_store import BatchState, Completion, QueueStore
 
 
 async def test_a_lease_expires_and_the_job_is_taken_again(store: QueueStore, clock: Clock) -> None:
@@ -70,6 +71,32 @@ async def test_completion_is_stored_once_and_finishes_the_batch_once(store: Queu
         assert view.results == [b"result from router-2", b"two done"]
     assert view.webhook_state == "pending"
     assert await store.counts() == {"done": 2}
+
+
+async def test_completions_arriving_together_share_a_commit_and_keep_their_own_outcomes(
+    store: QueueStore,
+) -> None:
+    bodies = [str(i).encode() for i in range(30)]
+    batch = await store.create_batch("acct-a", "m", bodies)
+    jobs = [job for _ in bodies if (job := await store.lease("router-1", lease_seconds=10)) is not None]
+    assert len(jobs) == len(bodies)
+    outcomes = await asyncio.gather(
+        *(store.complete(job, job.body) for job in jobs[1:]),
+        store.complete(jobs[1], b"a second attempt"),
+        # A write that fails (this value cannot be stored) fails alone, not the group with it.
+        store.complete(jobs[0], object()),  # type: ignore[arg-type]
+        return_exceptions=True,
+    )
+    *stored, again, failed = outcomes
+    assert all(isinstance(o, Completion) and o.stored for o in stored)
+    assert isinstance(again, Completion) and not again.stored
+    assert isinstance(failed, sqlite3.Error)
+    assert sum(o.batch_finished for o in stored) == 0  # job 0 is still out
+    assert await store.counts() == {"done": 29, "leased": 1}
+    last = await store.complete(jobs[0], jobs[0].body)
+    assert last.stored and last.batch_finished
+    view = await store.batch(batch, "acct-a")
+    assert view is not None and view.state is BatchState.DONE and view.results == bodies
 
 
 async def test_two_dispatchers_racing_complete_each_job_exactly_once(tmp_path: Path) -> None:
