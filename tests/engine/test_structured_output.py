@@ -189,16 +189,10 @@ def test_preemption_keeps_outputs_valid_and_identical(
     # 30 blocks (2 layers x K,V x 16 slots x 2 heads x 16 dims x 4 bytes each): one request's 308
     # tokens fit, 60 concurrent ones do not.
     tight = make_engine(model_dir, compiler, kv_cache_bytes=30 * 2 * 2 * 16 * 2 * 16 * 4)
-    preempted: list[str] = []
-    original = tight.scheduler._preempt
-
-    def counting_preempt(request: Request, plan: object) -> None:
-        preempted.append(request.request_id)
-        original(request, plan)  # type: ignore[arg-type]
-
-    tight.scheduler._preempt = counting_preempt  # type: ignore[method-assign]
     squeezed = generate_all(tight, compiler, specs)
-    assert preempted, f"the pool was not tight enough: {tight.runner.num_kv_blocks} blocks"
+    assert tight.scheduler.counts.preemptions["kv_cache"], (
+        f"the pool was not tight enough: {tight.runner.num_kv_blocks} blocks"
+    )
     for request_id, outputs in squeezed.items():
         text = text_of(outputs, tokenizer)
         jsonschema.validate(json.loads(text), SCHEMAS[request_id.split("/")[0]])
