@@ -2,7 +2,8 @@
 
 Processes are supervised by honcho (output multiplexed with a name prefix; if
 one dies, the rest are stopped; Ctrl-C or SIGTERM stops all). A watcher thread
-polls each service's health and prints the REST URL once everything is up.
+polls each service's health and prints the REST URL once everything is up (the
+router once it has heard from an engine).
 Services are started by module name, so this file knows their names and ports,
 never their code.
 """
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from honcho.manager import Manager
 
 from cachet.config import LOOPBACK
+from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 TOKENIZER_PORT = 50051
 ENGINE_BASE_PORT = 50061
@@ -128,10 +130,26 @@ def _http_healthy(port: int) -> bool:
         return False
 
 
+def _router_knows_a_model(port: int) -> bool:
+    """Whether the router has heard from an engine. It serves before then when engines load
+    slowly, and a request it takes meanwhile is refused ("no engine replica is reachable
+    yet"): the URL is announced once it can be used."""
+    try:
+        with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+            reply = router_pb2_grpc.InferenceServiceStub(channel).ListModels(
+                router_pb2.ListModelsRequest(), timeout=1
+            )
+            return bool(reply.models)
+    except grpc.RpcError:
+        return False
+
+
 def is_healthy(service: PlannedService) -> bool:
     if service.http_port is not None:
         return _http_healthy(service.http_port)
-    return service.grpc_port is not None and _grpc_healthy(service.grpc_port)
+    if service.grpc_port is None or not _grpc_healthy(service.grpc_port):
+        return False
+    return service.name != "router" or _router_knows_a_model(service.grpc_port)
 
 
 def entry_url(services: list[PlannedService]) -> str:

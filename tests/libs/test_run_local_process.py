@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_processes import free_port
+from service_processes import free_port, start_service
 
 from cachet.config import LOOPBACK
 from cachet.models.tiny import write_tiny_model
-from cachet.run_local import plan_services
+from cachet.run_local import PlannedService, is_healthy, plan_services
 
 CACHET = str(Path(sys.executable).with_name("cachet"))
 START_TIMEOUT_SECONDS = 240
@@ -106,3 +106,24 @@ def _read(log) -> bytes:
     log.flush()
     log.seek(0)
     return log.read()
+
+
+def test_a_router_that_has_heard_from_no_engine_is_not_ready_to_announce(tmp_path: Path) -> None:
+    """Its gRPC health says SERVING (it serves before slow engines report), but a request it
+    took now would be refused: run-local must not print the URL yet."""
+    nowhere = f"{LOOPBACK}:{free_port()}"
+    env = {
+        "CACHET_ROUTER_ENGINE_ADDRESSES": f'["{nowhere}"]',
+        "CACHET_ROUTER_TOKENIZER_ADDRESS": nowhere,
+        "CACHET_ROUTER_USAGE_ADDRESS": nowhere,
+        "CACHET_ROUTER_CACHE_ADDRESS": nowhere,
+        "CACHET_ROUTER_STARTUP_WAIT_SECONDS": "0",
+        "CACHET_DATA_DIR": str(tmp_path),
+    }
+    router = start_service("router", env, tmp_path)
+    try:
+        port = int(router.address.rsplit(":", 1)[1])
+        planned = PlannedService("router", "cachet.router", grpc_port=port)
+        assert not is_healthy(planned)
+    finally:
+        assert router.stop() == 0, router.log_tail()
