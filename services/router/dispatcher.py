@@ -50,6 +50,7 @@ from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
 from cachet.errors import CachetError, ResourceExhausted, Unavailable
 from cachet.logs import get_logger
+from cachet.router import metrics
 from cachet.router.batch_queue import EXPIRED_RESULT
 from cachet.router.caller import Caller
 from cachet.router.file_batches import COMPLETION_WINDOW_SECONDS
@@ -252,6 +253,7 @@ class Dispatcher:
                 await self._store.release(job)
                 return
             completion = await self._store.complete(job, result.SerializeToString())
+            metrics.QUEUE_RESULTS.labels("stored" if completion.stored else "duplicate").inc()
             if not completion.stored:
                 log.info("queued job finished twice; first result kept", request_id=job.request_id)
             if completion.batch_finished:
@@ -274,6 +276,7 @@ class Dispatcher:
         try:
             generation = await self._start(job, queued)
             mark_placed()
+            metrics.QUEUE_JOBS_STARTED.inc()
             completion = await generation.collect()
             # The engine is done with it (its seat no longer counts in ``in_flight``): the next job
             # may start while this one's usage and result are written, which take a ledger
@@ -287,6 +290,7 @@ class Dispatcher:
         except (ResourceExhausted, Unavailable) as refusal:
             # Capacity or an outage, never the request's fault: it waits for the next headroom.
             self._paused_until = asyncio.get_running_loop().time() + _REFUSAL_PAUSE_SECONDS
+            metrics.QUEUE_JOBS_REQUEUED.inc()
             log.info("queued job back to the queue", request_id=job.request_id, reason=str(refusal))
             return None
         except CachetError as error:

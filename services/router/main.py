@@ -7,20 +7,21 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import grpc
-from prometheus_client import start_http_server
+from prometheus_client import REGISTRY, start_http_server
 
 from cachet.cache.v1 import cache_pb2_grpc
 from cachet.config import RouterSettings
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
+from cachet.router import metrics
 from cachet.router.batch_queue import BatchQueue
 from cachet.router.caller import AccountDirectory
 from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
 from cachet.router.file_batches import FileBatches
 from cachet.router.placement import PlacementPolicy
 from cachet.router.prompt import PromptBuilder
-from cachet.router.queue_store import QueueStore
+from cachet.router.queue_store import JobState, QueueStore
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
@@ -126,6 +127,9 @@ async def start(settings: RouterSettings) -> RunningServer:
         await clients.close(drain_seconds=0)
         raise
     if options.metrics_port:
+        REGISTRY.register(
+            metrics.QueueCollector(clients.queue.counts_off_the_loop, [state.value for state in JobState])
+        )
         start_http_server(options.metrics_port, addr=options.host)
     return RunningRouter(running.server, running.port, running.health, running.service_names, clients=clients)
 

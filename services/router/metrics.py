@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from cachet.errors import CachetError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 
@@ -25,6 +28,45 @@ PLACEMENTS = Counter("cachet_router_placements_total", "Replica choices by rule.
 ENGINE_RETRIES = Counter(
     "cachet_router_engine_retries_total", "Requests moved to another replica after a refusal."
 )
+QUEUE_JOBS_STARTED = Counter(
+    "cachet_router_queue_jobs_started_total",
+    "Queued jobs this router's dispatcher sent to an engine (a job run again counts again).",
+)
+QUEUE_JOBS_REQUEUED = Counter(
+    "cachet_router_queue_jobs_requeued_total",
+    "Leased jobs handed back to the queue: the engine refused them for capacity or was unreachable.",
+)
+QUEUE_RESULTS = Counter(
+    "cachet_router_queue_results_total",
+    "Job results this router wrote; duplicate: another attempt's result was already kept.",
+    ["outcome"],  # stored, duplicate
+)
+QUEUE_COMPLETIONS_PER_COMMIT = Histogram(
+    "cachet_router_queue_completions_per_commit",
+    "Job results written by one store transaction (completions arriving together share it).",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+
+
+class QueueCollector(Collector):
+    """Jobs in the queue store by state, read at scrape time: the backlog every router sharing
+    the store sees, so each reports the same figure."""
+
+    def __init__(self, counts: Callable[[float], dict[str, int]], states: Sequence[str]) -> None:
+        self._counts = counts
+        self._states = states
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "cachet_router_queue_jobs", "Jobs in the queue store, by state.", labels=["state"]
+        )
+        try:
+            counts = self._counts(5.0)
+        except Exception:  # noqa: BLE001 - a store that is closing or slow leaves this scrape without the figure
+            return
+        for state in self._states:
+            family.add_metric([state], counts.get(state, 0))
+        yield family
 
 
 def outcome_of(error: BaseException | None) -> str:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cachet.durable_sqlite import open_durable_sqlite
+from cachet.router import metrics
 
 T = TypeVar("T")
 
@@ -593,6 +594,7 @@ class QueueStore:
         try:
             while self._completions:
                 group, self._completions = self._completions, []
+                metrics.QUEUE_COMPLETIONS_PER_COMMIT.observe(len(group))
                 try:
                     outcomes = await self._run(
                         partial(self._transaction, partial(self._complete_all, group=group))
@@ -633,11 +635,16 @@ class QueueStore:
         return Completion(stored=True, batch_finished=self._finish_if_ended(db, job.batch_id, now))
 
     async def counts(self) -> dict[str, int]:
-        """Jobs per state (for metrics, logs and tests)."""
-        rows = await self._run(
-            lambda: self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
-        )
-        return {state: count for state, count in rows}
+        """Jobs per state (for logs and tests)."""
+        return await self._run(self._count_states)
+
+    def counts_off_the_loop(self, timeout: float) -> dict[str, int]:
+        """``counts`` for a thread that is not the event loop's (a metrics scrape)."""
+        return self._executor.submit(self._count_states).result(timeout)
+
+    def _count_states(self) -> dict[str, int]:
+        # Walks the (state, ...) index, not the table: a few ms at 100,000 jobs.
+        return dict(self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
 
     # ----------------------------------------------------------------- webhooks
 
