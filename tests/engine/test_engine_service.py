@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_scrape import growth, scrape
 from service_processes import ServiceProcess, free_port, start_service
 
 from cachet.block_hash import block_hashes
@@ -214,20 +213,8 @@ async def test_load_reports_carry_token_rates(engine: ServiceProcess) -> None:
     assert decode > 0 and prefill > 0
 
 
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """(sample name, sorted labels) -> value, of every engine figure."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name.startswith("cachet_engine_")
-        for sample in family.samples
-    }
-
-
 async def test_metrics_count_tokens_by_priority_and_seat_preemptions(engine: ServiceProcess) -> None:
-    before = await asyncio.to_thread(_scrape, engine.metrics_port)
+    before = await asyncio.to_thread(scrape, engine.metrics_port, "cachet_engine_")
     async with grpc.aio.insecure_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         batch_request = _request("metrics-batch", list(range(700, 720)), max_tokens=1000, ignore_eos=True)
@@ -239,11 +226,8 @@ async def test_metrics_count_tokens_by_priority_and_seat_preemptions(engine: Ser
         )
         batch.cancel()
         await asyncio.wait_for(_wait_for_load(stub, running=0, waiting=0), timeout=30)
-    after = await asyncio.to_thread(_scrape, engine.metrics_port)
-
-    def grew(name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after[key] - before.get(key, 0.0)
+    after = await asyncio.to_thread(scrape, engine.metrics_port, "cachet_engine_")
+    grew = growth(before, after)
 
     assert sum(len(r.token_ids) for r in interactive) == 5
     # The interactive arrival found the one seat taken by batch work and took it.

@@ -11,7 +11,6 @@ import json
 import signal
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_scrape import Figures, growth, scrape
 from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, ServiceProcess
 
 from cachet.common.v1 import common_pb2
@@ -138,19 +137,6 @@ async def ledger_matches(
     assert rows == [expected]
 
 
-def router_figures(queue_stack: QueueStack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The router's queue figures from its /metrics: (sample name, sorted labels) -> value."""
-    url = f"http://127.0.0.1:{queue_stack.router.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name.startswith("cachet_router_queue_")
-        for sample in family.samples
-    }
-
-
 def check_completed(batch: router_pb2.QueuedBatch, count: int, max_tokens: int | list[int]) -> None:
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * count
     assert len(batch.results) == count
@@ -200,7 +186,7 @@ async def test_queued_requests_drain_while_interactive_traffic_flows(
     queue_stack: QueueStack, inference
 ) -> None:
     receiver = Receiver()
-    before = await asyncio.to_thread(router_figures, queue_stack)
+    before = await asyncio.to_thread(scrape, queue_stack.router.metrics_port, "cachet_router_queue_")
     try:
         queued = await inference.QueueRequests(
             batch_of(DRAIN_REQUESTS, webhook_url=receiver.url), metadata=auth("drain"), timeout=10
@@ -232,26 +218,23 @@ async def test_queued_requests_drain_while_interactive_traffic_flows(
         receiver.close()
 
 
-async def queue_figures_match(queue_stack: QueueStack, before: dict, jobs: int) -> None:
+async def queue_figures_match(queue_stack: QueueStack, before: Figures, jobs: int) -> None:
     """The router's metrics saw ``jobs`` more results written, each started and none twice,
     and the store's backlog is empty again."""
-
-    def grew(after: dict, name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
 
     deadline = time.monotonic() + 10
     while True:
         # A result's figure is counted just after its commit, which the batch's status follows.
-        after = await asyncio.to_thread(router_figures, queue_stack)
-        if grew(after, "cachet_router_queue_results_total", outcome="stored") == jobs:
+        after = await asyncio.to_thread(scrape, queue_stack.router.metrics_port, "cachet_router_queue_")
+        grew = growth(before, after)
+        if grew("cachet_router_queue_results_total", outcome="stored") == jobs:
             break
         assert time.monotonic() < deadline, after
         await asyncio.sleep(0.1)
-    assert grew(after, "cachet_router_queue_results_total", outcome="duplicate") == 0
-    assert grew(after, "cachet_router_queue_jobs_started_total") >= jobs
-    assert grew(after, "cachet_router_queue_completions_per_commit_sum") == jobs
-    assert grew(after, "cachet_router_queue_jobs", state="done") == jobs
+    assert grew("cachet_router_queue_results_total", outcome="duplicate") == 0
+    assert grew("cachet_router_queue_jobs_started_total") >= jobs
+    assert grew("cachet_router_queue_completions_per_commit_sum") == jobs
+    assert grew("cachet_router_queue_jobs", state="done") == jobs
     assert after["cachet_router_queue_jobs", (("state", "queued"),)] == 0
     assert after["cachet_router_queue_jobs", (("state", "leased"),)] == 0
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_scrape import growth, scrape
 from service_processes import TINY_MODEL_ID, CachetStack, free_port
 
 from cachet.block_hash import block_hashes
@@ -336,26 +335,15 @@ async def test_cache_index_down_still_serves_by_load(stack) -> None:
 
 
 async def test_metrics_count_requests_first_tokens_and_cached_tokens(stack, inference) -> None:
-    def scrape() -> dict[tuple[str, tuple], float]:
-        url = f"http://127.0.0.1:{stack.processes['router'].metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        return {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
-
-    before = scrape()
+    port = stack.processes["router"].metrics_port
+    before = scrape(port)
     request = chat("Say something about metrics, at some length, to fill two blocks.", max_tokens=2)
     session = (("x-session-affinity", uuid.uuid4().hex),)
     await inference.CreateChatCompletion(request, metadata=session, timeout=TIMEOUT)
     second = await inference.CreateChatCompletion(request, metadata=session, timeout=TIMEOUT)
-    after = scrape()
+    after = scrape(port)
+    grew = growth(before, after)
 
-    def grew(name: str, labels: tuple = ()) -> float:
-        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
-
-    assert grew("cachet_router_requests_total", (("outcome", "ok"),)) == 2
+    assert grew("cachet_router_requests_total", outcome="ok") == 2
     assert grew("cachet_router_time_to_first_token_seconds_count") == 2
     assert grew("cachet_router_cached_tokens_total") == second.usage.cached_tokens > 0
