@@ -357,11 +357,12 @@ class Scheduler:
         self.running.append(request)
 
     def _newest_batch_request(self) -> Request | None:
-        """The running batch request that gives up its seat to an interactive one."""
-        batch = [r for r in self.running if not r.interactive]
-        if not batch:
+        """The running batch request that gives up its seat to an interactive one: the victim a
+        dry KV pool would pick, when that is batch work."""
+        if not self.running:
             return None
-        return max(batch, key=lambda r: (r.arrival_time, self._arrival_seq[r.request_id]))
+        victim = self._pick_victim()
+        return None if victim.interactive else victim
 
     def _pick_victim(self) -> Request:
         """Batch work before interactive work, then the most recent arrival."""
