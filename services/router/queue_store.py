@@ -166,9 +166,8 @@ class JobState(StrEnum):
     CANCELLED = "cancelled"  # never ran: its batch was cancelled (or expired) first
 
 
-# Jobs that will not run again (a result is stored), and those that may.
-_ENDED = "('done', 'cancelled')"
-_NOT_ENDED = "('queued', 'leased')"
+# Jobs that may still run (the others have a result stored).
+_NOT_ENDED = f"('{JobState.QUEUED}', '{JobState.LEASED}')"
 
 
 class BatchState(StrEnum):
