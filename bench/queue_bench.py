@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sqlite3
 import statistics
@@ -125,6 +126,26 @@ async def _drain_rate(queue_file: Path, window) -> float:
     return (_done_jobs(queue_file) - done_before) / (time.perf_counter() - started)
 
 
+def _cpu_seconds(pid: int, *, children: bool = True) -> float:
+    """User + system CPU time of a process (all its threads) so far, and with ``children`` of
+    its live children too (the engine's loop process)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if not children:
+        return own
+    child_pids = [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+    return own + sum(_cpu_seconds(child) for child in child_pids)
+
+
+def _cpu_by_process(pids: dict[str, int]) -> dict[str, float]:
+    # This process's children are the services, counted on their own.
+    return {name: _cpu_seconds(pid, children=pid != os.getpid()) for name, pid in pids.items()}
+
+
 def _engine_figures(port: int) -> dict[str, float]:
     """The engine's counters, ``name{label=value,...}`` -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
@@ -137,13 +158,16 @@ def _engine_figures(port: int) -> dict[str, float]:
     }
 
 
-async def _engine_window(metrics_port: int, window) -> tuple[Any, dict[str, float]]:
+async def _engine_window(metrics_port: int, pids: dict[str, int], window) -> tuple[Any, dict[str, float]]:
     """``window``'s result and what the engine did meanwhile (from its /metrics): how busy it
-    was, how full its steps were, whose tokens it generated, how often batch work lost a seat."""
+    was, how full its steps were, whose tokens it generated, how often batch work lost a seat;
+    and the cores each process (``pids``: name -> pid) kept busy, the shared machine's split."""
     before = await asyncio.to_thread(_engine_figures, metrics_port)
+    cpu_before = _cpu_by_process(pids)
     started = time.perf_counter()
     result = await window
     elapsed = time.perf_counter() - started
+    cpu_after = _cpu_by_process(pids)
     after = await asyncio.to_thread(_engine_figures, metrics_port)
 
     def grew(key: str) -> float:
@@ -162,7 +186,7 @@ async def _engine_window(metrics_port: int, window) -> tuple[Any, dict[str, floa
         "batch_tokens_per_s": grew("cachet_engine_generated_tokens_total{priority=batch}") / elapsed,
         "seat_preemptions": grew("cachet_engine_preemptions_total{reason=seat}"),
         "kv_preemptions": grew("cachet_engine_preemptions_total{reason=kv_cache}"),
-    }
+    } | {f"cores_{name}": (cpu_after[name] - cpu_before[name]) / elapsed for name in pids}
 
 
 def _percentile(ordered: list[float], share: float) -> float:
@@ -271,10 +295,13 @@ async def measure(
     router: str,
     engine_address: str,
     engine_metrics_port: int,
-    router_pid: int,
+    pids: dict[str, int],
     queue_file: Path,
     scale: Scale,
 ) -> dict[str, Any]:
+    """``pids``: each service's process by name ("router" among them); this one is added."""
+    router_pid = pids["router"]
+    pids = pids | {"bench": os.getpid()}
     rng = random.Random(0)
     window = scale.window_seconds
     async with (
@@ -289,7 +316,7 @@ async def measure(
         engine_windows: dict[str, dict[str, float]] = {}
 
         async def watched(name: str, window):
-            result, engine_windows[name] = await _engine_window(engine_metrics_port, window)
+            result, engine_windows[name] = await _engine_window(engine_metrics_port, pids, window)
             return result
 
         capacity = await watched("capacity", measure_capacity(stub, window, MAX_NUM_SEQS, rng))
@@ -396,9 +423,14 @@ def run_queue_bench(
                 }
                 | (router_env or {}),
             )
-            router_pid = services.processes[-1].pid
+            pids = {
+                name: process.pid
+                for name, process in zip(
+                    ("tokenizer", "usage", "engine", "cache", "router"), services.processes, strict=True
+                )
+            }
             queue_file = root / "router-data" / "queue.sqlite3"
-            result = asyncio.run(measure(router, engine, engine_metrics_port, router_pid, queue_file, scale))
+            result = asyncio.run(measure(router, engine, engine_metrics_port, pids, queue_file, scale))
             result["engine_device"] = engine_device
         finally:
             services.stop()
@@ -482,6 +514,17 @@ def _print(result: dict[str, Any]) -> None:
             f"{figures['seat_preemptions']:.0f}",
         )
         print(f"{name:<26}" + "".join(f"{v:>11}" for v in values))
+    names = [key.removeprefix("cores_") for key in next(iter(windows.values())) if key.startswith("cores_")]
+    print(f"\nCores each process kept busy ({os.cpu_count()} on this machine)")
+    print(f"{'window':<26}" + "".join(f"{n:>11}" for n in [*names, "all"]))
+    print("-" * (26 + 11 * (len(names) + 1)))
+    for name, figures in windows.items():
+        cores = [figures[f"cores_{n}"] for n in names]
+        print(f"{name:<26}" + "".join(f"{c:>11.2f}" for c in [*cores, sum(cores)]))
+
+
+# Overrides for the engine process rather than the router: its own knobs and its math threads.
+ENGINE_VARIABLES = ("CACHET_ENGINE_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def main() -> None:
@@ -497,7 +540,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     overrides = dict(pair.split("=", 1) for pair in args.overrides)
-    engine_env = {key: value for key, value in overrides.items() if key.startswith("CACHET_ENGINE_")}
+    engine_env = {key: value for key, value in overrides.items() if key.startswith(ENGINE_VARIABLES)}
     router_env = {key: value for key, value in overrides.items() if key not in engine_env}
     result = run_queue_bench(args.quick, router_env, args.engine_device, args.vocab_from, engine_env)
     print(json.dumps(result, indent=2))
