@@ -86,6 +86,10 @@ class EngineSettings(ServiceSettings):
     load_report_interval_ms: int = Field(default=200, ge=10)
     # Least time between two messages of a token stream after its first (0: every step).
     stream_interval_ms: float = Field(default=0.0, ge=0)
+    # A single-rank replica runs its step loop in a process of its own, beside the gRPC
+    # server's, so the two do not take turns on one interpreter lock; off: a thread of the
+    # server's process (as the ranks of a tensor-parallel replica always do).
+    core_process: bool = True
     # Prometheus /metrics HTTP port; 0 turns the endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
 

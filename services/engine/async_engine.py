@@ -1,49 +1,67 @@
-"""The engine loop on its own thread, and the asyncio side that talks to it.
+"""The asyncio side of an engine: requests in, per-request output streams out.
 
-EngineCore is not thread-safe and its ``step()`` blocks for a whole forward
-pass, so it lives on one dedicated thread that alone touches it. The gRPC
-side (asyncio) sends commands through a queue and gets results back through
-``call_soon_threadsafe``: per-request output queues, KV event batches, and
-counters for load reports. Commands run between steps, so a request joins or
-leaves the batch at a step boundary, never in the middle of one.
+The engine loop (``core_loop.CoreLoop``) runs on a host: a thread of this process
+(``core_thread``), or a process of its own (``core_process``) so that the step loop and
+this side's gRPC work do not share one interpreter lock. Either way this side only sends
+commands and reads the loop's messages, in order, on the event loop: replies to its
+commands, and a report per step (outputs for each request's ``OutputSink``, KV events for
+the followers, the scheduler's figures for load reports and metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import queue
-import threading
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from typing import Protocol
 
-from cachet.engine.block_pool import BlocksStored, KvEvent
-from cachet.engine.engine_core import EngineCore, RequestOutput
-from cachet.engine.errors import EngineUnavailable, RequestNotFound
+from cachet.engine.block_pool import KvEvent
+from cachet.engine.core_loop import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineDescription,
+    EngineStats,
+    Message,
+    Reply,
+    StepReport,
+    SubscribeKvEvents,
+)
+from cachet.engine.engine_core import RequestOutput
+from cachet.engine.errors import EngineUnavailable
 from cachet.engine.request import Request, RequestStatus
-from cachet.engine.scheduler import SchedulerCounts
+from cachet.engine.scheduler import SchedulerConfig
+from cachet.engine.structured_output import GrammarSpec
 from cachet.logs import get_logger
 
 log = get_logger(__name__)
 
-# How long the idle loop sleeps waiting for a command before re-checking for work.
-_IDLE_WAIT_SECONDS = 0.05
 
+class CoreHost(Protocol):
+    """Where the engine loop runs (``core_thread.ThreadHost``, ``core_process.ProcessHost``)."""
 
-@dataclass
-class _Command:
-    action: Callable[[], object]
-    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    description: EngineDescription
+
+    def start(self, deliver: Callable[[Message], None], failed: Callable[[BaseException], None]) -> None:
+        """Run the loop; ``deliver`` gets its messages in order and ``failed`` its death, both
+        called on the running event loop."""
+
+    def send(self, command_id: int, command: Command) -> None:
+        """Queue a command for the loop; never blocks the event loop."""
+
+    async def stop(self) -> None:
+        """Stop the loop (planned shutdown) and wait for it."""
 
 
 class ThroughputWindow:
     """Token rates between load reports, from the scheduler's running totals."""
 
-    def __init__(self, counts: SchedulerCounts) -> None:
-        self._counts = counts
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
         self._since = time.monotonic()
+        counts = stats().counts
         self._generated = counts.total_generated_tokens
         self._prefill = counts.prefill_tokens
 
@@ -51,7 +69,8 @@ class ThroughputWindow:
         """(decode, prefill) tokens per second since the last call; restarts the window."""
         now = time.monotonic()
         elapsed = max(now - self._since, 1e-6)
-        generated, prefill = self._counts.total_generated_tokens, self._counts.prefill_tokens
+        counts = self._stats().counts
+        generated, prefill = counts.total_generated_tokens, counts.prefill_tokens
         rates = ((generated - self._generated) / elapsed, (prefill - self._prefill) / elapsed)
         self._since, self._generated, self._prefill = now, generated, prefill
         return rates
@@ -60,8 +79,8 @@ class ThroughputWindow:
 class OutputSink:
     """Where one request's outputs wait for the gRPC side.
 
-    Each message costs this process's event loop, which shares the interpreter lock with the
-    step loop, so fewer messages mean shorter steps on a busy replica. The first output goes
+    Each message costs this process's event loop (which shares the interpreter lock with the
+    step loop when that runs on a thread), so fewer messages mean less work per token. The first output goes
     at once (time to first token). After it, a stream sends at most one message per
     ``stream_interval`` seconds: what came meanwhile is held and goes with the next step's
     output (at most one step late) or the final one. A consumer that fell behind gets
@@ -106,49 +125,56 @@ class KvEventSubscriber:
 
 
 class AsyncEngine:
-    """Runs an EngineCore on a thread; every public method is for the asyncio side."""
+    """Talks to the engine loop on its host; every public method is for the asyncio side."""
 
     def __init__(
-        self, core: EngineCore, replica_id: str | None = None, *, stream_interval: float = 0.0
+        self, host: CoreHost, replica_id: str | None = None, *, stream_interval: float = 0.0
     ) -> None:
-        self.core = core
+        self.host = host
+        self.description = host.description
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         # Seconds between a stream's messages after its first (OutputSink).
         self.stream_interval = stream_interval
-        self.throughput = ThroughputWindow(core.scheduler.counts)
-        # Called on the engine thread with each step's wall time in seconds (metrics).
+        # The scheduler's figures after the loop's last report.
+        self.stats = host.description.stats
+        self.throughput = ThroughputWindow(lambda: self.stats)
+        # Called on the event loop with each step's wall time in seconds (metrics).
         self.on_step: Callable[[float], None] | None = None
-        self._commands: queue.Queue[_Command] = queue.Queue()
+        self.failure: BaseException | None = None
+        self._started = False
+        self._command_ids = itertools.count()
+        self._replies: dict[int, asyncio.Future[object]] = {}
+        # Subscriptions whose snapshot is on its way: registered when it arrives, so no event
+        # of a later step can come before it.
+        self._subscribing: dict[int, KvEventSubscriber] = {}
         self._outputs: dict[str, OutputSink] = {}
         self._kv_subscribers: list[KvEventSubscriber] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self.failure: BaseException | None = None
-        core.kv_event_sink = self._on_kv_events
-        # A grammar finishing on a compiler thread wakes an idle loop (an empty command does it).
-        core.wake = lambda: self._commands.put(_Command(lambda: None))
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self.host.start(self._on_message, self.fail)
+        self._started = True
 
     async def stop(self) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        await self.host.stop()
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and self._thread is not None and self._thread.is_alive()
+        return self.failure is None and self._started
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.description.scheduler_config
+
+    @property
+    def supports_structured_output(self) -> bool:
+        return self.description.structured_output
 
     # ------------------------------------------------------------- requests
 
     async def generate(
-        self, request: Request, *, first_and_final: bool = False
+        self, request: Request, *, grammar_spec: GrammarSpec | None = None, first_and_final: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until its terminal one; leaving early aborts it.
 
@@ -159,47 +185,39 @@ class AsyncEngine:
             stream_interval=self.stream_interval,
         )
         self._outputs[request.request_id] = outputs
+        finished = False
         try:
-            await self._call(lambda: self.core.add_request(request))
+            await self._call(AddRequest(request, grammar_spec))
             while True:
                 output = await outputs.get()
                 if output.status is RequestStatus.FINISHED_ERROR and self.failure is not None:
                     # The replica is broken (e.g. it lost a rank): a status the router retries, not a
                     # finish reason it would pass on as an answer.
                     raise EngineUnavailable(f"the engine failed: {self.failure}") from self.failure
+                finished = output.finished
                 yield output
-                if output.finished:
+                if finished:
                     return
         finally:
             # A consumer that stops early (client gone) must not leave the request running.
-            # Fire and forget: this may run while the caller's task is being cancelled.
-            if self._outputs.pop(request.request_id, None) is not None and not request.is_finished:
-                self._commands.put(_Command(lambda: self._abort_if_live(request.request_id)))
+            # Fire and forget: this may run while the caller's task is being cancelled. Sent
+            # after the add (if that went out), so the loop sees them in that order.
+            if self._outputs.pop(request.request_id, None) is not None and not finished and self.healthy:
+                self.host.send(next(self._command_ids), AbortRequest(request.request_id))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a live request; False if it already finished or never existed."""
-        try:
-            await self._call(lambda: self.core.abort(request_id))
-        except RequestNotFound:
-            return False
-        return True
-
-    def _abort_if_live(self, request_id: str) -> None:
-        if self.core.scheduler.get_request(request_id) is not None:
-            self.core.abort(request_id)
+        return bool(await self._call(AbortRequest(request_id)))
 
     async def subscribe_kv_events(self) -> KvEventSubscriber:
         """A subscriber whose queue starts with every block cached now, then live batches."""
         subscriber = KvEventSubscriber()
-
-        def register() -> None:
-            # On the engine thread, so no step can slip between snapshot and registration.
-            snapshot = sorted(self.core.scheduler.kv.cached_block_hashes())
-            # Batch 0 always comes, empty or not, so a follower knows it is connected.
-            subscriber.queue.put_nowait([BlocksStored(tuple(snapshot), None)] if snapshot else [])
-            self._kv_subscribers.append(subscriber)
-
-        await self._call(register)
+        command_id = next(self._command_ids)
+        self._subscribing[command_id] = subscriber
+        try:
+            await self._send(command_id, SubscribeKvEvents())
+        finally:
+            self._subscribing.pop(command_id, None)
         return subscriber
 
     def unsubscribe_kv_events(self, subscriber: KvEventSubscriber) -> None:
@@ -207,83 +225,63 @@ class AsyncEngine:
             self._kv_subscribers.remove(subscriber)
 
     def fail(self, error: BaseException) -> None:
-        """On the event loop, when the replica broke outside the loop thread (a rank died): every
+        """On the event loop, when the replica broke (its loop died, it lost a rank): every
         in-flight request ends with ``error``'s status and new ones are refused."""
-        self.failure = error
-        self._fail_all(error)
+        if self.failure is None:
+            self.failure = error
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(f"the engine failed: {error}"))
+        self._replies.clear()
+        for request_id, target in list(self._outputs.items()):
+            log.error("request failed with the engine loop", request_id=request_id, error=str(error))
+            target.put(_failed_output(request_id))
+        self._outputs.clear()
 
-    # ---------------------------------------------------------------- stats
+    # ------------------------------------------------------- to the loop
 
-    @property
-    def num_running(self) -> int:
-        return self.core.scheduler.num_running
+    async def _call(self, command: Command) -> object:
+        return await self._send(next(self._command_ids), command)
 
-    @property
-    def num_waiting(self) -> int:
-        return self.core.scheduler.num_waiting
-
-    @property
-    def num_waiting_interactive(self) -> int:
-        return self.core.scheduler.num_interactive_left_waiting
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.core.scheduler.kv.num_free_blocks
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.core.scheduler.kv.num_blocks
-
-    # ------------------------------------------------------ the engine thread
-
-    async def _call(self, action: Callable[[], object]) -> object:
+    async def _send(self, command_id: int, command: Command) -> object:
         if not self.healthy:
             raise EngineUnavailable("the engine loop is not running") from self.failure
-        command = _Command(action)
-        self._commands.put(command)
-        return await asyncio.wrap_future(command.done)
-
-    def _run(self) -> None:
+        reply = asyncio.get_running_loop().create_future()
+        self._replies[command_id] = reply
+        self.host.send(command_id, command)
         try:
-            while not self._stopping.is_set():
-                # Requests that only wait for their grammar leave nothing to step: block until a
-                # command (or the grammar's wake-up) arrives rather than spin on empty steps.
-                self._run_commands(block=not self.core.has_work_now())
-                if self.core.has_work_now():
-                    self._step()
-        except BaseException as error:  # noqa: BLE001 - a dead loop must be visible, not silent
-            self.failure = error
-            log.exception("engine loop died")
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._fail_all, error)
+            return await reply
+        finally:
+            self._replies.pop(command_id, None)
 
-    def _run_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=_IDLE_WAIT_SECONDS) if block else self._commands.get_nowait()
-        except queue.Empty:
+    # ------------------------------------------------- from the loop, in order
+
+    def _on_message(self, message: Message) -> None:
+        if isinstance(message, StepReport):
+            self._on_report(message)
             return
-        while True:
-            # A caller cancelled while waiting (client gone) no longer wants the action done.
-            if command.done.set_running_or_notify_cancel():
-                try:
-                    command.done.set_result(command.action())
-                except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
-                    command.done.set_exception(error)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        assert isinstance(message, Reply), message
+        subscriber = self._subscribing.pop(message.command_id, None)
+        if subscriber is not None and message.error is None:
+            subscriber.queue.put_nowait(message.value)
+            self._kv_subscribers.append(subscriber)
+        reply = self._replies.get(message.command_id)
+        if reply is None or reply.done():
+            return  # the caller left (an abort's reply nobody waits for, a cancelled call)
+        if message.error is not None:
+            reply.set_exception(message.error)
+        else:
+            reply.set_result(message.value)
 
-    def _step(self) -> None:
-        started = time.perf_counter()
-        outputs = self.core.step()
-        if self.on_step is not None:
-            self.on_step(time.perf_counter() - started)
-        if outputs:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
-
-    # ------------------------------------------------- back on the event loop
+    def _on_report(self, report: StepReport) -> None:
+        self.stats = report.stats
+        if report.step_seconds is not None and self.on_step is not None:
+            self.on_step(report.step_seconds)
+        if report.outputs:
+            self._deliver(report.outputs)
+        if report.kv_events:
+            for subscriber in self._kv_subscribers:
+                subscriber.queue.put_nowait(report.kv_events)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         # Interactive consumers wake first: a new request's first token is last in step order.
@@ -298,21 +296,6 @@ class AsyncEngine:
                 later.append((target, output))
         for target, output in later:
             target.put(output)
-
-    def _on_kv_events(self, events: list[KvEvent]) -> None:
-        # Called on the engine thread inside step(); fan out on the event loop, in order.
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._fan_out_kv_events, list(events))
-
-    def _fan_out_kv_events(self, events: list[KvEvent]) -> None:
-        for subscriber in self._kv_subscribers:
-            subscriber.queue.put_nowait(events)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id, target in list(self._outputs.items()):
-            log.error("request failed with the engine loop", request_id=request_id, error=str(error))
-            target.put(_failed_output(request_id))
-        self._outputs.clear()
 
 
 def _failed_output(request_id: str) -> RequestOutput:

@@ -14,7 +14,10 @@ from tokenizers import Tokenizer
 
 from cachet.config import EngineSettings
 from cachet.engine import distributed
-from cachet.engine.async_engine import AsyncEngine
+from cachet.engine.async_engine import AsyncEngine, CoreHost
+from cachet.engine.core_loop import CoreLoop, EngineDescription
+from cachet.engine.core_process import CoreStartFailed, ProcessHost
+from cachet.engine.core_thread import ThreadHost
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import EngineUnavailable
 from cachet.engine.expert_parallel import check_expert_parallel_size, check_model_has_experts
@@ -126,11 +129,12 @@ def run_follower(rank: int, settings: EngineSettings) -> None:
     log.info("follower stopped", rank=rank)
 
 
-def build_engine(
+def build_core_loop(
     settings: EngineSettings, group: RankGroup | None = None
-) -> tuple[AsyncEngine, engine_pb2.EngineInfo]:
-    """Everything but the server: model, KV pool, scheduler and the loop (not started)."""
+) -> tuple[CoreLoop, EngineDescription]:
+    """Model, KV pool, scheduler: the engine loop (not running), and what the server needs of it."""
     runner, model, dtype, device = build_runner(settings, group.tp if group else None)
+    expert_parallel_size = runner.expert_parallel_size
     if group is not None:
         # Same attributes as the local runner; each step also goes out to the followers.
         runner = group.wrap(runner)
@@ -153,34 +157,44 @@ def build_engine(
             GrammarCompiler(tokenizer, runner.vocab_size, runner.eos_token_ids) if tokenizer else None
         ),
     )
-    engine = AsyncEngine(
-        core, replica_id=uuid.uuid4().hex[:12], stream_interval=settings.stream_interval_ms / 1000
+    loop = CoreLoop(core)
+    description = loop.describe(
+        expert_parallel_size=expert_parallel_size, dtype=str(dtype).removeprefix("torch."), device=device.type
     )
-    info = engine_pb2.EngineInfo(
+    return loop, description
+
+
+def engine_info(engine: AsyncEngine, group: RankGroup | None) -> engine_pb2.EngineInfo:
+    description = engine.description
+    return engine_pb2.EngineInfo(
         replica_id=engine.replica_id,
-        model=model.model_id,
-        context_window=runner.max_model_len,
-        block_size=runner.block_size,
-        total_kv_blocks=runner.num_kv_blocks,
-        dtype=str(dtype).removeprefix("torch."),
+        model=description.model,
+        context_window=description.context_window,
+        block_size=description.block_size,
+        total_kv_blocks=description.total_kv_blocks,
+        dtype=description.dtype,
         tensor_parallel_size=group.tp.size if group else 1,
-        expert_parallel_size=runner.expert_parallel_size,
-        device=device.type,
+        expert_parallel_size=description.expert_parallel_size,
+        device=description.device,
     )
-    return engine, info
 
 
 async def start(
-    settings: EngineSettings, group: RankGroup | None = None
+    settings: EngineSettings, group: RankGroup | None = None, host: CoreHost | None = None
 ) -> tuple[RunningServer, AsyncEngine]:
-    engine, info = await asyncio.to_thread(build_engine, settings, group)
+    """Serve; the loop runs on ``host`` if given (a loop process), else on a thread built here."""
+    if host is None:
+        host = ThreadHost(*await asyncio.to_thread(build_core_loop, settings, group))
+    engine = AsyncEngine(
+        host, replica_id=uuid.uuid4().hex[:12], stream_interval=settings.stream_interval_ms / 1000
+    )
     metrics = EngineMetrics(engine)
     if settings.metrics_port:
         # Lives as long as the process, as the router's does.
         metrics.serve(settings.metrics_port, settings.host)
         log.info("metrics serving", metrics_port=settings.metrics_port)
     engine.start()
-    servicer = EngineServicer(engine, info, settings.load_report_interval_ms)
+    servicer = EngineServicer(engine, engine_info(engine, group), settings.load_report_interval_ms)
     running = await create_server(
         settings,
         [lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)],
@@ -192,7 +206,6 @@ async def start(
 def main(port: int | None = None) -> None:
     settings = EngineSettings() if port is None else EngineSettings(port=port)
     configure_logging("engine", settings.log_level)
-    configure_tracing("engine")
     torch.set_num_threads(_threads_per_rank(settings))
     try:
         # Every rank checks, launched ones too: a rank that went on alone would wait for its
@@ -207,7 +220,18 @@ def main(port: int | None = None) -> None:
         run_follower(int(os.environ["RANK"]), settings)
         return
     group = start_rank_group(settings)
-    asyncio.run(_serve(settings, group))
+    host = None
+    if group is None and settings.core_process:
+        try:
+            # Forked now, while this process has no other thread (see ProcessHost.launch).
+            host = ProcessHost.launch(lambda: build_core_loop(settings))
+        except CoreStartFailed as failed:
+            log.error("engine failed to start", error=str(failed))
+            raise SystemExit(f"cachet engine: {failed}") from None
+        log.info("engine loop process ready", pid=host.pid)
+    # After the fork: its span exporter runs a thread.
+    configure_tracing("engine")
+    asyncio.run(_serve(settings, group, host))
 
 
 def _threads_per_rank(settings: EngineSettings) -> int:
@@ -219,8 +243,8 @@ def _threads_per_rank(settings: EngineSettings) -> int:
     return max(1, torch.get_num_threads() // ranks_here)
 
 
-async def _serve(settings: EngineSettings, group: RankGroup | None) -> None:
-    running, engine = await start(settings, group)
+async def _serve(settings: EngineSettings, group: RankGroup | None, host: CoreHost | None) -> None:
+    running, engine = await start(settings, group, host)
 
     async def on_stop() -> None:
         await engine.stop()
@@ -228,10 +252,7 @@ async def _serve(settings: EngineSettings, group: RankGroup | None) -> None:
             await asyncio.to_thread(group.close)
 
     serving = asyncio.create_task(serve_until_signalled(running, settings.drain_seconds, on_stop=on_stop))
-    if group is None:
-        await serving
-        return
-    lost = asyncio.create_task(_rank_lost(group, engine))
+    lost = asyncio.create_task(_replica_lost(group, engine))
     done, _ = await asyncio.wait({serving, lost}, return_when=asyncio.FIRST_COMPLETED)
     if serving in done:
         lost.cancel()
@@ -239,8 +260,9 @@ async def _serve(settings: EngineSettings, group: RankGroup | None) -> None:
     await _go_down(running, engine, lost.result())
 
 
-async def _rank_lost(group: RankGroup, engine: AsyncEngine) -> str:
-    """Resolves with a reason when a follower dies or the engine loop fails (a collective raised)."""
+async def _replica_lost(group: RankGroup | None, engine: AsyncEngine) -> str:
+    """Resolves with a reason when the engine loop fails (its process died, a collective raised)
+    or a follower dies."""
     loop = asyncio.get_running_loop()
     reason: asyncio.Future[str] = loop.create_future()
 
@@ -248,10 +270,9 @@ async def _rank_lost(group: RankGroup, engine: AsyncEngine) -> str:
         if not reason.done():
             reason.set_result(text)
 
-    if group.followers:
-        disarm = distributed.watch_followers(
-            group.followers, lambda text: loop.call_soon_threadsafe(report, text)
-        )
+    followers = group.followers if group is not None else []
+    if followers:
+        disarm = distributed.watch_followers(followers, lambda text: loop.call_soon_threadsafe(report, text))
     try:
         while not reason.done():
             if engine.failure is not None:
@@ -259,19 +280,20 @@ async def _rank_lost(group: RankGroup, engine: AsyncEngine) -> str:
             await asyncio.wait({reason}, timeout=0.2)
         return reason.result()
     finally:
-        if group.followers and not reason.done():
+        if followers and not reason.done():
             disarm()  # a planned shutdown: followers exiting now is expected
 
 
 async def _go_down(running: RunningServer, engine: AsyncEngine, reason: str) -> None:
-    """A rank is gone, so the replica is: NOT_SERVING, every in-flight request fails, exit.
+    """The loop or a rank is gone, so the replica is: NOT_SERVING, every in-flight request
+    fails, exit.
 
     ``os._exit``: the engine thread may be blocked in a collective with the dead rank
     (the shared-memory all-reduce never times out), so a normal exit could wait forever.
     The non-zero status lets the supervisor (honcho, Kubernetes) see and restart it.
     """
-    log.error("replica lost a rank; going down", reason=reason)
+    log.error("replica lost its engine loop or a rank; going down", reason=reason)
     await running.set_serving(False)
-    engine.fail(EngineUnavailable(f"this replica lost a rank ({reason}); retry on another replica"))
+    engine.fail(EngineUnavailable(f"this replica broke ({reason}); retry on another replica"))
     await running.stop(grace=2.0)
     os._exit(1)

@@ -1,8 +1,9 @@
 """Prometheus figures of one engine replica (served on ``metrics_port`` when set).
 
 What the scheduler counts (tokens by priority and phase, preemptions by reason, finished
-requests) and its queues are read at scrape time by a collector, so the step loop pays
-nothing for them beyond its own counters; the step-time histogram is observed by the loop.
+requests) and its queues come with each of the engine loop's step reports
+(``EngineStats``); a collector reads the last one at scrape time, and the step-time
+histogram is observed as each report arrives.
 Each engine has a registry of its own: tests run several engines in one process.
 
 Read together they answer what the load report cannot: how full the steps are
@@ -22,8 +23,7 @@ from prometheus_client.registry import Collector
 
 from cachet.config import LOOPBACK
 from cachet.engine.async_engine import AsyncEngine
-from cachet.engine.request import Request
-from cachet.engine.scheduler import PRIORITIES, priority_of
+from cachet.engine.scheduler import PRIORITIES
 
 _Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
 
@@ -36,14 +36,14 @@ class SchedulerCollector(Collector):
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        scheduler = self._engine.core.scheduler
-        counts = scheduler.counts
+        # One report's figures (the loop's last), read whole: the loop may send the next meanwhile.
+        stats = self._engine.stats
+        counts = stats.counts
         yield _by_priority(
             GaugeMetricFamily(
                 "cachet_engine_requests_running", "Requests holding a seat in the batch.", labels=["priority"]
             ),
-            # list(): the engine thread may change the batch while this reads it.
-            _count_by_priority(list(scheduler.running)),
+            stats.running,
         )
         yield _by_priority(
             GaugeMetricFamily(
@@ -51,15 +51,15 @@ class SchedulerCollector(Collector):
                 "Requests queued for a seat, preempted ones included.",
                 labels=["priority"],
             ),
-            {"interactive": scheduler.waiting.num_interactive, "batch": scheduler.waiting.num_batch},
+            stats.waiting,
         )
         yield GaugeMetricFamily(
             "cachet_engine_kv_blocks_free",
             "KV cache blocks no request holds.",
-            value=scheduler.kv.num_free_blocks,
+            value=stats.free_kv_blocks,
         )
         yield GaugeMetricFamily(
-            "cachet_engine_kv_blocks", "KV cache blocks in the pool.", value=scheduler.kv.num_blocks
+            "cachet_engine_kv_blocks", "KV cache blocks in the pool.", value=stats.total_kv_blocks
         )
         yield CounterMetricFamily(
             "cachet_engine_steps", "Forward passes with work in them.", value=counts.steps
@@ -102,13 +102,6 @@ def _by_priority(family: _Family, values: dict[str, int]) -> _Family:
     for priority in PRIORITIES:
         family.add_metric([priority], values[priority])
     return family
-
-
-def _count_by_priority(requests: list[Request]) -> dict[str, int]:
-    counts = dict.fromkeys(PRIORITIES, 0)
-    for request in requests:
-        counts[priority_of(request)] += 1
-    return counts
 
 
 class EngineMetrics:

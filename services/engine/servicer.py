@@ -14,7 +14,6 @@ from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from cachet.engine.engine_core import RequestOutput
 from cachet.engine.errors import InvalidRequest
-from cachet.engine.grammar_matcher import RequestGrammar
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from cachet.engine.structured_output import grammar_spec_from_proto
@@ -33,12 +32,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         domain = self._to_request(request)
+        grammar_spec = grammar_spec_from_proto(request.response_format)
         first = True
         # aclosing: when the client goes away this generator is closed, and the engine's
         # must close at once too (that is what aborts the request), not whenever GC runs.
         first_and_final = request.output_kind == engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL
         async with contextlib.aclosing(
-            self._engine.generate(domain, first_and_final=first_and_final)
+            self._engine.generate(domain, grammar_spec=grammar_spec, first_and_final=first_and_final)
         ) as outputs:
             async for output in outputs:
                 if output.error:
@@ -110,7 +110,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"{window}-token context window"
             )
         return Request(
-            grammar=self._grammar(request.response_format),
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=sampling,
@@ -120,26 +119,17 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             arrival_time=time.monotonic(),
         )
 
-    def _grammar(self, response_format: common_pb2.ResponseFormat) -> RequestGrammar | None:
-        """Start compiling the request's grammar (cached by hash) on the compiler's threads."""
-        spec = grammar_spec_from_proto(response_format)
-        if spec is None:
-            return None
-        compiler = self._engine.core.grammar_compiler
-        if compiler is None:
-            raise InvalidRequest("response_format needs a tokenizer, and this engine's model has none")
-        return RequestGrammar.create(compiler, spec)
-
     def _load_report(self) -> engine_pb2.LoadReport:
         decode_rate, prefill_rate = self._engine.throughput.rates()
-        config = self._engine.core.scheduler_config
+        config = self._engine.scheduler_config
+        stats = self._engine.stats
         return engine_pb2.LoadReport(
             replica_id=self._engine.replica_id,
-            running_requests=self._engine.num_running,
-            waiting_requests=self._engine.num_waiting,
-            waiting_interactive_requests=self._engine.num_waiting_interactive,
-            free_kv_blocks=self._engine.num_free_blocks,
-            total_kv_blocks=self._engine.num_total_blocks,
+            running_requests=stats.num_running,
+            waiting_requests=stats.num_waiting,
+            waiting_interactive_requests=stats.interactive_left_waiting,
+            free_kv_blocks=stats.free_kv_blocks,
+            total_kv_blocks=stats.total_kv_blocks,
             max_running_requests=config.max_num_seqs,
             max_waiting_requests=config.max_waiting,
             decode_tokens_per_second=decode_rate,

@@ -1,0 +1,108 @@
+"""The engine loop's process lives and dies with its server, and the thread host still serves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from service_processes import ServiceProcess, start_service
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.models.tiny import write_tiny_model
+
+
+def _start_engine(root: Path, **env: str) -> ServiceProcess:
+    model_dir = root / "tiny-llama"
+    if not model_dir.exists():
+        write_tiny_model(model_dir)
+    return start_service(
+        "engine",
+        {"CACHET_MODEL": str(model_dir), "CACHET_DATA_DIR": str(root), "CACHET_KV_CACHE_GB": "0.01"} | env,
+        root,
+        timeout=300,
+    )
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not merely a zombie waiting for whoever adopted it to reap it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    state = next(line for line in status.splitlines() if line.startswith("State:"))
+    return "zombie" not in state
+
+
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def _generate(max_tokens: int, request_id: str) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=request_id,
+        model="tiny-llama",
+        prompt_token_ids=[1000 + i for i in range(20)],
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+async def _tokens(address: str, max_tokens: int) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        return [t async for r in stub.Generate(_generate(max_tokens, "r-1")) for t in r.token_ids]
+
+
+async def test_the_loop_process_serves_and_stops_with_its_server(tmp_path: Path) -> None:
+    engine = _start_engine(tmp_path)
+    [loop_pid] = _children(engine.process.pid)
+    assert len(await _tokens(engine.address, 5)) == 5
+    assert engine.stop() == 0, engine.log_tail()
+    assert _wait_until(lambda: not _alive(loop_pid), 10), "the loop process outlived a clean stop"
+
+
+async def test_killing_the_server_takes_its_loop_process_down(tmp_path: Path) -> None:
+    engine = _start_engine(tmp_path)
+    [loop_pid] = _children(engine.process.pid)
+    engine.stop(signal.SIGKILL)
+    assert _wait_until(lambda: not _alive(loop_pid), 10), "an orphaned loop process went on running"
+
+
+async def test_a_dead_loop_process_fails_requests_and_takes_the_server_down(tmp_path: Path) -> None:
+    engine = _start_engine(tmp_path)
+    [loop_pid] = _children(engine.process.pid)
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        stream = stub.Generate(_generate(2_000, "long"))
+        await stream.read()  # the first token: the request is running in the loop process
+        os.kill(loop_pid, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            while await stream.read() is not grpc.aio.EOF:
+                pass
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+    # A replica without its loop cannot serve: it exits non-zero for its supervisor to restart.
+    assert engine.process.wait(15) == 1, engine.log_tail()
+
+
+async def test_the_thread_host_serves_without_a_loop_process(tmp_path: Path) -> None:
+    engine = _start_engine(tmp_path, CACHET_ENGINE_CORE_PROCESS="false")
+    assert _children(engine.process.pid) == []
+    assert len(await _tokens(engine.address, 5)) == 5
+    assert engine.stop() == 0, engine.log_tail()
