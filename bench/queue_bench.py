@@ -29,7 +29,8 @@ engine work for both kinds. In order, in the same run:
    which costs more than the whole answers capacity is measured with; a second share
    counts each at that cost (capacity / streaming capacity), which leaves less free.
    The engine's ``/metrics`` before and after each window say how busy it was, how
-   full its steps were and whose tokens it made.
+   full its steps were and whose tokens it made; ``/proc`` says how many cores each
+   process kept busy (the engine's loop process counted with its server).
 4. **submission**: ``SUBMIT_REQUESTS`` requests through ``QueueRequests`` in batches of
    ``SUBMIT_BATCH`` from ``SUBMITTERS`` concurrent callers, while the dispatcher keeps
    draining; requests/s is requests over wall time. The router's resident set size
