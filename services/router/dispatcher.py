@@ -19,7 +19,7 @@ The headroom rule (knobs in ``RouterServiceSettings``, defaults in brackets):
   interactive sessions are about to reuse.
 * The slots summed over replicas, minus jobs this router has leased but not yet
   placed, is how many jobs may start now (capped by ``batch_max_in_flight`` when
-  set). Placement itself (cache-aware, bounded load) then picks the replica. The
+  set), leased together in one store transaction. Placement itself (cache-aware, bounded load) then picks the replica. The
   dispatcher looks again whenever the engine is done with one of its jobs (before its
   usage and result are written), else every
   ``queue_poll_seconds``.
@@ -184,7 +184,7 @@ class Dispatcher:
         while True:
             try:
                 await self._expire_overdue_batches()
-                started = await self._start_one()
+                started = await self._start_some()
             except Exception:  # noqa: BLE001 - the only dispatcher of this router must outlive a bad moment
                 log.exception("queue dispatch failed")
                 started = False
@@ -220,18 +220,19 @@ class Dispatcher:
             slots = min(slots, self._max_in_flight - len(self._jobs))
         return slots
 
-    async def _start_one(self) -> bool:
-        if self.free_slots() <= 0:
+    async def _start_some(self) -> bool:
+        """Lease what the free slots allow, in one store transaction; True if any job started."""
+        slots = self.free_slots()
+        if slots <= 0:
             return False
-        job = await self._store.lease(self.owner, self._lease_seconds, self._last_account)
-        if job is None:
-            return False
-        self._last_account = job.account_id
-        self._unplaced += 1
-        task = asyncio.create_task(self._run(job))
-        self._jobs.add(task)
-        task.add_done_callback(self._job_ended)
-        return True
+        jobs = await self._store.lease_many(self.owner, self._lease_seconds, self._last_account, limit=slots)
+        for job in jobs:
+            self._last_account = job.account_id
+            self._unplaced += 1
+            task = asyncio.create_task(self._run(job))
+            self._jobs.add(task)
+            task.add_done_callback(self._job_ended)
+        return bool(jobs)
 
     def _job_ended(self, task: asyncio.Task[None]) -> None:
         self._jobs.discard(task)

@@ -150,6 +150,34 @@ async def test_leases_go_round_robin_across_accounts(store: QueueStore) -> None:
     assert order == [b"a0", b"b0", b"c0", b"a1", b"b1", b"b2"]
 
 
+async def test_lease_many_takes_what_single_leases_would_in_one_commit(tmp_path: Path) -> None:
+    bodies = {"acct-b": [b"b0", b"b1", b"b2"], "acct-a": [b"a0", b"a1"], "acct-c": [b"c0"]}
+    singles, together = QueueStore(tmp_path / "singles.sqlite3"), QueueStore(tmp_path / "together.sqlite3")
+    try:
+        for store in (singles, together):
+            for account, lines in bodies.items():
+                await store.create_batch(account, "m", lines)
+        one_by_one, after = [], "acct-a"
+        for _ in range(4):
+            job = await singles.lease("r", lease_seconds=60, after_account=after)
+            assert job is not None
+            one_by_one.append(job.body)
+            after = job.account_id
+        statements: list[str] = []
+        together._db.set_trace_callback(statements.append)
+        first = await together.lease_many("r", lease_seconds=60, after_account="acct-a", limit=4)
+        together._db.set_trace_callback(None)
+        assert [job.body for job in first] == one_by_one == [b"b0", b"c0", b"a0", b"b1"]
+        assert statements.count("COMMIT") == 1
+        # Fewer than asked once the queue runs dry, none after that.
+        rest = await together.lease_many("r", lease_seconds=60, after_account=first[-1].account_id, limit=5)
+        assert [job.body for job in rest] == [b"a1", b"b2"]
+        assert await together.lease_many("r", lease_seconds=60, limit=5) == []
+    finally:
+        await singles.close()
+        await together.close()
+
+
 async def test_another_account_cannot_see_a_batch(store: QueueStore) -> None:
     batch = await store.create_batch("acct-a", "m", [b"one"])
     assert await store.batch(batch, "acct-b") is None
