@@ -1,4 +1,4 @@
-"""The engine loop in a process of its own, forked by the server before it serves.
+"""The engine loop in a process of its own, started by the server before it serves.
 
 Why: in one process the step loop and the gRPC side take turns on one interpreter lock.
 Measured on the 2-core dev box with the tiny model: a thread holding the lock 30% of the
@@ -13,9 +13,12 @@ reports out, in order. The server writes from a thread of its own, so a full pip
 blocks its event loop (and the loop, blocked writing a report, never waits on a server
 blocked writing a command); it reads reports on the event loop.
 
-The loop process lives for its server: it ignores SIGINT and SIGTERM (the server drains
-first, then tells it to stop) and exits when its command pipe closes, so a server killed
-with SIGKILL takes its loop down at the next step.
+The loop process is a fresh interpreter (``python -m cachet.engine.core_process``), not a
+fork: a process that has touched CUDA (``torch.cuda.is_available()`` included) or started
+threads (gRPC, the span exporter) cannot be forked safely. It reads the same
+``CACHET_*`` environment as its server, and lives for it: it ignores SIGINT and SIGTERM
+(the server drains first, then tells it to stop) and exits when its command pipe closes,
+so a server killed with SIGKILL takes its loop down at its next step.
 """
 
 from __future__ import annotations
@@ -26,15 +29,21 @@ import fcntl
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Pipe, wait
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
-from cachet.engine.core_loop import Command, CoreLoop, EngineDescription, Message
-from cachet.engine.errors import EngineUnavailable
-from cachet.logs import get_logger
+from cachet.config import EngineSettings
+from cachet.engine.rank_environment import externally_launched
+from cachet.logs import configure_logging, get_logger
+
+if TYPE_CHECKING:  # torch and the model code: ``launch_early`` runs before they are imported
+    from cachet.engine.core_loop import Command, CoreLoop, EngineDescription, Message
 
 log = get_logger(__name__)
 
@@ -56,44 +65,54 @@ class CoreStartFailed(RuntimeError):
 class ProcessHost:
     """The server's side of a loop process."""
 
-    def __init__(
-        self, pid: int, commands: Connection, reports: Connection, description: EngineDescription
-    ) -> None:
-        self.pid = pid
-        self.description = description
+    def __init__(self, process: subprocess.Popen[bytes], commands: Connection, reports: Connection) -> None:
+        self.process = process
         self._commands = commands
         self._reports = reports
         self._outbox: queue.SimpleQueue[tuple[int, Command] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._description: EngineDescription | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def description(self) -> EngineDescription:
+        assert self._description is not None, "wait_ready() first"
+        return self._description
 
     @classmethod
-    def launch(cls, build: Callable[[], tuple[CoreLoop, EngineDescription]]) -> ProcessHost:
-        """Fork the loop process, which runs ``build`` (loads the model) and then the loop;
-        returns once it is ready. Call before any thread starts: a fork copies only the
-        calling thread, and a lock another thread held would stay held in the child."""
-        commands_out, commands_in = Pipe(duplex=False)
-        reports_out, reports_in = Pipe(duplex=False)
-        pid = os.fork()
-        if pid == 0:  # the loop process
-            status = 1
-            try:
-                commands_in.close()
-                reports_out.close()
-                status = _run_loop_process(build, commands_out, reports_in)
-            finally:
-                os._exit(status)
-        commands_out.close()
-        reports_in.close()
+    def spawn(cls) -> ProcessHost:
+        """Start the loop process, which loads the model (from this process's environment) and
+        then runs the loop; ``wait_ready`` waits for it."""
+        commands_read, commands_write = os.pipe()
+        reports_read, reports_write = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cachet.engine.core_process", str(commands_read), str(reports_write)],
+            pass_fds=(commands_read, reports_write),
+        )
+        os.close(commands_read)
+        os.close(reports_write)
+        return cls(
+            process, Connection(commands_write, readable=False), Connection(reports_read, writable=False)
+        )
+
+    def wait_ready(self) -> None:
+        """Until the model is loaded; CoreStartFailed (the process reaped) if it could not be."""
         try:
-            first = reports_out.recv()
+            first = self._reports.recv()
         except EOFError:
-            first = CoreFailed("the engine loop process exited while loading the model")
+            status = self.process.wait()
+            first = CoreFailed(f"the engine loop process exited while loading the model (status {status})")
         if isinstance(first, CoreFailed):
-            os.waitpid(pid, 0)
+            self._commands.close()
+            self._reports.close()
+            self.process.wait()
             raise CoreStartFailed(first.error)
-        return cls(pid, commands_in, reports_out, first)
+        self._description = first
 
     def start(self, deliver: Callable[[Message], None], failed: Callable[[BaseException], None]) -> None:
         self._event_loop = asyncio.get_running_loop()
@@ -132,30 +151,25 @@ class ProcessHost:
             assert self._event_loop is not None
             self._event_loop.remove_reader(self._reports.fileno())
             if not self._stopping:
+                from cachet.engine.errors import EngineUnavailable
+
                 status = self._reap(1.0)
                 failed(EngineUnavailable(f"the engine loop process exited (status {status})"))
 
-    def _reap(self, timeout: float) -> int | None:
+    def _reap(self, timeout: float) -> int:
         """The loop process's exit status; killed if it has not exited within ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                return os.waitstatus_to_exitcode(status)
-            if time.monotonic() >= deadline:
-                log.warning("engine loop process did not stop; killing it", pid=self.pid)
-                os.kill(self.pid, signal.SIGKILL)
-                return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-            time.sleep(0.05)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("engine loop process did not stop; killing it", pid=self.pid)
+            self.process.kill()
+            return self.process.wait()
 
 
 def _run_loop_process(
     build: Callable[[], tuple[CoreLoop, EngineDescription]], commands: Connection, reports: Connection
 ) -> int:
     """The loop process's life; its exit status."""
-    # The server drains in-flight requests on these, then stops this process itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         loop, description = build()
     except Exception as error:  # noqa: BLE001 - the server reports it and exits
@@ -201,3 +215,40 @@ def _serve(loop: CoreLoop, commands: Connection, reports: Connection, wake_reade
                 reports.send(loop.report_without_step())
         if loop.has_work_now():
             reports.send(loop.step(time.perf_counter))
+
+
+def launch_early() -> ProcessHost | None:
+    """The loop process of a single-rank replica, started (not yet ready); None when the loop
+    runs on a thread. Called before the server imports torch and the model code, so the two
+    interpreters import side by side (7 s each on the 2-core dev box) rather than in turn."""
+    settings = EngineSettings()
+    if settings.tensor_parallel_size != 1 or externally_launched() or not settings.core_process:
+        return None
+    return ProcessHost.spawn()
+
+
+def main(arguments: list[str]) -> int:
+    """``python -m cachet.engine.core_process COMMANDS_FD REPORTS_FD``, started by the server."""
+    # The server drains in-flight requests on these, then stops this process itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    commands_fd, reports_fd = (int(argument) for argument in arguments)
+    settings = EngineSettings()
+    configure_logging("engine", settings.log_level)
+    # Here, not at the top: the server imports this module before torch (launch_early).
+    import torch
+
+    from cachet.engine.main import build_core_loop, threads_per_rank
+
+    torch.set_num_threads(threads_per_rank(settings))
+    commands = Connection(commands_fd, writable=False)
+    reports = Connection(reports_fd, readable=False)
+    return _run_loop_process(lambda: build_core_loop(settings), commands, reports)
+
+
+if __name__ == "__main__":
+    # Through the module by its name: what this process pickles (CoreFailed) must unpickle in
+    # the server as cachet.engine.core_process's, not as __main__'s.
+    from cachet.engine import core_process
+
+    sys.exit(core_process.main(sys.argv[1:]))

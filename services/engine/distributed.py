@@ -87,11 +87,6 @@ class RankInfo:
         return self.rank == 0
 
 
-def externally_launched() -> bool:
-    """True when a launcher (deepspeed, torchrun) made this process one rank of a group."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
-
-
 def _set_rank_environment(rank: int, world_size: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
 

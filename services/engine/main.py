@@ -24,6 +24,7 @@ from cachet.engine.expert_parallel import check_expert_parallel_size, check_mode
 from cachet.engine.metrics import EngineMetrics
 from cachet.engine.model_runner import ModelRunner, default_dtype
 from cachet.engine.models import ModelConfig
+from cachet.engine.rank_environment import externally_launched
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.servicer import SERVICE_NAME, EngineServicer
 from cachet.engine.structured_output import GrammarCompiler
@@ -81,10 +82,10 @@ def check_parallel_layout(settings: EngineSettings) -> None:
 def start_rank_group(settings: EngineSettings) -> RankGroup | None:
     """None for a single-rank replica; otherwise spawn (or join) the ranks and the process group."""
     size = settings.tensor_parallel_size
-    if size == 1 and not distributed.externally_launched():
+    if size == 1 and not externally_launched():
         return None
     followers: list[BaseProcess] = []
-    if not distributed.externally_launched():
+    if not externally_launched():
         distributed.prepare_local_group(size)
         followers = distributed.spawn_followers(size, run_follower, settings)
     info = distributed.init_distributed(choose_device(settings.device))
@@ -119,7 +120,7 @@ def build_runner(
 def run_follower(rank: int, settings: EngineSettings) -> None:
     """Rank ``rank`` (> 0) of a replica: load its shard, then run what rank 0 sends until told to stop."""
     configure_logging("engine", settings.log_level)
-    torch.set_num_threads(_threads_per_rank(settings))
+    torch.set_num_threads(threads_per_rank(settings))
     tp = distributed.TensorParallel.create(
         distributed.init_distributed(choose_device(settings.device)), settings.expert_parallel_size
     )
@@ -203,10 +204,12 @@ async def start(
     return running, engine
 
 
-def main(port: int | None = None) -> None:
+def main(port: int | None = None, loop_process: ProcessHost | None = None) -> None:
+    """``loop_process``: this replica's loop process, already started (``__main__``); started
+    here when it should exist and was not."""
     settings = EngineSettings() if port is None else EngineSettings(port=port)
     configure_logging("engine", settings.log_level)
-    torch.set_num_threads(_threads_per_rank(settings))
+    torch.set_num_threads(threads_per_rank(settings))
     try:
         # Every rank checks, launched ones too: a rank that went on alone would wait for its
         # peers at the rendezvous instead of failing.
@@ -215,26 +218,25 @@ def main(port: int | None = None) -> None:
         # A start-up mistake in the settings: one line naming them, not a traceback.
         log.error("invalid engine settings", error=str(invalid))
         raise SystemExit(f"cachet engine: {invalid}") from None
-    if distributed.externally_launched() and int(os.environ["RANK"]) != 0:
+    if externally_launched() and int(os.environ["RANK"]) != 0:
         # A launcher started every rank with this same command; only rank 0 serves.
         run_follower(int(os.environ["RANK"]), settings)
         return
     group = start_rank_group(settings)
     host = None
     if group is None and settings.core_process:
+        host = loop_process or ProcessHost.spawn()
         try:
-            # Forked now, while this process has no other thread (see ProcessHost.launch).
-            host = ProcessHost.launch(lambda: build_core_loop(settings))
+            host.wait_ready()
         except CoreStartFailed as failed:
             log.error("engine failed to start", error=str(failed))
             raise SystemExit(f"cachet engine: {failed}") from None
         log.info("engine loop process ready", pid=host.pid)
-    # After the fork: its span exporter runs a thread.
     configure_tracing("engine")
     asyncio.run(_serve(settings, group, host))
 
 
-def _threads_per_rank(settings: EngineSettings) -> int:
+def threads_per_rank(settings: EngineSettings) -> int:
     """One process per replica on a shared CPU: more threads than cores only thrash, and the
     ranks of a replica on one host share its cores (2 ranks x 2 threads on 2 cores: 24x slower)."""
     if "CACHET_ENGINE_THREADS" in os.environ:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from service_processes import ServiceProcess, start_service
+from service_processes import ServiceProcess, launch_service, start_service
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -106,3 +106,15 @@ async def test_the_thread_host_serves_without_a_loop_process(tmp_path: Path) -> 
     assert _children(engine.process.pid) == []
     assert len(await _tokens(engine.address, 5)) == 5
     assert engine.stop() == 0, engine.log_tail()
+
+
+def test_a_loop_process_that_cannot_load_its_model_fails_the_start_with_the_reason(tmp_path: Path) -> None:
+    engine = launch_service(
+        "engine",
+        {"CACHET_MODEL": str(tmp_path / "no-such-model"), "CACHET_DATA_DIR": str(tmp_path)},
+        tmp_path,
+    )
+    assert engine.process.wait(120) != 0
+    output = engine.output()
+    assert "cachet engine:" in output and "no-such-model" in output, output[-3000:]
+    assert "Traceback" not in output.split("engine failed to start")[-1], output[-3000:]
