@@ -79,8 +79,8 @@ class ThroughputWindow:
 class OutputSink:
     """Where one request's outputs wait for the gRPC side.
 
-    Each message costs this process's event loop (which shares the interpreter lock with the
-    step loop when that runs on a thread), so fewer messages mean less work per token. The first output goes
+    Each message costs the server's event loop (and, when the step loop runs on a thread,
+    the interpreter lock they share), so messages are few. The first output goes
     at once (time to first token). After it, a stream sends at most one message per
     ``stream_interval`` seconds: what came meanwhile is held and goes with the next step's
     output (at most one step late) or the final one. A consumer that fell behind gets
