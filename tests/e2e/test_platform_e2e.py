@@ -460,16 +460,21 @@ async def test_over_capacity_is_429_with_retry_after(platform: Platform) -> None
                 async for _ in response.aiter_bytes():
                     pass
 
+        def loads() -> list[tuple[int, int]]:
+            return sorted(engine_load(platform.engine(n).address) for n in ("engine0", "engine1"))
+
         # One running and one waiting request on each engine: every replica is saturated.
-        holders = [asyncio.create_task(occupy()) for _ in range(4)]
+        # One at a time: the bound is on an engine's waiting queue, and two requests that
+        # reach it between the same two steps both count as waiting, a free seat or not.
+        holders: list[asyncio.Task[None]] = []
         try:
-            deadline = time.monotonic() + 30
-            while sorted(engine_load(platform.engine(n).address) for n in ("engine0", "engine1")) != [
-                (1, 1),
-                (1, 1),
-            ]:
-                assert time.monotonic() < deadline, "the engines never filled up"
-                await asyncio.sleep(0.05)
+            for count in range(1, 5):
+                holders.append(asyncio.create_task(occupy()))
+                deadline = time.monotonic() + 30
+                while sum(running + waiting for running, waiting in loads()) < count:
+                    assert time.monotonic() < deadline, f"the engines never took request {count}"
+                    await asyncio.sleep(0.05)
+            assert loads() == [(1, 1), (1, 1)]
             refused = await client.post(CHAT_URL, json=GOOD | {"messages": chat()})
         finally:
             for holder in holders:
