@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -225,7 +226,10 @@ class Dispatcher:
         slots = self.free_slots()
         if slots <= 0:
             return False
+        leasing = time.monotonic()
         jobs = await self._store.lease_many(self.owner, self._lease_seconds, self._last_account, limit=slots)
+        if jobs:
+            metrics.QUEUE_JOB_STAGE_SECONDS.labels("lease").observe(time.monotonic() - leasing)
         for job in jobs:
             self._last_account = job.account_id
             self._unplaced += 1
@@ -247,13 +251,21 @@ class Dispatcher:
                 placed = True
                 self._unplaced -= 1
 
+        engine_done_at: float | None = None
+
+        def engine_done() -> None:
+            nonlocal engine_done_at
+            engine_done_at = time.monotonic()
+
         heartbeat = asyncio.create_task(self._renew(job))
         try:
-            result = await self._execute(job, mark_placed)
+            result = await self._execute(job, mark_placed, engine_done)
             if result is None:
                 await self._store.release(job)
                 return
             completion = await self._store.complete(job, result.SerializeToString())
+            if engine_done_at is not None:
+                metrics.QUEUE_JOB_STAGE_SECONDS.labels("record").observe(time.monotonic() - engine_done_at)
             metrics.QUEUE_RESULTS.labels("stored" if completion.stored else "duplicate").inc()
             if not completion.stored:
                 log.info("queued job finished twice; first result kept", request_id=job.request_id)
@@ -269,16 +281,24 @@ class Dispatcher:
             mark_placed()
             heartbeat.cancel()
 
-    async def _execute(self, job: Job, mark_placed: Callable[[], None]) -> router_pb2.QueuedResult | None:
+    async def _execute(
+        self, job: Job, mark_placed: Callable[[], None], engine_done: Callable[[], None]
+    ) -> router_pb2.QueuedResult | None:
         """The job's result, or None to put it back in the queue."""
         if job.attempt > self._max_attempts:
             return _error("ABORTED", f"gave up after {self._max_attempts} attempts")
         queued = router_pb2.QueuedRequest.FromString(job.body)
+        stages = metrics.QUEUE_JOB_STAGE_SECONDS
         try:
+            leased = time.monotonic()
             generation = await self._start(job, queued)
             mark_placed()
             metrics.QUEUE_JOBS_STARTED.inc()
+            started = time.monotonic()
+            stages.labels("start").observe(started - leased)
             completion = await generation.collect()
+            stages.labels("generate").observe(time.monotonic() - started)
+            engine_done()
             # The engine is done with it (its seat no longer counts in ``in_flight``): the next job
             # may start while this one's usage and result are written, which take a ledger
             # flush and a store transaction, a tenth or more of a short job's life.

@@ -47,6 +47,16 @@ QUEUE_COMPLETIONS_PER_COMMIT = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 
+QUEUE_JOB_STAGE_SECONDS = Histogram(
+    "cachet_router_queue_job_stage_seconds",
+    "A queued job's life by stage: lease (the store transaction that leased it, shared with the"
+    " jobs leased beside it), start (leased to the engine's first output: the Generate call,"
+    " admission, the prefill step), generate (first output to last), record (the engine done"
+    " to the result stored: usage flush, store commit).",
+    ["stage"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
 
 class QueueCollector(Collector):
     """Jobs in the queue store by state, read at scrape time: the backlog every router sharing

@@ -234,6 +234,11 @@ async def queue_figures_match(queue_stack: QueueStack, before: Figures, jobs: in
     assert grew("cachet_router_queue_results_total", outcome="duplicate") == 0
     assert grew("cachet_router_queue_jobs_started_total") >= jobs
     assert grew("cachet_router_queue_completions_per_commit_sum") == jobs
+    # Every job's life by stage; leases are shared, so at least one.
+    for stage in ("start", "generate", "record"):
+        assert grew("cachet_router_queue_job_stage_seconds_count", stage=stage) >= jobs, stage
+    leases = grew("cachet_router_queue_job_stage_seconds_count", stage="lease")
+    assert 1 <= leases <= grew("cachet_router_queue_jobs_started_total")
     assert grew("cachet_router_queue_jobs", state="done") == jobs
     assert after["cachet_router_queue_jobs", (("state", "queued"),)] == 0
     assert after["cachet_router_queue_jobs", (("state", "leased"),)] == 0
