@@ -185,7 +185,6 @@ class CoreLoop:
         running = dict.fromkeys(PRIORITIES, 0)
         for request in scheduler.running:
             running[priority_of(request)] += 1
-        counts = scheduler.counts
         return EngineStats(
             running=running,
             waiting={"interactive": scheduler.waiting.num_interactive, "batch": scheduler.waiting.num_batch},
@@ -193,12 +192,5 @@ class CoreLoop:
             free_kv_blocks=scheduler.kv.num_free_blocks,
             total_kv_blocks=scheduler.kv.num_blocks,
             # A copy: the report outlives this step, the totals go on changing.
-            counts=SchedulerCounts(
-                steps=counts.steps,
-                scheduled_requests=counts.scheduled_requests,
-                computed_tokens=dict(counts.computed_tokens),
-                generated_tokens=dict(counts.generated_tokens),
-                preemptions=dict(counts.preemptions),
-                finished_requests=dict(counts.finished_requests),
-            ),
+            counts=scheduler.counts.snapshot(),
         )

@@ -23,9 +23,10 @@ generation could hold one for many seconds).
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
 from cachet.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -103,6 +104,10 @@ class SchedulerCounts:
     preemptions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREEMPTION_REASONS, 0))
     # RequestStatus name of a finished request -> how many.
     finished_requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISHED_STATUSES, 0))
+
+    def snapshot(self) -> SchedulerCounts:
+        """A copy that later steps do not change (what a step report carries)."""
+        return SchedulerCounts(**{f.name: copy.copy(getattr(self, f.name)) for f in fields(self)})
 
     @property
     def prefill_tokens(self) -> int:
