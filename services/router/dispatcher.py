@@ -254,8 +254,12 @@ class Dispatcher:
         engine_done_at: float | None = None
 
         def engine_done() -> None:
+            # Its seat no longer counts in ``in_flight``: the next job may start while this one's
+            # usage and result are written, which take a ledger flush and a store transaction, a
+            # tenth or more of a short job's life.
             nonlocal engine_done_at
             engine_done_at = time.monotonic()
+            self._slot_freed.set()
 
         heartbeat = asyncio.create_task(self._renew(job))
         try:
@@ -299,10 +303,6 @@ class Dispatcher:
             completion = await generation.collect()
             stages.labels("generate").observe(time.monotonic() - started)
             engine_done()
-            # The engine is done with it (its seat no longer counts in ``in_flight``): the next job
-            # may start while this one's usage and result are written, which take a ledger
-            # flush and a store transaction, a tenth or more of a short job's life.
-            self._slot_freed.set()
             # The ledger before the result: a router killed in between runs the job again,
             # and its record is then a no-op, instead of leaving a result that was never billed.
             if generation.usage_recorded is not None:
