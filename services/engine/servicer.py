@@ -127,6 +127,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             replica_id=self._engine.replica_id,
             running_requests=stats.num_running,
             waiting_requests=stats.num_waiting,
+            running_batch_requests=stats.running["batch"],
+            waiting_batch_requests=stats.waiting["batch"],
             waiting_interactive_requests=stats.interactive_left_waiting,
             free_kv_blocks=stats.free_kv_blocks,
             total_kv_blocks=stats.total_kv_blocks,

@@ -40,6 +40,9 @@ class ReplicaLoad:
     waiting: int
     max_running: int
     max_waiting: int
+    # Of running and waiting, queued jobs (batch priority).
+    batch_running: int = 0
+    batch_waiting: int = 0
 
     @property
     def load(self) -> int:
@@ -51,14 +54,19 @@ class ReplicaLoad:
         """True when a new request could not start soon.
 
         Either the waiting queue is full (the engine would refuse the request with
-        RESOURCE_EXHAUSTED anyway), or the running batch is full and requests are
-        already queued behind it (a new one would wait for a whole generation to
-        finish before its first token). A full batch with an empty queue is not
-        saturated: the next finishing request frees a slot within one decode step.
+        RESOURCE_EXHAUSTED anyway), or the running batch is full of interactive
+        requests and interactive ones are already queued behind it (a new one would
+        wait for a whole generation to finish before its first token). Queued jobs
+        count for neither: the engine preempts one to seat an interactive arrival,
+        so seats they hold, and jobs waiting for a seat, never keep interactive
+        traffic out. A full batch with an empty queue is not saturated either: the
+        next finishing request frees a slot within one decode step.
         """
         if self.max_waiting and self.waiting >= self.max_waiting:
             return True
-        return bool(self.max_running) and self.running >= self.max_running and self.waiting > 0
+        interactive_running = self.running - self.batch_running
+        interactive_waiting = self.waiting - self.batch_waiting
+        return bool(self.max_running) and interactive_running >= self.max_running and interactive_waiting > 0
 
 
 @dataclass(frozen=True)

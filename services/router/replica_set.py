@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.logs import get_logger
@@ -33,16 +34,26 @@ _MAX_BACKOFF_SECONDS = 2.0
 _INFO_TIMEOUT_SECONDS = 5.0
 
 
-def estimated_load(address: str, report: engine_pb2.LoadReport, in_flight: int) -> ReplicaLoad:
+def estimated_load(
+    address: str, report: engine_pb2.LoadReport, in_flight: int, in_flight_batch: int = 0
+) -> ReplicaLoad:
     """The replica's load counting our ``in_flight`` requests that ``report`` may not show yet.
 
     They fill the batch first, then the queue, as they will on the engine; the report's
-    numbers are the floor (they include other routers' requests).
+    numbers are the floor (they include other routers' requests). Of ours,
+    ``in_flight_batch`` are queued jobs: they take seats after interactive requests,
+    so they are the first of ours to wait.
     """
     max_running = report.max_running_requests
-    running = max(report.running_requests, min(in_flight, max_running or in_flight))
+    ours_running = min(in_flight, max_running or in_flight)
+    running = max(report.running_requests, ours_running)
     waiting = max(report.waiting_requests, in_flight - running)
-    return ReplicaLoad(address, running, waiting, max_running, report.max_waiting_requests)
+    ours_batch_waiting = min(in_flight_batch, in_flight - ours_running)
+    batch_running = min(running, max(report.running_batch_requests, in_flight_batch - ours_batch_waiting))
+    batch_waiting = min(waiting, max(report.waiting_batch_requests, ours_batch_waiting))
+    return ReplicaLoad(
+        address, running, waiting, max_running, report.max_waiting_requests, batch_running, batch_waiting
+    )
 
 
 @dataclass
@@ -65,7 +76,9 @@ class Replica:
         self.info: engine_pb2.EngineInfo | None = None
         # Unix time the current engine process was first seen (ListModels' "created").
         self.loaded_at = 0.0
+        # This router's requests on the replica now, and of them the queued jobs.
         self.in_flight = 0
+        self.in_flight_batch = 0
         self._stale_seconds = stale_seconds
         self._interval_ms = report_interval_ms
         self._latest: _Latest | None = None
@@ -80,7 +93,18 @@ class Replica:
     def load(self) -> ReplicaLoad:
         """Placement's view; only meaningful while ``available()``."""
         assert self._latest is not None
-        return estimated_load(self.address, self._latest.report, self.in_flight)
+        return estimated_load(self.address, self._latest.report, self.in_flight, self.in_flight_batch)
+
+    def enter(self, priority: common_pb2.Priority.ValueType) -> None:
+        """One of this router's requests is now on the replica."""
+        self.in_flight += 1
+        if priority == common_pb2.PRIORITY_BATCH:
+            self.in_flight_batch += 1
+
+    def leave(self, priority: common_pb2.Priority.ValueType) -> None:
+        self.in_flight -= 1
+        if priority == common_pb2.PRIORITY_BATCH:
+            self.in_flight_batch -= 1
 
     def latest_report(self) -> engine_pb2.LoadReport | None:
         """The newest load report as the engine sent it (None before the first); see ``available()``."""

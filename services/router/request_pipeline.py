@@ -297,22 +297,22 @@ class RequestPipeline:
                 else engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,
             )
         )
-        replica.in_flight += 1
+        replica.enter(request.priority)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as error:
-            replica.in_flight -= 1
+            replica.leave(request.priority)
             if error.code() in _RETRY_ELSEWHERE:
                 raise _Refused(error) from error
             raise domain_error(error, "engine") from error
         except BaseException:
             # Cancelled while the engine was prefilling: stop the work we asked for.
-            replica.in_flight -= 1
+            replica.leave(request.priority)
             call.cancel()
             self.abort_in_background(replica, request.request_id)
             raise
         if first is grpc.aio.EOF:
-            replica.in_flight -= 1
+            replica.leave(request.priority)
             raise Unavailable("the engine ended the request without an answer; retry")
         return Generation(self, request, replica, placement, call, first, detokenizer)
 
@@ -406,7 +406,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        self._replica.in_flight -= 1
+        self._replica.leave(self.request.priority)
         if not self._engine_done:
             self._call.cancel()
             self._pipeline.abort_in_background(self._replica, self.request.request_id)

@@ -46,6 +46,30 @@ def test_saturation_rule(running: int, waiting: int, saturated: bool) -> None:
     assert idle(A, running, waiting).saturated is saturated
 
 
+@pytest.mark.parametrize(
+    ("running", "waiting", "batch_running", "batch_waiting", "saturated"),
+    [
+        (8, 1, 1, 0, False),  # a job holds a seat: the waiting interactive request takes it
+        (8, 2, 0, 2, False),  # only jobs wait behind a full batch of interactive requests
+        (8, 2, 0, 1, True),  # an interactive request waits behind interactive ones
+        (3, 4, 3, 4, True),  # a full waiting queue refuses anything, jobs or not
+    ],
+)
+def test_queued_jobs_never_saturate_a_replica_for_interactive_traffic(
+    running: int, waiting: int, batch_running: int, batch_waiting: int, saturated: bool
+) -> None:
+    load = ReplicaLoad(
+        A,
+        running,
+        waiting,
+        max_running=8,
+        max_waiting=4,
+        batch_running=batch_running,
+        batch_waiting=batch_waiting,
+    )
+    assert load.saturated is saturated
+
+
 def test_unknown_limits_never_saturate() -> None:
     assert not ReplicaLoad(A, running=100, waiting=100, max_running=0, max_waiting=0).saturated
 

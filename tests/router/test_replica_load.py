@@ -8,13 +8,20 @@ from cachet.router.replica_set import estimated_load
 
 
 def report(
-    running: int = 0, waiting: int = 0, max_running: int = 2, max_waiting: int = 3
+    running: int = 0,
+    waiting: int = 0,
+    max_running: int = 2,
+    max_waiting: int = 3,
+    running_batch: int = 0,
+    waiting_batch: int = 0,
 ) -> engine_pb2.LoadReport:
     return engine_pb2.LoadReport(
         running_requests=running,
         waiting_requests=waiting,
         max_running_requests=max_running,
         max_waiting_requests=max_waiting,
+        running_batch_requests=running_batch,
+        waiting_batch_requests=waiting_batch,
     )
 
 
@@ -37,3 +44,19 @@ def test_other_routers_requests_in_the_report_are_kept() -> None:
 def test_unknown_batch_limit_counts_everything_as_running() -> None:
     load = estimated_load("a", report(max_running=0), in_flight=4)
     assert (load.running, load.waiting) == (4, 0)
+
+
+def test_our_unreported_jobs_are_the_first_of_ours_to_wait() -> None:
+    # Four of ours (three of them jobs) on a two-seat replica that reported nothing yet:
+    # the interactive one and a job run, two jobs wait.
+    load = estimated_load("a", report(), in_flight=4, in_flight_batch=3)
+    assert (load.running, load.waiting, load.batch_running, load.batch_waiting) == (2, 2, 1, 2)
+    assert not load.saturated  # an interactive arrival would preempt the running job
+
+
+def test_reported_jobs_are_kept_when_ours_are_fewer() -> None:
+    load = estimated_load("a", report(running=2, waiting=1, running_batch=2, waiting_batch=1), in_flight=0)
+    assert (load.batch_running, load.batch_waiting) == (2, 1)
+    assert not load.saturated
+    interactive_full = estimated_load("a", report(running=2, waiting=1), in_flight=0)
+    assert interactive_full.saturated

@@ -108,3 +108,66 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
     assert {
         address for address in small_stack.engine_addresses if any(address in r for r in refusals)
     } == set(small_stack.engine_addresses)
+
+
+@pytest.fixture(scope="module")
+def one_seat_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CachetStack]:
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    root = tmp_path_factory.mktemp("router-admission-batch")
+    limits = {"CACHET_ENGINE_MAX_NUM_SEQS": "1", "CACHET_ENGINE_MAX_WAITING": "4"}
+    running = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engines=1, engine_env=limits)
+    yield running
+    running.stop()
+    print(running.logs())
+
+
+async def test_queued_jobs_on_every_seat_do_not_turn_interactive_requests_away(
+    one_seat_engine: CachetStack,
+) -> None:
+    """The engine preempts a queued job to seat an interactive request, so the router places it."""
+    (engine_address,) = one_seat_engine.engine_addresses
+    async with (
+        create_channel(engine_address) as engine_channel,
+        create_channel(one_seat_engine.address("router")) as channel,
+    ):
+        engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
+        jobs = [
+            engine.Generate(
+                engine_pb2.GenerateRequest(
+                    request_id=f"job-{index}",
+                    model=TINY_MODEL_ID,
+                    prompt_token_ids=[1_000 + index] * 20,
+                    sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True),
+                    priority=common_pb2.PRIORITY_BATCH,
+                    output_kind=engine_pb2.OUTPUT_KIND_DELTA,
+                ),
+                timeout=TIMEOUT,
+            )
+            # A job is a second or two of the tiny model: four keep the engine busy long enough.
+            for index in range(4)
+        ]
+        try:
+            await jobs[0].read()  # the seat's job runs; the others wait behind it
+            reports = engine.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=50))
+            deadline = time.monotonic() + 10
+            async for report in reports:
+                batch = (report.running_batch_requests, report.waiting_batch_requests)
+                if (
+                    report.running_requests == 1
+                    and report.waiting_requests > 0
+                    and batch == (1, report.waiting_requests)
+                ):
+                    break
+                assert time.monotonic() < deadline, f"the jobs never filled the engine: {report}"
+            reports.cancel()
+
+            chat = long_chat()
+            chat.sampling.max_tokens = 4
+            reply = await router_pb2_grpc.InferenceServiceStub(channel).CreateChatCompletion(
+                chat, timeout=TIMEOUT
+            )
+            assert reply.usage.completion_tokens == 4
+        finally:
+            for job in jobs:
+                job.cancel()

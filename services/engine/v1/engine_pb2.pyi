@@ -235,6 +235,8 @@ class LoadReport(_message.Message):
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    RUNNING_BATCH_REQUESTS_FIELD_NUMBER: _builtins.int
+    WAITING_BATCH_REQUESTS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id (stable across reports, new after a restart)."""
     running_requests: _builtins.int
@@ -259,6 +261,12 @@ class LoadReport(_message.Message):
     """Prompt tokens computed per second over the last interval."""
     timestamp_ms: _builtins.int
     """Unix time of the report, milliseconds."""
+    running_batch_requests: _builtins.int
+    """Of running_requests, those of batch priority: an interactive arrival that finds
+    every seat taken preempts one, so these seats are open to interactive traffic.
+    """
+    waiting_batch_requests: _builtins.int
+    """Of waiting_requests, those of batch priority (queued jobs, or preempted ones)."""
     def __init__(
         self,
         *,
@@ -273,10 +281,12 @@ class LoadReport(_message.Message):
         decode_tokens_per_second: _builtins.float = ...,
         prefill_tokens_per_second: _builtins.float = ...,
         timestamp_ms: _builtins.int = ...,
+        running_batch_requests: _builtins.int = ...,
+        waiting_batch_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "free_kv_blocks", b"free_kv_blocks", "max_running_requests", b"max_running_requests", "max_waiting_requests", b"max_waiting_requests", "prefill_tokens_per_second", b"prefill_tokens_per_second", "replica_id", b"replica_id", "running_requests", b"running_requests", "timestamp_ms", b"timestamp_ms", "total_kv_blocks", b"total_kv_blocks", "waiting_interactive_requests", b"waiting_interactive_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "free_kv_blocks", b"free_kv_blocks", "max_running_requests", b"max_running_requests", "max_waiting_requests", b"max_waiting_requests", "prefill_tokens_per_second", b"prefill_tokens_per_second", "replica_id", b"replica_id", "running_batch_requests", b"running_batch_requests", "running_requests", b"running_requests", "timestamp_ms", b"timestamp_ms", "total_kv_blocks", b"total_kv_blocks", "waiting_batch_requests", b"waiting_batch_requests", "waiting_interactive_requests", b"waiting_interactive_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
