@@ -21,6 +21,7 @@ from opentelemetry import trace
 from cachet.config import ServiceSettings
 from cachet.errors import ERROR_INFO_METADATA_KEY, CachetError
 from cachet.logs import get_logger
+from cachet.startup_heap import freeze_startup_heap
 from cachet.tracing import server_interceptors
 
 log = get_logger(__name__)
@@ -145,6 +146,8 @@ async def create_server(
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    # Every service builds what it serves with before its server: modules, model, clients.
+    freeze_startup_heap()
     await server.start()
     running = RunningServer(server=server, port=port, health=health_servicer, service_names=names)
     await running.set_serving(True)

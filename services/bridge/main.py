@@ -7,6 +7,7 @@ import uvicorn
 from cachet.bridge.app import create_app
 from cachet.bridge.settings import BridgeServiceSettings, is_loopback
 from cachet.logs import configure_logging, get_logger
+from cachet.startup_heap import freeze_startup_heap
 from cachet.tracing import configure_tracing
 
 log = get_logger(__name__)
@@ -36,4 +37,5 @@ def main(port: int | None = None) -> None:
         lifespan="on",
     )
     log.info("bridge starting", address=settings.address, router=settings.router_address)
+    freeze_startup_heap()
     uvicorn.Server(config).run()

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from cachet.config import EngineSettings
 from cachet.engine.rank_environment import externally_launched
 from cachet.logs import configure_logging, get_logger
+from cachet.startup_heap import freeze_startup_heap
 
 if TYPE_CHECKING:  # torch and the model code: ``launch_early`` runs before they are imported
     from cachet.engine.core_loop import Command, CoreLoop, EngineDescription, Message
@@ -185,6 +186,7 @@ def _run_loop_process(
             os.write(wake_writer, b"\0")
 
     loop.set_wake(wake)
+    freeze_startup_heap()
     reports.send(description)
     try:
         _serve(loop, commands, reports, wake_reader)

@@ -32,6 +32,7 @@ from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
 from cachet.models.catalog import ResolvedModel, ensure_model
+from cachet.startup_heap import freeze_startup_heap
 from cachet.tracing import configure_tracing
 
 log = get_logger(__name__)
@@ -126,6 +127,7 @@ def run_follower(rank: int, settings: EngineSettings) -> None:
     )
     runner, *_ = build_runner(settings, tp)
     log.info("follower ready", rank=rank, kv_blocks=runner.num_kv_blocks)
+    freeze_startup_heap()
     distributed.follow(runner, tp)
     log.info("follower stopped", rank=rank)
 
