@@ -27,16 +27,25 @@ from cachet.router.v1 import router_pb2, router_pb2_grpc
 TIMEOUT = 120.0
 
 
-@pytest.fixture(scope="module")
-def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CachetStack]:
+def one_seat_engines(
+    tmp_path_factory: pytest.TempPathFactory, name: str, engines: int, max_waiting: int
+) -> Iterator[CachetStack]:
+    """A stack whose engines run one request at a time and queue ``max_waiting`` more."""
     if not ENGINE_SERVER_BUILT:
         pytest.skip("the engine server (cachet.engine.main) is not built yet")
-    root = tmp_path_factory.mktemp("router-admission")
-    limits = {"CACHET_ENGINE_MAX_NUM_SEQS": "1", "CACHET_ENGINE_MAX_WAITING": "1"}
-    running = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engine_env=limits)
+    root = tmp_path_factory.mktemp(name)
+    limits = {"CACHET_ENGINE_MAX_NUM_SEQS": "1", "CACHET_ENGINE_MAX_WAITING": str(max_waiting)}
+    running = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(
+        engines=engines, engine_env=limits
+    )
     yield running
     running.stop()
     print(running.logs())
+
+
+@pytest.fixture(scope="module")
+def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CachetStack]:
+    yield from one_seat_engines(tmp_path_factory, "router-admission", engines=2, max_waiting=1)
 
 
 def long_chat() -> router_pb2.ChatCompletionRequest:
@@ -81,9 +90,10 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
                 calls.append(call)
             # One waiting request per engine: they stream nothing until a slot frees.
             calls += [inference.StreamChatCompletion(long_chat(), timeout=TIMEOUT) for _ in range(2)]
-            deadline = time.monotonic() + 10
-            while [await engine_load(a) for a in small_stack.engine_addresses] != [(1, 1), (1, 1)]:
-                assert time.monotonic() < deadline, "engines never filled up"
+            # Each running request is 1,900 tokens: 10-15 s of the tiny model on the 2-core box.
+            deadline = time.monotonic() + 15
+            while (loads := [await engine_load(a) for a in small_stack.engine_addresses]) != [(1, 1), (1, 1)]:
+                assert time.monotonic() < deadline, f"engines never filled up: (running, waiting) {loads}"
                 await asyncio.sleep(0.05)
 
             started = time.monotonic()
@@ -112,14 +122,7 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
 
 @pytest.fixture(scope="module")
 def one_seat_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CachetStack]:
-    if not ENGINE_SERVER_BUILT:
-        pytest.skip("the engine server (cachet.engine.main) is not built yet")
-    root = tmp_path_factory.mktemp("router-admission-batch")
-    limits = {"CACHET_ENGINE_MAX_NUM_SEQS": "1", "CACHET_ENGINE_MAX_WAITING": "4"}
-    running = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(engines=1, engine_env=limits)
-    yield running
-    running.stop()
-    print(running.logs())
+    yield from one_seat_engines(tmp_path_factory, "router-admission-batch", engines=1, max_waiting=4)
 
 
 async def test_queued_jobs_on_every_seat_do_not_turn_interactive_requests_away(
