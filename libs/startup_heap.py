@@ -2,13 +2,14 @@
 
 A full (generation 2) collection walks every tracked object. In a service that has
 imported torch, transformers, grpc and pydantic, and loaded a model, that is a few
-hundred thousand objects that never die, and the walk took 40-370 ms on the 2-core
-dev box (measured with a ``gc.callbacks`` recorder through a quick queue bench): the
-router, the engine server and the engine loop process each ran several while serving,
-and every request in flight waited for each one, which is how a process's p99
-latency gets a spike in it. ``gc.freeze()`` moves the objects alive at that point
-into a permanent generation that collections skip; objects made while serving
-(requests, their messages) are still collected as before.
+hundred thousand objects that never die. Through a quick queue bench on the 2-core
+dev box (a ``gc.callbacks`` recorder in every process), full collections while
+serving took about 250 ms in the engine server and the engine loop process (one or
+two a run) and 53-120 ms in the router (one every 10-20 s); every request in flight
+in that process waits for each, which is how p99 latency gets spikes in it.
+``gc.freeze()`` moves the objects alive at that point into a permanent generation
+that collections skip; objects made while serving (requests, their messages) are
+still collected as before.
 """
 
 from __future__ import annotations
