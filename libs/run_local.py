@@ -10,7 +10,6 @@ never their code.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -44,14 +43,13 @@ class PlannedService:
     env: dict[str, str] = field(default_factory=dict)
     grpc_port: int | None = None
     http_port: int | None = None
-
-
-def _service_exists(module: str) -> bool:
-    return importlib.util.find_spec(f"{module}.main") is not None
+    # Ready only once it lists a model: the router serves before slow engines have
+    # reported, and refuses what it takes meanwhile.
+    ready_when_it_lists_a_model: bool = False
 
 
 def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[PlannedService]:
-    """The processes to start, with the addresses each needs; only services that exist yet."""
+    """The processes to start, with the addresses each needs; the REST bridge is the last."""
     engines = [f"{LOOPBACK}:{ENGINE_BASE_PORT + i}" for i in range(replicas)]
     model_env = {"CACHET_MODEL": str(model_dir)}
     # CACHET_TP=N: each engine replica is N ranks; its `python -m cachet.engine` spawns ranks
@@ -99,6 +97,7 @@ def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[Planne
                 "CACHET_ROUTER_USAGE_ADDRESS": f"{LOOPBACK}:{USAGE_PORT}",
             },
             grpc_port=ROUTER_PORT,
+            ready_when_it_lists_a_model=True,
         ),
         PlannedService(
             "bridge",
@@ -110,7 +109,7 @@ def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[Planne
             http_port=rest_port,
         ),
     ]
-    return [service for service in plan if _service_exists(service.module)]
+    return plan
 
 
 def _grpc_healthy(port: int) -> bool:
@@ -130,10 +129,9 @@ def _http_healthy(port: int) -> bool:
         return False
 
 
-def _router_knows_a_model(port: int) -> bool:
-    """Whether the router has heard from an engine. It serves before then when engines load
-    slowly, and a request it takes meanwhile is refused ("no engine replica is reachable
-    yet"): the URL is announced once it can be used."""
+def _lists_a_model(port: int) -> bool:
+    """Whether the router has heard from an engine (a request it takes before then is refused:
+    "no engine replica is reachable yet"); the URL is announced once it can be used."""
     try:
         with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
             reply = router_pb2_grpc.InferenceServiceStub(channel).ListModels(
@@ -149,16 +147,12 @@ def is_healthy(service: PlannedService) -> bool:
         return _http_healthy(service.http_port)
     if service.grpc_port is None or not _grpc_healthy(service.grpc_port):
         return False
-    return service.name != "router" or _router_knows_a_model(service.grpc_port)
+    return not service.ready_when_it_lists_a_model or _lists_a_model(service.grpc_port)
 
 
 def entry_url(services: list[PlannedService]) -> str:
-    bridge = next((s for s in services if s.http_port is not None), None)
-    if bridge is not None:
-        return f"Cachet REST API on http://{LOOPBACK}:{bridge.http_port}"
-    # Until the REST bridge exists, the tokenizer's gRPC address is the way in.
-    tokenizer = next(s for s in services if s.name == "tokenizer")
-    return f"Cachet tokenizer gRPC API on {LOOPBACK}:{tokenizer.grpc_port}"
+    bridge = next(s for s in services if s.http_port is not None)
+    return f"Cachet REST API on http://{LOOPBACK}:{bridge.http_port}"
 
 
 def _announce_when_healthy(manager: Manager, services: list[PlannedService]) -> None:

@@ -123,7 +123,7 @@ def test_a_router_that_has_heard_from_no_engine_is_not_ready_to_announce(tmp_pat
     router = start_service("router", env, tmp_path)
     try:
         port = int(router.address.rsplit(":", 1)[1])
-        planned = PlannedService("router", "cachet.router", grpc_port=port)
+        planned = PlannedService("router", "cachet.router", grpc_port=port, ready_when_it_lists_a_model=True)
         assert not is_healthy(planned)
     finally:
         assert router.stop() == 0, router.log_tail()
