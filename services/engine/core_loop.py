@@ -169,9 +169,14 @@ class CoreLoop:
         return self.core.has_work_now()
 
     def step(self, clock: Callable[[], float]) -> StepReport:
+        """One engine step; its time is reported only when it ran the model (a step can find
+        nothing to schedule, or only a grammar's refusal to send)."""
+        steps_before = self.core.scheduler.counts.steps
         started = clock()
         outputs = self.core.step()
-        return self._report(outputs, clock() - started)
+        elapsed = clock() - started
+        ran_model = self.core.scheduler.counts.steps != steps_before
+        return self._report(outputs, elapsed if ran_model else None)
 
     def report_without_step(self) -> StepReport:
         return self._report([], None)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from test_block_pool import replay
 from test_scheduler import SimulatedRunner, reference_output
 from test_stop_strings import build_tokenizer
 
 from cachet.engine.block_pool import KvEvent
+from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore, RequestOutput
 from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
 from cachet.engine.request import Request, RequestStatus
@@ -51,6 +54,15 @@ def run(engine: EngineCore, max_steps: int = 5000) -> dict[str, list[RequestOutp
 
 
 PROMPT = list(range(1, 19))  # 18 tokens: 4 full blocks of 4
+
+
+def test_only_steps_that_ran_the_model_report_a_step_time():
+    # The step-time histogram (and the bench's steps/s) would count empty steps as 0 s ones.
+    engine, _ = make_engine()
+    loop = CoreLoop(engine)
+    assert loop.step(time.perf_counter).step_seconds is None
+    engine.add_request(make_request("a", PROMPT))
+    assert loop.step(time.perf_counter).step_seconds is not None
 
 
 def test_outputs_stream_tokens_and_report_usage():
