@@ -130,7 +130,11 @@ async def create_server(
     registrars: Iterable[Registrar],
     service_names: Iterable[str],
 ) -> RunningServer:
-    """Build, bind and start a server; ``settings.port`` 0 picks a free port (tests)."""
+    """Build, bind and start a server; ``settings.port`` 0 picks a free port (tests).
+
+    Also freezes the process's startup heap (``startup_heap``), once per process: every
+    gRPC service calls this when what it serves with is built.
+    """
     options = [
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_receive_message_length", settings.max_message_bytes),

@@ -228,12 +228,13 @@ class Dispatcher:
             return False
         leasing = time.monotonic()
         jobs = await self._store.lease_many(self.owner, self._lease_seconds, self._last_account, limit=slots)
+        leased = time.monotonic()
         if jobs:
-            metrics.QUEUE_JOB_STAGE_SECONDS.labels("lease").observe(time.monotonic() - leasing)
+            metrics.QUEUE_JOB_STAGE_SECONDS.labels("lease").observe(leased - leasing)
         for job in jobs:
             self._last_account = job.account_id
             self._unplaced += 1
-            task = asyncio.create_task(self._run(job))
+            task = asyncio.create_task(self._run(job, leased))
             self._jobs.add(task)
             task.add_done_callback(self._job_ended)
         return bool(jobs)
@@ -242,7 +243,7 @@ class Dispatcher:
         self._jobs.discard(task)
         self._slot_freed.set()
 
-    async def _run(self, job: Job) -> None:
+    async def _run(self, job: Job, leased: float) -> None:
         placed = False
 
         def mark_placed() -> None:
@@ -263,7 +264,7 @@ class Dispatcher:
 
         heartbeat = asyncio.create_task(self._renew(job))
         try:
-            result = await self._execute(job, mark_placed, engine_done)
+            result = await self._execute(job, leased, mark_placed, engine_done)
             if result is None:
                 await self._store.release(job)
                 return
@@ -286,15 +287,15 @@ class Dispatcher:
             heartbeat.cancel()
 
     async def _execute(
-        self, job: Job, mark_placed: Callable[[], None], engine_done: Callable[[], None]
+        self, job: Job, leased: float, mark_placed: Callable[[], None], engine_done: Callable[[], None]
     ) -> router_pb2.QueuedResult | None:
-        """The job's result, or None to put it back in the queue."""
+        """The job's result, or None to put it back in the queue; ``leased`` is when its lease
+        was taken (monotonic), where its ``start`` stage begins."""
         if job.attempt > self._max_attempts:
             return _error("ABORTED", f"gave up after {self._max_attempts} attempts")
         queued = router_pb2.QueuedRequest.FromString(job.body)
         stages = metrics.QUEUE_JOB_STAGE_SECONDS
         try:
-            leased = time.monotonic()
             generation = await self._start(job, queued)
             mark_placed()
             metrics.QUEUE_JOBS_STARTED.inc()
