@@ -90,6 +90,10 @@ class EngineSettings(ServiceSettings):
     # server's, so the two do not take turns on one interpreter lock; off: a thread of the
     # server's process (as the ranks of a tensor-parallel replica always do).
     core_process: bool = True
+    # An interactive request arriving while a step with async-queue work runs starts between
+    # that step's layers, in a forward pass of its own (single-rank replicas; off: it waits
+    # for the step's end).
+    arrivals_between_layers: bool = True
     # Prometheus /metrics HTTP port; 0 turns the endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
 

@@ -11,14 +11,21 @@ own (``core_process``):
   the scheduler's figures (``EngineStats``) as they stand.
 
 Commands run between steps, so a request joins or leaves the batch at a step boundary,
-never in the middle of one. Everything that crosses is plain data (picklable).
+never in the middle of one, with one exception: while a step that carries batch (async
+queue) work runs, the loop looks for commands between the model's layers (``StepInbox``).
+A new interactive request that can start at once (a free seat, free blocks, no grammar)
+then gets its first token from a forward pass of its own, run there, and its report goes
+out before the step's: an interactive arrival waits for a layer of the backlog's step, not
+for the whole of it. Aborts read then wait for the step's end: they free blocks the step is
+still writing. Everything that crosses is plain data (picklable).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 from cachet.engine.block_pool import BlocksStored, KvEvent
 from cachet.engine.engine_core import EngineCore, RequestOutput
@@ -107,12 +114,30 @@ class EngineDescription:
 Message = Reply | StepReport
 
 
+class StepInbox(Protocol):
+    """A host's commands and messages as seen from inside a step."""
+
+    def take(self) -> list[tuple[int, Command]]:
+        """The commands that came in, without waiting (none: an empty list)."""
+        ...
+
+    def send(self, message: Message) -> None: ...
+
+
 @dataclass
 class CoreLoop:
-    """Drives one EngineCore: runs commands, steps, and says what happened (host-agnostic)."""
+    """Drives one EngineCore: runs commands, steps, and says what happened (host-agnostic).
+
+    ``arrivals_between_layers``: look for interactive arrivals between the layers of a step
+    that carries batch work (off: they wait for the step's end, as every command does)."""
 
     core: EngineCore
+    arrivals_between_layers: bool = True
     _kv_events: list[KvEvent] = field(init=False, default_factory=list)
+    # Commands read inside a step that must wait for its end.
+    _deferred: list[tuple[int, Command]] = field(init=False, default_factory=list)
+    # Model time of the steps run between the layers of the step in flight.
+    _interleaved_seconds: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self.core.kv_event_sink = self._kv_events.extend
@@ -168,15 +193,46 @@ class CoreLoop:
     def has_work_now(self) -> bool:
         return self.core.has_work_now()
 
-    def step(self, clock: Callable[[], float]) -> StepReport:
+    def step(self, clock: Callable[[], float], inbox: StepInbox | None = None) -> StepReport:
         """One engine step; its time is reported only when it ran the model (a step can find
-        nothing to schedule, or only a grammar's refusal to send)."""
+        nothing to schedule, or only a grammar's refusal to send), less the time of the
+        steps run between its layers (each reported on its own, through ``inbox``)."""
         steps_before = self.core.scheduler.counts.steps
+        arrivals = None
+        if inbox is not None and self.arrivals_between_layers:
+            arrivals = partial(self._arrivals, inbox, clock)
+        self._interleaved_seconds = 0.0
         started = clock()
-        outputs = self.core.step()
-        elapsed = clock() - started
+        outputs = self.core.step(arrivals)
+        elapsed = clock() - started - self._interleaved_seconds
         ran_model = self.core.scheduler.counts.steps != steps_before
-        return self._report(outputs, elapsed if ran_model else None)
+        report = self._report(outputs, elapsed if ran_model else None)
+        if inbox is not None:
+            deferred, self._deferred = self._deferred, []
+            for command_id, command in deferred:
+                inbox.send(self.run(command_id, command))
+        return report
+
+    def _arrivals(self, inbox: StepInbox, clock: Callable[[], float]) -> None:
+        commands = inbox.take()
+        for command_id, command in commands:
+            if isinstance(command, AbortRequest):
+                self._deferred.append((command_id, command))
+            else:
+                inbox.send(self.run(command_id, command))
+        if not self.core.scheduler.waiting.num_interactive:
+            if commands:
+                inbox.send(self.report_without_step())
+            return
+        started = clock()
+        outputs = self.core.step_arrivals()
+        if outputs is None:
+            if commands:
+                inbox.send(self.report_without_step())
+            return
+        elapsed = clock() - started
+        self._interleaved_seconds += elapsed
+        inbox.send(self._report(outputs, elapsed))
 
     def report_without_step(self) -> StepReport:
         return self._report([], None)

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 from cachet.engine.core_loop import Command, CoreLoop, EngineDescription, Message
 from cachet.logs import get_logger
@@ -56,6 +57,7 @@ class ThreadHost:
         failed: Callable[[BaseException], None],
     ) -> None:
         loop = self._core_loop
+        inbox = _QueueInbox(self._commands, partial(event_loop.call_soon_threadsafe, deliver))
         try:
             while not self._stopping.is_set():
                 # Requests that only wait for their grammar leave nothing to step: block until a
@@ -63,7 +65,7 @@ class ThreadHost:
                 if self._run_commands(block=not loop.has_work_now(), event_loop=event_loop, deliver=deliver):
                     event_loop.call_soon_threadsafe(deliver, loop.report_without_step())
                 if loop.has_work_now():
-                    event_loop.call_soon_threadsafe(deliver, loop.step(time.perf_counter))
+                    event_loop.call_soon_threadsafe(deliver, loop.step(time.perf_counter, inbox))
         except BaseException as error:  # noqa: BLE001 - a dead loop must be visible, not silent
             log.exception("engine loop died")
             event_loop.call_soon_threadsafe(failed, error)
@@ -82,3 +84,23 @@ class ThreadHost:
                 item = self._commands.get_nowait()
         except queue.Empty:
             return ran
+
+
+class _QueueInbox:
+    """The command queue as seen from inside a step (``core_loop.StepInbox``)."""
+
+    def __init__(
+        self, commands: queue.SimpleQueue[tuple[int, Command] | None], send: Callable[[Message], None]
+    ) -> None:
+        self._commands = commands
+        self.send = send
+
+    def take(self) -> list[tuple[int, Command]]:
+        taken: list[tuple[int, Command]] = []
+        try:
+            while True:
+                item = self._commands.get_nowait()
+                if item is not None:  # a wake-up: nothing to run
+                    taken.append(item)
+        except queue.Empty:
+            return taken

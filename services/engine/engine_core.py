@@ -37,8 +37,14 @@ class Runner(Protocol):
     num_kv_blocks: int
     block_size: int
 
-    def execute(self, plan: StepPlan, logit_masks: Mapping[str, torch.Tensor] | None = None) -> StepResult:
-        """``logit_masks``: request id -> bool [vocab], True = allowed (structured output)."""
+    def execute(
+        self,
+        plan: StepPlan,
+        logit_masks: Mapping[str, torch.Tensor] | None = None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> StepResult:
+        """``logit_masks``: request id -> bool [vocab], True = allowed (structured output).
+        ``between_layers``: only passed to a runner whose ``supports_between_layers`` is true."""
         ...
 
 
@@ -154,21 +160,60 @@ class EngineCore:
 
     # -------------------------------------------------------------------- step
 
-    def step(self) -> list[RequestOutput]:
-        """Run one forward pass over this step's batch; outputs of every request that changed."""
+    def step(self, arrivals: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Run one forward pass over this step's batch; outputs of every request that changed.
+
+        ``arrivals`` is the host's look for interactive arrivals: it may add requests and call
+        ``step_arrivals``. Where the runner allows it, it runs after each of the model's layers
+        when the step carries batch work, and before the step when batch work is running and
+        interactive requests wait (those that came in at the end of the last step)."""
         self._reap_failed_grammars()
+        if arrivals is not None and not self._interleaves:
+            arrivals = None
+        if arrivals is not None and self.scheduler.waiting.num_interactive and self._batch_running():
+            arrivals()
         plan = self.scheduler.schedule()
-        result = StepResult() if plan.is_empty else self._execute(plan)
+        if plan.is_empty:
+            result = StepResult()
+        else:
+            result = self._execute(plan, arrivals if self._carries_batch_work(plan) else None)
         outputs = self._postprocess(plan, result)
         self._check_when_idle()
         return outputs
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def step_arrivals(self) -> list[RequestOutput] | None:
+        """Start the interactive requests that can start at once, in a forward pass of their own,
+        from inside another step (its ``between_layers``); None when none could start.
+
+        Only requests the step in flight does not hold can run here, and only into free seats
+        and free blocks (``Scheduler.schedule_arrivals``): that step's requests keep their
+        blocks, which its later layers still write."""
+        plan = self.scheduler.schedule_arrivals()
+        if plan.is_empty:
+            return None
+        return self._postprocess(plan, self.runner.execute(plan))
+
+    @property
+    def _interleaves(self) -> bool:
+        return getattr(self.runner, "supports_between_layers", False)
+
+    # Only batch work makes way: an interactive-only step is what an arrival waits for on a
+    # replica with no backlog too.
+
+    def _batch_running(self) -> bool:
+        return any(not request.interactive for request in self.scheduler.running)
+
+    def _carries_batch_work(self, plan: StepPlan) -> bool:
+        requests = (self.scheduler.get_request(rid) for rid in plan.num_scheduled_tokens)
+        return any(request is not None and not request.interactive for request in requests)
+
+    def _execute(self, plan: StepPlan, between_layers: Callable[[], None] | None) -> StepResult:
         masks = self._grammar_masks(plan)
+        extra = {} if between_layers is None else {"between_layers": between_layers}
         if masks is None:
-            return self.runner.execute(plan)
+            return self.runner.execute(plan, **extra)
         try:
-            return self.runner.execute(plan, logit_masks=masks)
+            return self.runner.execute(plan, logit_masks=masks, **extra)
         finally:
             # A runner that failed may not have read every mask: the fill must be over before any
             # matcher is advanced or replayed again.

@@ -160,7 +160,7 @@ def build_core_loop(
             GrammarCompiler(tokenizer, runner.vocab_size, runner.eos_token_ids) if tokenizer else None
         ),
     )
-    loop = CoreLoop(core)
+    loop = CoreLoop(core, arrivals_between_layers=settings.arrivals_between_layers)
     description = loop.describe(
         expert_parallel_size=expert_parallel_size, dtype=str(dtype).removeprefix("torch."), device=device.type
     )

@@ -12,7 +12,7 @@ Parameter names match Hugging Face checkpoints, so loading is name for name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -64,13 +64,21 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(rotary_dim, config.rope, config.max_position_embeddings)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        """``between_layers`` runs after each layer: another (whole) forward pass may run there,
+        over other requests' tokens; this one's KV writes so far are in its own slots."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, meta.token_seq_lens)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
+            if between_layers is not None:
+                between_layers()
         return self.norm(x)
 
 
@@ -99,7 +107,11 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self.model(input_ids, positions, meta, between_layers)
         return self.lm_head(hidden[meta.sample_indices]).float()

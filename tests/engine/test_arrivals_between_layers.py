@@ -1,0 +1,228 @@
+"""Interactive arrivals start between the layers of a step that carries batch work.
+
+The scheduler side (which requests a step run inside another may take), the engine side
+(when the host's look runs), and the whole loop on the real model: the interleaved run
+gives every request the tokens an uninterleaved run gives it, and the arrival's first
+token goes out before the step it arrived in ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_scheduler import SimulatedRunner, make_request, make_scheduler, step
+
+from cachet.engine.core_loop import AbortRequest, AddRequest, CoreLoop, Message, Reply, StepReport
+from cachet.engine.engine_core import EngineCore
+from cachet.engine.model_runner import ModelRunner
+from cachet.engine.request import Request, RequestStatus
+from cachet.engine.sampling_params import SamplingParams
+from cachet.engine.scheduler import SchedulerConfig
+from cachet.engine.step_plan import StepPlan, StepResult
+from cachet.models.tiny import write_tiny_model
+
+# ------------------------------------------------------------------ scheduler
+
+
+def _prompt(n: int, base: int = 1) -> list[int]:
+    return list(range(base, base + n))
+
+
+def test_arrivals_take_only_waiting_interactive_requests_into_free_seats():
+    scheduler, _ = make_scheduler(max_num_seqs=3, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("running", _prompt(8, 100), interactive=False))
+    scheduler.schedule()
+    scheduler.add_request(make_request("batch", _prompt(8, 200), interactive=False))
+    for base, request_id in enumerate(("first", "second", "third"), start=3):
+        scheduler.add_request(make_request(request_id, _prompt(8, base * 100)))
+
+    plan = scheduler.schedule_arrivals()
+
+    # Two free seats, taken in queue order; the running request and the batch one are not in it.
+    assert [new.request_id for new in plan.new_requests] == ["first", "second"]
+    assert set(plan.num_scheduled_tokens) == {"first", "second"}
+    assert plan.running == [] and plan.finished_request_ids == set()
+    # A full house: nobody is preempted for the third; it waits for a regular step.
+    assert scheduler.schedule_arrivals().is_empty
+    assert scheduler.get_request("third").status == RequestStatus.WAITING
+    assert scheduler.counts.preemptions == {"kv_cache": 0, "seat": 0}
+
+
+def test_arrivals_leave_finished_ids_for_the_next_regular_plan():
+    scheduler, _ = make_scheduler(max_num_batched_tokens=64)
+    scheduler.add_request(make_request("done", _prompt(8), interactive=False))
+    scheduler.schedule()
+    scheduler.abort("done")
+    scheduler.add_request(make_request("new", _prompt(8, 50)))
+    assert scheduler.schedule_arrivals().finished_request_ids == set()
+    assert scheduler.schedule().finished_request_ids == {"done"}
+
+
+def test_a_preempted_request_resumes_in_a_regular_step_and_nothing_passes_it():
+    # Four blocks of four: two 6-token prompts fill them, and the first decode preempts the newer.
+    scheduler, runner = make_scheduler(num_blocks=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("older", _prompt(6, 10), max_tokens=8))
+    scheduler.add_request(make_request("newer", _prompt(6, 20), max_tokens=8))
+    for _ in range(4):  # prefill, then decodes up to the end of the second block
+        step(scheduler, runner)
+    assert scheduler.get_request("newer").status == RequestStatus.PREEMPTED
+    scheduler.abort("older")  # every block free: room for it again, and for one behind it
+    scheduler.add_request(make_request("behind", _prompt(2, 30), max_tokens=1))
+    assert scheduler.schedule_arrivals().is_empty
+    assert [new.request_id for new in scheduler.schedule().new_requests] == ["newer", "behind"]
+
+
+# --------------------------------------------------------------------- engine
+
+
+class LayeredRunner(SimulatedRunner):
+    """A simulated runner that runs ``between_layers`` before it writes the step's KV, as a real
+    one does before its later layers: a step run there that reused this step's blocks would
+    be overwritten, and the slot checks of later steps would see it."""
+
+    supports_between_layers = True
+
+    def __init__(self, num_kv_blocks: int) -> None:
+        super().__init__(num_kv_blocks)
+        self.looks = 0
+
+    def execute(self, plan: StepPlan, between_layers: Callable[[], None] | None = None) -> StepResult:
+        if between_layers is not None:
+            self.looks += 1
+            between_layers()
+        return super().execute(plan)
+
+
+def _engine(runner: SimulatedRunner) -> EngineCore:
+    config = SchedulerConfig(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4)
+    return EngineCore(runner, model="tiny", scheduler_config=config)
+
+
+def test_a_step_with_batch_work_looks_for_arrivals_and_starts_them_inside():
+    runner = LayeredRunner(num_kv_blocks=64)
+    engine = _engine(runner)
+    engine.add_request(make_request("batch", _prompt(8), max_tokens=20, interactive=False))
+    engine.step()
+    arrived: list[list[str]] = []
+
+    def arrivals() -> None:
+        if not arrived:
+            engine.add_request(make_request("interactive", _prompt(8, 50), max_tokens=3))
+            outputs = engine.step_arrivals()
+            assert outputs is not None
+            arrived.append([output.request_id for output in outputs])
+
+    outputs = engine.step(arrivals)
+    assert arrived == [["interactive"]]
+    assert [output.request_id for output in outputs] == ["batch"]
+    # Both run on, the interactive one in regular steps now, each with its own KV intact.
+    for _ in range(30):
+        engine.step(arrivals)
+    assert not engine.has_unfinished_requests()
+
+
+def test_interactive_only_steps_and_runners_that_cannot_interleave_never_look():
+    runner = LayeredRunner(num_kv_blocks=64)
+    engine = _engine(runner)
+    engine.add_request(make_request("interactive", _prompt(8, 50), max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step(lambda: pytest.fail("an interactive-only step looked for arrivals"))
+    assert runner.looks == 0
+
+    engine = _engine(SimulatedRunner(num_kv_blocks=64))
+    engine.add_request(make_request("batch", _prompt(8), max_tokens=3, interactive=False))
+    while engine.has_unfinished_requests():
+        engine.step(lambda: pytest.fail("a runner without between_layers was given the look"))
+
+
+# --------------------------------------------------------- the loop, real model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("arrivals") / "tiny")
+
+
+class ScriptedInbox:
+    """Hands the loop its commands at chosen looks and records what it sends, in order."""
+
+    def __init__(self) -> None:
+        self.to_deliver: list[tuple[int, object]] = []
+        self.sent: list[Message] = []
+
+    def take(self) -> list[tuple[int, object]]:
+        taken, self.to_deliver = self.to_deliver, []
+        return taken
+
+    def send(self, message: Message) -> None:
+        self.sent.append(message)
+
+
+def _request(request_id: str, prompt: list[int], *, interactive: bool, max_tokens: int) -> Request:
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True)
+    return Request(request_id, prompt, sampling, max_tokens, interactive=interactive)
+
+
+def _generate(model_dir: Path, *, interleave: bool) -> tuple[dict[str, list[int]], list[list[object]]]:
+    """Six batch requests decoding; an interactive one arrives during step 3, an abort of one
+    batch request during step 5. Tokens of every request, and per step what went out."""
+    torch.manual_seed(0)
+    runner = ModelRunner(model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=8 << 20)
+    config = SchedulerConfig(max_model_len=runner.max_model_len, max_num_batched_tokens=256, max_num_seqs=8)
+    loop = CoreLoop(
+        EngineCore(runner, model="tiny", scheduler_config=config), arrivals_between_layers=interleave
+    )
+    prompts = {f"b{i}": [100 + 37 * i + j for j in range(21)] for i in range(6)}
+    for request_id, prompt in prompts.items():
+        loop.run(0, AddRequest(_request(request_id, prompt, interactive=False, max_tokens=12)))
+    arrivals = {
+        3: (1, AddRequest(_request("i", list(range(500, 530)), interactive=True, max_tokens=5))),
+        5: (2, AbortRequest("b5")),
+    }
+    tokens: dict[str, list[int]] = {}
+    per_step: list[list[object]] = []
+    for step_index in range(40):
+        inbox = ScriptedInbox()
+        late = []
+        if step_index in arrivals:
+            if interleave:
+                inbox.to_deliver.append(arrivals[step_index])
+            else:
+                late.append(arrivals[step_index])  # read after the step, as it would be without the look
+        report = loop.step(time.perf_counter, inbox)
+        for command_id, command in late:
+            inbox.send(loop.run(command_id, command))
+        per_step.append([*inbox.sent, report])
+        for message in [*inbox.sent, report]:
+            if isinstance(message, StepReport):
+                for output in message.outputs:
+                    tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if not loop.has_work_now():
+            break
+    return tokens, per_step
+
+
+def test_interleaved_steps_give_every_request_the_same_tokens(model_dir: Path):
+    interleaved, _ = _generate(model_dir, interleave=True)
+    plain, _ = _generate(model_dir, interleave=False)
+    assert interleaved == plain
+    assert len(interleaved["i"]) == 5 and len(interleaved["b0"]) == 12
+
+
+def test_the_arrivals_first_token_goes_out_before_the_step_it_arrived_in_ends(model_dir: Path):
+    _, per_step = _generate(model_dir, interleave=True)
+    reply, arrival_report, step_report = per_step[3]
+    assert isinstance(reply, Reply) and reply.error is None
+    assert isinstance(arrival_report, StepReport) and isinstance(step_report, StepReport)
+    assert [(o.request_id, len(o.new_token_ids)) for o in arrival_report.outputs] == [("i", 1)]
+    assert "i" not in {o.request_id for o in step_report.outputs}
+    assert arrival_report.step_seconds is not None and step_report.step_seconds is not None
+    # An abort read inside a step waits for its end: the step's blocks are still being written.
+    abort_reply, step_report = per_step[5][-2:]
+    assert isinstance(abort_reply, Reply) and abort_reply.value is True
+    [b5] = [o for o in step_report.outputs if o.request_id == "b5"]
+    assert b5.status == RequestStatus.RUNNING and len(b5.new_token_ids) == 1
