@@ -77,6 +77,10 @@ class EngineSettings(ServiceSettings):
     # Most tokens of async-queue work in one step (unset: a quarter of max_num_batched_tokens).
     max_batch_tokens_per_step: int | None = Field(default=None, ge=1)
     max_waiting: int = Field(default=256, ge=1)
+    # Batch (async queue) work starts only while fewer than this share of max_num_seqs run;
+    # the seats above stay open to interactive arrivals. Reported to routers, whose
+    # dispatchers keep a few jobs waiting here beyond it (CACHET_ROUTER_BATCH_PREFETCH).
+    batch_max_running_fraction: float = Field(default=0.75, gt=0, le=1)
     max_model_len: int | None = Field(default=None, ge=16)
     # Ranks of one replica (its TP group). CACHET_EP, for mixture-of-experts models only: 1 cuts
     # every routed expert by channels over those ranks, CACHET_TP puts whole experts on each; any

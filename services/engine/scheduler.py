@@ -51,6 +51,10 @@ class SchedulerConfig:
     # an interactive arrival waits for the step in flight: batch prompt chunks must not make
     # that step long. Enough for a full batch's decodes and a steady stream of short prompts.
     max_batch_tokens_per_step: int | None = None
+    # Batch work starts only while fewer requests than this run (all priorities); None: any
+    # free seat. The seats above it stay open to interactive arrivals, and batch requests
+    # beyond it wait here, ready to take a seat at the step a batch request ends.
+    max_batch_running: int | None = None
 
     @property
     def batch_token_budget(self) -> int:
@@ -64,6 +68,8 @@ class SchedulerConfig:
             or self.max_waiting < 0
         ):
             raise ValueError(f"scheduler limits must be positive: {self}")
+        if self.max_batch_running is not None and not 1 <= self.max_batch_running <= self.max_num_seqs:
+            raise ValueError(f"max_batch_running must be within 1..max_num_seqs: {self}")
         # Every decoding request gets its token each step only if the budget covers them all.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
@@ -370,6 +376,8 @@ class Scheduler:
             request = self.waiting.peek_ready()
             if request is None or (not admit_batch and not request.interactive):
                 return
+            if not request.interactive and not self._batch_seat_free():
+                return  # interactive requests queue ahead of batch ones: none is left to admit
             if len(self.running) >= self.config.max_num_seqs:
                 seat_holder = self._newest_batch_request() if request.interactive else None
                 if seat_holder is None:
@@ -384,6 +392,10 @@ class Scheduler:
             self.waiting.remove(request)
             self._admit(request, num_hit_tokens)
             plan.add_new(request, self.kv.block_ids(request.request_id), num_tokens)
+
+    def _batch_seat_free(self) -> bool:
+        limit = self.config.max_batch_running
+        return limit is None or len(self.running) < limit
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING

@@ -133,6 +133,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             free_kv_blocks=stats.free_kv_blocks,
             total_kv_blocks=stats.total_kv_blocks,
             max_running_requests=config.max_num_seqs,
+            max_batch_running_requests=config.max_batch_running or 0,
             max_waiting_requests=config.max_waiting,
             decode_tokens_per_second=decode_rate,
             prefill_tokens_per_second=prefill_rate,

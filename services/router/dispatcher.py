@@ -6,9 +6,16 @@ The headroom rule (knobs in ``RouterServiceSettings``, defaults in brackets):
   (``waiting_interactive_requests > 0``: one its last step could not admit), nothing
   new is dispatched: interactive traffic is already queueing somewhere, so the fleet
   has no slack to lend.
-* Otherwise each available replica lends
-  ``max(1, floor(max_running_requests × batch_max_running_fraction [0.75]))
-  − running − waiting`` slots (never below 0), where running + waiting is the
+* Otherwise each available replica lends ``limit − running − waiting`` slots (never
+  below 0). The limit is the engine's own: batch work starts there only while fewer
+  than ``max_batch_running_requests`` run (``CACHET_ENGINE_BATCH_MAX_RUNNING_FRACTION``
+  [0.75] of its seats), and the router keeps ``batch_prefetch`` [4] jobs more waiting
+  in its queue, so the step that ends a job seats the next one: a job leased only when
+  the seat freed spent ~50 ms (lease, placement, the call) before the engine saw it,
+  a sixth of a short job's life. An engine that reports no such limit admits batch
+  work into any free seat: for it the limit is
+  ``max(1, floor(max_running_requests × batch_max_running_fraction [0.75]))`` and
+  nothing is prefetched. Running + waiting is the
   report's count less this router's requests it could hold (those in flight when
   it arrived: the rest is other routers'), plus this router's requests in flight
   there now, so a finished job's slot is lent again at once, not at the next
@@ -75,6 +82,7 @@ class HeadroomPolicy:
 
     max_running_fraction: float = 0.75
     min_free_kv_fraction: float = 0.2
+    prefetch: int = 4
 
 
 def replica_slots(
@@ -99,7 +107,10 @@ def replica_slots(
     reported = report.running_requests + report.waiting_requests
     at_report = in_flight if in_flight_at_report is None else in_flight_at_report
     others = max(0, reported - at_report)
-    limit = max(1, math.floor(report.max_running_requests * policy.max_running_fraction))
+    if report.max_batch_running_requests:
+        limit = report.max_batch_running_requests + policy.prefetch
+    else:
+        limit = max(1, math.floor(report.max_running_requests * policy.max_running_fraction))
     return max(0, limit - others - in_flight)
 
 

@@ -160,7 +160,9 @@ def _dispatcher(
         store,
         pipeline,
         replicas,
-        policy=HeadroomPolicy(options.batch_max_running_fraction, options.batch_min_free_kv_fraction),
+        policy=HeadroomPolicy(
+            options.batch_max_running_fraction, options.batch_min_free_kv_fraction, options.batch_prefetch
+        ),
         lease_seconds=options.queue_lease_seconds,
         poll_seconds=options.queue_poll_seconds,
         max_attempts=options.queue_max_attempts,

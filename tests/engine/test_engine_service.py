@@ -125,6 +125,8 @@ async def test_abort_by_cancel_and_by_id(engine: ServiceProcess) -> None:
                 break
         reports.cancel()
         assert report.free_kv_blocks == report.total_kv_blocks
+        # Batch work's seat limit (three quarters of one seat rounds up to the one).
+        assert (report.max_running_requests, report.max_batch_running_requests) == (1, 1)
 
         call = stub.Generate(_request("abort-2", list(range(10, 30)), max_tokens=1000, ignore_eos=True))
         await call.read()

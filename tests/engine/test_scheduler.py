@@ -487,3 +487,30 @@ def test_random_traffic_with_aborts_and_preemptions(seed):
     assert sum(counts.preemptions.values()) >= preempted
     assert counts.finished_requests["FINISHED_ABORTED"] == aborted
     assert sum(counts.finished_requests.values()) == len(requests)
+
+
+def test_batch_work_starts_only_below_its_seat_limit_and_waits_there_for_the_next_seat():
+    scheduler, runner = make_scheduler(max_num_seqs=4, max_batch_running=2, max_num_batched_tokens=64)
+    for i in range(3):
+        prompt = list(range(10 * i + 1, 10 * i + 9))
+        scheduler.add_request(make_request(f"batch-{i}", prompt, max_tokens=4 + 2 * i, interactive=False))
+    step(scheduler, runner)
+    assert sorted(r.request_id for r in scheduler.running) == ["batch-0", "batch-1"]
+    # The seats above the limit are interactive traffic's.
+    scheduler.add_request(make_request("interactive", list(range(100, 108)), max_tokens=3))
+    step(scheduler, runner)
+    assert len(scheduler.running) == 3
+    # The waiting one takes a seat at the first step that finds fewer than 2 running.
+    for _ in range(20):
+        seated_before = len(scheduler.running)
+        plan = step(scheduler, runner)
+        admitted = "batch-2" in {new.request_id for new in plan.new_requests}
+        assert admitted == (seated_before < 2), (seated_before, plan)
+        if admitted:
+            return
+    raise AssertionError("batch-2 never started")
+
+
+def test_a_batch_seat_limit_must_fit_the_seats():
+    with pytest.raises(ValueError, match="max_batch_running"):
+        SchedulerConfig(max_model_len=64, max_num_seqs=4, max_batch_running=5)

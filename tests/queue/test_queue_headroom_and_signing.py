@@ -47,6 +47,16 @@ def test_an_interactive_request_waiting_anywhere_stops_dispatch() -> None:
     assert batch_slots([ReplicaView(report(), 0, 0), ReplicaView(waiting, 0, 0)], POLICY) == 0
 
 
+def test_an_engine_that_limits_batch_work_itself_gets_jobs_to_wait_beyond_it() -> None:
+    # The engine seats batch work up to 6 running; 4 more jobs wait there for the next seat.
+    limited = report(running=6)
+    limited.max_batch_running_requests = 6
+    assert replica_slots(limited, 0, POLICY) == 4
+    limited.waiting_requests = 3
+    assert replica_slots(limited, 0, POLICY) == 1
+    assert replica_slots(limited, 0, HeadroomPolicy(prefetch=0)) == 0
+
+
 def test_a_one_slot_engine_still_takes_batch_work() -> None:
     tiny = engine_pb2.LoadReport(max_running_requests=1, total_kv_blocks=10, free_kv_blocks=10)
     assert replica_slots(tiny, 0, POLICY) == 1

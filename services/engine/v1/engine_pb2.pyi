@@ -237,6 +237,7 @@ class LoadReport(_message.Message):
     TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
     RUNNING_BATCH_REQUESTS_FIELD_NUMBER: _builtins.int
     WAITING_BATCH_REQUESTS_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id (stable across reports, new after a restart)."""
     running_requests: _builtins.int
@@ -267,6 +268,10 @@ class LoadReport(_message.Message):
     """
     waiting_batch_requests: _builtins.int
     """Of waiting_requests, those of batch priority (queued jobs, or preempted ones)."""
+    max_batch_running_requests: _builtins.int
+    """Batch work starts only while fewer requests than this run (0: no such limit); batch
+    requests beyond it wait, ready for the next seat a batch request frees.
+    """
     def __init__(
         self,
         *,
@@ -283,10 +288,11 @@ class LoadReport(_message.Message):
         timestamp_ms: _builtins.int = ...,
         running_batch_requests: _builtins.int = ...,
         waiting_batch_requests: _builtins.int = ...,
+        max_batch_running_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "free_kv_blocks", b"free_kv_blocks", "max_running_requests", b"max_running_requests", "max_waiting_requests", b"max_waiting_requests", "prefill_tokens_per_second", b"prefill_tokens_per_second", "replica_id", b"replica_id", "running_batch_requests", b"running_batch_requests", "running_requests", b"running_requests", "timestamp_ms", b"timestamp_ms", "total_kv_blocks", b"total_kv_blocks", "waiting_batch_requests", b"waiting_batch_requests", "waiting_interactive_requests", b"waiting_interactive_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "free_kv_blocks", b"free_kv_blocks", "max_batch_running_requests", b"max_batch_running_requests", "max_running_requests", b"max_running_requests", "max_waiting_requests", b"max_waiting_requests", "prefill_tokens_per_second", b"prefill_tokens_per_second", "replica_id", b"replica_id", "running_batch_requests", b"running_batch_requests", "running_requests", b"running_requests", "timestamp_ms", b"timestamp_ms", "total_kv_blocks", b"total_kv_blocks", "waiting_batch_requests", b"waiting_batch_requests", "waiting_interactive_requests", b"waiting_interactive_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
