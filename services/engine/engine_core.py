@@ -197,13 +197,12 @@ class EngineCore:
     def _interleaves(self) -> bool:
         return getattr(self.runner, "supports_between_layers", False)
 
-    # Only batch work makes way: an interactive-only step is what an arrival waits for on a
-    # replica with no backlog too.
-
     def _batch_running(self) -> bool:
         return any(not request.interactive for request in self.scheduler.running)
 
     def _carries_batch_work(self, plan: StepPlan) -> bool:
+        """Only a step with batch work in it makes way: an interactive-only step is what an
+        arrival waits for on a replica with no backlog too."""
         requests = (self.scheduler.get_request(rid) for rid in plan.num_scheduled_tokens)
         return any(request is not None and not request.interactive for request in requests)
 
