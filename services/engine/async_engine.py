@@ -141,6 +141,7 @@ class AsyncEngine:
         # Called on the event loop with each step's wall time in seconds (metrics).
         self.on_step: Callable[[float], None] | None = None
         self.failure: BaseException | None = None
+        self._failed = asyncio.Event()
         self._started = False
         self._command_ids = itertools.count()
         self._replies: dict[int, asyncio.Future[object]] = {}
@@ -229,6 +230,7 @@ class AsyncEngine:
         in-flight request ends with ``error``'s status and new ones are refused."""
         if self.failure is None:
             self.failure = error
+        self._failed.set()
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(EngineUnavailable(f"the engine failed: {error}"))
@@ -237,6 +239,12 @@ class AsyncEngine:
             log.error("request failed with the engine loop", request_id=request_id, error=str(error))
             target.put(_failed_output(request_id))
         self._outputs.clear()
+
+    async def wait_failed(self) -> BaseException:
+        """Until the replica breaks; what broke it."""
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
 
     # ------------------------------------------------------- to the loop
 

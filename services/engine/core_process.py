@@ -75,6 +75,7 @@ class ProcessHost:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._description: EngineDescription | None = None
+        self._exit_report: asyncio.Task[None] | None = None
 
     @property
     def pid(self) -> int:
@@ -152,10 +153,14 @@ class ProcessHost:
             assert self._event_loop is not None
             self._event_loop.remove_reader(self._reports.fileno())
             if not self._stopping:
-                from cachet.engine.errors import EngineUnavailable
+                # Reaped off the event loop: a process that closed its pipe may take a while to exit.
+                self._exit_report = self._event_loop.create_task(self._report_exit(failed))
 
-                status = self._reap(1.0)
-                failed(EngineUnavailable(f"the engine loop process exited (status {status})"))
+    async def _report_exit(self, failed: Callable[[BaseException], None]) -> None:
+        from cachet.engine.errors import EngineUnavailable
+
+        status = await asyncio.to_thread(self._reap, 1.0)
+        failed(EngineUnavailable(f"the engine loop process exited (status {status})"))
 
     def _reap(self, timeout: float) -> int:
         """The loop process's exit status; killed if it has not exited within ``timeout``."""

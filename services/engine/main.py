@@ -270,23 +270,26 @@ async def _replica_lost(group: RankGroup | None, engine: AsyncEngine) -> str:
     """Resolves with a reason when the engine loop fails (its process died, a collective raised)
     or a follower dies."""
     loop = asyncio.get_running_loop()
-    reason: asyncio.Future[str] = loop.create_future()
+    follower_lost: asyncio.Future[str] = loop.create_future()
 
     def report(text: str) -> None:
-        if not reason.done():
-            reason.set_result(text)
+        if not follower_lost.done():
+            follower_lost.set_result(text)
 
     followers = group.followers if group is not None else []
     if followers:
         disarm = distributed.watch_followers(followers, lambda text: loop.call_soon_threadsafe(report, text))
+    engine_failed = asyncio.ensure_future(engine.wait_failed())
+    lost = False
     try:
-        while not reason.done():
-            if engine.failure is not None:
-                report(f"engine loop failed: {engine.failure}")
-            await asyncio.wait({reason}, timeout=0.2)
-        return reason.result()
+        await asyncio.wait({follower_lost, engine_failed}, return_when=asyncio.FIRST_COMPLETED)
+        lost = True
+        if engine_failed.done():
+            return f"engine loop failed: {engine_failed.result()}"
+        return follower_lost.result()
     finally:
-        if followers and not reason.done():
+        engine_failed.cancel()
+        if followers and not lost:
             disarm()  # a planned shutdown: followers exiting now is expected
 
 
