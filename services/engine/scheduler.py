@@ -315,13 +315,8 @@ class Scheduler:
                 or request.status != RequestStatus.WAITING
             ):
                 break
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget)
-            if num_tokens <= 0 or self.kv.allocate_slots(request, num_tokens, hits) is None:
+            if not self._start_waiting(request, plan):
                 break
-            self.waiting.remove(request)
-            self._admit(request, num_hit_tokens)
-            plan.add_new(request, self.kv.block_ids(request.request_id), num_tokens)
         if not plan.tokens:
             return StepPlan()
         return plan.build(set())
@@ -383,15 +378,22 @@ class Scheduler:
                 if seat_holder is None:
                     return
                 self._preempt(seat_holder, plan, reason="seat")
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget_for(request))
-            if num_tokens <= 0:
-                return  # batch work has spent its share (interactive requests queue ahead of it)
-            if self.kv.allocate_slots(request, num_tokens, hits) is None:
-                return  # keep queue order: wait for blocks rather than let others pass
-            self.waiting.remove(request)
-            self._admit(request, num_hit_tokens)
-            plan.add_new(request, self.kv.block_ids(request.request_id), num_tokens)
+            if not self._start_waiting(request, plan):
+                # Batch work has spent its share (interactive requests queue ahead of it), or
+                # blocks are short: keep queue order rather than let others pass.
+                return
+
+    def _start_waiting(self, request: Request, plan: _PlanBuilder) -> bool:
+        """Admit ``request`` with what the plan's budget holds, prefix hits first; False (and
+        nothing changed) when the budget or the free blocks cannot take it."""
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget_for(request))
+        if num_tokens <= 0 or self.kv.allocate_slots(request, num_tokens, hits) is None:
+            return False
+        self.waiting.remove(request)
+        self._admit(request, num_hit_tokens)
+        plan.add_new(request, self.kv.block_ids(request.request_id), num_tokens)
+        return True
 
     def _batch_seat_free(self) -> bool:
         limit = self.config.max_batch_running
