@@ -9,9 +9,10 @@ interpreter to itself and the gRPC side runs on another core. vLLM splits its en
 core from its API server for the same reason.
 
 Two one-way pipes carry pickled messages (``core_loop``): commands in, replies and step
-reports out, in order. The server writes from a thread of its own, so a full pipe never
-blocks its event loop (and the loop, blocked writing a report, never waits on a server
-blocked writing a command); it reads reports on the event loop.
+reports out, in order. The server writes commands from its event loop without blocking
+(``pipe_writer``: what a full pipe cannot take waits in a buffer), so the loop, blocked
+writing a report, never waits on a server blocked writing a command; it reads reports on
+the event loop.
 
 The loop process is a fresh interpreter (``python -m cachet.engine.core_process``), not a
 fork: a process that has touched CUDA (``torch.cuda.is_available()`` included) or started
@@ -27,11 +28,9 @@ import asyncio
 import contextlib
 import fcntl
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
 from cachet.config import EngineSettings
+from cachet.engine.pipe_writer import PipeWriter
 from cachet.engine.rank_environment import externally_launched
 from cachet.logs import configure_logging, get_logger
 from cachet.startup_heap import freeze_startup_heap
@@ -66,12 +66,11 @@ class CoreStartFailed(RuntimeError):
 class ProcessHost:
     """The server's side of a loop process."""
 
-    def __init__(self, process: subprocess.Popen[bytes], commands: Connection, reports: Connection) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], commands_fd: int, reports: Connection) -> None:
         self.process = process
-        self._commands = commands
+        self._commands_fd = commands_fd
+        self._commands: PipeWriter | None = None
         self._reports = reports
-        self._outbox: queue.SimpleQueue[tuple[int, Command] | None] = queue.SimpleQueue()
-        self._writer: threading.Thread | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._description: EngineDescription | None = None
@@ -98,9 +97,7 @@ class ProcessHost:
         )
         os.close(commands_read)
         os.close(reports_write)
-        return cls(
-            process, Connection(commands_write, readable=False), Connection(reports_read, writable=False)
-        )
+        return cls(process, commands_write, Connection(reports_read, writable=False))
 
     def wait_ready(self) -> None:
         """Until the model is loaded; CoreStartFailed (the process reaped) if it could not be."""
@@ -110,7 +107,7 @@ class ProcessHost:
             status = self.process.wait()
             first = CoreFailed(f"the engine loop process exited while loading the model (status {status})")
         if isinstance(first, CoreFailed):
-            self._commands.close()
+            os.close(self._commands_fd)
             self._reports.close()
             self.process.wait()
             raise CoreStartFailed(first.error)
@@ -119,31 +116,25 @@ class ProcessHost:
     def start(self, deliver: Callable[[Message], None], failed: Callable[[BaseException], None]) -> None:
         self._event_loop = asyncio.get_running_loop()
         self._event_loop.add_reader(self._reports.fileno(), self._read, deliver, failed)
-        self._writer = threading.Thread(target=self._write, name="engine-core-writer", daemon=True)
-        self._writer.start()
+        self._commands = PipeWriter(self._commands_fd, self._event_loop)
 
     def send(self, command_id: int, command: Command) -> None:
-        self._outbox.put((command_id, command))
+        assert self._commands is not None, "start() first"
+        self._commands.send((command_id, command))
 
     async def stop(self) -> None:
         # Reports are still read (and go nowhere) until the loop process exits: one blocked
         # writing a report to a server that stopped reading would never read its stop.
         self._stopping = True
-        self._outbox.put(None)
+        if self._commands is not None:
+            self._commands.send(None)  # the stop command
+            self._commands.close()
         await asyncio.to_thread(self._reap, _STOP_TIMEOUT_SECONDS)
+        if self._commands is not None:
+            self._commands.abandon()  # the process is gone: nobody reads what the pipe still holds
         if self._event_loop is not None:
             self._event_loop.remove_reader(self._reports.fileno())
         self._reports.close()
-
-    def _write(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            try:
-                self._commands.send(item)
-            except OSError:
-                return  # the loop process is gone; the reader reports it
-        with contextlib.suppress(OSError):
-            self._commands.send(None)  # the stop command
-        self._commands.close()
 
     def _read(self, deliver: Callable[[Message], None], failed: Callable[[BaseException], None]) -> None:
         try:
