@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,14 @@ from cachet.tracing import server_interceptors
 log = get_logger(__name__)
 
 Registrar = Callable[[grpc.aio.Server], None]
+
+# grpc.aio hands every completion (a call arriving, a message read or written) from its
+# polling thread to the event loop, and that thread needs the interpreter lock first: while
+# the loop is busy it waits up to the switch interval, 5 ms by default. Measured on the
+# 2-core dev box beside a backlog (queue bench arrivals, three runs each), the engine
+# server's span for an interactive Generate started 24/25/21 ms after the router's call at
+# p99 with 0.5 ms, against 32/35/32 ms with the default.
+_SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 def _trace_id() -> str:
@@ -133,8 +142,10 @@ async def create_server(
     """Build, bind and start a server; ``settings.port`` 0 picks a free port (tests).
 
     Also freezes the process's startup heap (``startup_heap``), once per process: every
-    gRPC service calls this when what it serves with is built.
+    gRPC service calls this when what it serves with is built; and shortens the interpreter
+    lock's switch interval (``_SWITCH_INTERVAL_SECONDS``).
     """
+    sys.setswitchinterval(_SWITCH_INTERVAL_SECONDS)
     options = [
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_receive_message_length", settings.max_message_bytes),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -94,3 +96,8 @@ async def test_health_and_reflection(server) -> None:
         )
         names = [s.name async for r in responses for s in r.list_services_response.service]
         assert SERVICE in names and "grpc.health.v1.Health" in names
+
+
+async def test_a_served_process_hands_the_interpreter_lock_over_quickly(server) -> None:
+    # gRPC's polling thread waits for the lock on every completion (see _SWITCH_INTERVAL_SECONDS).
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
