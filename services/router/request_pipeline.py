@@ -562,8 +562,6 @@ class Generation:
                 replica_address=self.replica_address,
                 priority="batch" if batch else "interactive",
             ),
-            # The dispatcher waits for a queued job's record before storing its result.
-            at_once=batch,
         )
 
 
