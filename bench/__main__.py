@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.arrivals_bench import run_arrivals_bench
 from bench.cache_index_bench import run_cache_index_bench
 from bench.engine_bench import run_engine_bench
 from bench.queue_bench import run_queue_bench
@@ -62,6 +63,8 @@ def main() -> None:
         "cache_index": lambda: run_cache_index_bench(quick=args.quick),
         # Async backlog vs interactive TTFT, drain share of free capacity, 100k submission (tiny model).
         "queue": lambda: run_queue_bench(quick=args.quick),
+        # The engine alone (one process): drain against TTFT with arrivals between layers on/off.
+        "engine_arrivals": lambda: run_arrivals_bench(quick=args.quick),
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
         "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
     }
