@@ -29,34 +29,30 @@ from typing import Any
 
 import torch
 
-from cachet.engine.engine_core import EngineCore, RequestOutput
-from cachet.engine.model_runner import ModelRunner
+from bench.engine_bench import EngineHarness
+from bench.queue_bench import (
+    INTERACTIVE_SHARE,
+    MAX_NUM_SEQS,
+    MAX_TOKENS,
+    PROMPT_TOKENS,
+    TOKEN_RANGE,
+    _percentile,
+)
+from cachet.config import EngineSettings
+from cachet.engine.engine_core import RequestOutput
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
-from cachet.engine.scheduler import SchedulerConfig
 from cachet.models.tiny import write_tiny_model
 
-PROMPT_TOKENS = 40
-MAX_TOKENS = 16
-MAX_NUM_SEQS = 32
-BATCH_RUNNING_FRACTION = 0.75  # the engine's default batch_max_running_fraction
-INTERACTIVE_SHARE = 0.3
-TOKEN_RANGE = (1_000, 40_000)
 WAITING_BATCH = 8  # batch requests kept waiting, so the backlog never runs dry
 
 
 class _Window:
     """One window's requests on a fresh ``EngineCore``."""
 
-    def __init__(self, runner: ModelRunner, rng: random.Random, interleave: bool) -> None:
-        config = SchedulerConfig(
-            max_model_len=runner.max_model_len,
-            max_num_batched_tokens=2048,
-            max_num_seqs=MAX_NUM_SEQS,
-            eos_token_ids=tuple(runner.eos_token_ids),
-            max_batch_running=int(MAX_NUM_SEQS * BATCH_RUNNING_FRACTION),
-        )
-        self.core = EngineCore(runner=runner, model="tiny", scheduler_config=config)
+    def __init__(self, harness: EngineHarness, rng: random.Random, interleave: bool) -> None:
+        harness.reset_cache()
+        self.core = harness.core
         self.rng = rng
         self.interleave = interleave
         self.ids = 0
@@ -108,16 +104,16 @@ class _Window:
             "batch_requests_per_s": self.tokens["batch"] / MAX_TOKENS / elapsed,
             "interactive_requests_per_s": self.tokens["interactive"] / MAX_TOKENS / elapsed,
             "ttft_p50_ms": statistics.median(ordered) if ordered else 0.0,
-            "ttft_p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] if ordered else 0.0,
+            "ttft_p99_ms": _percentile(ordered, 0.99) if ordered else 0.0,
         }
 
 
-def _setting(runner: ModelRunner, interleave: bool, seconds: float, seed: int) -> dict[str, Any]:
+def _setting(harness: EngineHarness, interleave: bool, seconds: float, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
-    capacity = _Window(runner, rng, interleave).run(seconds, 0.0, backlog=True)["batch_requests_per_s"]
+    capacity = _Window(harness, rng, interleave).run(seconds, 0.0, backlog=True)["batch_requests_per_s"]
     rate = INTERACTIVE_SHARE * capacity
-    alone = _Window(runner, rng, interleave).run(seconds, rate, backlog=False)
-    mixed = _Window(runner, rng, interleave).run(seconds, rate, backlog=True)
+    alone = _Window(harness, rng, interleave).run(seconds, rate, backlog=False)
+    mixed = _Window(harness, rng, interleave).run(seconds, rate, backlog=True)
     free = capacity - mixed["interactive_requests_per_s"]
     return {
         "capacity_requests_per_s": capacity,
@@ -137,8 +133,14 @@ def run_arrivals_bench(quick: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="cachet-arrivals-bench-") as directory:
         model_dir = write_tiny_model(Path(directory) / "tiny")
-        runner = ModelRunner(
-            model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=256 * 1024 * 1024
+        harness = EngineHarness(
+            model_dir,
+            "tiny",
+            torch.float32,
+            max_batched_tokens=2048,
+            max_num_seqs=MAX_NUM_SEQS,
+            # The engine's own seat limit for batch work (its settings, this run's seats).
+            max_batch_running=EngineSettings(max_num_seqs=MAX_NUM_SEQS).max_batch_running,
         )
         runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
         # Alternated, so a slow spell of a shared machine falls on both settings.
@@ -147,7 +149,7 @@ def run_arrivals_bench(quick: bool = False) -> dict[str, Any]:
                 print(
                     f"[bench]   round {round_index + 1}/{rounds}, arrivals between layers {name}", flush=True
                 )
-                runs[name].append(_setting(runner, name == "on", seconds, seed=round_index))
+                runs[name].append(_setting(harness, name == "on", seconds, seed=round_index))
     _print(runs)
     return {"window_s": seconds, "runs": runs}
 

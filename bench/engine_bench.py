@@ -36,12 +36,23 @@ def _progress(message: str) -> None:
 class EngineHarness:
     """An EngineCore driven synchronously: no gRPC, so the numbers are the engine's own."""
 
-    def __init__(self, model_dir: Path, model_id: str, dtype: torch.dtype, max_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        model_id: str,
+        dtype: torch.dtype,
+        max_batched_tokens: int,
+        *,
+        max_num_seqs: int = 64,
+        max_batch_running: int | None = None,
+    ) -> None:
         self.runner = ModelRunner(
             model_dir, dtype=dtype, device=torch.device("cpu"), kv_cache_bytes=int(1 * _GIB)
         )
         self.model_id = model_id
         self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_running = max_batch_running
         self.core = self._new_core()
         self._ids = 0
 
@@ -49,8 +60,9 @@ class EngineHarness:
         config = SchedulerConfig(
             max_model_len=self.runner.max_model_len,
             max_num_batched_tokens=self.max_batched_tokens,
-            max_num_seqs=64,
+            max_num_seqs=self.max_num_seqs,
             eos_token_ids=tuple(self.runner.eos_token_ids),
+            max_batch_running=self.max_batch_running,
         )
         return EngineCore(runner=self.runner, model=self.model_id, scheduler_config=config)
 

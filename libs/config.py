@@ -8,6 +8,7 @@ value fails at start-up with the variable's name, not in the middle of a request
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -100,6 +101,11 @@ class EngineSettings(ServiceSettings):
     arrivals_between_layers: bool = True
     # Prometheus /metrics HTTP port; 0 turns the endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
+
+    @property
+    def max_batch_running(self) -> int:
+        """Seats batch work may fill (``batch_max_running_fraction`` of ``max_num_seqs``)."""
+        return max(1, math.floor(self.max_num_seqs * self.batch_max_running_fraction))
 
 
 class CacheSettings(ServiceSettings):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -153,7 +152,7 @@ def build_core_loop(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_batch_tokens_per_step=settings.max_batch_tokens_per_step,
             max_num_seqs=settings.max_num_seqs,
-            max_batch_running=max(1, math.floor(settings.max_num_seqs * settings.batch_max_running_fraction)),
+            max_batch_running=settings.max_batch_running,
             max_waiting=settings.max_waiting,
             eos_token_ids=tuple(runner.eos_token_ids),
         ),

@@ -42,8 +42,8 @@ class PipeWriter:
         os.set_blocking(fd, False)
         self._fd = fd
         self._event_loop = event_loop
+        # Non-empty exactly while the event loop watches the pipe for room.
         self._pending = bytearray()
-        self._watching = False
         self._broken = False
         self._close_when_flushed = False
 
@@ -63,7 +63,6 @@ class PipeWriter:
         if written < len(data) and not self._broken:
             self._pending += memoryview(data)[written:]
             self._event_loop.add_writer(self._fd, self._flush)
-            self._watching = True
 
     def close(self) -> None:
         """Close once everything sent so far is in the pipe: the reader sees it all, then EOF."""
@@ -73,9 +72,8 @@ class PipeWriter:
 
     def abandon(self) -> None:
         """Close now, dropping what the pipe has not taken (its reader is gone or never reads)."""
-        if self._watching:
+        if self._pending:
             self._event_loop.remove_writer(self._fd)
-            self._watching = False
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -84,11 +82,9 @@ class PipeWriter:
     def _flush(self) -> None:
         written = self._write(self._pending)
         del self._pending[:written]
-        if self._pending and not self._broken:
-            return
-        self._event_loop.remove_writer(self._fd)
-        self._watching = False
-        if self._close_when_flushed or self._broken:
+        if not self._pending:
+            self._event_loop.remove_writer(self._fd)
+        if self._broken or (self._close_when_flushed and not self._pending):
             self.abandon()
 
     def _write(self, data: bytes | bytearray) -> int:
