@@ -93,7 +93,10 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
             # Each running request is 1,900 tokens: 10-15 s of the tiny model on the 2-core box.
             deadline = time.monotonic() + 15
             while (loads := [await engine_load(a) for a in small_stack.engine_addresses]) != [(1, 1), (1, 1)]:
-                assert time.monotonic() < deadline, f"engines never filled up: (running, waiting) {loads}"
+                assert time.monotonic() < deadline, (
+                    f"engines never filled up: (running, waiting) {loads}; calls ended: "
+                    f"{[(call.done() and (await call.code()).name) for call in calls]}"
+                )
                 await asyncio.sleep(0.05)
 
             started = time.monotonic()
