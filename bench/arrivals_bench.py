@@ -39,8 +39,8 @@ from bench.queue_bench import (
     _percentile,
 )
 from cachet.config import EngineSettings
-from cachet.engine.engine_core import RequestOutput
 from cachet.engine.request import Request
+from cachet.engine.request_output import RequestOutput
 from cachet.engine.sampling_params import SamplingParams
 from cachet.models.tiny import write_tiny_model
 

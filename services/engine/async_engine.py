@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from cachet.engine.block_pool import KvEvent
-from cachet.engine.core_loop import (
+from cachet.engine.errors import EngineUnavailable
+from cachet.engine.loop_messages import (
     AbortRequest,
     AddRequest,
     Command,
@@ -29,9 +30,8 @@ from cachet.engine.core_loop import (
     StepReport,
     SubscribeKvEvents,
 )
-from cachet.engine.engine_core import RequestOutput
-from cachet.engine.errors import EngineUnavailable
 from cachet.engine.request import Request, RequestStatus
+from cachet.engine.request_output import RequestOutput
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.structured_output import GrammarSpec
 from cachet.logs import get_logger

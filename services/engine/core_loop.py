@@ -1,14 +1,9 @@
-"""The engine loop, whichever host runs it: what goes in, what comes out, and the loop itself.
+"""The engine loop, whichever host runs it: it runs commands and steps, and says what happened.
 
 EngineCore is not thread-safe and its ``step()`` blocks for a whole forward pass, so one
 loop alone touches it. The asyncio side (``AsyncEngine``) talks to that loop only through
-messages, so the loop can live on a thread of the server's process or in a process of its
-own (``core_process``):
-
-* in: commands (``AddRequest``, ``AbortRequest``, ``SubscribeKvEvents``), each with an id;
-* out, in order on one channel: a ``Reply`` per command, and a ``StepReport`` after each
-  step (and after a round of commands): the outputs, the KV events, the step's time and
-  the scheduler's figures (``EngineStats``) as they stand.
+the messages of ``loop_messages``, so the loop can live on a thread of the server's process
+or in a process of its own (``core_process``).
 
 Commands run between steps, so a request joins or leaves the batch at a step boundary,
 never in the middle of one, with one exception: while a step that carries batch (async
@@ -17,7 +12,7 @@ A new interactive request that can start at once (a free seat, free blocks, no g
 then gets its first token from a forward pass of its own, run there, and its report goes
 out before the step's: an interactive arrival waits for a layer of the backlog's step, not
 for the whole of it. Aborts read then wait for the step's end: they free blocks the step is
-still writing. Everything that crosses is plain data (picklable).
+still writing.
 """
 
 from __future__ import annotations
@@ -25,103 +20,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
 
 from cachet.engine.block_pool import BlocksStored, KvEvent
-from cachet.engine.engine_core import EngineCore, RequestOutput
+from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import InvalidRequest, RequestNotFound
 from cachet.engine.grammar_matcher import RequestGrammar
-from cachet.engine.request import Request
-from cachet.engine.scheduler import PRIORITIES, SchedulerConfig, SchedulerCounts, priority_of
-from cachet.engine.structured_output import GrammarSpec
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    request: Request
-    # Compiled where the loop runs: a compiled grammar cannot cross a process boundary.
-    grammar_spec: GrammarSpec | None = None
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    """Replied with whether a live request was aborted (False: finished, or never existed)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class SubscribeKvEvents:
-    """Replied with the block hashes cached now; later steps' events follow in their reports."""
-
-
-Command = AddRequest | AbortRequest | SubscribeKvEvents
-
-
-@dataclass(frozen=True)
-class Reply:
-    command_id: int
-    value: Any = None
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The scheduler's figures after a step: load reports and metrics read these."""
-
-    running: dict[str, int]  # by priority
-    waiting: dict[str, int]  # by priority, preempted requests included
-    # Ready interactive requests the last schedule could not admit (the headroom rule's signal).
-    interactive_left_waiting: int
-    free_kv_blocks: int
-    total_kv_blocks: int
-    counts: SchedulerCounts
-
-    @property
-    def num_running(self) -> int:
-        return sum(self.running.values())
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(self.waiting.values())
-
-
-@dataclass(frozen=True)
-class StepReport:
-    outputs: list[RequestOutput]
-    kv_events: list[KvEvent]
-    # Wall time of the step; None when no step ran (a round of commands only).
-    step_seconds: float | None
-    stats: EngineStats
-
-
-@dataclass(frozen=True)
-class EngineDescription:
-    """What the server needs to know of the loop's engine before it serves."""
-
-    model: str
-    context_window: int
-    block_size: int
-    total_kv_blocks: int
-    expert_parallel_size: int
-    dtype: str
-    device: str
-    scheduler_config: SchedulerConfig
-    structured_output: bool
-    stats: EngineStats
-
-
-Message = Reply | StepReport
-
-
-class StepInbox(Protocol):
-    """A host's commands and messages as seen from inside a step."""
-
-    def take(self) -> list[tuple[int, Command]]:
-        """The commands that came in, without waiting (none: an empty list)."""
-        ...
-
-    def send(self, message: Message) -> None: ...
+from cachet.engine.loop_messages import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineDescription,
+    EngineStats,
+    Reply,
+    StepInbox,
+    StepReport,
+    SubscribeKvEvents,
+)
+from cachet.engine.request_output import RequestOutput
+from cachet.engine.scheduler import PRIORITIES, priority_of
 
 
 @dataclass

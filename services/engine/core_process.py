@@ -38,13 +38,14 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
 from cachet.config import EngineSettings
+from cachet.engine.loop_messages import Command, EngineDescription, Message
 from cachet.engine.pipe_writer import PipeWriter
 from cachet.engine.rank_environment import externally_launched
 from cachet.logs import configure_logging, get_logger
 from cachet.startup_heap import freeze_startup_heap
 
-if TYPE_CHECKING:  # torch and the model code: ``launch_early`` runs before they are imported
-    from cachet.engine.core_loop import Command, CoreLoop, EngineDescription, Message
+if TYPE_CHECKING:  # torch and the model code, which the server process never imports
+    from cachet.engine.core_loop import CoreLoop
 
 log = get_logger(__name__)
 
@@ -195,7 +196,7 @@ def _run_loop_process(
 
 
 class _PipeInbox:
-    """The command pipe as seen from inside a step (``core_loop.StepInbox``)."""
+    """The command pipe as seen from inside a step (``loop_messages.StepInbox``)."""
 
     def __init__(self, commands: Connection, reports: Connection) -> None:
         self._commands = commands
@@ -260,7 +261,7 @@ def main(arguments: list[str]) -> int:
     # Here, not at the top: the server imports this module before torch (launch_early).
     import torch
 
-    from cachet.engine.main import build_core_loop, threads_per_rank
+    from cachet.engine.loop_builder import build_core_loop, threads_per_rank
 
     torch.set_num_threads(threads_per_rank(settings))
     commands = Connection(commands_fd, writable=False)

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from cachet.engine.core_loop import Command, CoreLoop, EngineDescription, Message
+from cachet.engine.core_loop import CoreLoop
+from cachet.engine.loop_messages import Command, EngineDescription, Message
 from cachet.logs import get_logger
 
 log = get_logger(__name__)
@@ -87,7 +88,7 @@ class ThreadHost:
 
 
 class _QueueInbox:
-    """The command queue as seen from inside a step (``core_loop.StepInbox``)."""
+    """The command queue as seen from inside a step (``loop_messages.StepInbox``)."""
 
     def __init__(
         self, commands: queue.SimpleQueue[tuple[int, Command] | None], send: Callable[[Message], None]

@@ -14,12 +14,12 @@ from typing import Protocol
 import torch
 from tokenizers import Tokenizer
 
-from cachet.common.v1 import common_pb2
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar, StepMasks
 from cachet.engine.kv_cache_manager import KVCacheManager
 from cachet.engine.request import Request, RequestStatus
+from cachet.engine.request_output import RequestOutput
 from cachet.engine.sampling_params import InvalidSamplingParams
 from cachet.engine.scheduler import Scheduler, SchedulerConfig
 from cachet.engine.step_plan import SampledToken, StepPlan, StepResult
@@ -46,42 +46,6 @@ class Runner(Protocol):
         """``logit_masks``: request id -> bool [vocab], True = allowed (structured output).
         ``between_layers``: only passed to a runner whose ``supports_between_layers`` is true."""
         ...
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request; the last one has a terminal status."""
-
-    request_id: str
-    new_token_ids: list[int]
-    # One per new token, only for requests that asked for logprobs.
-    logprobs: list[SampledToken]
-    status: RequestStatus
-    # The stop string that ended generation, if one did.
-    matched_stop: str
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_completion_tokens: int
-    # Why the request was refused after it was queued (its grammar failed to compile): the
-    # servicer turns this into INVALID_ARGUMENT. Empty otherwise.
-    error: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return self.status.is_finished
-
-    @property
-    def finish_reason(self) -> common_pb2.FinishReason.ValueType:
-        return self.status.finish_reason
-
-    def followed_by(self, later: RequestOutput) -> RequestOutput:
-        """One output for this step and ``later`` ones: their tokens in order, ``later``'s state."""
-        assert not self.finished and later.request_id == self.request_id, (self, later)
-        return dataclasses.replace(
-            later,
-            new_token_ids=self.new_token_ids + later.new_token_ids,
-            logprobs=self.logprobs + later.logprobs,
-        )
 
 
 @dataclass

@@ -5,167 +5,24 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
-from pathlib import Path
-
-import torch
-from tokenizers import Tokenizer
+from typing import TYPE_CHECKING
 
 from cachet.config import EngineSettings
-from cachet.engine import distributed
 from cachet.engine.async_engine import AsyncEngine, CoreHost
-from cachet.engine.core_loop import CoreLoop, EngineDescription
 from cachet.engine.core_process import CoreStartFailed, ProcessHost
-from cachet.engine.core_thread import ThreadHost
-from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import EngineUnavailable
-from cachet.engine.expert_parallel import check_expert_parallel_size, check_model_has_experts
 from cachet.engine.metrics import EngineMetrics
-from cachet.engine.model_runner import ModelRunner, default_dtype
-from cachet.engine.models import ModelConfig
 from cachet.engine.rank_environment import externally_launched
-from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.servicer import SERVICE_NAME, EngineServicer
-from cachet.engine.structured_output import GrammarCompiler
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
-from cachet.models.catalog import ResolvedModel, ensure_model
-from cachet.startup_heap import freeze_startup_heap
 from cachet.tracing import configure_tracing
 
+if TYPE_CHECKING:  # model code: imported only where this process runs the model (loop_builder)
+    from cachet.engine.loop_builder import RankGroup
+
 log = get_logger(__name__)
-_GIB = 1024**3
-
-
-def choose_device(setting: str) -> torch.device:
-    if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(setting)
-
-
-def choose_dtype(setting: str, device: torch.device) -> torch.dtype:
-    return default_dtype(device) if setting == "auto" else getattr(torch, setting)
-
-
-@dataclass
-class RankGroup:
-    """Rank 0's view of a tensor-parallel replica: the group, and the followers it spawned."""
-
-    tp: distributed.TensorParallel
-    # Empty when a launcher (deepspeed, torchrun) started the ranks.
-    followers: list[BaseProcess] = field(default_factory=list)
-    runner: distributed.ShardedRunner | None = None
-
-    def wrap(self, runner: ModelRunner) -> distributed.ShardedRunner:
-        self.runner = distributed.ShardedRunner(runner, self.tp)
-        return self.runner
-
-    def close(self) -> None:
-        """Planned shutdown: followers are told to stop, then waited for."""
-        if self.runner is not None:
-            self.runner.close()
-        distributed.stop_followers(self.followers)
-
-
-def check_parallel_layout(settings: EngineSettings) -> None:
-    """Refuse CACHET_TP / CACHET_EP a replica cannot have before any rank starts (ValueError)."""
-    ep = settings.expert_parallel_size
-    check_expert_parallel_size(ep, settings.tensor_parallel_size)
-    if ep > 1:
-        # Resolved only here: whether the model has experts is the remaining question.
-        model = ensure_model(settings.model or None, settings.data_dir)
-        config = ModelConfig.from_model_dir(Path(model.path))
-        check_model_has_experts(ep, model.model_id, is_moe=config.moe is not None)
-
-
-def start_rank_group(settings: EngineSettings) -> RankGroup | None:
-    """None for a single-rank replica; otherwise spawn (or join) the ranks and the process group."""
-    size = settings.tensor_parallel_size
-    if size == 1 and not externally_launched():
-        return None
-    followers: list[BaseProcess] = []
-    if not externally_launched():
-        distributed.prepare_local_group(size)
-        followers = distributed.spawn_followers(size, run_follower, settings)
-    info = distributed.init_distributed(choose_device(settings.device))
-    if info.world_size != size:
-        raise ValueError(f"tensor_parallel_size={size}, but the launcher started {info.world_size} ranks")
-    log.info("rank group up", world_size=info.world_size, spawned=len(followers))
-    return RankGroup(distributed.TensorParallel.create(info, settings.expert_parallel_size), followers)
-
-
-def build_runner(
-    settings: EngineSettings, tp: distributed.TensorParallel | None = None
-) -> tuple[ModelRunner, ResolvedModel, torch.dtype, torch.device]:
-    """The model (this rank's shard of it) and its KV cache; also which model, dtype and device."""
-    model = ensure_model(settings.model or None, settings.data_dir)
-    device = choose_device(settings.device)
-    dtype = choose_dtype(settings.dtype, device)
-    log.info(
-        "loading model", model=model.model_id, path=str(model.path), device=str(device), dtype=str(dtype)
-    )
-    runner = ModelRunner(
-        Path(model.path),
-        dtype=dtype,
-        device=device,
-        kv_cache_bytes=int(settings.kv_cache_gb * _GIB),
-        block_size=settings.block_size,
-        max_model_len=settings.max_model_len,
-        tp=tp,
-    )
-    return runner, model, dtype, device
-
-
-def run_follower(rank: int, settings: EngineSettings) -> None:
-    """Rank ``rank`` (> 0) of a replica: load its shard, then run what rank 0 sends until told to stop."""
-    configure_logging("engine", settings.log_level)
-    torch.set_num_threads(threads_per_rank(settings))
-    tp = distributed.TensorParallel.create(
-        distributed.init_distributed(choose_device(settings.device)), settings.expert_parallel_size
-    )
-    runner, *_ = build_runner(settings, tp)
-    log.info("follower ready", rank=rank, kv_blocks=runner.num_kv_blocks)
-    freeze_startup_heap()
-    distributed.follow(runner, tp)
-    log.info("follower stopped", rank=rank)
-
-
-def build_core_loop(
-    settings: EngineSettings, group: RankGroup | None = None
-) -> tuple[CoreLoop, EngineDescription]:
-    """Model, KV pool, scheduler: the engine loop (not running), and what the server needs of it."""
-    runner, model, dtype, device = build_runner(settings, group.tp if group else None)
-    expert_parallel_size = runner.expert_parallel_size
-    if group is not None:
-        # Same attributes as the local runner; each step also goes out to the followers.
-        runner = group.wrap(runner)
-    log.info("model loaded", kv_blocks=runner.num_kv_blocks, max_model_len=runner.max_model_len)
-    tokenizer_file = Path(model.path) / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
-    core = EngineCore(
-        runner=runner,
-        model=model.model_id,
-        scheduler_config=SchedulerConfig(
-            max_model_len=runner.max_model_len,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_batch_tokens_per_step=settings.max_batch_tokens_per_step,
-            max_num_seqs=settings.max_num_seqs,
-            max_batch_running=settings.max_batch_running,
-            max_waiting=settings.max_waiting,
-            eos_token_ids=tuple(runner.eos_token_ids),
-        ),
-        tokenizer=tokenizer,
-        grammar_compiler=(
-            GrammarCompiler(tokenizer, runner.vocab_size, runner.eos_token_ids) if tokenizer else None
-        ),
-    )
-    loop = CoreLoop(core, arrivals_between_layers=settings.arrivals_between_layers)
-    description = loop.describe(
-        expert_parallel_size=expert_parallel_size, dtype=str(dtype).removeprefix("torch."), device=device.type
-    )
-    return loop, description
 
 
 def engine_info(engine: AsyncEngine, group: RankGroup | None) -> engine_pb2.EngineInfo:
@@ -188,6 +45,9 @@ async def start(
 ) -> tuple[RunningServer, AsyncEngine]:
     """Serve; the loop runs on ``host`` if given (a loop process), else on a thread built here."""
     if host is None:
+        from cachet.engine.core_thread import ThreadHost
+        from cachet.engine.loop_builder import build_core_loop
+
         host = ThreadHost(*await asyncio.to_thread(build_core_loop, settings, group))
     engine = AsyncEngine(
         host, replica_id=uuid.uuid4().hex[:12], stream_interval=settings.stream_interval_ms / 1000
@@ -212,22 +72,14 @@ def main(port: int | None = None, loop_process: ProcessHost | None = None) -> No
     here when it should exist and was not."""
     settings = EngineSettings() if port is None else EngineSettings(port=port)
     configure_logging("engine", settings.log_level)
-    torch.set_num_threads(threads_per_rank(settings))
-    try:
-        # Every rank checks, launched ones too: a rank that went on alone would wait for its
-        # peers at the rendezvous instead of failing.
-        check_parallel_layout(settings)
-    except ValueError as invalid:
-        # A start-up mistake in the settings: one line naming them, not a traceback.
-        log.error("invalid engine settings", error=str(invalid))
-        raise SystemExit(f"cachet engine: {invalid}") from None
-    if externally_launched() and int(os.environ["RANK"]) != 0:
-        # A launcher started every rank with this same command; only rank 0 serves.
-        run_follower(int(os.environ["RANK"]), settings)
-        return
-    group = start_rank_group(settings)
-    host = None
-    if group is None and settings.core_process:
+    single_rank = (
+        settings.tensor_parallel_size == 1
+        and settings.expert_parallel_size == 1
+        and not externally_launched()
+    )
+    if single_rank and settings.core_process:
+        # The usual replica: the model runs in the loop process, this one only relays (and so
+        # never imports torch). TP = EP = 1 is a layout with nothing to refuse.
         host = loop_process or ProcessHost.spawn()
         try:
             host.wait_ready()
@@ -235,17 +87,31 @@ def main(port: int | None = None, loop_process: ProcessHost | None = None) -> No
             log.error("engine failed to start", error=str(failed))
             raise SystemExit(f"cachet engine: {failed}") from None
         log.info("engine loop process ready", pid=host.pid)
+        configure_tracing("engine")
+        asyncio.run(_serve(settings, None, host))
+        return
+    # This process runs the model: rank 0 of a tensor-parallel replica, a follower rank, or a
+    # loop on a thread.
+    import torch
+
+    from cachet.engine import loop_builder
+
+    torch.set_num_threads(loop_builder.threads_per_rank(settings))
+    try:
+        # Every rank checks, launched ones too: a rank that went on alone would wait for its
+        # peers at the rendezvous instead of failing.
+        loop_builder.check_parallel_layout(settings)
+    except ValueError as invalid:
+        # A start-up mistake in the settings: one line naming them, not a traceback.
+        log.error("invalid engine settings", error=str(invalid))
+        raise SystemExit(f"cachet engine: {invalid}") from None
+    if externally_launched() and int(os.environ["RANK"]) != 0:
+        # A launcher started every rank with this same command; only rank 0 serves.
+        loop_builder.run_follower(int(os.environ["RANK"]), settings)
+        return
+    group = loop_builder.start_rank_group(settings)
     configure_tracing("engine")
-    asyncio.run(_serve(settings, group, host))
-
-
-def threads_per_rank(settings: EngineSettings) -> int:
-    """One process per replica on a shared CPU: more threads than cores only thrash, and the
-    ranks of a replica on one host share its cores (2 ranks x 2 threads on 2 cores: 24x slower)."""
-    if "CACHET_ENGINE_THREADS" in os.environ:
-        return int(os.environ["CACHET_ENGINE_THREADS"])
-    ranks_here = int(os.environ.get("LOCAL_SIZE", settings.tensor_parallel_size))
-    return max(1, torch.get_num_threads() // ranks_here)
+    asyncio.run(_serve(settings, group, None))
 
 
 async def _serve(settings: EngineSettings, group: RankGroup | None, host: CoreHost | None) -> None:
@@ -276,8 +142,8 @@ async def _replica_lost(group: RankGroup | None, engine: AsyncEngine) -> str:
             follower_lost.set_result(text)
 
     followers = group.followers if group is not None else []
-    if followers:
-        disarm = distributed.watch_followers(followers, lambda text: loop.call_soon_threadsafe(report, text))
+    if group is not None and followers:
+        disarm = group.watch_followers(lambda text: loop.call_soon_threadsafe(report, text))
     engine_failed = asyncio.ensure_future(engine.wait_failed())
     lost = False
     try:

@@ -12,9 +12,9 @@ import grpc
 from cachet.common.v1 import common_pb2
 from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
-from cachet.engine.engine_core import RequestOutput
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.request import Request
+from cachet.engine.request_output import RequestOutput
 from cachet.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from cachet.engine.structured_output import grammar_spec_from_proto
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc

@@ -16,8 +16,9 @@ import pytest
 import torch
 from test_scheduler import SimulatedRunner, make_request, make_scheduler, step
 
-from cachet.engine.core_loop import AbortRequest, AddRequest, CoreLoop, Message, Reply, StepReport
+from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore
+from cachet.engine.loop_messages import AbortRequest, AddRequest, Message, Reply, StepReport
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.sampling_params import SamplingParams

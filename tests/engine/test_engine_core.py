@@ -11,9 +11,10 @@ from test_stop_strings import build_tokenizer
 
 from cachet.engine.block_pool import KvEvent
 from cachet.engine.core_loop import CoreLoop
-from cachet.engine.engine_core import EngineCore, RequestOutput
+from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
 from cachet.engine.request import Request, RequestStatus
+from cachet.engine.request_output import RequestOutput
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.step_plan import SampledToken, StepPlan, StepResult

@@ -1,4 +1,5 @@
-"""The engine loop's process lives and dies with its server, and the thread host still serves."""
+"""The engine loop's process lives and dies with its server (which never loads torch), and the
+thread host still serves."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def _children(pid: int) -> list[int]:
         for task in Path(f"/proc/{pid}/task").iterdir()
         for child in (task / "children").read_text().split()
     ]
+
+
+def _has_torch(pid: int) -> bool:
+    """Whether torch's native library is mapped into the process."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def _alive(pid: int) -> bool:
@@ -74,6 +80,8 @@ async def test_the_loop_process_serves_and_stops_with_its_server(tmp_path: Path)
     engine = _start_engine(tmp_path)
     [loop_pid] = _children(engine.process.pid)
     assert len(await _tokens(engine.address, 5)) == 5
+    # The model is the loop's: the server relays, without torch (memory and start-up time).
+    assert _has_torch(loop_pid) and not _has_torch(engine.process.pid)
     assert engine.stop() == 0, engine.log_tail()
     assert _wait_until(lambda: not _alive(loop_pid), 10), "the loop process outlived a clean stop"
 

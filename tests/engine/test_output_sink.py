@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from cachet.engine.async_engine import OutputSink
-from cachet.engine.engine_core import RequestOutput
 from cachet.engine.request import RequestStatus
+from cachet.engine.request_output import RequestOutput
 from cachet.engine.step_plan import SampledToken
 
 

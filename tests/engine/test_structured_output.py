@@ -19,11 +19,12 @@ from test_structured_output_schemas import SCHEMAS
 from tokenizers import Tokenizer
 
 from cachet.common.v1 import common_pb2
-from cachet.engine.engine_core import EngineCore, RequestOutput
+from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.request import Request, RequestStatus
+from cachet.engine.request_output import RequestOutput
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.structured_output import GrammarCompiler, GrammarSpec, grammar_spec_from_proto

@@ -1,0 +1,109 @@
+"""What crosses between the engine loop and the server: commands in, replies and step reports out.
+
+* in: commands (``AddRequest``, ``AbortRequest``, ``SubscribeKvEvents``), each with an id;
+* out, in order on one channel: a ``Reply`` per command, and a ``StepReport`` after each
+  step (and after a round of commands): the outputs, the KV events, the step's time and
+  the scheduler's figures (``EngineStats``) as they stand.
+
+Everything here is plain picklable data with no model code behind it: the server process
+of a replica whose loop runs in a process of its own never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cachet.engine.block_pool import KvEvent
+from cachet.engine.request import Request
+from cachet.engine.request_output import RequestOutput
+from cachet.engine.scheduler import SchedulerConfig, SchedulerCounts
+from cachet.engine.structured_output import GrammarSpec
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: Request
+    # Compiled where the loop runs: a compiled grammar cannot cross a process boundary.
+    grammar_spec: GrammarSpec | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Replied with whether a live request was aborted (False: finished, or never existed)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SubscribeKvEvents:
+    """Replied with the block hashes cached now; later steps' events follow in their reports."""
+
+
+Command = AddRequest | AbortRequest | SubscribeKvEvents
+
+
+@dataclass(frozen=True)
+class Reply:
+    command_id: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The scheduler's figures after a step: load reports and metrics read these."""
+
+    running: dict[str, int]  # by priority
+    waiting: dict[str, int]  # by priority, preempted requests included
+    # Ready interactive requests the last schedule could not admit (the headroom rule's signal).
+    interactive_left_waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    counts: SchedulerCounts
+
+    @property
+    def num_running(self) -> int:
+        return sum(self.running.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(self.waiting.values())
+
+
+@dataclass(frozen=True)
+class StepReport:
+    outputs: list[RequestOutput]
+    kv_events: list[KvEvent]
+    # Wall time of the step; None when no step ran (a round of commands only).
+    step_seconds: float | None
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What the server needs to know of the loop's engine before it serves."""
+
+    model: str
+    context_window: int
+    block_size: int
+    total_kv_blocks: int
+    expert_parallel_size: int
+    dtype: str
+    device: str
+    scheduler_config: SchedulerConfig
+    structured_output: bool
+    stats: EngineStats
+
+
+Message = Reply | StepReport
+
+
+class StepInbox(Protocol):
+    """A host's commands and messages as seen from inside a step."""
+
+    def take(self) -> list[tuple[int, Command]]:
+        """The commands that came in, without waiting (none: an empty list)."""
+        ...
+
+    def send(self, message: Message) -> None: ...
