@@ -1,4 +1,8 @@
-"""Entry point of one engine replica: load the model, start the loop, serve gRPC."""
+"""Entry point of one engine replica: start the loop where the model runs, serve gRPC.
+
+A single-rank replica's server only relays to its loop process and never imports torch;
+where this process runs the model itself (rank 0 of a tensor-parallel replica, a follower,
+a loop on a thread), ``loop_builder`` comes in."""
 
 from __future__ import annotations
 
