@@ -1,7 +1,7 @@
 """``python -m cachet.engine``: one engine replica.
 
-A single-rank replica's loop process starts first, before this process imports torch and
-the model code, so the two interpreters import side by side.
+A single-rank replica's loop process starts first, so its imports (torch, the model code)
+run beside this process's own.
 """
 
 from cachet.engine.core_process import launch_early

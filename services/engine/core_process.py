@@ -241,11 +241,12 @@ def _serve(loop: CoreLoop, commands: Connection, reports: Connection, wake_reade
 
 
 def launch_early() -> ProcessHost | None:
-    """The loop process of a single-rank replica, started (not yet ready); None when the loop
-    runs on a thread. Called before the server imports torch and the model code, so the two
-    interpreters import side by side (7 s each on the 2-core dev box) rather than in turn."""
+    """The loop process of a single-rank replica, started (not yet ready); None where the model
+    runs in the server's process (see ``main``). Called before the server imports the rest of
+    its code, so the loop process's imports (torch, the model code) run beside them."""
     settings = EngineSettings()
-    if settings.tensor_parallel_size != 1 or externally_launched() or not settings.core_process:
+    single_rank = settings.tensor_parallel_size == 1 and settings.expert_parallel_size == 1
+    if not single_rank or externally_launched() or not settings.core_process:
         return None
     return ProcessHost.spawn()
 
