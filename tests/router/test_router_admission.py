@@ -84,9 +84,12 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
         calls = []
         try:
             # One running request per engine (each has streamed a chunk, so it runs).
+            first_chunk_seconds = []
             for _ in range(2):
                 call = inference.StreamChatCompletion(long_chat(), timeout=TIMEOUT)
+                sent = time.monotonic()
                 await call.read()
+                first_chunk_seconds.append(round(time.monotonic() - sent, 2))
                 calls.append(call)
             # One waiting request per engine: they stream nothing until a slot frees.
             calls += [inference.StreamChatCompletion(long_chat(), timeout=TIMEOUT) for _ in range(2)]
@@ -95,7 +98,9 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
             while (loads := [await engine_load(a) for a in small_stack.engine_addresses]) != [(1, 1), (1, 1)]:
                 assert time.monotonic() < deadline, (
                     f"engines never filled up: (running, waiting) {loads}; calls ended: "
-                    f"{[(call.done() and (await call.code()).name) for call in calls]}"
+                    f"{[(call.done() and (await call.code()).name) for call in calls]}; the running "
+                    f"ones' first chunks came after {first_chunk_seconds} s (a second placed "
+                    f"behind the first waits for its whole generation)"
                 )
                 await asyncio.sleep(0.05)
 
