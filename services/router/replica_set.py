@@ -35,24 +35,41 @@ _INFO_TIMEOUT_SECONDS = 5.0
 
 
 def estimated_load(
-    address: str, report: engine_pb2.LoadReport, in_flight: int, in_flight_batch: int = 0
+    address: str,
+    report: engine_pb2.LoadReport,
+    in_flight: int,
+    in_flight_batch: int = 0,
+    *,
+    in_flight_at_report: int | None = None,
+    in_flight_batch_at_report: int | None = None,
 ) -> ReplicaLoad:
-    """The replica's load counting our ``in_flight`` requests that ``report`` may not show yet.
+    """The replica's load now: the report's requests that are not ours, plus ours in flight now.
 
-    They fill the batch first, then the queue, as they will on the engine; the report's
-    numbers are the floor (they include other routers' requests). Of ours,
-    ``in_flight_batch`` are queued jobs: they take seats after interactive requests,
-    so they are the first of ours to wait.
+    Of ours, the report can count at most those in flight when it arrived
+    (``in_flight_at_report``; by default, all of ours now); the rest of its requests are
+    other routers'. Counting the report's figures and ours side by side counted a request of
+    ours twice: one the engine had queued but not yet seated when it reported (0 running,
+    1 waiting) read as a full one-seat replica. Requests fill the seats first, interactive
+    before batch (the engine preempts a queued job to seat an interactive request), then
+    wait; ``in_flight_batch`` of ours are queued jobs.
     """
+    ours_at_report = in_flight if in_flight_at_report is None else in_flight_at_report
+    batch_at_report = in_flight_batch if in_flight_batch_at_report is None else in_flight_batch_at_report
+    others = max(0, report.running_requests + report.waiting_requests - ours_at_report)
+    others_batch = max(0, report.running_batch_requests + report.waiting_batch_requests - batch_at_report)
+    total = others + in_flight
+    batch = min(total, others_batch + in_flight_batch)
     max_running = report.max_running_requests
-    ours_running = min(in_flight, max_running or in_flight)
-    running = max(report.running_requests, ours_running)
-    waiting = max(report.waiting_requests, in_flight - running)
-    ours_batch_waiting = min(in_flight_batch, in_flight - ours_running)
-    batch_running = min(running, max(report.running_batch_requests, in_flight_batch - ours_batch_waiting))
-    batch_waiting = min(waiting, max(report.waiting_batch_requests, ours_batch_waiting))
+    running = min(total, max_running) if max_running else total
+    batch_running = running - min(total - batch, running)
     return ReplicaLoad(
-        address, running, waiting, max_running, report.max_waiting_requests, batch_running, batch_waiting
+        address,
+        running,
+        total - running,
+        max_running,
+        report.max_waiting_requests,
+        batch_running,
+        batch - batch_running,
     )
 
 
@@ -62,8 +79,10 @@ class _Latest:
 
     report: engine_pb2.LoadReport
     received_at: float
-    # This router's requests in flight when it arrived: the most of them the report can count.
+    # This router's requests (and of them queued jobs) in flight when it arrived: the most of
+    # them the report can count.
     in_flight: int = 0
+    in_flight_batch: int = 0
 
 
 class Replica:
@@ -93,7 +112,14 @@ class Replica:
     def load(self) -> ReplicaLoad:
         """Placement's view; only meaningful while ``available()``."""
         assert self._latest is not None
-        return estimated_load(self.address, self._latest.report, self.in_flight, self.in_flight_batch)
+        return estimated_load(
+            self.address,
+            self._latest.report,
+            self.in_flight,
+            self.in_flight_batch,
+            in_flight_at_report=self._latest.in_flight,
+            in_flight_batch_at_report=self._latest.in_flight_batch,
+        )
 
     def enter(self, priority: common_pb2.Priority.ValueType) -> None:
         """One of this router's requests is now on the replica."""
@@ -146,7 +172,7 @@ class Replica:
                 if report.replica_id != self.info.replica_id:
                     # The engine restarted behind the same address: its facts may have changed.
                     await self._refresh_info()
-                self._latest = _Latest(report, time.monotonic(), self.in_flight)
+                self._latest = _Latest(report, time.monotonic(), self.in_flight, self.in_flight_batch)
                 self._reported.set()
         finally:
             call.cancel()

@@ -249,6 +249,19 @@ class RequestPipeline:
                 exclude=refused,
                 policy=self._policy,
             )
+        except ResourceExhausted:
+            # Why a request was turned away is the first question an operator asks of a 429.
+            log.info(
+                "every replica at capacity",
+                request_id=request.request_id,
+                replicas=[
+                    f"{load.address} running {load.running}/{load.max_running} waiting "
+                    f"{load.waiting}/{load.max_waiting}"
+                    for load in available
+                ],
+                refused_by=list(refused),
+            )
+            raise
         except Unavailable:
             if refused:
                 # The only other replica just refused for capacity: that is what the client should hear.

@@ -60,3 +60,26 @@ def test_reported_jobs_are_kept_when_ours_are_fewer() -> None:
     assert not load.saturated
     interactive_full = estimated_load("a", report(running=2, waiting=1), in_flight=0)
     assert interactive_full.saturated
+
+
+def test_our_request_the_engine_queued_but_had_not_seated_is_counted_once() -> None:
+    # Reported just after it arrived, before the step that seats it: 0 running, 1 waiting.
+    # That one is ours: a one-seat replica holding only it is not full.
+    one_seat = report(waiting=1, max_running=1, max_waiting=1)
+    load = estimated_load("a", one_seat, in_flight=1, in_flight_at_report=1)
+    assert (load.running, load.waiting) == (1, 0)
+    assert not load.saturated
+    # Sent after that report came in: the report does not show it, so the waiting one is another's.
+    load = estimated_load("a", one_seat, in_flight=1, in_flight_at_report=0)
+    assert (load.running, load.waiting) == (1, 1)
+    assert load.saturated
+
+
+def test_ours_that_ended_since_the_report_no_longer_count() -> None:
+    load = estimated_load("a", report(running=2, waiting=1), in_flight=1, in_flight_at_report=3)
+    assert (load.running, load.waiting) == (1, 0)
+    jobs = report(running=2, running_batch=2)
+    load = estimated_load(
+        "a", jobs, in_flight=1, in_flight_batch=1, in_flight_at_report=2, in_flight_batch_at_report=2
+    )
+    assert (load.running, load.batch_running, load.batch_waiting) == (1, 1, 0)

@@ -70,6 +70,9 @@ async def engine_load(address: str) -> tuple[int, int]:
 
 
 async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: CachetStack) -> None:
+    def router_log() -> list[str]:
+        return small_stack.processes["router"].log_tail(100_000).splitlines()
+
     # Started while the engines are idle; its only report says so for the whole test.
     blind = small_stack.start_router(
         "router-blind",
@@ -100,7 +103,8 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
                     f"engines never filled up: (running, waiting) {loads}; calls ended: "
                     f"{[(call.done() and (await call.code()).name) for call in calls]}; the running "
                     f"ones' first chunks came after {first_chunk_seconds} s (a second placed "
-                    f"behind the first waits for its whole generation)"
+                    f"behind the first waits for its whole generation); the router's refusals: "
+                    f"{[line for line in router_log() if 'at capacity' in line]}"
                 )
                 await asyncio.sleep(0.05)
 
