@@ -17,6 +17,24 @@ def _add_trace_context(_logger: object, _method: str, event: dict) -> dict:
     return event
 
 
+class _StreamTeardownDetachFilter(logging.Filter):
+    """Drops OpenTelemetry's "Failed to detach context" when the token belongs to another Context.
+
+    grpc.aio can leave a streaming handler suspended at a ``yield`` when the client cancels;
+    the event loop then closes the generator from a task of its own, and the OpenTelemetry
+    server interceptor's span context, attached in the handler's task, cannot be detached
+    there (open-telemetry/opentelemetry-python-contrib#2357). The span still ends; only the
+    reset of a context variable in a Context that is gone fails. Every cancelled load-report
+    stream logged it as an ERROR with a traceback. Other detach failures still show.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != "Failed to detach context" or record.exc_info is None:
+            return True
+        error = record.exc_info[1]
+        return not (isinstance(error, ValueError) and "was created in a different Context" in str(error))
+
+
 def configure_logging(service: str, level: str = "info") -> None:
     """JSON lines on stderr; stdlib loggers (grpc, uvicorn) go through the same renderer."""
     shared = [
@@ -45,6 +63,9 @@ def configure_logging(service: str, level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    context_logger = logging.getLogger("opentelemetry.context")
+    if not any(isinstance(f, _StreamTeardownDetachFilter) for f in context_logger.filters):
+        context_logger.addFilter(_StreamTeardownDetachFilter())
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
