@@ -53,6 +53,7 @@ import statistics
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,7 +254,9 @@ async def interactive_arrivals(
                     ttfts[path].append((time.perf_counter() - sent) * 1000)
                     first = False
         except grpc.aio.AioRpcError as error:
-            failures.append(error.code().name)
+            # Which path, and the status's words: they name who refused (the router's placement,
+            # an engine's queue) where the code alone does not.
+            failures.append(f"{path}: {error.code().name}: {error.details()}")
 
     started = time.perf_counter()
     tasks = []
@@ -266,7 +269,7 @@ async def interactive_arrivals(
     return {
         "requests": len(tasks),
         "failed": len(failures),
-        "failures": sorted(set(failures)),
+        "failures": dict(Counter(failures).most_common()),
         "requests_per_s": (len(router) + len(direct)) / elapsed,
         "ttft_p50_ms": statistics.median(router),
         "ttft_p99_ms": _percentile(router, 0.99),
@@ -462,6 +465,9 @@ def _print(result: dict[str, Any]) -> None:
     print(
         f"{alone['requests_per_s']:>8.1f} ({alone['failed']}){loaded['requests_per_s']:>8.1f} ({loaded['failed']})"
     )
+    for window, figures in (("alone", alone), ("with backlog", loaded)):
+        for failure, count in figures["failures"].items():
+            print(f"  failed {window}, {count}x: {failure}")
     print(f"\n{'measure':<50}{'value':>12}{'target':>14}")
     print("-" * 76)
     rows = (
