@@ -96,7 +96,8 @@ async def test_all_replicas_full_is_resource_exhausted_at_once(small_stack: Cach
                 calls.append(call)
             # One waiting request per engine: they stream nothing until a slot frees.
             calls += [inference.StreamChatCompletion(long_chat(), timeout=TIMEOUT) for _ in range(2)]
-            # Each running request is 1,900 tokens: 10-15 s of the tiny model on the 2-core box.
+            # Each running request is 1,900 tokens: 5-15 s of the tiny model on the 2-core box,
+            # while the engines fill up within a poll or two.
             deadline = time.monotonic() + 15
             while (loads := [await engine_load(a) for a in small_stack.engine_addresses]) != [(1, 1), (1, 1)]:
                 assert time.monotonic() < deadline, (
