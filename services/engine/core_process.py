@@ -240,15 +240,18 @@ def _serve(loop: CoreLoop, commands: Connection, reports: Connection, wake_reade
             reports.send(loop.step(time.perf_counter, inbox))
 
 
+def runs_loop_process(settings: EngineSettings) -> bool:
+    """Whether the replica's model runs in a loop process of its own, its server only relaying:
+    a single rank (TP = EP = 1, not started by a launcher), unless the loop is asked onto a thread."""
+    single_rank = settings.tensor_parallel_size == 1 and settings.expert_parallel_size == 1
+    return single_rank and not externally_launched() and settings.core_process
+
+
 def launch_early() -> ProcessHost | None:
     """The loop process of a single-rank replica, started (not yet ready); None where the model
-    runs in the server's process (see ``main``). Called before the server imports the rest of
-    its code, so the loop process's imports (torch, the model code) run beside them."""
-    settings = EngineSettings()
-    single_rank = settings.tensor_parallel_size == 1 and settings.expert_parallel_size == 1
-    if not single_rank or externally_launched() or not settings.core_process:
-        return None
-    return ProcessHost.spawn()
+    runs in the server's process (``runs_loop_process``). Called before the server imports the
+    rest of its code, so the loop process's imports (torch, the model code) run beside them."""
+    return ProcessHost.spawn() if runs_loop_process(EngineSettings()) else None
 
 
 def main(arguments: list[str]) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from cachet.config import EngineSettings
 from cachet.engine.async_engine import AsyncEngine, CoreHost
-from cachet.engine.core_process import CoreStartFailed, ProcessHost
+from cachet.engine.core_process import CoreStartFailed, ProcessHost, runs_loop_process
 from cachet.engine.errors import EngineUnavailable
 from cachet.engine.metrics import EngineMetrics
 from cachet.engine.rank_environment import externally_launched
@@ -76,12 +76,7 @@ def main(port: int | None = None, loop_process: ProcessHost | None = None) -> No
     here when it should exist and was not."""
     settings = EngineSettings() if port is None else EngineSettings(port=port)
     configure_logging("engine", settings.log_level)
-    single_rank = (
-        settings.tensor_parallel_size == 1
-        and settings.expert_parallel_size == 1
-        and not externally_launched()
-    )
-    if single_rank and settings.core_process:
+    if runs_loop_process(settings):
         # The usual replica: the model runs in the loop process, this one only relays (and so
         # never imports torch). TP = EP = 1 is a layout with nothing to refuse.
         host = loop_process or ProcessHost.spawn()
