@@ -436,10 +436,27 @@ def run_queue_bench(
             queue_file = root / "router-data" / "queue.sqlite3"
             result = asyncio.run(measure(router, engine, engine_metrics_port, pids, queue_file, scale))
             result["engine_device"] = engine_device
+            result["router_refusals"] = _refusal_lines(root / "router.log")
         finally:
             services.stop()
     _print(result)
     return result
+
+
+# The router's words for each request it turned away: which replica refused, with what code, and
+# the load it saw. A failed request in the table is otherwise a status and no cause.
+_REFUSAL_EVENTS = ("engine refused request", "every replica at capacity")
+
+
+def _refusal_lines(router_log: Path, limit: int = 20) -> list[str]:
+    if not router_log.exists():
+        return []
+    lines = [
+        line
+        for line in router_log.read_text(errors="replace").splitlines()
+        if any(event in line for event in _REFUSAL_EVENTS)
+    ]
+    return lines[:limit]
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -468,6 +485,8 @@ def _print(result: dict[str, Any]) -> None:
     for window, figures in (("alone", alone), ("with backlog", loaded)):
         for failure, count in figures["failures"].items():
             print(f"  failed {window}, {count}x: {failure}")
+    for line in result.get("router_refusals", []):
+        print(f"  router: {line}")
     print(f"\n{'measure':<50}{'value':>12}{'target':>14}")
     print("-" * 76)
     rows = (
