@@ -221,21 +221,31 @@ class RequestPipeline:
             skip_special_tokens=not request.output.keep_special_tokens,
         )
         refused: list[str] = []
+        last_refusal: _Refused | None = None
         while True:
-            placement = self._place(request, cached, refused)
+            try:
+                placement = self._place(request, cached, refused)
+            except Unavailable:
+                if last_refusal is None:
+                    raise
+                # No other replica to try: the caller hears what the one that refused said
+                # (a lone replica that is down is a 503, not a 429 "at capacity").
+                raise self._final_refusal(last_refusal.error) from last_refusal
             replica = self._replicas.get(placement.address)
             try:
                 return await self._open(request, replica, placement, detokenizer)
             except _Refused as refusal:
                 refused.append(placement.address)
+                last_refusal = refusal
                 log.info(
                     "engine refused request",
                     request_id=request.request_id,
                     address=placement.address,
                     code=refusal.error.code().name,
+                    details=refusal.error.details(),
                 )
                 if len(refused) > 1:
-                    raise _final_refusal(refusal.error) from refusal
+                    raise self._final_refusal(refusal.error) from refusal
                 metrics.ENGINE_RETRIES.inc()
 
     def _place(self, request: GenerationRequest, cached: dict[str, int], refused: Sequence[str]) -> Placement:
@@ -262,16 +272,20 @@ class RequestPipeline:
                 refused_by=list(refused),
             )
             raise
-        except Unavailable:
-            if refused:
-                # The only other replica just refused for capacity: that is what the client should hear.
-                raise ResourceExhausted(
-                    "every engine replica is at capacity; retry shortly",
-                    retry_after_seconds=self._policy.retry_after_seconds,
-                ) from None
-            raise
         metrics.PLACEMENTS.labels(placement.reason).inc()
         return placement
+
+    def _final_refusal(self, error: grpc.aio.AioRpcError) -> Exception:
+        retry_after = self._policy.retry_after_seconds
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ResourceExhausted(
+                f"engine replicas are at capacity ({error.details()}); retry shortly",
+                retry_after_seconds=retry_after,
+            )
+        return Unavailable(
+            f"engine replicas are unavailable ({error.details()}); retry shortly",
+            retry_after_seconds=retry_after,
+        )
 
     async def _cached_prefix_tokens(
         self, engine: engine_pb2.EngineInfo, prompt: Sequence[int]
@@ -584,12 +598,6 @@ def _usage_fields(usage: common_pb2.Usage) -> dict[str, int]:
         "cached_tokens": usage.cached_tokens,
         "completion_tokens": usage.completion_tokens,
     }
-
-
-def _final_refusal(error: grpc.aio.AioRpcError) -> Exception:
-    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(f"engine replicas are at capacity ({error.details()}); retry shortly")
-    return Unavailable("engine replicas are unavailable; retry shortly")
 
 
 @contextlib.contextmanager
