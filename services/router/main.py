@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY, start_http_server
 
 from cachet.cache.v1 import cache_pb2_grpc
 from cachet.config import RouterSettings
+from cachet.event_loop_lag import EventLoopLagMonitor
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
@@ -46,8 +47,11 @@ class RouterClients:
     queue: QueueStore | None = None
     dispatcher: Dispatcher | None = None
     webhooks: WebhookSender | None = None
+    loop_lag: EventLoopLagMonitor | None = None
 
     async def close(self, drain_seconds: float) -> None:
+        if self.loop_lag is not None:
+            self.loop_lag.stop()
         # Queued jobs still running go back to the queue first (their usage, if any, drains next).
         if self.dispatcher is not None:
             await self.dispatcher.stop(drain_seconds)
@@ -108,6 +112,8 @@ async def start(settings: RouterSettings) -> RunningServer:
         log.warning("serving before every engine reported", engines=options.engine_addresses)
     clients.webhooks.start()
     clients.dispatcher.start()
+    clients.loop_lag = EventLoopLagMonitor(metrics.EVENT_LOOP_LAG)
+    clients.loop_lag.start()
     queue = BatchQueue(
         clients.queue,
         replicas,

@@ -10,6 +10,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cachet.errors import CachetError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
+from cachet.event_loop_lag import LAG_BUCKETS
 
 REQUESTS = Counter(
     "cachet_router_requests_total",
@@ -20,6 +21,11 @@ TIME_TO_FIRST_TOKEN = Histogram(
     "cachet_router_time_to_first_token_seconds",
     "From request arrival to the first generated text sent to the client.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+EVENT_LOOP_LAG = Histogram(
+    "cachet_router_event_loop_lag_seconds",
+    "How late the router's event loop ran a callback that was due (every request's messages wait there).",
+    buckets=LAG_BUCKETS,
 )
 PROMPT_TOKENS = Counter("cachet_router_prompt_tokens_total", "Prompt tokens of finished requests.")
 CACHED_TOKENS = Counter("cachet_router_cached_tokens_total", "Prompt tokens served from the prefix cache.")

@@ -347,3 +347,5 @@ async def test_metrics_count_requests_first_tokens_and_cached_tokens(stack, infe
     assert grew("cachet_router_requests_total", outcome="ok") == 2
     assert grew("cachet_router_time_to_first_token_seconds_count") == 2
     assert grew("cachet_router_cached_tokens_total") == second.usage.cached_tokens > 0
+    # Sampled all along, requests or not: a loop that stopped being watched would read 0 here.
+    assert grew("cachet_router_event_loop_lag_seconds_count") > 0
