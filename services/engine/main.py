@@ -62,6 +62,7 @@ async def start(
         metrics.serve(settings.metrics_port, settings.host)
         log.info("metrics serving", metrics_port=settings.metrics_port)
     engine.start()
+    metrics.loop_lag.start()
     servicer = EngineServicer(engine, engine_info(engine, group), settings.load_report_interval_ms)
     running = await create_server(
         settings,

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from cachet.config import LOOPBACK
 from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.scheduler import PRIORITIES
+from cachet.event_loop_lag import LAG_BUCKETS, EventLoopLagMonitor
 
 _Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
 
@@ -105,7 +106,7 @@ def _by_priority(family: _Family, values: dict[str, int]) -> _Family:
 
 
 class EngineMetrics:
-    """The engine's registry: the scheduler collector plus the step-time histogram."""
+    """The engine's registry: the scheduler collector, the step-time and event-loop lag histograms."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
@@ -117,6 +118,15 @@ class EngineMetrics:
             registry=self.registry,
         )
         engine.on_step = self._step_seconds.observe
+        # The server's loop carries every request's commands and outputs to and from the step loop.
+        self.loop_lag = EventLoopLagMonitor(
+            Histogram(
+                "cachet_engine_event_loop_lag_seconds",
+                "How late the engine server's event loop ran a callback that was due.",
+                buckets=LAG_BUCKETS,
+                registry=self.registry,
+            )
+        )
 
     def serve(self, port: int, host: str = LOOPBACK) -> WSGIServer:
         """Serve /metrics on ``host:port`` (0: a free port) in a thread; the caller shuts it down."""

@@ -243,6 +243,8 @@ async def test_metrics_count_tokens_by_priority_and_seat_preemptions(engine: Ser
     # The batch request's prompt ran once, then after it lost its seat again past its cached block.
     assert grew("cachet_engine_computed_tokens_total", priority="batch", phase="prefill") > 20
     assert grew("cachet_engine_requests_finished_total", status="finished_length") == 1
+    # The server's loop is watched all along.
+    assert grew("cachet_engine_event_loop_lag_seconds_count") > 0
     assert grew("cachet_engine_requests_finished_total", status="finished_aborted") == 1
     steps = grew("cachet_engine_steps_total")
     assert steps >= 5 and grew("cachet_engine_scheduled_requests_total") >= steps
