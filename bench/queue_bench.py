@@ -148,29 +148,58 @@ def _cpu_by_process(pids: dict[str, int]) -> dict[str, float]:
     return {name: _cpu_seconds(pid, children=pid != os.getpid()) for name, pid in pids.items()}
 
 
-def _engine_figures(port: int) -> dict[str, float]:
-    """The engine's counters, ``name{label=value,...}`` -> value."""
+def _engine_figures(port: int, prefix: str = "cachet_engine_") -> dict[str, float]:
+    """A service's figures (the engine's by default), ``name{label=value,...}`` -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     return {
         sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())): sample.value
         for family in text_string_to_metric_families(text)
-        if family.name.startswith("cachet_engine_")
+        if family.name.startswith(prefix)
         for sample in family.samples
     }
 
 
-async def _engine_window(metrics_port: int, pids: dict[str, int], window) -> tuple[Any, dict[str, float]]:
+# A due callback run later than this counts as late: a few ms is what one step's outputs cost
+# a busy loop; ten is a tenth of a p99 time to first token.
+LATE_TICK_SECONDS = 0.01
+
+
+def _loop_lag(before: dict[str, float], after: dict[str, float], histogram: str) -> dict[str, float]:
+    """Mean lag (ms) of a service's event loop over a window, and the share of its ticks that
+    ran more than ``LATE_TICK_SECONDS`` late, from the growth of its lag histogram."""
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    ticks = grew(f"{histogram}_count")
+    on_time = grew(f"{histogram}_bucket{{le={LATE_TICK_SECONDS}}}")
+    return {
+        "mean_ms": 1000 * grew(f"{histogram}_sum") / ticks if ticks else 0.0,
+        "late_share": (ticks - on_time) / ticks if ticks else 0.0,
+    }
+
+
+async def _engine_window(
+    metrics_port: int, router_metrics_port: int, pids: dict[str, int], window
+) -> tuple[Any, dict[str, float]]:
     """``window``'s result and what the engine did meanwhile (from its /metrics): how busy it
     was, how full its steps were, whose tokens it generated, how often batch work lost a seat;
-    and the cores each process (``pids``: name -> pid) kept busy, the shared machine's split."""
+    how late the router's and the engine server's event loops ran what was due; and the cores
+    each process (``pids``: name -> pid) kept busy, the shared machine's split."""
     before = await asyncio.to_thread(_engine_figures, metrics_port)
+    router_before = await asyncio.to_thread(_engine_figures, router_metrics_port, "cachet_router_event")
     cpu_before = _cpu_by_process(pids)
     started = time.perf_counter()
     result = await window
     elapsed = time.perf_counter() - started
     cpu_after = _cpu_by_process(pids)
     after = await asyncio.to_thread(_engine_figures, metrics_port)
+    router_after = await asyncio.to_thread(_engine_figures, router_metrics_port, "cachet_router_event")
+    lags = {
+        "router": _loop_lag(router_before, router_after, "cachet_router_event_loop_lag_seconds"),
+        "engine_server": _loop_lag(before, after, "cachet_engine_event_loop_lag_seconds"),
+    }
 
     def grew(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
@@ -188,6 +217,8 @@ async def _engine_window(metrics_port: int, pids: dict[str, int], window) -> tup
         "batch_tokens_per_s": grew("cachet_engine_generated_tokens_total{priority=batch}") / elapsed,
         "seat_preemptions": grew("cachet_engine_preemptions_total{reason=seat}"),
         "kv_preemptions": grew("cachet_engine_preemptions_total{reason=kv_cache}"),
+    } | {
+        f"loop_lag_{name}_{figure}": value for name, lag in lags.items() for figure, value in lag.items()
     } | {f"cores_{name}": (cpu_after[name] - cpu_before[name]) / elapsed for name in pids}
 
 
@@ -299,6 +330,7 @@ async def measure(
     router: str,
     engine_address: str,
     engine_metrics_port: int,
+    router_metrics_port: int,
     pids: dict[str, int],
     queue_file: Path,
     scale: Scale,
@@ -320,7 +352,9 @@ async def measure(
         engine_windows: dict[str, dict[str, float]] = {}
 
         async def watched(name: str, window):
-            result, engine_windows[name] = await _engine_window(engine_metrics_port, pids, window)
+            result, engine_windows[name] = await _engine_window(
+                engine_metrics_port, router_metrics_port, pids, window
+            )
             return result
 
         capacity = await watched("capacity", measure_capacity(stub, window, MAX_NUM_SEQS, rng))
@@ -415,6 +449,7 @@ def run_queue_bench(
                 }
                 | (engine_env or {}),
             )
+            router_metrics_port = free_loopback_port()
             cache = services.start("cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps([engine])})
             router = services.start(
                 "router",
@@ -424,6 +459,7 @@ def run_queue_bench(
                     "CACHET_ROUTER_CACHE_ADDRESS": cache,
                     "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps([engine]),
                     "CACHET_DATA_DIR": str(root / "router-data"),
+                    "CACHET_ROUTER_METRICS_PORT": str(router_metrics_port),
                 }
                 | (router_env or {}),
             )
@@ -434,7 +470,9 @@ def run_queue_bench(
                 )
             }
             queue_file = root / "router-data" / "queue.sqlite3"
-            result = asyncio.run(measure(router, engine, engine_metrics_port, pids, queue_file, scale))
+            result = asyncio.run(
+                measure(router, engine, engine_metrics_port, router_metrics_port, pids, queue_file, scale)
+            )
             result["engine_device"] = engine_device
             result["router_refusals"] = _refusal_lines(root / "router.log")
         finally:
@@ -547,6 +585,19 @@ def _print(result: dict[str, Any]) -> None:
     for name, figures in windows.items():
         cores = [figures[f"cores_{n}"] for n in names]
         print(f"{name:<26}" + "".join(f"{c:>11.2f}" for c in [*cores, sum(cores)]))
+    late_ms = LATE_TICK_SECONDS * 1000
+    print("\nHow late the event loops ran what was due (a tick every 50 ms; their lag histograms)")
+    columns = ("router mean ms", f"> {late_ms:.0f} ms", "engine srv ms", f"> {late_ms:.0f} ms")
+    print(f"{'window':<26}" + "".join(f"{c:>15}" for c in columns))
+    print("-" * (26 + 15 * len(columns)))
+    for name, figures in windows.items():
+        values = (
+            f"{figures['loop_lag_router_mean_ms']:.2f}",
+            f"{figures['loop_lag_router_late_share']:.1%}",
+            f"{figures['loop_lag_engine_server_mean_ms']:.2f}",
+            f"{figures['loop_lag_engine_server_late_share']:.1%}",
+        )
+        print(f"{name:<26}" + "".join(f"{v:>15}" for v in values))
 
 
 # Overrides for the engine process rather than the router: its own knobs and its math threads.
