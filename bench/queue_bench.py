@@ -59,11 +59,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.service_chain_bench import MODEL_ID, _Services
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.event_loop_lag import LAG_BUCKETS, EventLoopLagMonitor
 from cachet.loopback_port import free_loopback_port
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
@@ -165,6 +167,25 @@ def _engine_figures(port: int, prefix: str = "cachet_engine_") -> dict[str, floa
 LATE_TICK_SECONDS = 0.01
 
 
+# This process's own loop: it sends the arrivals and times their first tokens, so a late tick
+# here is time a TTFT figure spent in the measuring client, on the same cores.
+_CLIENT_REGISTRY = CollectorRegistry()
+_CLIENT_LOOP_LAG = Histogram(
+    "bench_client_event_loop_lag_seconds",
+    "The bench client's loop lag.",
+    buckets=LAG_BUCKETS,
+    registry=_CLIENT_REGISTRY,
+)
+
+
+def _client_figures() -> dict[str, float]:
+    return {
+        sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())): sample.value
+        for family in _CLIENT_REGISTRY.collect()
+        for sample in family.samples
+    }
+
+
 def _loop_lag(before: dict[str, float], after: dict[str, float], histogram: str) -> dict[str, float]:
     """Mean lag (ms) of a service's event loop over a window, and the share of its ticks that
     ran more than ``LATE_TICK_SECONDS`` late, from the growth of its lag histogram."""
@@ -185,10 +206,11 @@ async def _engine_window(
 ) -> tuple[Any, dict[str, float]]:
     """``window``'s result and what the engine did meanwhile (from its /metrics): how busy it
     was, how full its steps were, whose tokens it generated, how often batch work lost a seat;
-    how late the router's and the engine server's event loops ran what was due; and the cores
+    how late the router's, the engine server's and this client's event loops ran what was due; and the cores
     each process (``pids``: name -> pid) kept busy, the shared machine's split."""
     before = await asyncio.to_thread(_engine_figures, metrics_port)
     router_before = await asyncio.to_thread(_engine_figures, router_metrics_port, "cachet_router_event")
+    client_before = _client_figures()
     cpu_before = _cpu_by_process(pids)
     started = time.perf_counter()
     result = await window
@@ -196,7 +218,9 @@ async def _engine_window(
     cpu_after = _cpu_by_process(pids)
     after = await asyncio.to_thread(_engine_figures, metrics_port)
     router_after = await asyncio.to_thread(_engine_figures, router_metrics_port, "cachet_router_event")
+    client_after = _client_figures()
     lags = {
+        "client": _loop_lag(client_before, client_after, "bench_client_event_loop_lag_seconds"),
         "router": _loop_lag(router_before, router_after, "cachet_router_event_loop_lag_seconds"),
         "engine_server": _loop_lag(before, after, "cachet_engine_event_loop_lag_seconds"),
     }
@@ -346,6 +370,8 @@ async def measure(
     ):
         stub = router_pb2_grpc.InferenceServiceStub(channel)
         engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
+        client_loop_lag = EventLoopLagMonitor(_CLIENT_LOOP_LAG)
+        client_loop_lag.start()
         # Warm-up: every batch size once (a GPU engine's first step at a new size is slow).
         for clients in range(1, MAX_NUM_SEQS + 1):
             await measure_capacity(stub, 0.2, clients, rng)
@@ -376,6 +402,7 @@ async def measure(
         rss_after = _rss_mib(router_pid)
         await asyncio.sleep(2.0)
         rss_settled = _rss_mib(router_pid)
+        client_loop_lag.stop()
 
     # The larger of two measures of the engine's capacity: the closed loop pays for this
     # process's client work on the shared cores, the queue alone for the headroom rule.
@@ -587,7 +614,14 @@ def _print(result: dict[str, Any]) -> None:
         print(f"{name:<26}" + "".join(f"{c:>11.2f}" for c in [*cores, sum(cores)]))
     late_ms = LATE_TICK_SECONDS * 1000
     print("\nHow late the event loops ran what was due (a tick every 50 ms; their lag histograms)")
-    columns = ("router mean ms", f"> {late_ms:.0f} ms", "engine srv ms", f"> {late_ms:.0f} ms")
+    columns = (
+        "router mean ms",
+        f"> {late_ms:.0f} ms",
+        "engine srv ms",
+        f"> {late_ms:.0f} ms",
+        "client ms",
+        f"> {late_ms:.0f} ms",
+    )
     print(f"{'window':<26}" + "".join(f"{c:>15}" for c in columns))
     print("-" * (26 + 15 * len(columns)))
     for name, figures in windows.items():
@@ -596,6 +630,8 @@ def _print(result: dict[str, Any]) -> None:
             f"{figures['loop_lag_router_late_share']:.1%}",
             f"{figures['loop_lag_engine_server_mean_ms']:.2f}",
             f"{figures['loop_lag_engine_server_late_share']:.1%}",
+            f"{figures['loop_lag_client_mean_ms']:.2f}",
+            f"{figures['loop_lag_client_late_share']:.1%}",
         )
         print(f"{name:<26}" + "".join(f"{v:>15}" for v in values))
 
