@@ -63,8 +63,9 @@ def main() -> None:
         "cache_index": lambda: run_cache_index_bench(quick=args.quick),
         # Async backlog vs interactive TTFT, drain share of free capacity, 100k submission (tiny model).
         "queue": lambda: run_queue_bench(quick=args.quick),
-        # The engine alone (one process): drain against TTFT with arrivals between layers on/off.
-        "engine_arrivals": lambda: run_arrivals_bench(quick=args.quick),
+        # The engine alone (one process): drain against TTFT with arrivals between layers on/off
+        # (tiny model unless --model names one).
+        "engine_arrivals": lambda: run_arrivals_bench(quick=args.quick, model=args.model),
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
         "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
     }

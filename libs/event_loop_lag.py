@@ -2,10 +2,9 @@
 
 Every message of every request in a service waits in that one queue, behind whatever
 callbacks are ready first. On the 2-core dev box, beside a backlog of queued jobs, the
-router's loop ran a due callback more than 10 ms late several times a second (its thread
-busy a third of the time, the rest descheduled), and those waits are what made interactive
-p99 time to first token through the router twice what it was straight to the engine. CPU
-per process cannot show that; this histogram does.
+router's loop ran a due callback more than 10 ms late several times a second (half of it
+its own queue of callbacks, half waiting for a core), and an interactive first token passes
+through that queue twice. CPU per process cannot show those waits; this histogram does.
 """
 
 from __future__ import annotations
