@@ -3,15 +3,20 @@
 When both are full the router refuses at once with RESOURCE_EXHAUSTED and a retry
 hint, instead of queueing a synchronous request without bound. A router whose view
 is out of date (here: one that hears a load report once a minute) learns it from
-the engines' own refusals: it tries the next replica once, then refuses.
+the engines' own refusals: it tries the next replica once, then refuses. With no replica
+left to try, the caller hears the refusal's own kind: a lone replica that breaks under a
+waiting request is UNAVAILABLE (a 503), not RESOURCE_EXHAUSTED (a 429, "merely busy").
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -190,3 +195,48 @@ async def test_queued_jobs_on_every_seat_do_not_turn_interactive_requests_away(
         finally:
             for job in jobs:
                 job.cancel()
+
+
+def loop_process_of(engine_pid: int) -> int:
+    children = [
+        int(child)
+        for task in Path(f"/proc/{engine_pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+    assert len(children) == 1, f"the engine server should have one child, its loop process: {children}"
+    return children[0]
+
+
+async def test_waiting_request_on_a_lone_broken_replica_is_unavailable(tmp_path: Path) -> None:
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    stack = CachetStack(tmp_path, write_tiny_model(tmp_path / TINY_MODEL_ID)).start(
+        engines=1, engine_env={"CACHET_ENGINE_MAX_NUM_SEQS": "1", "CACHET_ENGINE_MAX_WAITING": "2"}
+    )
+    try:
+        engine = stack.processes["engine0"]
+        async with create_channel(stack.address("router")) as channel:
+            inference = router_pb2_grpc.InferenceServiceStub(channel)
+            running = inference.StreamChatCompletion(long_chat(), timeout=TIMEOUT)
+            await running.read()
+            waiting = inference.StreamChatCompletion(long_chat(), timeout=TIMEOUT)
+            deadline = time.monotonic() + 15
+            while (load := await engine_load(engine.address)) != (1, 1):
+                assert time.monotonic() < deadline, f"the second request never queued: {load}"
+                await asyncio.sleep(0.05)
+
+            os.kill(loop_process_of(engine.process.pid), signal.SIGKILL)
+
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await waiting.read()
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+            running.cancel()
+        # It was the engine's refusal, not placement finding no replica, that reached the caller.
+        refusals = [
+            line
+            for line in stack.processes["router"].log_tail(100_000).splitlines()
+            if "engine refused request" in line
+        ]
+        assert any("UNAVAILABLE" in line for line in refusals), refusals
+    finally:
+        stack.stop()
