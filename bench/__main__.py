@@ -61,8 +61,9 @@ def main() -> None:
         # The platform's own overheads, on the tiny model whatever --model says.
         "service_chain": lambda: run_service_chain_bench(quick=args.quick),
         "cache_index": lambda: run_cache_index_bench(quick=args.quick),
-        # Async backlog vs interactive TTFT, drain share of free capacity, 100k submission (tiny model).
-        "queue": lambda: run_queue_bench(quick=args.quick),
+        # Async backlog vs interactive TTFT, drain share of free capacity, 100k submission (tiny
+        # model unless --model names one).
+        "queue": lambda: run_queue_bench(quick=args.quick, model=args.model),
         # The engine alone (one process): drain against TTFT with arrivals between layers on/off
         # (tiny model unless --model names one).
         "engine_arrivals": lambda: run_arrivals_bench(quick=args.quick, model=args.model),

@@ -67,6 +67,7 @@ from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.event_loop_lag import LAG_BUCKETS, EventLoopLagMonitor
 from cachet.loopback_port import free_loopback_port
+from cachet.models.catalog import ensure_model
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
@@ -94,20 +95,23 @@ FULL = Scale(window_seconds=30.0, submit_requests=100_000)
 QUICK = Scale(window_seconds=8.0, submit_requests=20_000)
 
 
-def _prompt(rng: random.Random) -> list[int]:
-    return [rng.randrange(*TOKEN_RANGE) for _ in range(PROMPT_TOKENS)]
+@dataclass(frozen=True)
+class _Workload:
+    """The bench's requests: ``PROMPT_TOKENS`` random ids and ``MAX_TOKENS`` greedy tokens, for ``model``."""
 
+    model: str
+    rng: random.Random
 
-def _completion(rng: random.Random) -> router_pb2.CompletionRequest:
-    sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return router_pb2.CompletionRequest(model=MODEL_ID, prompt_token_ids=_prompt(rng), sampling=sampling)
+    def completion(self) -> router_pb2.CompletionRequest:
+        prompt = [self.rng.randrange(*TOKEN_RANGE) for _ in range(PROMPT_TOKENS)]
+        sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        return router_pb2.CompletionRequest(model=self.model, prompt_token_ids=prompt, sampling=sampling)
 
-
-def _queue_request(rng: random.Random, count: int) -> router_pb2.QueueRequestsRequest:
-    return router_pb2.QueueRequestsRequest(
-        model=MODEL_ID,
-        requests=[router_pb2.QueuedRequest(completion=_completion(rng)) for _ in range(count)],
-    )
+    def queue_request(self, count: int) -> router_pb2.QueueRequestsRequest:
+        return router_pb2.QueueRequestsRequest(
+            model=self.model,
+            requests=[router_pb2.QueuedRequest(completion=self.completion()) for _ in range(count)],
+        )
 
 
 def _rss_mib(pid: int) -> float:
@@ -251,7 +255,7 @@ def _percentile(ordered: list[float], share: float) -> float:
 
 
 async def measure_capacity(
-    stub, seconds: float, clients: int, rng: random.Random, *, stream: bool = False
+    stub, seconds: float, clients: int, workload: _Workload, *, stream: bool = False
 ) -> float:
     """Completed requests/s with ``clients`` closed-loop callers keeping the engine full."""
     done = 0
@@ -261,10 +265,10 @@ async def measure_capacity(
         nonlocal done
         while time.perf_counter() < deadline:
             if stream:
-                async for _ in stub.StreamCompletion(_completion(rng), timeout=120):
+                async for _ in stub.StreamCompletion(workload.completion(), timeout=120):
                     pass
             else:
-                await stub.CreateCompletion(_completion(rng), timeout=120)
+                await stub.CreateCompletion(workload.completion(), timeout=120)
             if time.perf_counter() <= deadline:
                 done += 1
 
@@ -274,7 +278,7 @@ async def measure_capacity(
 
 
 async def interactive_arrivals(
-    stub, engine, rate: float, seconds: float, rng: random.Random
+    stub, engine, rate: float, seconds: float, workload: _Workload
 ) -> dict[str, Any]:
     """Evenly spaced streaming arrivals at ``rate``/s for ``seconds``; TTFT percentiles in ms.
 
@@ -287,12 +291,12 @@ async def interactive_arrivals(
 
     def stream(path: str):
         if path == "router":
-            return stub.StreamCompletion(_completion(rng), timeout=120)
-        completion = _completion(rng)
+            return stub.StreamCompletion(workload.completion(), timeout=120)
+        completion = workload.completion()
         return engine.Generate(
             engine_pb2.GenerateRequest(
-                request_id=f"bench-{rng.getrandbits(64):016x}",
-                model=MODEL_ID,
+                request_id=f"bench-{workload.rng.getrandbits(64):016x}",
+                model=workload.model,
                 prompt_token_ids=completion.prompt_token_ids,
                 sampling=completion.sampling,
                 priority=common_pb2.PRIORITY_INTERACTIVE,
@@ -334,9 +338,11 @@ async def interactive_arrivals(
     }
 
 
-async def fill_queue(stub, requests: int, rng: random.Random) -> dict[str, float]:
+async def fill_queue(stub, requests: int, workload: _Workload) -> dict[str, float]:
     """``requests`` through QueueRequests from ``SUBMITTERS`` callers; batches built before timing."""
-    batches = [_queue_request(rng, min(SUBMIT_BATCH, requests - i)) for i in range(0, requests, SUBMIT_BATCH)]
+    batches = [
+        workload.queue_request(min(SUBMIT_BATCH, requests - i)) for i in range(0, requests, SUBMIT_BATCH)
+    ]
     pending = list(reversed(batches))
 
     async def submitter() -> None:
@@ -358,11 +364,12 @@ async def measure(
     pids: dict[str, int],
     queue_file: Path,
     scale: Scale,
+    model_id: str,
 ) -> dict[str, Any]:
     """``pids``: each service's process by name ("router" among them); this one is added."""
     router_pid = pids["router"]
     pids = pids | {"bench": os.getpid()}
-    rng = random.Random(0)
+    workload = _Workload(model_id, random.Random(0))
     window = scale.window_seconds
     async with (
         grpc.aio.insecure_channel(router) as channel,
@@ -374,7 +381,7 @@ async def measure(
         client_loop_lag.start()
         # Warm-up: every batch size once (a GPU engine's first step at a new size is slow).
         for clients in range(1, MAX_NUM_SEQS + 1):
-            await measure_capacity(stub, 0.2, clients, rng)
+            await measure_capacity(stub, 0.2, clients, workload)
         engine_windows: dict[str, dict[str, float]] = {}
 
         async def watched(name: str, window):
@@ -383,22 +390,22 @@ async def measure(
             )
             return result
 
-        capacity = await watched("capacity", measure_capacity(stub, window, MAX_NUM_SEQS, rng))
-        capacity_streaming = await measure_capacity(stub, window, MAX_NUM_SEQS, rng, stream=True)
+        capacity = await watched("capacity", measure_capacity(stub, window, MAX_NUM_SEQS, workload))
+        capacity_streaming = await measure_capacity(stub, window, MAX_NUM_SEQS, workload, stream=True)
         rate = INTERACTIVE_SHARE * capacity
-        alone = await watched("interactive_alone", interactive_arrivals(stub, engine, rate, window, rng))
+        alone = await watched("interactive_alone", interactive_arrivals(stub, engine, rate, window, workload))
 
         # Enough work that the queue cannot run dry during the window, even at full capacity.
         backlog = max(5_000, int(capacity * window * 3))
-        await fill_queue(stub, backlog, rng)
+        await fill_queue(stub, backlog, workload)
         await asyncio.sleep(2.0)  # the dispatcher reaches its steady state
         drain_alone = await watched("drain_alone", _drain_rate(queue_file, asyncio.sleep(window)))
-        with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, engine, rate, window, rng))
+        with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, engine, rate, window, workload))
         drain_rate = await watched("interactive_with_backlog", _drain_rate(queue_file, with_backlog_run))
         with_backlog = with_backlog_run.result()
 
         rss_before = _rss_mib(router_pid)
-        submission = await fill_queue(stub, scale.submit_requests, rng)
+        submission = await fill_queue(stub, scale.submit_requests, workload)
         rss_after = _rss_mib(router_pid)
         await asyncio.sleep(2.0)
         rss_settled = _rss_mib(router_pid)
@@ -452,15 +459,25 @@ def run_queue_bench(
     engine_device: str = "cpu",
     vocab_from: Path | None = None,
     engine_env: dict[str, str] | None = None,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """``router_env`` and ``engine_env`` override those services' variables (the headroom knobs,
     the scheduler's); ``vocab_from`` is a Hugging Face directory to take the tokenizer from
-    where the default model's GGUF is not installed."""
-    print("[bench] async queue (tokenizer, usage, cache, engine, router processes)", flush=True)
+    where the default model's GGUF is not installed. ``model`` (an id or checkpoint dir) serves a
+    real model instead of the tiny one: a CPU runs it at a few requests a second, so its figures
+    rest on fewer requests, but its steps cost what serving it costs."""
+    print(
+        f"[bench] async queue ({model or 'tiny model'}; tokenizer, usage, cache, engine, router processes)",
+        flush=True,
+    )
     scale = QUICK if quick else FULL
     with tempfile.TemporaryDirectory(prefix="cachet-queue-bench-") as directory:
         root = Path(directory)
-        model_dir = write_tiny_model(root / MODEL_ID, vocab_from=vocab_from)
+        if model is None:
+            model_dir, model_id = write_tiny_model(root / MODEL_ID, vocab_from=vocab_from), MODEL_ID
+        else:
+            resolved = ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data")))
+            model_dir, model_id = resolved.path, resolved.model_id
         services = _Services(root)
         try:
             tokenizer = services.start("tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(model_dir)])})
@@ -498,9 +515,19 @@ def run_queue_bench(
             }
             queue_file = root / "router-data" / "queue.sqlite3"
             result = asyncio.run(
-                measure(router, engine, engine_metrics_port, router_metrics_port, pids, queue_file, scale)
+                measure(
+                    router,
+                    engine,
+                    engine_metrics_port,
+                    router_metrics_port,
+                    pids,
+                    queue_file,
+                    scale,
+                    model_id,
+                )
             )
             result["engine_device"] = engine_device
+            result["model"] = model_id
             result["router_refusals"] = _refusal_lines(root / "router.log")
         finally:
             services.stop()
@@ -529,7 +556,7 @@ def _print(result: dict[str, Any]) -> None:
     print(
         f"\nAsync queue: one engine (max_num_seqs {result['engine_max_num_seqs']}), requests of"
         f" {result['prompt_tokens']} prompt + {result['max_tokens']} generated tokens,"
-        f" {result['window_s']:.0f} s windows"
+        f" {result['window_s']:.0f} s windows, {result['model']}"
     )
     print(f"{'measure':<50}{'alone':>12}{'w/ backlog':>12}{'ratio':>10}{'target':>10}")
     print("-" * 94)
@@ -645,6 +672,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--engine-device", default="cpu", help="cpu, or cuda on a GPU machine")
     parser.add_argument("--vocab-from", type=Path, default=None, help="a Hugging Face dir with a tokenizer")
+    parser.add_argument("--model", default=None, help="a real model's id or checkpoint dir (default: tiny)")
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -655,7 +683,9 @@ def main() -> None:
     overrides = dict(pair.split("=", 1) for pair in args.overrides)
     engine_env = {key: value for key, value in overrides.items() if key.startswith(ENGINE_VARIABLES)}
     router_env = {key: value for key, value in overrides.items() if key not in engine_env}
-    result = run_queue_bench(args.quick, router_env, args.engine_device, args.vocab_from, engine_env)
+    result = run_queue_bench(
+        args.quick, router_env, args.engine_device, args.vocab_from, engine_env, args.model
+    )
     print(json.dumps(result, indent=2))
 
 
