@@ -7,6 +7,7 @@ the caller serialises ``add_request``, ``abort`` and ``step``.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -66,6 +67,9 @@ class EngineCore:
     kv_event_sink: Callable[[list[KvEvent]], None] | None = None
     grammar_compiler: GrammarCompiler | None = None
     wake: Callable[[], None] | None = None
+    # An interactive-only step also looks for arrivals once the last step took this long
+    # (``EngineSettings.arrivals_interactive_min_step_ms``; None: such steps never look).
+    interactive_look_min_step_seconds: float | None = 0.01
     scheduler: Scheduler = field(init=False)
     _masks: MaskBuilder | None = field(init=False, default=None)
     # Requests whose grammar is still being built; reaped at each step.
@@ -73,6 +77,7 @@ class EngineCore:
     _stop_checkers: dict[str, StopStringChecker] = field(init=False, default_factory=dict)
     _pending: list[RequestOutput] = field(init=False, default_factory=list)
     _busy: bool = field(init=False, default=False)
+    _last_step_seconds: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
@@ -129,8 +134,9 @@ class EngineCore:
 
         ``arrivals`` is the host's look for interactive arrivals: it may add requests and call
         ``step_arrivals``. Where the runner allows it, it runs after each of the model's layers
-        when the step carries batch work, and before the step when batch work is running and
-        interactive requests wait (those that came in at the end of the last step)."""
+        when the step carries batch work, or when the last step was long (see ``_looks_inside``),
+        and before the step when batch work is running and interactive requests wait (those
+        that came in at the end of the last step)."""
         self._reap_failed_grammars()
         if arrivals is not None and not self._interleaves:
             arrivals = None
@@ -140,7 +146,9 @@ class EngineCore:
         if plan.is_empty:
             result = StepResult()
         else:
-            result = self._execute(plan, arrivals if self._carries_batch_work(plan) else None)
+            started = time.perf_counter()
+            result = self._execute(plan, arrivals if self._looks_inside(plan) else None)
+            self._last_step_seconds = time.perf_counter() - started
         outputs = self._postprocess(plan, result)
         self._check_when_idle()
         return outputs
@@ -164,9 +172,18 @@ class EngineCore:
     def _batch_running(self) -> bool:
         return any(not request.interactive for request in self.scheduler.running)
 
+    def _looks_inside(self, plan: StepPlan) -> bool:
+        """A step with batch work in it makes way for arrivals. An interactive-only one does
+        once steps are long: a real model's on a CPU (60 ms at two requests for SmolLM2-135M)
+        kept an arrival waiting for the rest of it and then a step carrying its prompt, 135 ms
+        to a first token against 105 with a pass of its own. A short one (the tiny model's
+        2.6 ms) costs an arrival less than a pass's fixed cost would cost everyone."""
+        if self._carries_batch_work(plan):
+            return True
+        threshold = self.interactive_look_min_step_seconds
+        return threshold is not None and self._last_step_seconds >= threshold
+
     def _carries_batch_work(self, plan: StepPlan) -> bool:
-        """Only a step with batch work in it makes way: an interactive-only step is what an
-        arrival waits for on a replica with no backlog too."""
         requests = (self.scheduler.get_request(rid) for rid in plan.num_scheduled_tokens)
         return any(request is not None and not request.interactive for request in requests)
 

@@ -162,6 +162,7 @@ def build_core_loop(
         grammar_compiler=(
             GrammarCompiler(tokenizer, runner.vocab_size, runner.eos_token_ids) if tokenizer else None
         ),
+        interactive_look_min_step_seconds=settings.arrivals_interactive_min_step_ms / 1000,
     )
     loop = CoreLoop(core, arrivals_between_layers=settings.arrivals_between_layers)
     description = loop.describe(

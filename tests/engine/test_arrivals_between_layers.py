@@ -126,12 +126,12 @@ def test_a_step_with_batch_work_looks_for_arrivals_and_starts_them_inside():
     assert not engine.has_unfinished_requests()
 
 
-def test_interactive_only_steps_and_runners_that_cannot_interleave_never_look():
+def test_short_interactive_only_steps_and_runners_that_cannot_interleave_never_look():
     runner = LayeredRunner(num_kv_blocks=64)
     engine = _engine(runner)
     engine.add_request(make_request("interactive", _prompt(8, 50), max_tokens=3))
     while engine.has_unfinished_requests():
-        engine.step(lambda: pytest.fail("an interactive-only step looked for arrivals"))
+        engine.step(lambda: pytest.fail("a short interactive-only step looked for arrivals"))
     assert runner.looks == 0
 
     engine = _engine(SimulatedRunner(num_kv_blocks=64))
@@ -227,3 +227,48 @@ def test_the_arrivals_first_token_goes_out_before_the_step_it_arrived_in_ends(mo
     assert isinstance(abort_reply, Reply) and abort_reply.value is True
     [b5] = [o for o in step_report.outputs if o.request_id == "b5"]
     assert b5.status == RequestStatus.RUNNING and len(b5.new_token_ids) == 1
+
+
+class SlowLayeredRunner(LayeredRunner):
+    """Steps that take ``step_seconds``, as a real model's do on a CPU."""
+
+    def __init__(self, num_kv_blocks: int, step_seconds: float) -> None:
+        super().__init__(num_kv_blocks)
+        self.step_seconds = step_seconds
+
+    def execute(self, plan: StepPlan, between_layers: Callable[[], None] | None = None) -> StepResult:
+        time.sleep(self.step_seconds)
+        return super().execute(plan, between_layers)
+
+
+def test_interactive_only_steps_look_once_steps_are_long():
+    runner = SlowLayeredRunner(num_kv_blocks=64, step_seconds=0.02)
+    config = SchedulerConfig(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4)
+    engine = EngineCore(runner, model="tiny", scheduler_config=config, interactive_look_min_step_seconds=0.01)
+    engine.add_request(make_request("first", _prompt(8, 50), max_tokens=5))
+    engine.step()  # the first step: nothing to go by yet, so it does not look
+    assert runner.looks == 0
+    arrived: list[list[str]] = []
+
+    def arrivals() -> None:
+        if not arrived:
+            engine.add_request(make_request("second", _prompt(8, 70), max_tokens=3))
+            outputs = engine.step_arrivals()
+            assert outputs is not None
+            arrived.append([output.request_id for output in outputs])
+
+    outputs = engine.step(arrivals)
+    # The second one got its first token from a pass of its own inside the first one's step.
+    assert runner.looks == 1 and arrived == [["second"]]
+    assert [output.request_id for output in outputs] == ["first"]
+    while engine.has_unfinished_requests():
+        engine.step(arrivals)
+    never = EngineCore(
+        SlowLayeredRunner(num_kv_blocks=64, step_seconds=0.02),
+        model="tiny",
+        scheduler_config=config,
+        interactive_look_min_step_seconds=None,
+    )
+    never.add_request(make_request("alone", _prompt(8, 90), max_tokens=3))
+    while never.has_unfinished_requests():
+        never.step(lambda: pytest.fail("interactive-only steps were told never to look"))
