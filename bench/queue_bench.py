@@ -460,6 +460,7 @@ def run_queue_bench(
     vocab_from: Path | None = None,
     engine_env: dict[str, str] | None = None,
     model: str | None = None,
+    window_seconds: float | None = None,
 ) -> dict[str, Any]:
     """``router_env`` and ``engine_env`` override those services' variables (the headroom knobs,
     the scheduler's); ``vocab_from`` is a Hugging Face directory to take the tokenizer from
@@ -471,6 +472,9 @@ def run_queue_bench(
         flush=True,
     )
     scale = QUICK if quick else FULL
+    if window_seconds is not None:
+        # A real model on a CPU finishes a few requests a second: a p99 needs longer windows.
+        scale = Scale(window_seconds=window_seconds, submit_requests=scale.submit_requests)
     with tempfile.TemporaryDirectory(prefix="cachet-queue-bench-") as directory:
         root = Path(directory)
         if model is None:
@@ -674,6 +678,9 @@ def main() -> None:
     parser.add_argument("--vocab-from", type=Path, default=None, help="a Hugging Face dir with a tokenizer")
     parser.add_argument("--model", default=None, help="a real model's id or checkpoint dir (default: tiny)")
     parser.add_argument(
+        "--window-seconds", type=float, default=None, help="each window's length (default: 30, quick 8)"
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         help="KEY=VALUE variables of the router, or of the engine for CACHET_ENGINE_*, e.g."
@@ -684,7 +691,13 @@ def main() -> None:
     engine_env = {key: value for key, value in overrides.items() if key.startswith(ENGINE_VARIABLES)}
     router_env = {key: value for key, value in overrides.items() if key not in engine_env}
     result = run_queue_bench(
-        args.quick, router_env, args.engine_device, args.vocab_from, engine_env, args.model
+        args.quick,
+        router_env,
+        args.engine_device,
+        args.vocab_from,
+        engine_env,
+        args.model,
+        args.window_seconds,
     )
     print(json.dumps(result, indent=2))
 
