@@ -54,12 +54,14 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.service_chain_bench import MODEL_ID, _Services
@@ -154,16 +156,21 @@ def _cpu_by_process(pids: dict[str, int]) -> dict[str, float]:
     return {name: _cpu_seconds(pid, children=pid != os.getpid()) for name, pid in pids.items()}
 
 
-def _engine_figures(port: int, prefix: str = "cachet_engine_") -> dict[str, float]:
-    """A service's figures (the engine's by default), ``name{label=value,...}`` -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+def _keyed(families: Iterable[Metric], prefix: str = "") -> dict[str, float]:
+    """``name{label=value,...}`` -> value for every sample of the families named ``prefix``..."""
     return {
         sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
+        for family in families
         if family.name.startswith(prefix)
         for sample in family.samples
     }
+
+
+def _engine_figures(port: int, prefix: str = "cachet_engine_") -> dict[str, float]:
+    """A service's figures from its /metrics (the engine's by default)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return _keyed(text_string_to_metric_families(text), prefix)
 
 
 # A due callback run later than this counts as late: a few ms is what one step's outputs cost
@@ -183,11 +190,7 @@ _CLIENT_LOOP_LAG = Histogram(
 
 
 def _client_figures() -> dict[str, float]:
-    return {
-        sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())): sample.value
-        for family in _CLIENT_REGISTRY.collect()
-        for sample in family.samples
-    }
+    return _keyed(_CLIENT_REGISTRY.collect())
 
 
 def _loop_lag(before: dict[str, float], after: dict[str, float], histogram: str) -> dict[str, float]:
@@ -621,50 +624,62 @@ def _print(result: dict[str, Any]) -> None:
     for name, value, target in rows:
         print(f"{name:<50}{value:>12}{target:>14}")
     windows = result["engine_windows"]
-    print("\nThe engine in each window (its /metrics)")
-    columns = ("busy", "steps/s", "step ms", "req/step", "int tok/s", "batch tok/s", "seat pre.")
-    print(f"{'window':<26}" + "".join(f"{c:>11}" for c in columns))
-    print("-" * (26 + 11 * len(columns)))
-    for name, figures in windows.items():
-        values = (
-            f"{figures['busy_share']:.2f}",
-            f"{figures['steps_per_s']:.0f}",
-            f"{figures['mean_step_ms']:.1f}",
-            f"{figures['mean_requests_per_step']:.1f}",
-            f"{figures['interactive_tokens_per_s']:.0f}",
-            f"{figures['batch_tokens_per_s']:.0f}",
-            f"{figures['seat_preemptions']:.0f}",
-        )
-        print(f"{name:<26}" + "".join(f"{v:>11}" for v in values))
-    names = [key.removeprefix("cores_") for key in next(iter(windows.values())) if key.startswith("cores_")]
-    print(f"\nCores each process kept busy ({os.cpu_count()} on this machine)")
-    print(f"{'window':<26}" + "".join(f"{n:>11}" for n in [*names, "all"]))
-    print("-" * (26 + 11 * (len(names) + 1)))
-    for name, figures in windows.items():
-        cores = [figures[f"cores_{n}"] for n in names]
-        print(f"{name:<26}" + "".join(f"{c:>11.2f}" for c in [*cores, sum(cores)]))
-    late_ms = LATE_TICK_SECONDS * 1000
-    print("\nHow late the event loops ran what was due (a tick every 50 ms; their lag histograms)")
-    columns = (
-        "router mean ms",
-        f"> {late_ms:.0f} ms",
-        "engine srv ms",
-        f"> {late_ms:.0f} ms",
-        "client ms",
-        f"> {late_ms:.0f} ms",
+    _print_windows(
+        "The engine in each window (its /metrics)",
+        ("busy", "steps/s", "step ms", "req/step", "int tok/s", "batch tok/s", "seat pre."),
+        {
+            name: (
+                f"{figures['busy_share']:.2f}",
+                f"{figures['steps_per_s']:.0f}",
+                f"{figures['mean_step_ms']:.1f}",
+                f"{figures['mean_requests_per_step']:.1f}",
+                f"{figures['interactive_tokens_per_s']:.0f}",
+                f"{figures['batch_tokens_per_s']:.0f}",
+                f"{figures['seat_preemptions']:.0f}",
+            )
+            for name, figures in windows.items()
+        },
     )
-    print(f"{'window':<26}" + "".join(f"{c:>15}" for c in columns))
-    print("-" * (26 + 15 * len(columns)))
-    for name, figures in windows.items():
-        values = (
-            f"{figures['loop_lag_router_mean_ms']:.2f}",
-            f"{figures['loop_lag_router_late_share']:.1%}",
-            f"{figures['loop_lag_engine_server_mean_ms']:.2f}",
-            f"{figures['loop_lag_engine_server_late_share']:.1%}",
-            f"{figures['loop_lag_client_mean_ms']:.2f}",
-            f"{figures['loop_lag_client_late_share']:.1%}",
-        )
-        print(f"{name:<26}" + "".join(f"{v:>15}" for v in values))
+    names = [key.removeprefix("cores_") for key in next(iter(windows.values())) if key.startswith("cores_")]
+
+    def cores(figures: dict[str, float]) -> tuple[str, ...]:
+        each = [figures[f"cores_{n}"] for n in names]
+        return tuple(f"{c:.2f}" for c in (*each, sum(each)))
+
+    _print_windows(
+        f"Cores each process kept busy ({os.cpu_count()} on this machine)",
+        (*names, "all"),
+        {name: cores(figures) for name, figures in windows.items()},
+    )
+    loops = {"router": "router", "engine_server": "engine srv", "client": "client"}
+    late = f"> {LATE_TICK_SECONDS * 1000:.0f} ms"
+    _print_windows(
+        "How late the event loops ran what was due (a tick every 50 ms; their lag histograms)",
+        tuple(column for label in loops.values() for column in (f"{label} mean ms", late)),
+        {
+            name: tuple(
+                value
+                for loop in loops
+                for value in (
+                    f"{figures[f'loop_lag_{loop}_mean_ms']:.2f}",
+                    f"{figures[f'loop_lag_{loop}_late_share']:.1%}",
+                )
+            )
+            for name, figures in windows.items()
+        },
+        width=19,
+    )
+
+
+def _print_windows(
+    title: str, columns: tuple[str, ...], rows: dict[str, tuple[str, ...]], width: int = 11
+) -> None:
+    """One table of per-window figures: a row per window, ``columns`` right-aligned."""
+    print(f"\n{title}")
+    print(f"{'window':<26}" + "".join(f"{c:>{width}}" for c in columns))
+    print("-" * (26 + width * len(columns)))
+    for name, values in rows.items():
+        print(f"{name:<26}" + "".join(f"{v:>{width}}" for v in values))
 
 
 # Overrides for the engine process rather than the router: its own knobs and its math threads.

@@ -32,6 +32,15 @@ TINY_MODEL_ID = "tiny-llama"
 ENGINE_SERVER_BUILT = importlib.util.find_spec("cachet.engine.main") is not None
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live children of ``pid`` (all its threads'): an engine server's loop process."""
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+
+
 @dataclass
 class ServiceProcess:
     """One ``python -m cachet.<service>`` process and where it listens."""

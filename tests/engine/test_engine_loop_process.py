@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from service_processes import ServiceProcess, launch_service, start_service
+from service_processes import ServiceProcess, child_pids, launch_service, start_service
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -27,14 +27,6 @@ def _start_engine(root: Path, **env: str) -> ServiceProcess:
         root,
         timeout=300,
     )
-
-
-def _children(pid: int) -> list[int]:
-    return [
-        int(child)
-        for task in Path(f"/proc/{pid}/task").iterdir()
-        for child in (task / "children").read_text().split()
-    ]
 
 
 def _has_torch(pid: int) -> bool:
@@ -78,7 +70,7 @@ async def _tokens(address: str, max_tokens: int) -> list[int]:
 
 async def test_the_loop_process_serves_and_stops_with_its_server(tmp_path: Path) -> None:
     engine = _start_engine(tmp_path)
-    [loop_pid] = _children(engine.process.pid)
+    [loop_pid] = child_pids(engine.process.pid)
     assert len(await _tokens(engine.address, 5)) == 5
     # The model is the loop's: the server relays, without torch (memory and start-up time).
     assert _has_torch(loop_pid) and not _has_torch(engine.process.pid)
@@ -88,14 +80,14 @@ async def test_the_loop_process_serves_and_stops_with_its_server(tmp_path: Path)
 
 async def test_killing_the_server_takes_its_loop_process_down(tmp_path: Path) -> None:
     engine = _start_engine(tmp_path)
-    [loop_pid] = _children(engine.process.pid)
+    [loop_pid] = child_pids(engine.process.pid)
     engine.stop(signal.SIGKILL)
     assert _wait_until(lambda: not _alive(loop_pid), 10), "an orphaned loop process went on running"
 
 
 async def test_a_dead_loop_process_fails_requests_and_takes_the_server_down(tmp_path: Path) -> None:
     engine = _start_engine(tmp_path)
-    [loop_pid] = _children(engine.process.pid)
+    [loop_pid] = child_pids(engine.process.pid)
     async with grpc.aio.insecure_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         stream = stub.Generate(_generate(2_000, "long"))
@@ -111,7 +103,7 @@ async def test_a_dead_loop_process_fails_requests_and_takes_the_server_down(tmp_
 
 async def test_the_thread_host_serves_without_a_loop_process(tmp_path: Path) -> None:
     engine = _start_engine(tmp_path, CACHET_ENGINE_CORE_PROCESS="false")
-    assert _children(engine.process.pid) == []
+    assert child_pids(engine.process.pid) == []
     assert len(await _tokens(engine.address, 5)) == 5
     assert engine.stop() == 0, engine.log_tail()
 

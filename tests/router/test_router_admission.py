@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack
+from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, child_pids
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -198,11 +198,7 @@ async def test_queued_jobs_on_every_seat_do_not_turn_interactive_requests_away(
 
 
 def loop_process_of(engine_pid: int) -> int:
-    children = [
-        int(child)
-        for task in Path(f"/proc/{engine_pid}/task").iterdir()
-        for child in (task / "children").read_text().split()
-    ]
+    children = child_pids(engine_pid)
     assert len(children) == 1, f"the engine server should have one child, its loop process: {children}"
     return children[0]
 
