@@ -98,6 +98,21 @@ class LayeredRunner(SimulatedRunner):
         return super().execute(plan)
 
 
+def _one_arrival(engine: EngineCore, request: Request) -> tuple[Callable[[], None], list[list[str]]]:
+    """A host's look that, the first time it runs, adds ``request`` and starts it in a pass of its
+    own; the list records which requests that pass gave outputs for."""
+    arrived: list[list[str]] = []
+
+    def arrivals() -> None:
+        if not arrived:
+            engine.add_request(request)
+            outputs = engine.step_arrivals()
+            assert outputs is not None
+            arrived.append([output.request_id for output in outputs])
+
+    return arrivals, arrived
+
+
 def _engine(runner: SimulatedRunner) -> EngineCore:
     config = SchedulerConfig(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4)
     return EngineCore(runner, model="tiny", scheduler_config=config)
@@ -108,14 +123,7 @@ def test_a_step_with_batch_work_looks_for_arrivals_and_starts_them_inside():
     engine = _engine(runner)
     engine.add_request(make_request("batch", _prompt(8), max_tokens=20, interactive=False))
     engine.step()
-    arrived: list[list[str]] = []
-
-    def arrivals() -> None:
-        if not arrived:
-            engine.add_request(make_request("interactive", _prompt(8, 50), max_tokens=3))
-            outputs = engine.step_arrivals()
-            assert outputs is not None
-            arrived.append([output.request_id for output in outputs])
+    arrivals, arrived = _one_arrival(engine, make_request("interactive", _prompt(8, 50), max_tokens=3))
 
     outputs = engine.step(arrivals)
     assert arrived == [["interactive"]]
@@ -248,14 +256,7 @@ def test_interactive_only_steps_look_once_steps_are_long():
     engine.add_request(make_request("first", _prompt(8, 50), max_tokens=5))
     engine.step()  # the first step: nothing to go by yet, so it does not look
     assert runner.looks == 0
-    arrived: list[list[str]] = []
-
-    def arrivals() -> None:
-        if not arrived:
-            engine.add_request(make_request("second", _prompt(8, 70), max_tokens=3))
-            outputs = engine.step_arrivals()
-            assert outputs is not None
-            arrived.append([output.request_id for output in outputs])
+    arrivals, arrived = _one_arrival(engine, make_request("second", _prompt(8, 70), max_tokens=3))
 
     outputs = engine.step(arrivals)
     # The second one got its first token from a pass of its own inside the first one's step.
