@@ -12,6 +12,7 @@ from pathlib import Path
 from bench.arrivals_bench import run_arrivals_bench
 from bench.cache_index_bench import run_cache_index_bench
 from bench.engine_bench import run_engine_bench
+from bench.linear_packing_bench import run_linear_packing_bench
 from bench.queue_bench import run_queue_bench
 from bench.replay_bench import run_replay_bench
 from bench.service_chain_bench import run_service_chain_bench
@@ -53,6 +54,8 @@ def main() -> None:
             args.model, args.dtype, requests=200 if args.quick else 1000
         ),
         "engine": lambda: run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
+        # Packed linear weights against plain ones, same process (default model unless --model).
+        "linear_packing": lambda: run_linear_packing_bench(model=args.model, quick=args.quick),
         "structured_output": lambda: run_structured_output_bench(
             model=args.model, dtype=args.dtype, quick=args.quick
         ),

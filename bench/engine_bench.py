@@ -45,9 +45,14 @@ class EngineHarness:
         *,
         max_num_seqs: int = 64,
         max_batch_running: int | None = None,
+        pack_weights: bool = True,
     ) -> None:
         self.runner = ModelRunner(
-            model_dir, dtype=dtype, device=torch.device("cpu"), kv_cache_bytes=int(1 * _GIB)
+            model_dir,
+            dtype=dtype,
+            device=torch.device("cpu"),
+            kv_cache_bytes=int(1 * _GIB),
+            pack_weights=pack_weights,
         )
         self.model_id = model_id
         self.max_batched_tokens = max_batched_tokens

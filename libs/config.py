@@ -103,6 +103,9 @@ class EngineSettings(ServiceSettings):
     # took at least this long (ms): the wait for such a step costs an arrival more than a pass
     # of its own costs the step (a pass's fixed cost: about 2 ms of the tiny model on a CPU).
     arrivals_interactive_min_step_ms: float = Field(default=10.0, ge=0)
+    # Reorder linear weights once for oneDNN on a CPU (bit-identical in bf16, 1.3-1.6x faster
+    # products at the batch sizes serving runs; see cachet.engine.packed_linear).
+    pack_linear_weights: bool = True
     # Prometheus /metrics HTTP port; 0 turns the endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
 

@@ -116,6 +116,7 @@ def build_runner(
         block_size=settings.block_size,
         max_model_len=settings.max_model_len,
         tp=tp,
+        pack_weights=settings.pack_linear_weights,
     )
     return runner, model, dtype, device
 
@@ -143,7 +144,12 @@ def build_core_loop(
     if group is not None:
         # Same attributes as the local runner; each step also goes out to the followers.
         runner = group.wrap(runner)
-    log.info("model loaded", kv_blocks=runner.num_kv_blocks, max_model_len=runner.max_model_len)
+    log.info(
+        "model loaded",
+        kv_blocks=runner.num_kv_blocks,
+        max_model_len=runner.max_model_len,
+        packed_linears=runner.packed_linears,
+    )
     tokenizer_file = Path(model.path) / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
     core = EngineCore(

@@ -30,6 +30,7 @@ from cachet.engine.attention import (
     kv_cache_bytes_per_block,
 )
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
+from cachet.engine.packed_linear import pack_linear_weights, packs_linear_weights
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.step_plan import NewRequest, StepPlan, StepResult
@@ -81,7 +82,10 @@ class ModelRunner:
         block_size: int = 16,
         max_model_len: int | None = None,
         tp: TensorParallel | None = None,
+        pack_weights: bool = True,
     ) -> None:
+        """``pack_weights``: reorder linear weights for oneDNN where this device and dtype
+        allow it (``packed_linear``)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -94,6 +98,11 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
             tp=tp.model_rank if tp is not None else SINGLE_RANK,
+        )
+        self.packed_linears = (
+            pack_linear_weights(self.model)
+            if pack_weights and packs_linear_weights(self.device, dtype)
+            else 0
         )
         self.num_kv_blocks = self._fit_blocks(kv_cache_bytes)
         if tp is not None:

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from cachet.engine.packed_linear import PackableLinear
 
 
 def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ def _scaled(units: range, width: int) -> range:
     return range(units.start * width, units.stop * width)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(PackableLinear):
     """Output features ``out_range`` of a ``[full_out, in]`` linear; the output stays split."""
 
     def __init__(self, in_features: int, full_out: int, out_range: range, bias: bool = False) -> None:
@@ -117,7 +118,7 @@ class ColumnParallelLinear(nn.Linear):
         return slices
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(PackableLinear):
     """Input features ``in_range`` of a ``[out, full_in]`` linear: each rank's output is a partial sum.
 
     ``reduce=False`` leaves the sum to the caller, who adds several partials first and
@@ -154,7 +155,7 @@ class RowParallelLinear(nn.Linear):
         return cls(units * width, in_range, out_features, tp, bias, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.project(x)
         if self.reduce:
             self.tp.all_reduce_(out)
         # The bias once, after the sum: every rank holds all of it.
@@ -193,7 +194,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return {"weight": TensorSlice(shape, 0, self.vocab_range.start, self.vocab_range.stop)}
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(PackableLinear):
     """Rows ``vocab_range`` of the output projection; every rank ends with the full logits.
 
     The slices meet by an all-reduce of a zero-padded ``[tokens, vocab]`` tensor rather than an
@@ -210,7 +211,7 @@ class ParallelLMHead(nn.Linear):
         self.tp = tp
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = self.project(hidden)
         if self.tp.size == 1:
             return local
         logits = local.new_zeros(hidden.shape[0], self.vocab_size)

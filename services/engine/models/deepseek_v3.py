@@ -90,6 +90,8 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = by_heads(mla.kv_lora_rank, mla.qk_nope_head_dim + mla.v_head_dim)
+        # Never called: attention reads its weight as the per-head up-projections.
+        self.kv_b_proj.pack_weight = False
         self.o_proj = RowParallelLinear.by_units(heads, mla.v_head_dim, hidden, tp, what="attention heads")
         self.attn = PagedLatentAttention(mla.kv_lora_rank, softmax_scale(config))
 
