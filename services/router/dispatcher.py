@@ -9,7 +9,7 @@ The headroom rule (knobs in ``RouterServiceSettings``, defaults in brackets):
 * Otherwise each available replica lends ``limit − running − waiting`` slots (never
   below 0). The limit is the engine's own: batch work starts there only while fewer
   than ``max_batch_running_requests`` run (``CACHET_ENGINE_BATCH_MAX_RUNNING_FRACTION``
-  [0.75] of its seats), and the router keeps ``batch_prefetch`` [4] jobs more waiting
+  [0.875] of its seats), and the router keeps ``batch_prefetch`` [4] jobs more waiting
   in its queue, so the step that ends a job seats the next one: a job leased only when
   the seat freed spent ~50 ms (lease, placement, the call) before the engine saw it,
   a sixth of a short job's life. An engine that reports no such limit admits batch
@@ -21,7 +21,7 @@ The headroom rule (knobs in ``RouterServiceSettings``, defaults in brackets):
   there now, so a finished job's slot is lent again at once, not at the next
   report; but only while
   ``free_kv_blocks / total_kv_blocks ≥ batch_min_free_kv_fraction [0.2]``.
-  Leaving a quarter of the batch free means an interactive arrival starts at
+  Seats left free (an eighth of the engine's) mean an interactive arrival starts at
   once; the KV floor keeps long batch prompts from evicting the prefixes that
   interactive sessions are about to reuse.
 * The slots summed over replicas, minus jobs this router has leased but not yet
