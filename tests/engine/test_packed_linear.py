@@ -14,7 +14,6 @@ from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.tensor_parallel import SINGLE_RANK, ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from cachet.models import write_tiny_model
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if packs_linear_weights(CPU, torch.bfloat16) else [])
@@ -22,16 +21,6 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if packs_linear_weights(CPU, torch.
 pytestmark = pytest.mark.skipif(
     not packs_linear_weights(CPU, torch.float32), reason="this torch build has no oneDNN"
 )
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("packed")
-    cache = root / "tok-cache"
-    return {
-        "llama": write_tiny_model(root / "llama", tokenizer_cache_dir=cache),
-        "kimi-k2": write_tiny_model(root / "kimi", family="kimi-k2", tokenizer_cache_dir=cache),
-    }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -87,20 +76,24 @@ def _greedy_tokens(model_dir: Path, dtype: torch.dtype, pack_weights: bool) -> t
 @pytest.mark.parametrize("family", ["llama", "kimi-k2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_packed_runner_samples_the_tokens_a_plain_one_does(
-    models: dict[str, Path], family: str, dtype: torch.dtype
+    tiny_checkpoints: dict[str, Path], family: str, dtype: torch.dtype
 ) -> None:
-    packed_runner, packed = _greedy_tokens(models[family], dtype, pack_weights=True)
-    plain_runner, plain = _greedy_tokens(models[family], dtype, pack_weights=False)
+    packed_runner, packed = _greedy_tokens(tiny_checkpoints[family], dtype, pack_weights=True)
+    plain_runner, plain = _greedy_tokens(tiny_checkpoints[family], dtype, pack_weights=False)
     assert packed_runner.packed_linears > 0 and plain_runner.packed_linears == 0
     assert packed == plain and all(len(tokens) == 10 for tokens in plain.values())
 
 
-def test_weights_read_as_tensors_stay_plain(models: dict[str, Path]) -> None:
-    llama = ModelRunner(models["llama"], dtype=torch.float32, device=CPU, kv_cache_bytes=8 << 20).model
+def test_weights_read_as_tensors_stay_plain(tiny_checkpoints: dict[str, Path]) -> None:
+    llama = ModelRunner(
+        tiny_checkpoints["llama"], dtype=torch.float32, device=CPU, kv_cache_bytes=8 << 20
+    ).model
     # The tiny llama ties its head: the head packs a copy, the embedding keeps its plain table.
     assert llama.config.tie_word_embeddings
     assert llama.lm_head.weight.is_mkldnn and not llama.model.embed_tokens.weight.is_mkldnn
-    kimi = ModelRunner(models["kimi-k2"], dtype=torch.float32, device=CPU, kv_cache_bytes=8 << 20).model
+    kimi = ModelRunner(
+        tiny_checkpoints["kimi-k2"], dtype=torch.float32, device=CPU, kv_cache_bytes=8 << 20
+    ).model
     attention = kimi.model.layers[0].self_attn
     assert not attention.kv_b_proj.weight.is_mkldnn  # absorbed MLA reads it per head
     assert attention.o_proj.weight.is_mkldnn

@@ -16,19 +16,8 @@ from safetensors.torch import load_file, save_file
 from cachet.engine.models import ModelConfig
 from cachet.engine.tensor_parallel import TensorParallelRank, TensorSlice, checkpoint_slices
 from cachet.engine.weights import CheckpointError, load_model
-from cachet.models.tiny import write_tiny_model
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tp-load")
-    cache = root / "tok-cache"
-    return {
-        "llama": write_tiny_model(root / "llama", tokenizer_cache_dir=cache),
-        "kimi-k2": write_tiny_model(root / "kimi", family="kimi-k2", tokenizer_cache_dir=cache),
-    }
 
 
 def _load(model_dir: Path, rank: int, size: int, ep: int = 1) -> torch.nn.Module:
@@ -43,9 +32,9 @@ def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("family", "ep"), [("llama", 1), ("kimi-k2", 2), ("kimi-k2", 1)])
 def test_each_rank_holds_its_slices_and_together_they_are_the_checkpoint(
-    family: str, ep: int, models: dict[str, Path]
+    family: str, ep: int, tiny_checkpoints: dict[str, Path]
 ) -> None:
-    model_dir = models[family]
+    model_dir = tiny_checkpoints[family]
     full = _checkpoint(model_dir)
     ranks = [_load(model_dir, rank, 2, ep) for rank in range(2)]
     slices = [checkpoint_slices(model) for model in ranks]
@@ -76,9 +65,9 @@ def test_each_rank_holds_its_slices_and_together_they_are_the_checkpoint(
 
 
 def test_ep_equal_to_tp_splits_experts_whole_and_shared_experts_by_channels(
-    models: dict[str, Path],
+    tiny_checkpoints: dict[str, Path],
 ) -> None:
-    model_dir = models["kimi-k2"]
+    model_dir = tiny_checkpoints["kimi-k2"]
     full = _checkpoint(model_dir)
     rank1 = _load(model_dir, 1, 2, ep=2)
     assert rank1.expert_parallel.size == 2
@@ -94,8 +83,8 @@ def test_ep_equal_to_tp_splits_experts_whole_and_shared_experts_by_channels(
     assert moe.shared_experts.gate_proj.weight.shape[0] == shared.shape[0] // 2
 
 
-def test_ep_1_cuts_every_expert_by_channels(models: dict[str, Path]) -> None:
-    model_dir = models["kimi-k2"]
+def test_ep_1_cuts_every_expert_by_channels(tiny_checkpoints: dict[str, Path]) -> None:
+    model_dir = tiny_checkpoints["kimi-k2"]
     full = _checkpoint(model_dir)
     rank1 = _load(model_dir, 1, 2, ep=1)
     assert rank1.expert_parallel.size == 1
@@ -117,15 +106,15 @@ def test_ep_1_cuts_every_expert_by_channels(models: dict[str, Path]) -> None:
     )
 
 
-def test_an_expert_parallel_size_other_than_1_or_tp_is_refused(models: dict[str, Path]) -> None:
+def test_an_expert_parallel_size_other_than_1_or_tp_is_refused(tiny_checkpoints: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="expert_parallel_size=3 must be 1 or the tensor-parallel size"):
         TensorParallelRank(0, 2, expert_parallel_size=3)
     with pytest.raises(ValueError, match="must be 1 or the tensor-parallel size"):
-        _load(models["kimi-k2"], 0, 4, ep=2)
+        _load(tiny_checkpoints["kimi-k2"], 0, 4, ep=2)
 
 
-def test_uneven_heads_and_too_many_ranks(models: dict[str, Path]) -> None:
-    model_dir = models["kimi-k2"]
+def test_uneven_heads_and_too_many_ranks(tiny_checkpoints: dict[str, Path]) -> None:
+    model_dir = tiny_checkpoints["kimi-k2"]
     # 4 MLA heads over 3 ranks: 2 + 1 + 1.
     heads = [_load(model_dir, rank, 3).model.layers[0].self_attn.o_proj.in_features for rank in range(3)]
     v_head_dim = ModelConfig.from_model_dir(model_dir).mla.v_head_dim  # type: ignore[union-attr]
@@ -135,9 +124,9 @@ def test_uneven_heads_and_too_many_ranks(models: dict[str, Path]) -> None:
 
 
 def test_a_checkpoint_tensor_of_the_wrong_full_shape_is_named(
-    models: dict[str, Path], tmp_path: Path
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    model_dir = models["llama"]
+    model_dir = tiny_checkpoints["llama"]
     tensors = _checkpoint(model_dir)
     # Still long enough to cut a rank's rows from: only the full-shape check can catch it.
     name = "model.layers.0.mlp.gate_proj.weight"
