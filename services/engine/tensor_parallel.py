@@ -200,7 +200,8 @@ class ParallelLMHead(PackableLinear):
     The slices meet by an all-reduce of a zero-padded ``[tokens, vocab]`` tensor rather than an
     all-gather: DeepSpeed's fast CPU collective is an all-reduce, and only sampling positions
     reach the head, so the tensor is a few rows. Its rows match ``VocabParallelEmbedding``'s,
-    so a tied head shares the embedding's shard.
+    so a tied head shares the embedding's shard (on a CPU, packing then gives it a
+    copy of its own: ``packed_linear``).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallelRank) -> None:
