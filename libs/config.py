@@ -81,8 +81,9 @@ class EngineSettings(ServiceSettings):
     # Batch (async queue) work starts only while fewer than this share of max_num_seqs run;
     # the seats above stay open to interactive arrivals. Reported to routers, whose
     # dispatchers keep a few jobs waiting here beyond it (CACHET_ROUTER_BATCH_PREFETCH).
-    # 0.875, not 0.75: with the default model the backlog drained 0.94-0.95 of the free
-    # capacity against 0.86-0.89, first tokens unchanged (docs/async_queue_measurements.md).
+    # 0.875, not 0.75: with the default model the backlog drained 0.90-0.95 of the free
+    # capacity (three runs, mean 0.93) against 0.86-0.93 (mean 0.89), first tokens unchanged
+    # (docs/async_queue_measurements.md).
     batch_max_running_fraction: float = Field(default=0.875, gt=0, le=1)
     max_model_len: int | None = Field(default=None, ge=16)
     # Ranks of one replica (its TP group). CACHET_EP, for mixture-of-experts models only: 1 cuts
