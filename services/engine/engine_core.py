@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from tokenizers import Tokenizer
 
+from cachet.config import EngineSettings
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar, StepMasks
@@ -69,7 +70,9 @@ class EngineCore:
     wake: Callable[[], None] | None = None
     # An interactive-only step also looks for arrivals once the last step took this long
     # (``EngineSettings.arrivals_interactive_min_step_ms``; None: such steps never look).
-    interactive_look_min_step_seconds: float | None = 0.01
+    interactive_look_min_step_seconds: float | None = (
+        EngineSettings.model_fields["arrivals_interactive_min_step_ms"].default / 1000
+    )
     scheduler: Scheduler = field(init=False)
     _masks: MaskBuilder | None = field(init=False, default=None)
     # Requests whose grammar is still being built; reaped at each step.
