@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.engine_bench import EngineHarness
+from bench.engine_bench import EngineHarness, one_math_thread
 from bench.queue_bench import (
     INTERACTIVE_SHARE,
     MAX_NUM_SEQS,
@@ -138,8 +138,7 @@ def run_arrivals_bench(quick: bool = False, model: str | None = None) -> dict[st
     print(f"[bench] engine arrivals trade (one process, {model_name}, no gRPC)", flush=True)
     seconds = (3.0 if quick else 8.0) if model is None else (10.0 if quick else 30.0)
     rounds = 1 if quick else 2
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="cachet-arrivals-bench-") as directory:
+    with one_math_thread(), tempfile.TemporaryDirectory(prefix="cachet-arrivals-bench-") as directory:
         if model is None:
             model_dir, model_id = write_tiny_model(Path(directory) / "tiny"), "tiny"
         else:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +33,18 @@ _GIB = 1024**3
 
 def _progress(message: str) -> None:
     print(f"[bench] {message}", flush=True)
+
+
+@contextmanager
+def one_math_thread() -> Iterator[None]:
+    """torch on one thread, as the queue bench runs the engine (the other core for the rest),
+    then back to what it was: ``python -m bench`` runs later sections in this process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class EngineHarness:

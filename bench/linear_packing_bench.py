@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from bench.engine_bench import EngineHarness
+from bench.engine_bench import EngineHarness, one_math_thread
+from bench.queue_bench import TOKEN_RANGE
 from cachet.engine.model_runner import default_dtype
 from cachet.engine.packed_linear import packs_linear_weights
 from cachet.models.catalog import ensure_model
 
-TOKEN_RANGE = (100, 10_000)
 DECODE_ROWS = 23
+DECODE_LABEL = f"decode step, {DECODE_ROWS} rows"
 # (label, prompts of this many tokens in one step)
 PREFILL_SHAPES = (("one-token prompt", [1]), ("40-token prompt", [40]), ("512-token prefill step", [64] * 8))
 
@@ -71,39 +72,39 @@ def run_linear_packing_bench(model: str | None = None, quick: bool = False) -> d
     if not packs_linear_weights(torch.device("cpu"), dtype):
         print("[bench]   this CPU or torch build cannot pack these weights: skipped", flush=True)
         return {"model": resolved.model_id, "dtype": str(dtype), "skipped": True}
-    torch.set_num_threads(1)  # as the queue bench runs the engine: one thread, the other core for the rest
-    harnesses = {
-        name: EngineHarness(
-            resolved.path, resolved.model_id, dtype, max_batched_tokens=512, pack_weights=name == "packed"
-        )
-        for name in ("plain", "packed")
-    }
     rounds = 3 if quick else 7
+    with one_math_thread():
+        harnesses = {
+            name: EngineHarness(
+                resolved.path, resolved.model_id, dtype, max_batched_tokens=512, pack_weights=name == "packed"
+            )
+            for name in ("plain", "packed")
+        }
+        rows = _median_ms(harnesses, rounds)
+    _print(rows, resolved.model_id, str(dtype).removeprefix("torch."))
+    return {"model": resolved.model_id, "dtype": str(dtype), "rounds": rounds, "median_ms": rows}
+
+
+def _median_ms(harnesses: dict[str, EngineHarness], rounds: int) -> dict[str, dict[str, float]]:
+    """Step label -> harness name -> median ms over ``rounds``, after one warm-up round (oneDNN
+    picks and caches its kernels per shape)."""
     rng = random.Random(0)
-    samples: dict[str, dict[str, list[float]]] = {
-        label: {"plain": [], "packed": []} for label, _ in PREFILL_SHAPES
-    }
-    decode_label = f"decode step, {DECODE_ROWS} rows"
-    samples[decode_label] = {"plain": [], "packed": []}
-    # Round 0 only warms both up (oneDNN picks and caches its kernels per shape).
+    labels = [label for label, _ in PREFILL_SHAPES] + [DECODE_LABEL]
+    samples: dict[str, dict[str, list[float]]] = {label: {name: [] for name in harnesses} for label in labels}
     for round_index in range(rounds + 1):
         print(f"[bench]   round {round_index}/{rounds}{' (warm-up)' if round_index == 0 else ''}", flush=True)
         # Alternated shape by shape, so a slow spell of a shared machine falls on both.
         for label, prompts in PREFILL_SHAPES:
             for name, harness in harnesses.items():
-                elapsed = _prefill_ms(harness, rng, prompts)
-                if round_index:
-                    samples[label][name].append(elapsed)
+                elapsed = [_prefill_ms(harness, rng, prompts)]
+                samples[label][name].extend(elapsed if round_index else [])
         for name, harness in harnesses.items():
-            elapsed_steps = _decode_ms(harness, rng, steps=4)
-            if round_index:
-                samples[decode_label][name].extend(elapsed_steps)
-    rows = {
+            elapsed = _decode_ms(harness, rng, steps=4)
+            samples[DECODE_LABEL][name].extend(elapsed if round_index else [])
+    return {
         label: {name: statistics.median(times) for name, times in by_name.items()}
         for label, by_name in samples.items()
     }
-    _print(rows, resolved.model_id, str(dtype).removeprefix("torch."))
-    return {"model": resolved.model_id, "dtype": str(dtype), "rounds": rounds, "median_ms": rows}
 
 
 def _print(rows: dict[str, dict[str, float]], model_id: str, dtype: str) -> None:
