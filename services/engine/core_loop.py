@@ -11,8 +11,11 @@ queue) work runs, the loop looks for commands between the model's layers (``Step
 A new interactive request that can start at once (a free seat, free blocks, no grammar)
 then gets its first token from a forward pass of its own, run there, and its report goes
 out before the step's: an interactive arrival waits for a layer of the backlog's step, not
-for the whole of it. Aborts read then wait for the step's end: they free blocks the step is
-still writing.
+for the whole of it. Where the engine has an arrival lane (``arrival_lane``: a CPU engine on
+one math thread with a core to spare), that pass runs on the lane's thread instead and the
+step goes on beside it; its report goes out at the first layer boundary after it ends, or at
+the step's end, which waits for it. Aborts read then wait for the step's end: they free
+blocks the step (or the lane) is still writing.
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ class CoreLoop:
         outputs = self.core.step(arrivals)
         elapsed = clock() - started - self._interleaved_seconds
         ran_model = self.core.scheduler.counts.steps != steps_before
+        if inbox is not None:
+            # Before the deferred aborts: the lane's pass may still write its requests' blocks.
+            self._report_lane(inbox, wait=True)
         report = self._report(outputs, elapsed if ran_model else None)
         if inbox is not None:
             deferred, self._deferred = self._deferred, []
@@ -136,19 +142,34 @@ class CoreLoop:
                 self._deferred.append((command_id, command))
             else:
                 inbox.send(self.run(command_id, command))
-        if not self.core.scheduler.waiting.num_interactive:
-            if commands:
-                inbox.send(self.report_without_step())
-            return
+        reported = self._report_lane(inbox, wait=False)
+        if self.core.scheduler.waiting.num_interactive:
+            reported = self._start_arrivals(inbox, clock) or reported
+        if commands and not reported:
+            inbox.send(self.report_without_step())
+
+    def _start_arrivals(self, inbox: StepInbox, clock: Callable[[], float]) -> bool:
+        """Start the waiting interactive requests that can start: on the lane when it is free,
+        else in the step's place (an arrival waits for no pass). Whether a report went out or
+        is coming."""
+        if self.core.start_arrivals():
+            return True  # the lane's report follows, by the step's end at the latest
         started = clock()
         outputs = self.core.step_arrivals()
         if outputs is None:
-            if commands:
-                inbox.send(self.report_without_step())
-            return
+            return False
         elapsed = clock() - started
         self._interleaved_seconds += elapsed
         inbox.send(self._report(outputs, elapsed))
+        return True
+
+    def _report_lane(self, inbox: StepInbox, *, wait: bool) -> bool:
+        """Send the report of the lane's pass once it has ended; whether one went out."""
+        finished = self.core.finish_arrivals(wait=wait)
+        if finished is None:
+            return False
+        inbox.send(self._report(*finished))
+        return True
 
     def report_without_step(self) -> StepReport:
         return self._report([], None)

@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from cachet.config import EngineSettings
+from cachet.engine.arrival_lane import ArrivalLane
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar, StepMasks
@@ -73,6 +74,9 @@ class EngineCore:
     interactive_look_min_step_seconds: float | None = (
         EngineSettings.model_fields["arrivals_interactive_min_step_ms"].default / 1000
     )
+    # Where arrivals started inside a step run their pass: on this lane, beside the step
+    # (``start_arrivals``); None: in the step's place, which waits (``step_arrivals``).
+    arrival_lane: ArrivalLane | None = None
     scheduler: Scheduler = field(init=False)
     _masks: MaskBuilder | None = field(init=False, default=None)
     # Requests whose grammar is still being built; reaped at each step.
@@ -81,6 +85,8 @@ class EngineCore:
     _pending: list[RequestOutput] = field(init=False, default_factory=list)
     _busy: bool = field(init=False, default=False)
     _last_step_seconds: float = field(init=False, default=0.0)
+    # True while the model runs a step: only then may a pass start on the lane.
+    _executing: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
@@ -140,6 +146,10 @@ class EngineCore:
         when the step carries batch work, or when the last step was long (see ``_looks_inside``),
         and before the step when batch work is running and interactive requests wait (those
         that came in at the end of the last step)."""
+        if self.arrival_lane is not None and self.arrival_lane.busy:
+            # Its requests sit in ``running`` with their prompt not yet counted as computed:
+            # scheduling now would run that prompt a second time.
+            raise RuntimeError("finish_arrivals(wait=True) must post the lane's pass before the next step")
         self._reap_failed_grammars()
         if arrivals is not None and not self._interleaves:
             arrivals = None
@@ -150,7 +160,11 @@ class EngineCore:
             result = StepResult()
         else:
             started = time.perf_counter()
-            result = self._execute(plan, arrivals if self._looks_inside(plan) else None)
+            self._executing = True
+            try:
+                result = self._execute(plan, arrivals if self._looks_inside(plan) else None)
+            finally:
+                self._executing = False
             self._last_step_seconds = time.perf_counter() - started
         outputs = self._postprocess(plan, result)
         self._check_when_idle()
@@ -167,6 +181,30 @@ class EngineCore:
         if plan.is_empty:
             return None
         return self._postprocess(plan, self.runner.execute(plan))
+
+    def start_arrivals(self) -> bool:
+        """Start the interactive requests that can start at once (as ``step_arrivals`` picks them)
+        in a pass on the arrival lane, beside the step in flight. False, and nothing started,
+        without a lane, outside a step's layers, while the lane runs a pass, or when none could
+        start; the caller then runs ``step_arrivals`` if it must not wait."""
+        lane = self.arrival_lane
+        if lane is None or lane.busy or not self._executing:
+            return False
+        plan = self.scheduler.schedule_arrivals()
+        if plan.is_empty:
+            return False
+        lane.start(plan, self.runner.execute)
+        return True
+
+    def finish_arrivals(self, *, wait: bool) -> tuple[list[RequestOutput], float] | None:
+        """Post the lane's pass once it has ended (``wait``: wait for it): its outputs, and how
+        long the model ran it. None when no pass runs, or (without ``wait``) one still does."""
+        if self.arrival_lane is None:
+            return None
+        done = self.arrival_lane.take(wait=wait)
+        if done is None:
+            return None
+        return self._postprocess(done.plan, done.result), done.seconds
 
     @property
     def _interleaves(self) -> bool:

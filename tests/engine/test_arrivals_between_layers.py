@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_scheduler import SimulatedRunner, make_request, make_scheduler, step
 
+from cachet.engine.arrival_lane import ArrivalLane, spare_core_for_arrivals
 from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.loop_messages import AbortRequest, AddRequest, Message, Reply, StepReport
@@ -176,15 +177,19 @@ def _request(request_id: str, prompt: list[int], *, interactive: bool, max_token
     return Request(request_id, prompt, sampling, max_tokens, interactive=interactive)
 
 
-def _generate(model_dir: Path, *, interleave: bool) -> tuple[dict[str, list[int]], list[list[object]]]:
+def _generate(
+    model_dir: Path, *, interleave: bool, lane: bool = False
+) -> tuple[dict[str, list[int]], list[list[object]]]:
     """Six batch requests decoding; an interactive one arrives during step 3, an abort of one
-    batch request during step 5. Tokens of every request, and per step what went out."""
+    batch request during step 5. Tokens of every request, and per step what went out.
+    ``lane``: the arrival's pass runs on an arrival lane's thread, beside the step."""
     torch.manual_seed(0)
     runner = ModelRunner(model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=8 << 20)
     config = SchedulerConfig(max_model_len=runner.max_model_len, max_num_batched_tokens=256, max_num_seqs=8)
-    loop = CoreLoop(
-        EngineCore(runner, model="tiny", scheduler_config=config), arrivals_between_layers=interleave
+    core = EngineCore(
+        runner, model="tiny", scheduler_config=config, arrival_lane=ArrivalLane() if lane else None
     )
+    loop = CoreLoop(core, arrivals_between_layers=interleave)
     prompts = {f"b{i}": [100 + 37 * i + j for j in range(21)] for i in range(6)}
     for request_id, prompt in prompts.items():
         loop.run(0, AddRequest(_request(request_id, prompt, interactive=False, max_tokens=12)))
@@ -217,13 +222,17 @@ def _generate(model_dir: Path, *, interleave: bool) -> tuple[dict[str, list[int]
 
 def test_interleaved_steps_give_every_request_the_same_tokens(model_dir: Path):
     interleaved, _ = _generate(model_dir, interleave=True)
+    on_the_lane, _ = _generate(model_dir, interleave=True, lane=True)
     plain, _ = _generate(model_dir, interleave=False)
     assert interleaved == plain
+    # Two passes at once on two threads, the same cache tensor: each wrote only its own slots.
+    assert on_the_lane == plain
     assert len(interleaved["i"]) == 5 and len(interleaved["b0"]) == 12
 
 
-def test_the_arrivals_first_token_goes_out_before_the_step_it_arrived_in_ends(model_dir: Path):
-    _, per_step = _generate(model_dir, interleave=True)
+@pytest.mark.parametrize("lane", [False, True], ids=["in-step", "lane"])
+def test_the_arrivals_first_token_goes_out_before_the_step_it_arrived_in_ends(model_dir: Path, lane: bool):
+    _, per_step = _generate(model_dir, interleave=True, lane=lane)
     reply, arrival_report, step_report = per_step[3]
     assert isinstance(reply, Reply) and reply.error is None
     assert isinstance(arrival_report, StepReport) and isinstance(step_report, StepReport)
@@ -273,3 +282,75 @@ def test_interactive_only_steps_look_once_steps_are_long():
     never.add_request(make_request("alone", _prompt(8, 90), max_tokens=3))
     while never.has_unfinished_requests():
         never.step(lambda: pytest.fail("interactive-only steps were told never to look"))
+
+
+# ---------------------------------------------------------------- the arrival lane
+
+
+def test_a_lane_pass_starts_only_inside_a_step_and_must_be_posted_before_the_next():
+    runner = LayeredRunner(num_kv_blocks=64)
+    config = SchedulerConfig(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4)
+    engine = EngineCore(runner, model="tiny", scheduler_config=config, arrival_lane=ArrivalLane())
+    engine.add_request(make_request("batch", _prompt(8), max_tokens=20, interactive=False))
+    engine.step()
+    engine.add_request(make_request("early", _prompt(8, 50), max_tokens=3))
+    assert not engine.start_arrivals()  # between steps: the next schedule() takes it
+    engine.step()
+    posted: list[tuple[list[str], float]] = []
+
+    def arrivals() -> None:
+        if not posted:
+            engine.add_request(make_request("late", _prompt(8, 70), max_tokens=3))
+            assert engine.start_arrivals()
+            assert not engine.start_arrivals()  # the lane runs one pass at a time
+            outputs, seconds = engine.finish_arrivals(wait=True)
+            posted.append(([output.request_id for output in outputs], seconds))
+
+    outputs = engine.step(arrivals)
+    assert [ids for ids, _ in posted] == [["late"]] and posted[0][1] >= 0
+    assert sorted(output.request_id for output in outputs) == ["batch", "early"]
+    assert engine.finish_arrivals(wait=True) is None  # posted once
+
+    def left_running() -> None:
+        engine.add_request(make_request("forgotten", _prompt(8, 90), max_tokens=3))
+        assert engine.start_arrivals()
+
+    engine.step(left_running)
+    with pytest.raises(RuntimeError, match="before the next step"):
+        engine.step()
+    [output] = engine.finish_arrivals(wait=True)[0]
+    assert output.request_id == "forgotten" and len(output.new_token_ids) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_failed_lane_pass_raises_on_the_loop_thread():
+    class FailingRunner(LayeredRunner):
+        def execute(self, plan: StepPlan, between_layers: Callable[[], None] | None = None) -> StepResult:
+            if between_layers is None and "doomed" in plan.num_scheduled_tokens:
+                raise RuntimeError("the device fell over")
+            return super().execute(plan, between_layers)
+
+    config = SchedulerConfig(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4)
+    engine = EngineCore(
+        FailingRunner(num_kv_blocks=64), model="tiny", scheduler_config=config, arrival_lane=ArrivalLane()
+    )
+    engine.add_request(make_request("batch", _prompt(8), max_tokens=20, interactive=False))
+    engine.step()
+
+    def arrivals() -> None:
+        engine.add_request(make_request("doomed", _prompt(8, 50), max_tokens=3))
+        assert engine.start_arrivals()
+
+    engine.step(arrivals)
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.finish_arrivals(wait=True)
+
+
+def test_the_lane_is_for_a_one_thread_cpu_engine_with_a_core_to_spare(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1})
+    assert spare_core_for_arrivals(torch.device("cpu"), math_threads=1)
+    assert not spare_core_for_arrivals(torch.device("cpu"), math_threads=2)
+    assert not spare_core_for_arrivals(torch.device("cuda"), math_threads=1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0})
+    assert not spare_core_for_arrivals(torch.device("cpu"), math_threads=1)
