@@ -38,7 +38,8 @@ def spare_core_for_arrivals(device: torch.device, math_threads: int) -> bool:
     host with another core."""
     if device.type != "cpu" or math_threads != 1:
         return False
-    return len(os.sched_getaffinity(0)) >= 2
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable >= 2
 
 
 class ArrivalLane:
@@ -71,9 +72,6 @@ class ArrivalLane:
         assert plan is not None
         result, seconds = future.result()
         return LanePass(plan, result, seconds)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
 
     @staticmethod
     def _run(plan: StepPlan, execute: Callable[[StepPlan], StepResult]) -> tuple[StepResult, float]:

@@ -183,6 +183,7 @@ def build_core_loop(
 def choose_arrival_lane(
     settings: EngineSettings, runner: ModelRunner | distributed.ShardedRunner, device: torch.device
 ) -> ArrivalLane | None:
+    """A lane only where arrivals start inside steps at all; ``auto``: where it gets a core."""
     interleaves = settings.arrivals_between_layers and runner.supports_between_layers
     if settings.arrival_lane == "off" or not interleaves:
         return None

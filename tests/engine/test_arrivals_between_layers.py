@@ -11,14 +11,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_scheduler import SimulatedRunner, make_request, make_scheduler, step
 
+from cachet.config import EngineSettings
 from cachet.engine.arrival_lane import ArrivalLane, spare_core_for_arrivals
 from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore
+from cachet.engine.loop_builder import choose_arrival_lane
 from cachet.engine.loop_messages import AbortRequest, AddRequest, Message, Reply, StepReport
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.request import Request, RequestStatus
@@ -354,3 +357,21 @@ def test_the_lane_is_for_a_one_thread_cpu_engine_with_a_core_to_spare(monkeypatc
     assert not spare_core_for_arrivals(torch.device("cuda"), math_threads=1)
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0})
     assert not spare_core_for_arrivals(torch.device("cpu"), math_threads=1)
+
+
+def test_the_setting_and_the_runner_choose_the_lane(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1})
+    cpu = torch.device("cpu")
+    interleaving = SimpleNamespace(supports_between_layers=True)
+    sharded = SimpleNamespace(supports_between_layers=False)  # a tensor-parallel replica's
+
+    def has_lane(runner: object, math_threads: int, **settings: object) -> bool:
+        monkeypatch.setattr(torch, "get_num_threads", lambda: math_threads)
+        return choose_arrival_lane(EngineSettings(**settings), runner, cpu) is not None
+
+    assert has_lane(interleaving, 1)
+    assert not has_lane(interleaving, 2)
+    assert has_lane(interleaving, 2, arrival_lane="on")
+    assert not has_lane(interleaving, 1, arrival_lane="off")
+    assert not has_lane(interleaving, 1, arrivals_between_layers=False)
+    assert not has_lane(sharded, 1, arrival_lane="on")
