@@ -5,8 +5,8 @@ most 1.1x those without it; the backlog drains using at least 90% of the capacit
 interactive traffic leaves free; 100,000 queued requests keep the dispatcher's memory
 flat and go in at over 1,000 requests/s.
 
-One run starts tokenizer, usage, cache, one engine on the tiny random-weight model and
-the router (whose dispatcher drains the queue), each its own process on loopback, as
+One run starts tokenizer, usage, cache, one engine (the tiny random-weight model, or the
+model ``--model`` names; ``python -m bench`` names the default one) and the router (whose dispatcher drains the queue), each its own process on loopback, as
 ``run-local`` wires them. Every request, interactive or queued, has the same shape: a
 prompt of ``PROMPT_TOKENS`` random token ids (no two share a prefix block) and
 ``MAX_TOKENS`` generated tokens, greedy, ``ignore_eos``; so requests/s is one unit of
@@ -95,6 +95,9 @@ class Scale:
 
 FULL = Scale(window_seconds=30.0, submit_requests=100_000)
 QUICK = Scale(window_seconds=8.0, submit_requests=20_000)
+# A real model on a CPU finishes a few requests a second (SmolLM2-135M: about 10 on the dev
+# box): 90 s windows hold some 250 interactive requests, enough for a p99.
+REAL_MODEL_WINDOW_SECONDS = 90.0
 
 
 @dataclass(frozen=True)
