@@ -264,9 +264,10 @@ class RequestPipeline:
             log.info(
                 "every replica at capacity",
                 request_id=request.request_id,
+                # With the queued jobs among them: placement counts only interactive seats.
                 replicas=[
-                    f"{load.address} running {load.running}/{load.max_running} waiting "
-                    f"{load.waiting}/{load.max_waiting}"
+                    f"{load.address} running {load.running}/{load.max_running} ({load.batch_running} jobs)"
+                    f" waiting {load.waiting}/{load.max_waiting} ({load.batch_waiting} jobs)"
                     for load in available
                 ],
                 refused_by=list(refused),
