@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from bench.progress import progress
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.model_runner import ModelRunner, default_dtype
 from cachet.engine.request import Request
@@ -29,10 +30,6 @@ from cachet.engine.scheduler import SchedulerConfig
 from cachet.models.catalog import ensure_model
 
 _GIB = 1024**3
-
-
-def _progress(message: str) -> None:
-    print(f"[bench] {message}", flush=True)
 
 
 @contextmanager
@@ -152,11 +149,11 @@ def run_engine_bench(model: str | None = None, dtype: str = "auto", quick: bool 
     prompt_len = 32
     long_len = 500 if quick else 2000
     threads = torch.get_num_threads()
-    _progress(f"model {resolved.model_id}, dtype {torch_dtype}, {threads} threads, {new_tokens} new tokens")
+    progress(f"model {resolved.model_id}, dtype {torch_dtype}, {threads} threads, {new_tokens} new tokens")
 
-    _progress("loading transformers model")
+    progress("loading transformers model")
     hf = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype).eval()
-    _progress("loading Cachet engine")
+    progress("loading Cachet engine")
     engine = EngineHarness(resolved.path, resolved.model_id, torch_dtype, max_batched_tokens=2048)
 
     results: dict = {"model": resolved.model_id, "dtype": str(torch_dtype), "threads": threads}
@@ -167,23 +164,23 @@ def run_engine_bench(model: str | None = None, dtype: str = "auto", quick: bool 
     _hf_decode_tokens_per_second(hf, warm, 4, pad_id=0)
 
     for streams in (1, 4, 16):
-        _progress(f"engine decode, {streams} concurrent streams")
+        progress(f"engine decode, {streams} concurrent streams")
         for prompt in _prompts(tokenizer, streams, prompt_len, seed=streams):
             engine.submit(prompt, new_tokens)
         generated, seconds = engine.run_until_done()
         rows.append((f"cachet decode, {streams} streams", generated / seconds))
-    _progress("transformers generate, batch 1")
+    progress("transformers generate, batch 1")
     hf_batch1 = _hf_decode_tokens_per_second(hf, _prompts(tokenizer, 1, prompt_len, seed=1), new_tokens, 0)
     rows.append(("transformers generate, batch 1", hf_batch1))
-    _progress("transformers generate, static batch 16")
+    progress("transformers generate, static batch 16")
     hf_batch16 = _hf_decode_tokens_per_second(hf, _prompts(tokenizer, 16, prompt_len, seed=16), new_tokens, 0)
     rows.append(("transformers generate, static batch 16", hf_batch16))
 
-    _progress(f"time to first token, {long_len}-token prompt, cold")
+    progress(f"time to first token, {long_len}-token prompt, cold")
     engine.reset_cache()
     long_prompt = _prompts(tokenizer, 1, long_len, seed=7)[0]
     cold, _ = engine.time_to_first_token(long_prompt)
-    _progress("time to first token, 95% cached")
+    progress("time to first token, 95% cached")
     shared = int(long_len * 0.95)
     warm_prompt = long_prompt[:shared] + _prompts(tokenizer, 1, long_len - shared, seed=8)[0]
     cached_ttft, cached_tokens = engine.time_to_first_token(warm_prompt)

@@ -94,13 +94,16 @@ def _median_ms(harnesses: dict[str, EngineHarness], rounds: int) -> dict[str, di
     for round_index in range(rounds + 1):
         print(f"[bench]   round {round_index}/{rounds}{' (warm-up)' if round_index == 0 else ''}", flush=True)
         # Alternated shape by shape, so a slow spell of a shared machine falls on both.
+        warm_up = round_index == 0
         for label, prompts in PREFILL_SHAPES:
             for name, harness in harnesses.items():
-                elapsed = [_prefill_ms(harness, rng, prompts)]
-                samples[label][name].extend(elapsed if round_index else [])
+                elapsed = _prefill_ms(harness, rng, prompts)
+                if not warm_up:
+                    samples[label][name].append(elapsed)
         for name, harness in harnesses.items():
-            elapsed = _decode_ms(harness, rng, steps=4)
-            samples[DECODE_LABEL][name].extend(elapsed if round_index else [])
+            decode_steps = _decode_ms(harness, rng, steps=4)
+            if not warm_up:
+                samples[DECODE_LABEL][name].extend(decode_steps)
     return {
         label: {name: statistics.median(times) for name, times in by_name.items()}
         for label, by_name in samples.items()

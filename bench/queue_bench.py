@@ -64,6 +64,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.progress import progress
 from bench.service_chain_bench import MODEL_ID, _Services
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -256,10 +257,6 @@ async def _engine_window(
     } | {f"cores_{name}": (cpu_after[name] - cpu_before[name]) / elapsed for name in pids}
 
 
-def _progress(message: str) -> None:
-    print(f"[bench]   {message}", flush=True)
-
-
 def _percentile(ordered: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
@@ -389,7 +386,7 @@ async def measure(
         engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
         client_loop_lag = EventLoopLagMonitor(_CLIENT_LOOP_LAG)
         client_loop_lag.start()
-        _progress(f"warm-up: 1 to {MAX_NUM_SEQS} closed-loop clients")
+        progress(f"  warm-up: 1 to {MAX_NUM_SEQS} closed-loop clients")
         # Warm-up: every batch size once (a GPU engine's first step at a new size is slow).
         for clients in range(1, MAX_NUM_SEQS + 1):
             await measure_capacity(stub, 0.2, clients, workload)
@@ -401,34 +398,34 @@ async def measure(
             )
             return result
 
-        _progress(f"window 1/5, {window:.0f} s: capacity, {MAX_NUM_SEQS} closed-loop clients")
+        progress(f"  window 1/5, {window:.0f} s: capacity, {MAX_NUM_SEQS} closed-loop clients")
         capacity = await watched("capacity", measure_capacity(stub, window, MAX_NUM_SEQS, workload))
-        _progress(f"  {capacity:.1f} req/s; window 2/5, {window:.0f} s: the same clients streaming")
+        progress(f"    {capacity:.1f} req/s; window 2/5, {window:.0f} s: the same clients streaming")
         capacity_streaming = await measure_capacity(stub, window, MAX_NUM_SEQS, workload, stream=True)
         rate = INTERACTIVE_SHARE * capacity
-        _progress(
-            f"  {capacity_streaming:.1f} req/s; window 3/5, {window:.0f} s: interactive arrivals alone,"
+        progress(
+            f"    {capacity_streaming:.1f} req/s; window 3/5, {window:.0f} s: interactive arrivals alone,"
             f" {rate:.1f}/s"
         )
         alone = await watched("interactive_alone", interactive_arrivals(stub, engine, rate, window, workload))
 
         # Enough work that the queue cannot run dry during the window, even at full capacity.
         backlog = max(5_000, int(capacity * window * 3))
-        _progress(f"  TTFT p50 {alone['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests")
+        progress(f"    TTFT p50 {alone['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests")
         await fill_queue(stub, backlog, workload)
         await asyncio.sleep(2.0)  # the dispatcher reaches its steady state
-        _progress(f"window 4/5, {window:.0f} s: the backlog draining alone")
+        progress(f"  window 4/5, {window:.0f} s: the backlog draining alone")
         drain_alone = await watched("drain_alone", _drain_rate(queue_file, asyncio.sleep(window)))
-        _progress(
-            f"  {drain_alone:.1f} req/s; window 5/5, {window:.0f} s: interactive arrivals beside the backlog"
+        progress(
+            f"    {drain_alone:.1f} req/s; window 5/5, {window:.0f} s: interactive arrivals beside the backlog"
         )
         with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, engine, rate, window, workload))
         drain_rate = await watched("interactive_with_backlog", _drain_rate(queue_file, with_backlog_run))
         with_backlog = with_backlog_run.result()
-        _progress(f"  TTFT p50 {with_backlog['ttft_p50_ms']:.1f} ms, drain {drain_rate:.1f} req/s")
+        progress(f"    TTFT p50 {with_backlog['ttft_p50_ms']:.1f} ms, drain {drain_rate:.1f} req/s")
 
         rss_before = _rss_mib(router_pid)
-        _progress(f"submitting {scale.submit_requests} requests through QueueRequests")
+        progress(f"  submitting {scale.submit_requests} requests through QueueRequests")
         submission = await fill_queue(stub, scale.submit_requests, workload)
         rss_after = _rss_mib(router_pid)
         await asyncio.sleep(2.0)

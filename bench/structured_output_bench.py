@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from bench.progress import progress
 from cachet.common.v1 import common_pb2
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.grammar_matcher import RequestGrammar
@@ -39,10 +40,6 @@ from cachet.models.catalog import ensure_model
 _SCHEMAS_FILE = Path(__file__).resolve().parents[1] / "tests/engine/test_structured_output_schemas.py"
 # A schema whose documents run long enough (~60-100 tokens) for a steady decode rate.
 _BENCH_SCHEMA = "order_refs"
-
-
-def _progress(message: str) -> None:
-    print(f"[bench] {message}", flush=True)
 
 
 def load_schemas() -> dict[str, dict]:
@@ -191,12 +188,12 @@ def run_structured_output_bench(model: str | None = None, dtype: str = "auto", q
         )
     schema_core, free_core = cores
     max_tokens, rounds = (32, 2) if quick else (96, 4)
-    _progress(f"structured output: {resolved.model_id}, {torch_dtype}, schema {_BENCH_SCHEMA!r}")
+    progress(f"structured output: {resolved.model_id}, {torch_dtype}, schema {_BENCH_SCHEMA!r}")
     side_by_side(schema_core, free_core, 8, [8])  # warm up both engines
     side_by_side(free_core, schema_core, 8, [8])
     rows = []
     for streams in (1, 8):
-        _progress(f"decode, {streams} streams, {rounds} side-by-side round(s)")
+        progress(f"decode, {streams} streams, {rounds} side-by-side round(s)")
         rows.append(compare(schema_core, free_core, streams, max_tokens, rounds))
     compiles = compile_times(tokenizer, compiler.vocab_size, eos)
     _print(rows, compiles)

@@ -48,28 +48,24 @@ class ArrivalLane:
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arrival-lane")
-        self._plan: StepPlan | None = None
-        self._future: Future[tuple[StepResult, float]] | None = None
+        self._running: tuple[StepPlan, Future[tuple[StepResult, float]]] | None = None
 
     @property
     def busy(self) -> bool:
         """A pass was started and its result not yet taken (it may have ended)."""
-        return self._future is not None
+        return self._running is not None
 
     def start(self, plan: StepPlan, execute: Callable[[StepPlan], StepResult]) -> None:
-        if self._future is not None:
+        if self._running is not None:
             raise RuntimeError("the arrival lane already runs a pass")
-        self._plan = plan
-        self._future = self._executor.submit(self._run, plan, execute)
+        self._running = (plan, self._executor.submit(self._run, plan, execute))
 
     def take(self, *, wait: bool) -> LanePass | None:
         """The pass that ended, once; None when none runs, or it runs still and ``wait`` is off.
         A pass that failed raises its error here, on the caller's thread."""
-        if self._future is None or (not wait and not self._future.done()):
+        if self._running is None or (not wait and not self._running[1].done()):
             return None
-        future, plan = self._future, self._plan
-        self._future, self._plan = None, None
-        assert plan is not None
+        (plan, future), self._running = self._running, None
         result, seconds = future.result()
         return LanePass(plan, result, seconds)
 

@@ -151,9 +151,9 @@ class CoreLoop:
     def _start_arrivals(self, inbox: StepInbox, clock: Callable[[], float]) -> bool:
         """Start the waiting interactive requests that can start: on the lane when it is free,
         else in the step's place (an arrival waits for no pass). Whether a report went out or
-        is coming."""
-        if self.core.start_arrivals():
-            return True  # the lane's report follows, by the step's end at the latest
+        is coming (the lane's, by the step's end at the latest)."""
+        if self.core.lane_free:
+            return self.core.start_arrivals()
         started = clock()
         outputs = self.core.step_arrivals()
         if outputs is None:

@@ -182,18 +182,22 @@ class EngineCore:
             return None
         return self._postprocess(plan, self.runner.execute(plan))
 
+    @property
+    def lane_free(self) -> bool:
+        """Whether ``start_arrivals`` may run now: a lane, idle, and a step's layers running."""
+        return self.arrival_lane is not None and not self.arrival_lane.busy and self._executing
+
     def start_arrivals(self) -> bool:
         """Start the interactive requests that can start at once (as ``step_arrivals`` picks them)
-        in a pass on the arrival lane, beside the step in flight. False, and nothing started,
-        without a lane, outside a step's layers, while the lane runs a pass, or when none could
-        start; the caller then runs ``step_arrivals`` if it must not wait."""
-        lane = self.arrival_lane
-        if lane is None or lane.busy or not self._executing:
-            return False
+        in a pass on the arrival lane, beside the step in flight (only while ``lane_free``);
+        False when none could start."""
+        if not self.lane_free:
+            raise RuntimeError("the arrival lane is busy, absent, or no step is running")
         plan = self.scheduler.schedule_arrivals()
         if plan.is_empty:
             return False
-        lane.start(plan, self.runner.execute)
+        assert self.arrival_lane is not None
+        self.arrival_lane.start(plan, self.runner.execute)
         return True
 
     def finish_arrivals(self, *, wait: bool) -> tuple[list[RequestOutput], float] | None:

@@ -297,7 +297,9 @@ def test_a_lane_pass_starts_only_inside_a_step_and_must_be_posted_before_the_nex
     engine.add_request(make_request("batch", _prompt(8), max_tokens=20, interactive=False))
     engine.step()
     engine.add_request(make_request("early", _prompt(8, 50), max_tokens=3))
-    assert not engine.start_arrivals()  # between steps: the next schedule() takes it
+    assert not engine.lane_free  # between steps: the next schedule() takes it
+    with pytest.raises(RuntimeError, match="no step is running"):
+        engine.start_arrivals()
     engine.step()
     posted: list[tuple[list[str], float]] = []
 
@@ -305,7 +307,7 @@ def test_a_lane_pass_starts_only_inside_a_step_and_must_be_posted_before_the_nex
         if not posted:
             engine.add_request(make_request("late", _prompt(8, 70), max_tokens=3))
             assert engine.start_arrivals()
-            assert not engine.start_arrivals()  # the lane runs one pass at a time
+            assert not engine.lane_free  # the lane runs one pass at a time
             outputs, seconds = engine.finish_arrivals(wait=True)
             posted.append(([output.request_id for output in outputs], seconds))
 
