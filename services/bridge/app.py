@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -119,6 +119,57 @@ async def _stream(
     return SSEResponse(call, first, render, request.app.state.metrics, _route(request), started)
 
 
+@dataclass(frozen=True)
+class _CompletionRoute:
+    """What an OpenAI completion route calls on the router and how it renders the answer: chat and
+    text completions differ only here."""
+
+    stream_rpc: str
+    unary_rpc: str
+    chunk_to_json: Callable[[router_pb2.ChatCompletionChunk, bool], list[convert.Json]]
+    completion_to_json: Callable[[router_pb2.ChatCompletion], convert.Json]
+    # Chat's first chunk announces the assistant's role; text completions have none.
+    role: bool
+
+    async def answer(
+        self,
+        request: Request,
+        caller: Caller,
+        backends: Backends,
+        body: schemas.ChatCompletionBody | schemas.CompletionBody,
+        message: router_pb2.ChatCompletionRequest | router_pb2.CompletionRequest,
+    ) -> Response:
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await _stream(
+                request,
+                getattr(backends.inference, self.stream_rpc),
+                message,
+                caller,
+                lambda chunk: self.chunk_to_json(chunk, include_usage),
+                self.role,
+            )
+        completion = await _unary(request, getattr(backends.inference, self.unary_rpc), message, caller)
+        request.app.state.metrics.observe_usage(completion.usage)
+        return JSONResponse(self.completion_to_json(completion))
+
+
+_CHAT_ROUTE = _CompletionRoute(
+    "StreamChatCompletion",
+    "CreateChatCompletion",
+    convert.chat_chunk_to_json,
+    convert.chat_completion_to_json,
+    role=True,
+)
+_TEXT_ROUTE = _CompletionRoute(
+    "StreamCompletion",
+    "CreateCompletion",
+    convert.text_chunk_to_json,
+    convert.text_completion_to_json,
+    role=False,
+)
+
+
 def _route(request: Request) -> str:
     return getattr(request.scope.get("route"), "path", request.url.path)
 
@@ -150,19 +201,7 @@ async def chat_completions(
 ) -> Response:
     """OpenAI chat completions; ``stream: true`` answers Server-Sent Events (``chat.completion.chunk``)."""
     message = convert.chat_request_to_proto(body)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(
-            request,
-            backends.inference.StreamChatCompletion,
-            message,
-            caller,
-            lambda chunk: convert.chat_chunk_to_json(chunk, include_usage),
-            role=True,
-        )
-    completion = await _unary(request, backends.inference.CreateChatCompletion, message, caller)
-    request.app.state.metrics.observe_usage(completion.usage)
-    return JSONResponse(convert.chat_completion_to_json(completion))
+    return await _CHAT_ROUTE.answer(request, caller, backends, body, message)
 
 
 @api.post("/v1/completions", response_model=schemas.TextCompletionResponse, responses=_TEXT_SSE)
@@ -171,19 +210,7 @@ async def completions(
 ) -> Response:
     """OpenAI (legacy) text completions; ``stream: true`` answers Server-Sent Events."""
     message = convert.completion_request_to_proto(body)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(
-            request,
-            backends.inference.StreamCompletion,
-            message,
-            caller,
-            lambda chunk: convert.text_chunk_to_json(chunk, include_usage),
-            role=False,
-        )
-    completion = await _unary(request, backends.inference.CreateCompletion, message, caller)
-    request.app.state.metrics.observe_usage(completion.usage)
-    return JSONResponse(convert.text_completion_to_json(completion))
+    return await _TEXT_ROUTE.answer(request, caller, backends, body, message)
 
 
 @api.get("/v1/models", response_model=schemas.ModelList)
