@@ -233,6 +233,20 @@ def test_interleaved_steps_give_every_request_the_same_tokens(model_dir: Path):
     assert len(interleaved["i"]) == 5 and len(interleaved["b0"]) == 12
 
 
+def test_a_real_step_looks_after_each_layers_attention_and_after_each_layer(model_dir: Path):
+    """An arrival (or a finished lane pass) waits for the next look: half a layer, not a whole one."""
+    runner = ModelRunner(model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=8 << 20)
+    config = SchedulerConfig(max_model_len=runner.max_model_len, max_num_batched_tokens=256, max_num_seqs=8)
+    core = EngineCore(runner, model="tiny", scheduler_config=config)
+    core.add_request(_request("b", list(range(100, 121)), interactive=False, max_tokens=4))
+    looks: list[None] = []
+
+    core.step(lambda: looks.append(None))
+
+    assert runner.config.num_hidden_layers >= 2
+    assert len(looks) == 2 * runner.config.num_hidden_layers
+
+
 @pytest.mark.parametrize("lane", [False, True], ids=["in-step", "lane"])
 def test_the_arrivals_first_token_goes_out_before_the_step_it_arrived_in_ends(model_dir: Path, lane: bool):
     _, per_step = _generate(model_dir, interleave=True, lane=lane)

@@ -47,9 +47,16 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        after_attention: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        if after_attention is not None:
+            after_attention()
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -70,13 +77,15 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
         between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """``between_layers`` runs after each layer: another (whole) forward pass may run there,
-        over other requests' tokens; this one's KV writes so far are in its own slots."""
+        """``between_layers`` runs after each layer's attention and after each layer: another
+        (whole) forward pass may run there, over other requests' tokens; this one's KV writes so
+        far are in its own slots. Twice a layer, because whatever waits for a look (an arrival
+        to start, a finished lane pass to be posted) waits half as long."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, meta.token_seq_lens)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, cos, sin, meta, between_layers)
             if between_layers is not None:
                 between_layers()
         return self.norm(x)
