@@ -31,7 +31,11 @@ engine work for both kinds. In order, in the same run:
    The engine's ``/metrics`` before and after each window say how busy it was, how
    full its steps were and whose tokens it made; ``/proc`` says how many cores each
    process kept busy (the engine's loop process counted with its server).
-4. **submission**: ``SUBMIT_REQUESTS`` requests through ``QueueRequests`` in batches of
+4. **interactive alone again**: the rest of the backlog is cancelled and, once the jobs
+   it had started end, the arrivals of 2 run once more. The baseline of the TTFT ratios
+   is both alone windows' first tokens together: these CPUs' speed drifts over minutes,
+   and a baseline on both sides of the backlog's window cancels a steady drift.
+5. **submission**: ``SUBMIT_REQUESTS`` requests through ``QueueRequests`` in batches of
    ``SUBMIT_BATCH`` from ``SUBMITTERS`` concurrent callers, while the dispatcher keeps
    draining; requests/s is requests over wall time. The router's resident set size
    (``VmRSS``; the dispatcher runs inside the router) is read before and after.
@@ -125,6 +129,20 @@ def _rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _unfinished_jobs(queue_file: Path) -> int:
+    with sqlite3.connect(f"file:{queue_file}?mode=ro", uri=True) as db:
+        return db.execute("SELECT COUNT(*) FROM jobs WHERE state IN ('queued', 'leased')").fetchone()[0]
+
+
+async def _cancel_backlog(stub, batch_ids: list[str], queue_file: Path) -> None:
+    """Cancel every batch, then wait for the jobs already started to finish: the engine is left
+    with no queued work at all."""
+    for batch_id in batch_ids:
+        await stub.CancelQueuedBatch(router_pb2.CancelQueuedBatchRequest(request_id=batch_id), timeout=60)
+    while _unfinished_jobs(queue_file):
+        await asyncio.sleep(0.5)
 
 
 def _done_jobs(queue_file: Path) -> int:
@@ -284,10 +302,43 @@ async def measure_capacity(
     return done / (time.perf_counter() - started) if done else 0.0
 
 
-async def interactive_arrivals(
-    stub, engine, rate: float, seconds: float, workload: _Workload
-) -> dict[str, Any]:
-    """Evenly spaced streaming arrivals at ``rate``/s for ``seconds``; TTFT percentiles in ms.
+@dataclass(frozen=True)
+class Arrivals:
+    """One window of interactive arrivals: every first token's wait (ms), by path."""
+
+    router_ms: list[float]
+    engine_ms: list[float]
+    requests: int
+    failures: list[str]
+    seconds: float
+
+    def pooled(self, other: Arrivals) -> Arrivals:
+        """Two windows of the same condition as one sample."""
+        return Arrivals(
+            self.router_ms + other.router_ms,
+            self.engine_ms + other.engine_ms,
+            self.requests + other.requests,
+            self.failures + other.failures,
+            self.seconds + other.seconds,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        router, direct = sorted(self.router_ms), sorted(self.engine_ms)
+        return {
+            "requests": self.requests,
+            "failed": len(self.failures),
+            "failures": dict(Counter(self.failures).most_common()),
+            "requests_per_s": (len(router) + len(direct)) / self.seconds,
+            "ttft_p50_ms": statistics.median(router),
+            "ttft_p99_ms": _percentile(router, 0.99),
+            "engine_direct_ttft_p50_ms": statistics.median(direct),
+            "engine_direct_ttft_p99_ms": _percentile(direct, 0.99),
+            "window_s": self.seconds,
+        }
+
+
+async def interactive_arrivals(stub, engine, rate: float, seconds: float, workload: _Workload) -> Arrivals:
+    """Evenly spaced streaming arrivals at ``rate``/s for ``seconds``.
 
     Every fourth arrival goes straight to the engine (``Generate``, interactive priority)
     instead of through the router: what the engine alone adds to the first token, apart
@@ -330,23 +381,14 @@ async def interactive_arrivals(
         await asyncio.sleep(max(0.0, started + index / rate - time.perf_counter()))
         tasks.append(asyncio.create_task(one("engine" if index % 4 == 3 else "router")))
     await asyncio.gather(*tasks)
-    elapsed = time.perf_counter() - started
-    router, direct = sorted(ttfts["router"]), sorted(ttfts["engine"])
-    return {
-        "requests": len(tasks),
-        "failed": len(failures),
-        "failures": dict(Counter(failures).most_common()),
-        "requests_per_s": (len(router) + len(direct)) / elapsed,
-        "ttft_p50_ms": statistics.median(router),
-        "ttft_p99_ms": _percentile(router, 0.99),
-        "engine_direct_ttft_p50_ms": statistics.median(direct),
-        "engine_direct_ttft_p99_ms": _percentile(direct, 0.99),
-        "window_s": elapsed,
-    }
+    return Arrivals(ttfts["router"], ttfts["engine"], len(tasks), failures, time.perf_counter() - started)
 
 
-async def fill_queue(stub, requests: int, workload: _Workload) -> dict[str, float]:
-    """``requests`` through QueueRequests from ``SUBMITTERS`` callers; batches built before timing."""
+async def fill_queue(
+    stub, requests: int, workload: _Workload, batch_ids: list[str] | None = None
+) -> dict[str, float]:
+    """``requests`` through QueueRequests from ``SUBMITTERS`` callers; batches built before timing.
+    ``batch_ids``, when given, gets each queued batch's id."""
     batches = [
         workload.queue_request(min(SUBMIT_BATCH, requests - i)) for i in range(0, requests, SUBMIT_BATCH)
     ]
@@ -356,6 +398,8 @@ async def fill_queue(stub, requests: int, workload: _Workload) -> dict[str, floa
         while pending:
             reply = await stub.QueueRequests(pending.pop(), timeout=120)
             assert reply.status == router_pb2.BATCH_STATUS_QUEUED, reply
+            if batch_ids is not None:
+                batch_ids.append(reply.request_id)
 
     started = time.perf_counter()
     await asyncio.gather(*(submitter() for _ in range(SUBMITTERS)))
@@ -398,31 +442,47 @@ async def measure(
             )
             return result
 
-        progress(f"  window 1/5, {window:.0f} s: capacity, {MAX_NUM_SEQS} closed-loop clients")
+        progress(f"  window 1/6, {window:.0f} s: capacity, {MAX_NUM_SEQS} closed-loop clients")
         capacity = await watched("capacity", measure_capacity(stub, window, MAX_NUM_SEQS, workload))
-        progress(f"    {capacity:.1f} req/s; window 2/5, {window:.0f} s: the same clients streaming")
+        progress(f"    {capacity:.1f} req/s; window 2/6, {window:.0f} s: the same clients streaming")
         capacity_streaming = await measure_capacity(stub, window, MAX_NUM_SEQS, workload, stream=True)
         rate = INTERACTIVE_SHARE * capacity
         progress(
-            f"    {capacity_streaming:.1f} req/s; window 3/5, {window:.0f} s: interactive arrivals alone,"
+            f"    {capacity_streaming:.1f} req/s; window 3/6, {window:.0f} s: interactive arrivals alone,"
             f" {rate:.1f}/s"
         )
-        alone = await watched("interactive_alone", interactive_arrivals(stub, engine, rate, window, workload))
+        alone_before = await watched(
+            "interactive_alone", interactive_arrivals(stub, engine, rate, window, workload)
+        )
 
         # Enough work that the queue cannot run dry during the window, even at full capacity.
         backlog = max(5_000, int(capacity * window * 3))
-        progress(f"    TTFT p50 {alone['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests")
-        await fill_queue(stub, backlog, workload)
+        progress(
+            f"    TTFT p50 {alone_before.summary()['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests"
+        )
+        backlog_batches: list[str] = []
+        await fill_queue(stub, backlog, workload, backlog_batches)
         await asyncio.sleep(2.0)  # the dispatcher reaches its steady state
-        progress(f"  window 4/5, {window:.0f} s: the backlog draining alone")
+        progress(f"  window 4/6, {window:.0f} s: the backlog draining alone")
         drain_alone = await watched("drain_alone", _drain_rate(queue_file, asyncio.sleep(window)))
         progress(
-            f"    {drain_alone:.1f} req/s; window 5/5, {window:.0f} s: interactive arrivals beside the backlog"
+            f"    {drain_alone:.1f} req/s; window 5/6, {window:.0f} s: interactive arrivals beside the backlog"
         )
         with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, engine, rate, window, workload))
         drain_rate = await watched("interactive_with_backlog", _drain_rate(queue_file, with_backlog_run))
-        with_backlog = with_backlog_run.result()
+        with_backlog = with_backlog_run.result().summary()
         progress(f"    TTFT p50 {with_backlog['ttft_p50_ms']:.1f} ms, drain {drain_rate:.1f} req/s")
+
+        # The same arrivals alone once more, after the backlog: these CPUs' speed drifts over
+        # minutes, and a baseline on both sides of the backlog's window cancels a steady drift.
+        progress("  cancelling the rest of the backlog; waiting for its started jobs")
+        await _cancel_backlog(stub, backlog_batches, queue_file)
+        progress(f"  window 6/6, {window:.0f} s: interactive arrivals alone again")
+        alone_after = await watched(
+            "interactive_alone_after", interactive_arrivals(stub, engine, rate, window, workload)
+        )
+        alone = alone_before.pooled(alone_after).summary()
+        progress(f"    TTFT p50 {alone_after.summary()['ttft_p50_ms']:.1f} ms")
 
         rss_before = _rss_mib(router_pid)
         progress(f"  submitting {scale.submit_requests} requests through QueueRequests")
@@ -451,6 +511,8 @@ async def measure(
         "capacity_requests_per_s": capacity_used,
         "interactive_rate_per_s": rate,
         "interactive_alone": alone,
+        "interactive_alone_before": alone_before.summary(),
+        "interactive_alone_after": alone_after.summary(),
         "interactive_with_backlog": with_backlog,
         "backlog_requests": backlog,
         "ttft_p50_ratio": with_backlog["ttft_p50_ms"] / alone["ttft_p50_ms"],
@@ -595,6 +657,11 @@ def _print(result: dict[str, Any]) -> None:
             f"{name:<50}{alone[key]:>12.1f}{loaded[key]:>12.1f}{result[ratio]:>10.2f}"
             f"{'<= ' + str(TTFT_RATIO_TARGET):>10}"
         )
+    before, after = result["interactive_alone_before"], result["interactive_alone_after"]
+    print(
+        f"  alone before / after the backlog: TTFT p50 {before['ttft_p50_ms']:.1f} / {after['ttft_p50_ms']:.1f} ms,"
+        f" p99 {before['ttft_p99_ms']:.1f} / {after['ttft_p99_ms']:.1f} ms"
+    )
     print(f"{'interactive requests/s (failed)':<50}", end="")
     print(
         f"{alone['requests_per_s']:>8.1f} ({alone['failed']}){loaded['requests_per_s']:>8.1f} ({loaded['failed']})"
