@@ -11,8 +11,8 @@ queue) work runs, the loop looks for commands between the model's layers, and be
 layer's attention and its MLP (``StepInbox``).
 A new interactive request that can start at once (a free seat, free blocks, no grammar)
 then gets its first token from a forward pass of its own, run there, and its report goes
-out before the step's: an interactive arrival waits for a layer of the backlog's step, not
-for the whole of it. Where the engine has an arrival lane (``arrival_lane``: a CPU engine on
+out before the step's: an interactive arrival waits for half a layer of the backlog's step,
+not for the whole of it. Where the engine has an arrival lane (``arrival_lane``: a CPU engine on
 one math thread with a core to spare), that pass runs on the lane's thread instead and the
 step goes on beside it; its report goes out at the first look after it ends, or at
 the step's end, which waits for it. Aborts read then wait for the step's end: they free
