@@ -104,6 +104,7 @@ QUICK = Scale(window_seconds=8.0, submit_requests=20_000)
 # A real model on a CPU finishes a few requests a second (SmolLM2-135M: about 10 on the dev
 # box): 90 s windows hold some 250 interactive requests, enough for a p99.
 REAL_MODEL_WINDOW_SECONDS = 90.0
+_CANCELLED_BACKLOG_TIMEOUT_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,11 @@ async def _cancel_backlog(stub, batch_ids: list[str], queue_file: Path) -> None:
     with no queued work at all."""
     for batch_id in batch_ids:
         await stub.CancelQueuedBatch(router_pb2.CancelQueuedBatchRequest(request_id=batch_id), timeout=60)
-    while _unfinished_jobs(queue_file):
+    # Started jobs are at most the engine's seats and its prefetch: seconds of work.
+    deadline = time.monotonic() + _CANCELLED_BACKLOG_TIMEOUT_SECONDS
+    while (unfinished := _unfinished_jobs(queue_file)) > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{unfinished} started jobs still unfinished after the backlog was cancelled")
         await asyncio.sleep(0.5)
 
 
