@@ -136,9 +136,11 @@ def _rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def _unfinished_jobs(queue_file: Path) -> int:
+def _jobs_in(queue_file: Path, *states: str) -> int:
+    """Jobs in any of ``states``, read from the router's queue file (read-only)."""
+    marks = ", ".join("?" * len(states))
     with sqlite3.connect(f"file:{queue_file}?mode=ro", uri=True) as db:
-        return db.execute("SELECT COUNT(*) FROM jobs WHERE state IN ('queued', 'leased')").fetchone()[0]
+        return db.execute(f"SELECT COUNT(*) FROM jobs WHERE state IN ({marks})", states).fetchone()[0]
 
 
 async def _cancel_backlog(stub, batch_ids: list[str], queue_file: Path) -> None:
@@ -148,23 +150,18 @@ async def _cancel_backlog(stub, batch_ids: list[str], queue_file: Path) -> None:
         await stub.CancelQueuedBatch(router_pb2.CancelQueuedBatchRequest(request_id=batch_id), timeout=60)
     # Started jobs are at most the engine's seats and its prefetch: seconds of work.
     deadline = time.monotonic() + _CANCELLED_BACKLOG_TIMEOUT_SECONDS
-    while (unfinished := _unfinished_jobs(queue_file)) > 0:
+    while (unfinished := _jobs_in(queue_file, "queued", "leased")) > 0:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{unfinished} started jobs still unfinished after the backlog was cancelled")
         await asyncio.sleep(0.5)
 
 
-def _done_jobs(queue_file: Path) -> int:
-    with sqlite3.connect(f"file:{queue_file}?mode=ro", uri=True) as db:
-        return db.execute("SELECT COUNT(*) FROM jobs WHERE state = 'done'").fetchone()[0]
-
-
 async def _drain_rate(queue_file: Path, window) -> float:
     """Queued jobs finished per second while ``window`` (an awaitable) runs."""
-    done_before = _done_jobs(queue_file)
+    done_before = _jobs_in(queue_file, "done")
     started = time.perf_counter()
     await window
-    return (_done_jobs(queue_file) - done_before) / (time.perf_counter() - started)
+    return (_jobs_in(queue_file, "done") - done_before) / (time.perf_counter() - started)
 
 
 def _cpu_seconds(pid: int, *, children: bool = True) -> float:
@@ -464,14 +461,15 @@ async def measure(
             f"    {capacity_streaming:.1f} req/s; window 3/6, {window:.0f} s: interactive arrivals alone,"
             f" {rate:.1f}/s"
         )
-        alone_before = await watched(
+        alone_before_run = await watched(
             "interactive_alone", interactive_arrivals(stub, engine, rate, window, workload)
         )
+        alone_before = alone_before_run.summary()
 
         # Enough work that the queue cannot run dry during the window, even at full capacity.
         backlog = max(5_000, int(capacity * window * 3))
         progress(
-            f"    TTFT p50 {alone_before.summary()['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests"
+            f"    TTFT p50 {alone_before['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests"
         )
         backlog_batches: list[str] = []
         await fill_queue(stub, backlog, workload, backlog_batches)
@@ -491,11 +489,12 @@ async def measure(
         progress("  cancelling the rest of the backlog; waiting for its started jobs")
         await _cancel_backlog(stub, backlog_batches, queue_file)
         progress(f"  window 6/6, {window:.0f} s: interactive arrivals alone again")
-        alone_after = await watched(
+        alone_after_run = await watched(
             "interactive_alone_after", interactive_arrivals(stub, engine, rate, window, workload)
         )
-        alone = alone_before.pooled(alone_after).summary()
-        progress(f"    TTFT p50 {alone_after.summary()['ttft_p50_ms']:.1f} ms")
+        alone_after = alone_after_run.summary()
+        alone = alone_before_run.pooled(alone_after_run).summary()
+        progress(f"    TTFT p50 {alone_after['ttft_p50_ms']:.1f} ms")
 
         rss_before = _rss_mib(router_pid)
         progress(f"  submitting {scale.submit_requests} requests through QueueRequests")
@@ -524,8 +523,8 @@ async def measure(
         "capacity_requests_per_s": capacity_used,
         "interactive_rate_per_s": rate,
         "interactive_alone": alone,
-        "interactive_alone_before": alone_before.summary(),
-        "interactive_alone_after": alone_after.summary(),
+        "interactive_alone_before": alone_before,
+        "interactive_alone_after": alone_after,
         "interactive_with_backlog": with_backlog,
         "backlog_requests": backlog,
         "ttft_p50_ratio": with_backlog["ttft_p50_ms"] / alone["ttft_p50_ms"],
