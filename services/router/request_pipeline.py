@@ -546,7 +546,10 @@ class Generation:
         logprobs: Sequence[common_pb2.TokenLogprob] = (),
         finish: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED,
     ) -> router_pb2.ChatCompletionChunk | None:
-        if not delta and not logprobs and not finish:
+        if not delta and not logprobs and not finish and (self._role_sent or not self.request.role):
+            # A chat's first chunk goes out with the first token even when that token shows no
+            # text yet (a held-back stop-string prefix, a character split across tokens): as
+            # OpenAI's does, it tells the client that the answer has begun.
             return None
         self._made_tool_calls |= bool(delta.tool_calls)
         chunk = router_pb2.ChatCompletionChunk(

@@ -98,6 +98,27 @@ async def test_streamed_chat_completion_carries_role_first_and_usage_last(stack,
     assert whole.replica_address in stack.engine_addresses
 
 
+async def test_a_chat_streams_first_chunk_goes_out_with_its_first_token_before_any_text(
+    stack, inference
+) -> None:
+    request = chat(max_tokens=8)
+    # Three runs of one prompt, so the two compared both find it cached and compute alike.
+    await inference.CreateChatCompletion(request, timeout=TIMEOUT)
+    # With logprobs every token makes a chunk: the first chunk's text is the first token's.
+    request.sampling.logprobs = True
+    per_token, _ = await stream(inference, request)
+    first_token_text = per_token[0].content_delta
+    answer = "".join(c.content_delta for c in per_token)
+    # A stop string that the first token's text begins (and the answer never holds): the router
+    # holds that text back, in case the stop string follows.
+    request.sampling.logprobs = False
+    request.sampling.stop.append(first_token_text + "\uffff")
+    chunks, _ = await stream(inference, request)
+    assert (chunks[0].role, chunks[0].content_delta) == ("assistant", "")
+    assert "".join(c.content_delta for c in chunks) == answer
+    assert chunks[-1].usage.completion_tokens == 8
+
+
 async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cached_tokens(
     stack, inference
 ) -> None:
