@@ -23,7 +23,8 @@ engine work for both kinds. In order, in the same run:
    straight to the engine instead, which splits the cost of a backlog into the
    engine's (bigger steps) and the router's (the dispatcher's jobs share its process).
 3. **interactive + backlog**: a backlog (several windows' worth of work at full
-   capacity) is queued through ``QueueRequests``, then the same arrivals run again.
+   capacity) is queued through ``QueueRequests``, then the same arrivals run again, for
+   two windows (as many first tokens as the two alone windows hold together).
    Drain rate = jobs the queue store marks done during the window (read from the
    router's SQLite file, read-only). Share of free capacity = drain rate /
    (capacity - interactive rate achieved), the target's measure. The arrivals stream,
@@ -35,7 +36,9 @@ engine work for both kinds. In order, in the same run:
 4. **interactive alone again**: the rest of the backlog is cancelled and, once the jobs
    it had started end, the arrivals of 2 run once more. The baseline of the TTFT ratios
    is both alone windows' first tokens together: these CPUs' speed drifts over minutes,
-   and a baseline on both sides of the backlog's window cancels a steady drift.
+   and a baseline on both sides of the backlog's window cancels a steady drift. Each TTFT
+   ratio comes with a bootstrap 90% interval: how far it could move with other requests of
+   the same conditions (a p99 rests on a run's few slowest first tokens).
 5. **submission**: ``SUBMIT_REQUESTS`` requests through ``QueueRequests`` in batches of
    ``SUBMIT_BATCH`` from ``SUBMITTERS`` concurrent callers, while the dispatcher keeps
    draining; requests/s is requests over wall time. The router's resident set size
@@ -285,6 +288,24 @@ def _percentile(ordered: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
 
+def _ratio_interval(
+    loaded: list[float], alone: list[float], share: float, draws: int = 1_000, coverage: float = 0.9
+) -> tuple[float, float]:
+    """A bootstrap interval of ``share``'s percentile, loaded over alone: how far this run's ratio
+    could move with other requests of the same two conditions. A p99 of a few hundred first
+    tokens is their third or fourth slowest, so one slow request moves it."""
+    if not loaded or not alone:
+        return (0.0, 0.0)
+    rng = random.Random(0)  # the same samples give the same interval
+    ratios = sorted(
+        _percentile(sorted(rng.choices(loaded, k=len(loaded))), share)
+        / _percentile(sorted(rng.choices(alone, k=len(alone))), share)
+        for _ in range(draws)
+    )
+    tail = (1.0 - coverage) / 2
+    return ratios[int(draws * tail)], ratios[min(draws - 1, int(draws * (1.0 - tail)))]
+
+
 async def measure_capacity(
     stub, seconds: float, clients: int, workload: _Workload, *, stream: bool = False
 ) -> float:
@@ -466,8 +487,8 @@ async def measure(
         )
         alone_before = alone_before_run.summary()
 
-        # Enough work that the queue cannot run dry during the window, even at full capacity.
-        backlog = max(5_000, int(capacity * window * 3))
+        # Enough work that the queue cannot run dry during its windows, even at full capacity.
+        backlog = max(5_000, int(capacity * window * 4))
         progress(
             f"    TTFT p50 {alone_before['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests"
         )
@@ -477,9 +498,13 @@ async def measure(
         progress(f"  window 4/6, {window:.0f} s: the backlog draining alone")
         drain_alone = await watched("drain_alone", _drain_rate(queue_file, asyncio.sleep(window)))
         progress(
-            f"    {drain_alone:.1f} req/s; window 5/6, {window:.0f} s: interactive arrivals beside the backlog"
+            f"    {drain_alone:.1f} req/s; window 5/6, {2 * window:.0f} s: interactive arrivals beside the backlog"
         )
-        with_backlog_run = asyncio.ensure_future(interactive_arrivals(stub, engine, rate, window, workload))
+        # Twice an alone window: the TTFT baseline pools two of those, and its p99 and this one's
+        # then rest on as many first tokens.
+        with_backlog_run = asyncio.ensure_future(
+            interactive_arrivals(stub, engine, rate, 2 * window, workload)
+        )
         drain_rate = await watched("interactive_with_backlog", _drain_rate(queue_file, with_backlog_run))
         with_backlog = with_backlog_run.result().summary()
         progress(f"    TTFT p50 {with_backlog['ttft_p50_ms']:.1f} ms, drain {drain_rate:.1f} req/s")
@@ -493,7 +518,15 @@ async def measure(
             "interactive_alone_after", interactive_arrivals(stub, engine, rate, window, workload)
         )
         alone_after = alone_after_run.summary()
-        alone = alone_before_run.pooled(alone_after_run).summary()
+        alone_run = alone_before_run.pooled(alone_after_run)
+        alone = alone_run.summary()
+        intervals = {
+            f"{path}ttft_{name}_ratio_interval": _ratio_interval(
+                getattr(with_backlog_run.result(), samples), getattr(alone_run, samples), share
+            )
+            for path, samples in (("", "router_ms"), ("engine_direct_", "engine_ms"))
+            for name, share in (("p50", 0.5), ("p99", 0.99))
+        }
         progress(f"    TTFT p50 {alone_after['ttft_p50_ms']:.1f} ms")
 
         rss_before = _rss_mib(router_pid)
@@ -533,6 +566,7 @@ async def measure(
         / alone["engine_direct_ttft_p50_ms"],
         "engine_direct_ttft_p99_ratio": with_backlog["engine_direct_ttft_p99_ms"]
         / alone["engine_direct_ttft_p99_ms"],
+        **intervals,
         "drain_requests_per_s": drain_rate,
         "free_capacity_requests_per_s": free_capacity,
         "free_capacity_share": drain_rate / free_capacity if free_capacity > 0 else 0.0,
@@ -657,17 +691,18 @@ def _print(result: dict[str, Any]) -> None:
         f" {result['prompt_tokens']} prompt + {result['max_tokens']} generated tokens,"
         f" {result['window_s']:.0f} s windows, {result['model']}"
     )
-    print(f"{'measure':<50}{'alone':>12}{'w/ backlog':>12}{'ratio':>10}{'target':>10}")
-    print("-" * 94)
+    print(f"{'measure':<50}{'alone':>12}{'w/ backlog':>12}{'ratio':>10}{'90% interval':>16}{'target':>10}")
+    print("-" * 110)
     for name, key, ratio in (
         ("interactive TTFT p50 (ms)", "ttft_p50_ms", "ttft_p50_ratio"),
         ("interactive TTFT p99 (ms)", "ttft_p99_ms", "ttft_p99_ratio"),
         ("  straight to the engine, p50 (ms)", "engine_direct_ttft_p50_ms", "engine_direct_ttft_p50_ratio"),
         ("  straight to the engine, p99 (ms)", "engine_direct_ttft_p99_ms", "engine_direct_ttft_p99_ratio"),
     ):
+        low, high = result[f"{ratio}_interval"]
         print(
             f"{name:<50}{alone[key]:>12.1f}{loaded[key]:>12.1f}{result[ratio]:>10.2f}"
-            f"{'<= ' + str(TTFT_RATIO_TARGET):>10}"
+            f"{f'{low:.2f}-{high:.2f}':>16}{'<= ' + str(TTFT_RATIO_TARGET):>10}"
         )
     before, after = result["interactive_alone_before"], result["interactive_alone_after"]
     print(
