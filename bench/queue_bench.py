@@ -18,8 +18,8 @@ engine work for both kinds. In order, in the same run:
    message per step, a whole answer two (``OUTPUT_KIND_FIRST_AND_FINAL``).
 2. **interactive alone**: ``StreamCompletion`` arrivals at a fixed rate
    (``INTERACTIVE_SHARE`` of capacity, evenly spaced, open loop) for a window; time
-   to first token is from sending to the first chunk (the arrivals ask for logprobs, so
-   that chunk carries the first token, not the first text). Every fourth arrival goes
+   to first token is from sending to the first chunk (the router sends it with the first
+   token, text or not). Every fourth arrival goes
    straight to the engine instead, which splits the cost of a backlog into the
    engine's (bigger steps) and the router's (the dispatcher's jobs share its process).
 3. **interactive + backlog**: a backlog (several windows' worth of work at full
@@ -117,12 +117,9 @@ class _Workload:
     model: str
     rng: random.Random
 
-    def completion(self, *, logprobs: bool = False) -> router_pb2.CompletionRequest:
-        """``logprobs``: every token then makes a stream chunk, text or not (see ``interactive_arrivals``)."""
+    def completion(self) -> router_pb2.CompletionRequest:
         prompt = [self.rng.randrange(*TOKEN_RANGE) for _ in range(PROMPT_TOKENS)]
-        sampling = common_pb2.SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs
-        )
+        sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         return router_pb2.CompletionRequest(model=self.model, prompt_token_ids=prompt, sampling=sampling)
 
     def queue_request(self, count: int) -> router_pb2.QueueRequestsRequest:
@@ -374,14 +371,10 @@ async def interactive_arrivals(stub, engine, rate: float, seconds: float, worklo
     ttfts: dict[str, list[float]] = {"router": [], "engine": []}
     failures: list[str] = []
 
-    # With logprobs asked for, the router's first chunk carries the first token. Without,
-    # it carries the first text: a token that decodes to nothing visible yet (2% of these
-    # random prompts need three or four tokens) makes no chunk, and the first token's time
-    # would count the steps until the text (150 ms each beside the default model's backlog).
     def stream(path: str):
         if path == "router":
-            return stub.StreamCompletion(workload.completion(logprobs=True), timeout=120)
-        completion = workload.completion(logprobs=True)
+            return stub.StreamCompletion(workload.completion(), timeout=120)
+        completion = workload.completion()
         return engine.Generate(
             engine_pb2.GenerateRequest(
                 request_id=f"bench-{workload.rng.getrandbits(64):016x}",

@@ -302,17 +302,18 @@ def text_chunk_to_json(chunk: router_pb2.ChatCompletionChunk, include_usage: boo
     """The SSE events for one router chunk of a text completion (OpenAI's legacy stream shape)."""
     events: list[Json] = []
     head = {"id": chunk.id, "object": "text_completion", "created": chunk.created, "model": chunk.model}
-    if chunk.content_delta or chunk.finish_reason or chunk.logprobs:
-        choice = {
-            "index": 0,
-            "text": chunk.content_delta,
-            "logprobs": _text_logprobs(chunk.logprobs),
-            "finish_reason": FINISH_REASONS[chunk.finish_reason],
-        }
-        event: Json = {**head, "choices": [choice]}
-        if include_usage:
-            event["usage"] = None
-        events.append(event)
+    # Every router chunk makes an event, even an empty one: the router sends one only as a
+    # stream's first, with its first token, so the client sees the answer begin.
+    choice = {
+        "index": 0,
+        "text": chunk.content_delta,
+        "logprobs": _text_logprobs(chunk.logprobs),
+        "finish_reason": FINISH_REASONS[chunk.finish_reason],
+    }
+    event: Json = {**head, "choices": [choice]}
+    if include_usage:
+        event["usage"] = None
+    events.append(event)
     if include_usage and chunk.HasField("usage"):
         events.append({**head, "choices": [], "usage": usage_to_json(chunk.usage)})
     return events

@@ -19,7 +19,7 @@ REQUESTS = Counter(
 )
 TIME_TO_FIRST_TOKEN = Histogram(
     "cachet_router_time_to_first_token_seconds",
-    "From request arrival to the first chunk sent to the client: a chat's goes with its first token, a text completion's with its first text.",
+    "From request arrival to the first chunk sent to the client, which goes with the first generated token.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 EVENT_LOOP_LAG = Histogram(

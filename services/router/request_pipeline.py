@@ -373,7 +373,7 @@ class Generation:
         self._prompt_tokens = len(request.prompt_token_ids)
         self._cached_tokens = first.usage.cached_tokens if first.HasField("usage") else 0
         self._completion_tokens = 0
-        self._role_sent = False
+        self._first_chunk_built = False  # it names the role (chat) and goes with the first token
         self._first_chunk_sent = False
         self._engine_done = False  # the engine sent its last message
         self._finished = False  # the last chunk was built
@@ -546,10 +546,11 @@ class Generation:
         logprobs: Sequence[common_pb2.TokenLogprob] = (),
         finish: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED,
     ) -> router_pb2.ChatCompletionChunk | None:
-        if not delta and not logprobs and not finish and (self._role_sent or not self.request.role):
-            # A chat's first chunk goes out with the first token even when that token shows no
-            # text yet (a held-back stop-string prefix, a character split across tokens): as
-            # OpenAI's does, it tells the client that the answer has begun.
+        if not delta and not logprobs and not finish and self._first_chunk_built:
+            # A stream's first chunk goes out with its first token even when that token shows no
+            # text yet (a held-back stop-string prefix, a character split across tokens): it
+            # tells the client that the answer has begun, as OpenAI's chat role chunk and
+            # vLLM's first chunk do. Later chunks wait for something to carry.
             return None
         self._made_tool_calls |= bool(delta.tool_calls)
         chunk = router_pb2.ChatCompletionChunk(
@@ -562,9 +563,9 @@ class Generation:
             logprobs=logprobs,
             finish_reason=finish,
         )
-        if not self._role_sent:
+        if not self._first_chunk_built:
             chunk.role = self.request.role
-            self._role_sent = True
+            self._first_chunk_built = True
         return chunk
 
     def _usage(self) -> common_pb2.Usage:

@@ -476,6 +476,13 @@ def test_text_completion_json_and_chunks() -> None:
         schemas.TextCompletionResponse.model_validate(event)
 
 
+def test_a_text_streams_first_chunk_makes_an_event_before_any_text() -> None:
+    # The router's first chunk goes with the first token, text or not: the client sees it begin.
+    [event] = convert.text_chunk_to_json(chunk(), include_usage=False)
+    assert event["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]
+    schemas.TextCompletionResponse.model_validate(event)
+
+
 def test_workers_ai_result_and_stream_events() -> None:
     out = convert.workers_ai_result_to_json(
         completion(tool_calls=[common_pb2.ToolCall(id="c", name="f", arguments_json="{}")])

@@ -98,23 +98,37 @@ async def test_streamed_chat_completion_carries_role_first_and_usage_last(stack,
     assert whole.replica_address in stack.engine_addresses
 
 
-async def test_a_chat_streams_first_chunk_goes_out_with_its_first_token_before_any_text(
-    stack, inference
-) -> None:
-    request = chat(max_tokens=8)
+def text_completion(max_tokens: int) -> router_pb2.CompletionRequest:
+    return router_pb2.CompletionRequest(
+        model=TINY_MODEL_ID,
+        prompt=f"{uuid.uuid4().hex} Once upon a time",
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+async def test_a_streams_first_chunk_goes_out_with_its_first_token_before_any_text(inference, kind) -> None:
+    if kind == "chat":
+        request, role, rpc = chat(max_tokens=8), "assistant", inference.StreamChatCompletion
+    else:
+        request, role, rpc = text_completion(8), "", inference.StreamCompletion
+
+    async def stream_of(request) -> list[router_pb2.ChatCompletionChunk]:
+        return [chunk async for chunk in rpc(request, timeout=TIMEOUT)]
+
     # Three runs of one prompt, so the two compared both find it cached and compute alike.
-    await inference.CreateChatCompletion(request, timeout=TIMEOUT)
+    await stream_of(request)
     # With logprobs every token makes a chunk: the first chunk's text is the first token's.
     request.sampling.logprobs = True
-    per_token, _ = await stream(inference, request)
-    first_token_text = per_token[0].content_delta
+    per_token = await stream_of(request)
     answer = "".join(c.content_delta for c in per_token)
     # A stop string that the first token's text begins (and the answer never holds): the router
     # holds that text back, in case the stop string follows.
     request.sampling.logprobs = False
-    request.sampling.stop.append(first_token_text + "\uffff")
-    chunks, _ = await stream(inference, request)
-    assert (chunks[0].role, chunks[0].content_delta) == ("assistant", "")
+    request.sampling.stop.append(per_token[0].content_delta + "\uffff")
+    chunks = await stream_of(request)
+    assert (chunks[0].role, chunks[0].content_delta) == (role, "")
+    assert all(c.content_delta or c.finish_reason for c in chunks[1:])  # later chunks carry something
     assert "".join(c.content_delta for c in chunks) == answer
     assert chunks[-1].usage.completion_tokens == 8
 
@@ -298,11 +312,7 @@ async def test_client_cancel_aborts_the_engine_request_and_still_records_usage(
 
 
 async def test_text_completions_stream_and_aggregate(inference) -> None:
-    request = router_pb2.CompletionRequest(
-        model=TINY_MODEL_ID,
-        prompt=f"{uuid.uuid4().hex} Once upon a time",
-        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-    )
+    request = text_completion(6)
     chunks = [chunk async for chunk in inference.StreamCompletion(request, timeout=TIMEOUT)]
     assert chunks[0].id.startswith("cmpl-") and not chunks[0].role
     assert chunks[-1].usage.completion_tokens == 6
