@@ -374,7 +374,6 @@ class Generation:
         self._cached_tokens = first.usage.cached_tokens if first.HasField("usage") else 0
         self._completion_tokens = 0
         self._first_chunk_built = False  # it names the role (chat) and goes with the first token
-        self._first_chunk_sent = False
         self._engine_done = False  # the engine sent its last message
         self._finished = False  # the last chunk was built
         self._closed = False
@@ -386,9 +385,6 @@ class Generation:
         error: BaseException | None = None
         try:
             async for chunk in self._produce():
-                if not self._first_chunk_sent:
-                    self._first_chunk_sent = True
-                    metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - self.request.arrived_at)
                 yield chunk
         except BaseException as failure:
             error = failure
@@ -566,6 +562,7 @@ class Generation:
         if not self._first_chunk_built:
             chunk.role = self.request.role
             self._first_chunk_built = True
+            metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - self.request.arrived_at)
         return chunk
 
     def _usage(self) -> common_pb2.Usage:
