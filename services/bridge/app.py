@@ -124,8 +124,9 @@ class _CompletionRoute:
     """What an OpenAI completion route calls on the router and how it renders the answer: chat and
     text completions differ only here."""
 
-    stream_rpc: str
-    unary_rpc: str
+    # The router's streaming and whole-answer methods on its stub.
+    stream_rpc: Callable[[router_pb2_grpc.InferenceServiceStub], Any]
+    unary_rpc: Callable[[router_pb2_grpc.InferenceServiceStub], Any]
     chunk_to_json: Callable[[router_pb2.ChatCompletionChunk, bool], list[convert.Json]]
     completion_to_json: Callable[[router_pb2.ChatCompletion], convert.Json]
     # Chat's first chunk announces the assistant's role; text completions have none.
@@ -143,27 +144,27 @@ class _CompletionRoute:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await _stream(
                 request,
-                getattr(backends.inference, self.stream_rpc),
+                self.stream_rpc(backends.inference),
                 message,
                 caller,
                 lambda chunk: self.chunk_to_json(chunk, include_usage),
                 self.role,
             )
-        completion = await _unary(request, getattr(backends.inference, self.unary_rpc), message, caller)
+        completion = await _unary(request, self.unary_rpc(backends.inference), message, caller)
         request.app.state.metrics.observe_usage(completion.usage)
         return JSONResponse(self.completion_to_json(completion))
 
 
 _CHAT_ROUTE = _CompletionRoute(
-    "StreamChatCompletion",
-    "CreateChatCompletion",
+    lambda stub: stub.StreamChatCompletion,
+    lambda stub: stub.CreateChatCompletion,
     convert.chat_chunk_to_json,
     convert.chat_completion_to_json,
     role=True,
 )
 _TEXT_ROUTE = _CompletionRoute(
-    "StreamCompletion",
-    "CreateCompletion",
+    lambda stub: stub.StreamCompletion,
+    lambda stub: stub.CreateCompletion,
     convert.text_chunk_to_json,
     convert.text_completion_to_json,
     role=False,
