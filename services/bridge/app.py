@@ -103,9 +103,7 @@ async def _unary(request: Request, method: Any, message: Any, caller: Caller) ->
     return await _rpc(unary_until_disconnect(method(message, metadata=caller.metadata()), request))
 
 
-async def _stream(
-    request: Request, method: Any, message: Any, caller: Caller, render: Render, role: bool
-) -> SSEResponse:
+async def _stream(request: Request, method: Any, message: Any, caller: Caller, render: Render) -> SSEResponse:
     started = time.perf_counter()
     call = method(message, metadata=caller.metadata())
     try:
@@ -113,9 +111,6 @@ async def _stream(
     except BaseException:
         call.cancel()
         raise
-    if role and first is not None and not first.role:
-        # OpenAI's first chunk always announces the role; make that hold whatever the router sent.
-        first.role = "assistant"
     return SSEResponse(call, first, render, request.app.state.metrics, _route(request), started)
 
 
@@ -129,8 +124,6 @@ class _CompletionRoute:
     unary_rpc: Callable[[router_pb2_grpc.InferenceServiceStub], Any]
     chunk_to_json: Callable[[router_pb2.ChatCompletionChunk, bool], list[convert.Json]]
     completion_to_json: Callable[[router_pb2.ChatCompletion], convert.Json]
-    # Chat's first chunk announces the assistant's role; text completions have none.
-    role: bool
 
     async def answer(
         self,
@@ -148,7 +141,6 @@ class _CompletionRoute:
                 message,
                 caller,
                 lambda chunk: self.chunk_to_json(chunk, include_usage),
-                self.role,
             )
         completion = await _unary(request, self.unary_rpc(backends.inference), message, caller)
         request.app.state.metrics.observe_usage(completion.usage)
@@ -160,14 +152,12 @@ _CHAT_ROUTE = _CompletionRoute(
     lambda stub: stub.CreateChatCompletion,
     convert.chat_chunk_to_json,
     convert.chat_completion_to_json,
-    role=True,
 )
 _TEXT_ROUTE = _CompletionRoute(
     lambda stub: stub.StreamCompletion,
     lambda stub: stub.CreateCompletion,
     convert.text_chunk_to_json,
     convert.text_completion_to_json,
-    role=False,
 )
 
 
@@ -242,7 +232,7 @@ async def workers_ai_run(
     chat = isinstance(message, router_pb2.ChatCompletionRequest)
     if body.stream:
         method = backends.inference.StreamChatCompletion if chat else backends.inference.StreamCompletion
-        return await _stream(request, method, message, caller, convert.workers_ai_chunk_to_json, role=False)
+        return await _stream(request, method, message, caller, convert.workers_ai_chunk_to_json)
     method = backends.inference.CreateChatCompletion if chat else backends.inference.CreateCompletion
     completion = await _unary(request, method, message, caller)
     request.app.state.metrics.observe_usage(completion.usage)
