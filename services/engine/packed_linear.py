@@ -13,9 +13,10 @@ Inductor's CPU weight freezing does the same reorder; doing it here keeps eager 
 (no compile at start-up, the layer-by-layer forward the arrivals look needs).
 
 A packed weight is an opaque tensor of the same shape and size: it cannot be read as a
-plain tensor, so a model that reads a linear's weight itself (absorbed MLA attention)
-marks that linear ``pack_weight = False``. A tied head gets a packed copy of its own;
-the embedding keeps the plain table its lookups need.
+plain tensor, nor sliced, so a model that reads a linear's weight itself (absorbed MLA
+attention) marks that linear ``pack_weight = False``, and a layer that computes in slices
+packs each slice (``PackableLinear.pack_``; the head does, see ``ParallelLMHead``). A tied
+head gets packed copies of its own; the embedding keeps the plain table its lookups need.
 """
 
 from __future__ import annotations
@@ -38,9 +39,28 @@ class PackableLinear(nn.Linear):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
-        if self.weight.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        return project_on(x, self.weight, bias)
+
+    def pack_(self) -> bool:
+        """Reorder the weight for oneDNN, once (``pack_weight`` allowing); whether it was now."""
+        if not self.pack_weight or self.weight.is_mkldnn:
+            return False
+        # A new parameter, not a write into the old one: a tied head's old one is the
+        # embedding's table, which lookups still read plain.
+        self.weight = nn.Parameter(packed(self.weight.detach()), requires_grad=False)
+        return True
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """A plain ``[out, in]`` weight reordered for oneDNN's products."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def project_on(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a plain or a packed weight."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def packs_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
@@ -55,12 +75,4 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Reorder every packable linear's weight in place; returns how many were packed.
 
     Call after the weights are loaded (and tied): loading writes plain tensors."""
-    packed = 0
-    for module in model.modules():
-        if isinstance(module, PackableLinear) and module.pack_weight and not module.weight.is_mkldnn:
-            reordered = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-            # A new parameter, not a write into the old one: a tied head's old one is the
-            # embedding's table, which lookups still read plain.
-            module.weight = nn.Parameter(reordered, requires_grad=False)
-            packed += 1
-    return packed
+    return sum(module.pack_() for module in model.modules() if isinstance(module, PackableLinear))

@@ -122,5 +122,7 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        """``between_layers`` runs where ``DecoderModel.forward`` says, and between the head's
+        slices (``ParallelLMHead``): by then this step's KV is all written."""
         hidden = self.model(input_ids, positions, meta, between_layers)
-        return self.lm_head(hidden[meta.sample_indices]).float()
+        return self.lm_head(hidden[meta.sample_indices], between_layers).float()
