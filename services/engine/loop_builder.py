@@ -10,6 +10,7 @@ single-rank replica: it relays requests and never imports torch.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -20,7 +21,7 @@ from tokenizers import Tokenizer
 
 from cachet.config import EngineSettings
 from cachet.engine import distributed
-from cachet.engine.arrival_lane import ArrivalLane, spare_core_for_arrivals
+from cachet.engine.arrival_lane import LANE_SWITCH_INTERVAL_SECONDS, ArrivalLane, spare_core_for_arrivals
 from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.expert_parallel import check_expert_parallel_size, check_model_has_experts
@@ -183,12 +184,15 @@ def build_core_loop(
 def choose_arrival_lane(
     settings: EngineSettings, runner: ModelRunner | distributed.ShardedRunner, device: torch.device
 ) -> ArrivalLane | None:
-    """A lane only where arrivals start inside steps at all; ``auto``: where it gets a core."""
+    """A lane only where arrivals start inside steps at all; ``auto``: where it gets a core.
+    With a lane, the process's threads hand the interpreter lock over sooner (see
+    ``LANE_SWITCH_INTERVAL_SECONDS``)."""
     interleaves = settings.arrivals_between_layers and runner.supports_between_layers
     if settings.arrival_lane == "off" or not interleaves:
         return None
     if settings.arrival_lane == "auto" and not spare_core_for_arrivals(device, torch.get_num_threads()):
         return None
+    sys.setswitchinterval(LANE_SWITCH_INTERVAL_SECONDS)
     return ArrivalLane()
 
 

@@ -8,6 +8,7 @@ token goes out before the step it arrived in ends.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from test_scheduler import SimulatedRunner, make_request, make_scheduler, step
 
 from cachet.config import EngineSettings
-from cachet.engine.arrival_lane import ArrivalLane, spare_core_for_arrivals
+from cachet.engine.arrival_lane import LANE_SWITCH_INTERVAL_SECONDS, ArrivalLane, spare_core_for_arrivals
 from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.loop_builder import choose_arrival_lane
@@ -388,9 +389,16 @@ def test_the_setting_and_the_runner_choose_the_lane(monkeypatch: pytest.MonkeyPa
     interleaving = SimpleNamespace(supports_between_layers=True)
     sharded = SimpleNamespace(supports_between_layers=False)  # a tensor-parallel replica's
 
+    switch_intervals: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", switch_intervals.append)
+
     def has_lane(runner: object, math_threads: int, **settings: object) -> bool:
         monkeypatch.setattr(torch, "get_num_threads", lambda: math_threads)
-        return choose_arrival_lane(EngineSettings(**settings), runner, cpu) is not None
+        switch_intervals.clear()
+        lane = choose_arrival_lane(EngineSettings(**settings), runner, cpu)
+        # A lane's process hands the interpreter lock to the lane's pass sooner; others keep it as it is.
+        assert switch_intervals == ([LANE_SWITCH_INTERVAL_SECONDS] if lane else [])
+        return lane is not None
 
     assert has_lane(interleaving, 1)
     assert not has_lane(interleaving, 2)
