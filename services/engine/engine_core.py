@@ -142,8 +142,9 @@ class EngineCore:
         """Run one forward pass over this step's batch; outputs of every request that changed.
 
         ``arrivals`` is the host's look for interactive arrivals: it may add requests and call
-        ``step_arrivals``. Where the runner allows it, it runs after each of the model's layers
-        and after each one's attention when the step carries batch work, or when the last step
+        ``step_arrivals``. Where the runner allows it, it runs after each of the model's layers,
+        after each one's attention and between the head's slices when the step carries batch
+        work, or when the last step
         was long (see ``_looks_inside``), and before the step when batch work is running and
         interactive requests wait (those that came in at the end of the last step)."""
         if self.arrival_lane is not None and self.arrival_lane.busy:

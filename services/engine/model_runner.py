@@ -191,8 +191,8 @@ class ModelRunner:
     ) -> StepResult:
         """Run one step. ``logit_masks`` (request id -> bool [vocab], True = allowed) applies to
         requests that sample this step; masks for requests that do not are ignored.
-        ``between_layers`` runs after each layer's attention and after each layer (the model's
-        ``forward`` says why); it may ``execute`` another plan of requests
+        ``between_layers`` runs after each layer's attention, after each layer and between
+        the head's slices (the model's ``forward`` says why); it may ``execute`` another plan of requests
         this one does not hold (see ``supports_between_layers``)."""
         self._apply_diffs(plan)
         if plan.is_empty:
