@@ -18,7 +18,7 @@ DeepSpeed); model code only calls ``TensorParallelRank.all_reduce_``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -255,10 +255,11 @@ class ParallelLMHead(PackableLinear):
     def _project_in_slices(
         self, hidden: torch.Tensor, between_slices: Callable[[], None] | None
     ) -> torch.Tensor:
+        weights: Iterable[torch.Tensor]
         if self.packed_slices is not None:
-            weights = list(self.packed_slices)
+            weights = self.packed_slices
         elif between_slices is not None:
-            weights = list(self.weight.split(self.slice_rows))
+            weights = self.weight.split(self.slice_rows)
         else:
             return self.project(hidden)
         parts = []
