@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from bench.arrivals_bench import run_arrivals_bench
 from bench.cache_index_bench import run_cache_index_bench
 from bench.engine_bench import run_engine_bench
 from bench.linear_packing_bench import run_linear_packing_bench
@@ -73,9 +72,6 @@ def main() -> None:
             model=args.model or DEFAULT_MODEL_ID,
             window_seconds=None if args.quick else REAL_MODEL_WINDOW_SECONDS,
         ),
-        # The engine alone (one process): drain against TTFT with arrivals between layers on/off
-        # (tiny model unless --model names one).
-        "engine_arrivals": lambda: run_arrivals_bench(quick=args.quick, model=args.model),
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
         "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
     }

@@ -98,18 +98,6 @@ class EngineSettings(ServiceSettings):
     # server's, so the two do not take turns on one interpreter lock; off: a thread of the
     # server's process (as the ranks of a tensor-parallel replica always do).
     core_process: bool = True
-    # An interactive request arriving while a step with async-queue work runs starts between
-    # that step's layers, in a forward pass of its own (single-rank replicas; off: it waits
-    # for the step's end).
-    arrivals_between_layers: bool = True
-    # ...and between the layers of an interactive-only step too, once this replica's last step
-    # took at least this long (ms): the wait for such a step costs an arrival more than a pass
-    # of its own costs the step (a pass's fixed cost: about 2 ms of the tiny model on a CPU).
-    arrivals_interactive_min_step_ms: float = Field(default=10.0, ge=0)
-    # Where those arrivals' passes run: "auto" puts them on a thread of their own beside the
-    # step (which then goes on instead of waiting) when the engine computes on one CPU thread
-    # and the host has another core; "on" always (single-rank replicas), "off" never.
-    arrival_lane: Literal["auto", "on", "off"] = "auto"
     # Reorder linear weights once for oneDNN on a CPU (bit-identical in bf16, 1.3-1.6x faster
     # products at the batch sizes serving runs; see cachet.engine.packed_linear).
     pack_linear_weights: bool = True

@@ -195,32 +195,8 @@ def _run_loop_process(
     return 0
 
 
-class _PipeInbox:
-    """The command pipe as seen from inside a step (``loop_messages.StepInbox``)."""
-
-    def __init__(self, commands: Connection, reports: Connection) -> None:
-        self._commands = commands
-        self._reports = reports
-        # The server's stop, read inside a step: honoured when the step ends.
-        self.stop_read = False
-
-    def take(self) -> list[tuple[int, Command]]:
-        taken: list[tuple[int, Command]] = []
-        while not self.stop_read and self._commands.poll():
-            item = self._commands.recv()
-            if item is None:
-                self.stop_read = True
-            else:
-                taken.append(item)
-        return taken
-
-    def send(self, message: Message) -> None:
-        self._reports.send(message)
-
-
 def _serve(loop: CoreLoop, commands: Connection, reports: Connection, wake_reader: int) -> None:
-    inbox = _PipeInbox(commands, reports)
-    while not inbox.stop_read:
+    while True:
         # Idle (nothing to step, or only grammars still compiling): sleep until a command or a
         # grammar's wake-up; busy: only look.
         ready = wait([commands, wake_reader], timeout=0 if loop.has_work_now() else None)
@@ -237,7 +213,7 @@ def _serve(loop: CoreLoop, commands: Connection, reports: Connection, wake_reade
             if ran:
                 reports.send(loop.report_without_step())
         if loop.has_work_now():
-            reports.send(loop.step(time.perf_counter, inbox))
+            reports.send(loop.step(time.perf_counter))
 
 
 def runs_loop_process(settings: EngineSettings) -> bool:

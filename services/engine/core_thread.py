@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 
 from cachet.engine.core_loop import CoreLoop
 from cachet.engine.loop_messages import Command, EngineDescription, Message
@@ -58,7 +57,6 @@ class ThreadHost:
         failed: Callable[[BaseException], None],
     ) -> None:
         loop = self._core_loop
-        inbox = _QueueInbox(self._commands, partial(event_loop.call_soon_threadsafe, deliver))
         try:
             while not self._stopping.is_set():
                 # Requests that only wait for their grammar leave nothing to step: block until a
@@ -66,7 +64,7 @@ class ThreadHost:
                 if self._run_commands(block=not loop.has_work_now(), event_loop=event_loop, deliver=deliver):
                     event_loop.call_soon_threadsafe(deliver, loop.report_without_step())
                 if loop.has_work_now():
-                    event_loop.call_soon_threadsafe(deliver, loop.step(time.perf_counter, inbox))
+                    event_loop.call_soon_threadsafe(deliver, loop.step(time.perf_counter))
         except BaseException as error:  # noqa: BLE001 - a dead loop must be visible, not silent
             log.exception("engine loop died")
             event_loop.call_soon_threadsafe(failed, error)
@@ -85,23 +83,3 @@ class ThreadHost:
                 item = self._commands.get_nowait()
         except queue.Empty:
             return ran
-
-
-class _QueueInbox:
-    """The command queue as seen from inside a step (``loop_messages.StepInbox``)."""
-
-    def __init__(
-        self, commands: queue.SimpleQueue[tuple[int, Command] | None], send: Callable[[Message], None]
-    ) -> None:
-        self._commands = commands
-        self.send = send
-
-    def take(self) -> list[tuple[int, Command]]:
-        taken: list[tuple[int, Command]] = []
-        try:
-            while True:
-                item = self._commands.get_nowait()
-                if item is not None:  # a wake-up: nothing to run
-                    taken.append(item)
-        except queue.Empty:
-            return taken

@@ -7,7 +7,6 @@ the caller serialises ``add_request``, ``abort`` and ``step``.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,8 +14,6 @@ from typing import Protocol
 import torch
 from tokenizers import Tokenizer
 
-from cachet.config import EngineSettings
-from cachet.engine.arrival_lane import ArrivalLane
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar, StepMasks
@@ -40,14 +37,8 @@ class Runner(Protocol):
     num_kv_blocks: int
     block_size: int
 
-    def execute(
-        self,
-        plan: StepPlan,
-        logit_masks: Mapping[str, torch.Tensor] | None = None,
-        between_layers: Callable[[], None] | None = None,
-    ) -> StepResult:
-        """``logit_masks``: request id -> bool [vocab], True = allowed (structured output).
-        ``between_layers``: only passed to a runner whose ``supports_between_layers`` is true."""
+    def execute(self, plan: StepPlan, logit_masks: Mapping[str, torch.Tensor] | None = None) -> StepResult:
+        """``logit_masks``: request id -> bool [vocab], True = allowed (structured output)."""
         ...
 
 
@@ -69,14 +60,6 @@ class EngineCore:
     kv_event_sink: Callable[[list[KvEvent]], None] | None = None
     grammar_compiler: GrammarCompiler | None = None
     wake: Callable[[], None] | None = None
-    # An interactive-only step also looks for arrivals once the last step took this long
-    # (``EngineSettings.arrivals_interactive_min_step_ms``; None: such steps never look).
-    interactive_look_min_step_seconds: float | None = (
-        EngineSettings.model_fields["arrivals_interactive_min_step_ms"].default / 1000
-    )
-    # Where arrivals started inside a step run their pass: on this lane, beside the step
-    # (``start_arrivals``); None: in the step's place, which waits (``step_arrivals``).
-    arrival_lane: ArrivalLane | None = None
     scheduler: Scheduler = field(init=False)
     _masks: MaskBuilder | None = field(init=False, default=None)
     # Requests whose grammar is still being built; reaped at each step.
@@ -84,9 +67,6 @@ class EngineCore:
     _stop_checkers: dict[str, StopStringChecker] = field(init=False, default_factory=dict)
     _pending: list[RequestOutput] = field(init=False, default_factory=list)
     _busy: bool = field(init=False, default=False)
-    _last_step_seconds: float = field(init=False, default=0.0)
-    # True while the model runs a step: only then may a pass start on the lane.
-    _executing: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
@@ -138,108 +118,24 @@ class EngineCore:
 
     # -------------------------------------------------------------------- step
 
-    def step(self, arrivals: Callable[[], None] | None = None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """Run one forward pass over this step's batch; outputs of every request that changed.
 
-        ``arrivals`` is the host's look for interactive arrivals: it may add requests and call
-        ``step_arrivals``. Where the runner allows it, it runs after each of the model's layers,
-        after each one's attention and between the head's slices when the step carries batch
-        work, or when the last step
-        was long (see ``_looks_inside``), and before the step when batch work is running and
-        interactive requests wait (those that came in at the end of the last step)."""
-        if self.arrival_lane is not None and self.arrival_lane.busy:
-            # Its requests sit in ``running`` with their prompt not yet counted as computed:
-            # scheduling now would run that prompt a second time.
-            raise RuntimeError("finish_arrivals(wait=True) must post the lane's pass before the next step")
+        Who runs first, and how much batch work shares a step with interactive requests, is the
+        scheduler's choice (priority, per-step token budget, preemption)."""
         self._reap_failed_grammars()
-        if arrivals is not None and not self._interleaves:
-            arrivals = None
-        if arrivals is not None and self.scheduler.waiting.num_interactive and self._batch_running():
-            arrivals()
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            result = StepResult()
-        else:
-            started = time.perf_counter()
-            self._executing = True
-            try:
-                result = self._execute(plan, arrivals if self._looks_inside(plan) else None)
-            finally:
-                self._executing = False
-            self._last_step_seconds = time.perf_counter() - started
+        result = StepResult() if plan.is_empty else self._execute(plan)
         outputs = self._postprocess(plan, result)
         self._check_when_idle()
         return outputs
 
-    def step_arrivals(self) -> list[RequestOutput] | None:
-        """Start the interactive requests that can start at once, in a forward pass of their own,
-        from inside another step (its ``between_layers``); None when none could start.
-
-        Only requests the step in flight does not hold can run here, and only into free seats
-        and free blocks (``Scheduler.schedule_arrivals``): that step's requests keep their
-        blocks, which its later layers still write."""
-        plan = self.scheduler.schedule_arrivals()
-        if plan.is_empty:
-            return None
-        return self._postprocess(plan, self.runner.execute(plan))
-
-    @property
-    def lane_free(self) -> bool:
-        """Whether ``start_arrivals`` may run now: a lane, idle, and a step's layers running."""
-        return self.arrival_lane is not None and not self.arrival_lane.busy and self._executing
-
-    def start_arrivals(self) -> bool:
-        """Start the interactive requests that can start at once (as ``step_arrivals`` picks them)
-        in a pass on the arrival lane, beside the step in flight (only while ``lane_free``);
-        False when none could start."""
-        if not self.lane_free:
-            raise RuntimeError("the arrival lane is busy, absent, or no step is running")
-        plan = self.scheduler.schedule_arrivals()
-        if plan.is_empty:
-            return False
-        assert self.arrival_lane is not None
-        self.arrival_lane.start(plan, self.runner.execute)
-        return True
-
-    def finish_arrivals(self, *, wait: bool) -> tuple[list[RequestOutput], float] | None:
-        """Post the lane's pass once it has ended (``wait``: wait for it): its outputs, and how
-        long the model ran it. None when no pass runs, or (without ``wait``) one still does."""
-        if self.arrival_lane is None:
-            return None
-        done = self.arrival_lane.take(wait=wait)
-        if done is None:
-            return None
-        return self._postprocess(done.plan, done.result), done.seconds
-
-    @property
-    def _interleaves(self) -> bool:
-        return getattr(self.runner, "supports_between_layers", False)
-
-    def _batch_running(self) -> bool:
-        return any(not request.interactive for request in self.scheduler.running)
-
-    def _looks_inside(self, plan: StepPlan) -> bool:
-        """A step with batch work in it makes way for arrivals. An interactive-only one does
-        once steps are long: a real model's on a CPU (60 ms at two requests for SmolLM2-135M)
-        kept an arrival waiting for the rest of it and then a step carrying its prompt, 135 ms
-        to a first token against 105 with a pass of its own. A short one (the tiny model's
-        2.6 ms) costs an arrival less than a pass's fixed cost would cost everyone."""
-        if self._carries_batch_work(plan):
-            return True
-        threshold = self.interactive_look_min_step_seconds
-        return threshold is not None and self._last_step_seconds >= threshold
-
-    def _carries_batch_work(self, plan: StepPlan) -> bool:
-        requests = (self.scheduler.get_request(rid) for rid in plan.num_scheduled_tokens)
-        return any(request is not None and not request.interactive for request in requests)
-
-    def _execute(self, plan: StepPlan, between_layers: Callable[[], None] | None) -> StepResult:
+    def _execute(self, plan: StepPlan) -> StepResult:
         masks = self._grammar_masks(plan)
-        extra = {} if between_layers is None else {"between_layers": between_layers}
         if masks is None:
-            return self.runner.execute(plan, **extra)
+            return self.runner.execute(plan)
         try:
-            return self.runner.execute(plan, logit_masks=masks, **extra)
+            return self.runner.execute(plan, logit_masks=masks)
         finally:
             # A runner that failed may not have read every mask: the fill must be over before any
             # matcher is advanced or replayed again.

@@ -10,7 +10,6 @@ single-rank replica: it relays requests and never imports torch.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -21,7 +20,6 @@ from tokenizers import Tokenizer
 
 from cachet.config import EngineSettings
 from cachet.engine import distributed
-from cachet.engine.arrival_lane import LANE_SWITCH_INTERVAL_SECONDS, ArrivalLane, spare_core_for_arrivals
 from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.expert_parallel import check_expert_parallel_size, check_model_has_experts
@@ -170,30 +168,12 @@ def build_core_loop(
         grammar_compiler=(
             GrammarCompiler(tokenizer, runner.vocab_size, runner.eos_token_ids) if tokenizer else None
         ),
-        interactive_look_min_step_seconds=settings.arrivals_interactive_min_step_ms / 1000,
-        arrival_lane=choose_arrival_lane(settings, runner, device),
     )
-    log.info("arrival lane", on=core.arrival_lane is not None, setting=settings.arrival_lane)
-    loop = CoreLoop(core, arrivals_between_layers=settings.arrivals_between_layers)
+    loop = CoreLoop(core)
     description = loop.describe(
         expert_parallel_size=expert_parallel_size, dtype=str(dtype).removeprefix("torch."), device=device.type
     )
     return loop, description
-
-
-def choose_arrival_lane(
-    settings: EngineSettings, runner: ModelRunner | distributed.ShardedRunner, device: torch.device
-) -> ArrivalLane | None:
-    """A lane only where arrivals start inside steps at all; ``auto``: where it gets a core.
-    With a lane, the process's threads hand the interpreter lock over sooner (see
-    ``LANE_SWITCH_INTERVAL_SECONDS``)."""
-    interleaves = settings.arrivals_between_layers and runner.supports_between_layers
-    if settings.arrival_lane == "off" or not interleaves:
-        return None
-    if settings.arrival_lane == "auto" and not spare_core_for_arrivals(device, torch.get_num_threads()):
-        return None
-    sys.setswitchinterval(LANE_SWITCH_INTERVAL_SECONDS)
-    return ArrivalLane()
 
 
 def threads_per_rank(settings: EngineSettings) -> int:

@@ -12,7 +12,7 @@ of a replica whose loop runs in a process of its own never imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from cachet.engine.block_pool import KvEvent
 from cachet.engine.request import Request
@@ -97,13 +97,3 @@ class EngineDescription:
 
 
 Message = Reply | StepReport
-
-
-class StepInbox(Protocol):
-    """A host's commands and messages as seen from inside a step."""
-
-    def take(self) -> list[tuple[int, Command]]:
-        """The commands that came in, without waiting (none: an empty list)."""
-        ...
-
-    def send(self, message: Message) -> None: ...

@@ -294,33 +294,6 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, set()
         return plan.build(finished)
 
-    def schedule_arrivals(self) -> StepPlan:
-        """A plan of waiting interactive requests only, admitted into free seats and free blocks,
-        for a forward pass run while another step is in flight (between its layers).
-
-        Nothing running is touched: no preemption, no running request's tokens, no finished
-        ids (the next ``schedule`` hands those over). A request with a grammar waits for a
-        regular step: its token masks are filled beside one. Queue order holds: the first
-        request that cannot start here stops the admissions.
-        """
-        plan = _PlanBuilder(self.config.max_num_batched_tokens, batch_budget=0)
-        while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek_ready()
-            if (
-                request is None
-                or not request.interactive
-                or request.grammar is not None
-                # One preempted for want of blocks would only take them back from the step's
-                # requests; it resumes in a regular step.
-                or request.status != RequestStatus.WAITING
-            ):
-                break
-            if not self._start_waiting(request, plan):
-                break
-        if not plan.tokens:
-            return StepPlan()
-        return plan.build(set())
-
     def _interactive_can_start(self) -> bool:
         """True when the next request to admit is interactive and a seat and blocks await it.
 

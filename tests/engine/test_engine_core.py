@@ -66,6 +66,33 @@ def test_only_steps_that_ran_the_model_report_a_step_time():
     assert loop.step(time.perf_counter).step_seconds is not None
 
 
+def test_an_interactive_request_beside_a_backlog_is_served_first_within_the_budget():
+    # 16 tokens a step; batch work may spend 4 of them while interactive work is about.
+    engine, _ = make_engine(num_blocks=64)
+    backlog = {"batch0": list(range(1, 41)), "batch1": list(range(41, 81))}
+    for request_id, prompt in backlog.items():
+        engine.add_request(Request(request_id, prompt, SamplingParams(), 4, interactive=False))
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> dict[str, int]:
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        return engine.runner.plans[-1].num_scheduled_tokens
+
+    assert step() == {"batch0": 16}  # alone, batch work takes whole steps
+    chat = list(range(100, 112))
+    engine.add_request(make_request("chat", chat, max_tokens=3))
+    # The chat's whole prompt, and its first token, in the next step; the backlog's prompts wait.
+    assert step() == {"chat": 12}
+    assert tokens["chat"] == reference_output(chat, 1)
+    assert step() == {"chat": 1, "batch0": 4}
+    while engine.has_unfinished_requests():
+        step()
+    assert tokens == {"chat": reference_output(chat, 3)} | {
+        request_id: reference_output(prompt, 4) for request_id, prompt in backlog.items()
+    }
+
+
 def test_outputs_stream_tokens_and_report_usage():
     engine, _ = make_engine()
     engine.add_request(make_request("a", PROMPT, max_tokens=5))
