@@ -279,10 +279,6 @@ class ShardedRunner:
         self.broadcast_seconds = 0.0
         threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
 
-    # Followers run rank 0's plans in order, layer by layer in collectives: a step run between
-    # two layers of another would pair with the wrong collectives.
-    supports_between_layers = False
-
     def __getattr__(self, name: str) -> Any:
         # Everything but stepping is the local runner's: max_model_len, vocab_size, eos ids...
         return getattr(self.runner, name)

@@ -16,7 +16,7 @@ through ``accept_sampled`` (see ``distributed``, which owns DeepSpeed).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -174,30 +174,16 @@ class ModelRunner:
         return expert_parallel.size if expert_parallel is not None else 1
 
     @property
-    def supports_between_layers(self) -> bool:
-        """Whether a step may run another between its layers (``execute``'s ``between_layers``):
-        only when no other rank runs the same layers, in collectives paired step by step."""
-        return self.expert_parallel_size == 1
-
-    @property
     def num_requests(self) -> int:
         return len(self._requests)
 
-    def execute(
-        self,
-        plan: StepPlan,
-        logit_masks: Mapping[str, torch.Tensor] | None = None,
-        between_layers: Callable[[], None] | None = None,
-    ) -> StepResult:
+    def execute(self, plan: StepPlan, logit_masks: Mapping[str, torch.Tensor] | None = None) -> StepResult:
         """Run one step. ``logit_masks`` (request id -> bool [vocab], True = allowed) applies to
-        requests that sample this step; masks for requests that do not are ignored.
-        ``between_layers`` runs after each layer's attention, after each layer and between
-        the head's slices (the model's ``forward`` says why); it may ``execute`` another plan of requests
-        this one does not hold (see ``supports_between_layers``)."""
+        requests that sample this step; masks for requests that do not are ignored."""
         self._apply_diffs(plan)
         if plan.is_empty:
             return StepResult()
-        logits, samplers = self._forward(plan, between_layers)
+        logits, samplers = self._forward(plan)
         with torch.inference_mode():
             rows = [self._sampling_row(rid, logit_masks) for rid in samplers]
             tokens = sample(logits, rows) if rows else []
@@ -210,7 +196,7 @@ class ModelRunner:
         down to the sharded lm_head), no sampling; rank 0's tokens come via ``accept_sampled``."""
         self._apply_diffs(plan)
         if not plan.is_empty:
-            self._forward(plan, None)
+            self._forward(plan)
 
     def accept_sampled(self, sampled: Mapping[str, int]) -> None:
         """Append tokens rank 0 sampled (a follower's runner); requests dropped since are skipped."""
@@ -219,9 +205,7 @@ class ModelRunner:
             if state is not None:
                 state.token_ids.append(token_id)
 
-    def _forward(
-        self, plan: StepPlan, between_layers: Callable[[], None] | None
-    ) -> tuple[torch.Tensor, list[str]]:
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[str]]:
         """Compute the plan's KV and the logits of its sampling positions (ids in ``samplers``)."""
         spans, input_ids, positions, samplers = self._prepare(plan)
         meta = build_attention_metadata(spans, self.block_size, self.device)
@@ -230,7 +214,6 @@ class ModelRunner:
                 torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                 torch.cat(positions).to(self.device),
                 meta,
-                between_layers,
             )
         for rid, num_new in plan.num_scheduled_tokens.items():
             self._requests[rid].num_computed_tokens += num_new

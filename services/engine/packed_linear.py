@@ -5,18 +5,15 @@ and ``F.linear`` on a plain row-major weight streams them slowly: on the dev box
 one-token pass of SmolLM2-135M (bf16) spent 38 of its 48 ms in matrix products, some
 7 GB/s against the 30 GB/s one core reads a plain tensor at. The same products on
 weights reordered for oneDNN take 1.6x less time at one row, 1.5x at 23 and 1.35x at 40
-(1.07x at 300), with bit-identical results in bf16. A forward pass's fixed cost is what
-an interactive arrival's pass of its own costs a backlog, so this is also what the
-async queue's drain pays per arrival.
+(1.07x at 300), with bit-identical results in bf16.
 
 Inductor's CPU weight freezing does the same reorder; doing it here keeps eager mode
-(no compile at start-up, the layer-by-layer forward the arrivals look needs).
+(no compile at start-up).
 
 A packed weight is an opaque tensor of the same shape and size: it cannot be read as a
-plain tensor, nor sliced, so a model that reads a linear's weight itself (absorbed MLA
-attention) marks that linear ``pack_weight = False``, and a layer that computes in slices
-packs each slice (``PackableLinear.pack_``; the head does, see ``ParallelLMHead``). A tied
-head gets packed copies of its own; the embedding keeps the plain table its lookups need.
+plain tensor, so a model that reads a linear's weight itself (absorbed MLA attention)
+marks that linear ``pack_weight = False``. A tied head gets a packed copy of its own;
+the embedding keeps the plain table its lookups need.
 """
 
 from __future__ import annotations
@@ -39,7 +36,9 @@ class PackableLinear(nn.Linear):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
-        return project_on(x, self.weight, bias)
+        if self.weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
     def pack_(self) -> bool:
         """Reorder the weight for oneDNN, once (``pack_weight`` allowing); whether it was now."""
@@ -47,20 +46,9 @@ class PackableLinear(nn.Linear):
             return False
         # A new parameter, not a write into the old one: a tied head's old one is the
         # embedding's table, which lookups still read plain.
-        self.weight = nn.Parameter(packed(self.weight.detach()), requires_grad=False)
+        reordered = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous())
+        self.weight = nn.Parameter(reordered, requires_grad=False)
         return True
-
-
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """A plain ``[out, in]`` weight reordered for oneDNN's products."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-
-
-def project_on(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a plain or a packed weight."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 def packs_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:

@@ -17,14 +17,13 @@ DeepSpeed); model code only calls ``TensorParallelRank.all_reduce_``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from cachet.engine.packed_linear import PackableLinear, packed, project_on
+from cachet.engine.packed_linear import PackableLinear
 
 
 def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -203,45 +202,17 @@ class ParallelLMHead(PackableLinear):
     reach the head, so the tensor is a few rows. Its rows match ``VocabParallelEmbedding``'s,
     so a tied head shares the embedding's shard (on a CPU, packing then gives it a
     copy of its own: ``packed_linear``).
-
-    The product runs in even slices of the vocabulary rows, each at most ``slice_weights``
-    weights, with ``between_slices`` between them when given: the head is the biggest product
-    after the last layer (SmolLM2-135M's holds as many weights as eight of its layers, a tenth
-    of a backlog step on a CPU), and an arrival, or a finished lane pass, would otherwise wait
-    for all of it (``CausalLM.forward``). Packing packs each slice (a packed weight cannot be
-    sliced), and the slices are then the head's only copy of its rows. 5 Mi weights:
-    SmolLM2-135M's head in six slices of 8192 rows, 1.2 ms each at a 20-row decode on the dev
-    box (about half a layer), 0.2 ms more than one product in all, where twelve slices cost
-    0.7 ms more; a tiny test model's head stays one product.
     """
 
-    def __init__(
-        self, hidden_size: int, vocab_size: int, tp: TensorParallelRank, *, slice_weights: int = 5 << 20
-    ) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallelRank) -> None:
         vocab_range = tp.split(vocab_size, "vocabulary rows")
         super().__init__(hidden_size, len(vocab_range), bias=False)
         self.vocab_size = vocab_size
         self.vocab_range = vocab_range
         self.tp = tp
-        num_slices = max(1, math.ceil(len(vocab_range) * hidden_size / slice_weights))
-        self.slice_rows = math.ceil(len(vocab_range) / num_slices)
-        self.packed_slices: nn.ParameterList | None = None
 
-    def pack_(self) -> bool:
-        if not self.pack_weight or self.packed_slices is not None:
-            return False
-        plain = self.weight.detach()
-        self.packed_slices = nn.ParameterList(
-            nn.Parameter(packed(plain[start : start + self.slice_rows]), requires_grad=False)
-            for start in range(0, self.out_features, self.slice_rows)
-        )
-        # An untied head's plain rows are freed; a tied one's are the embedding's table, which
-        # keeps them for its lookups.
-        self.weight = nn.Parameter(plain.new_empty((0, self.in_features)), requires_grad=False)
-        return True
-
-    def forward(self, hidden: torch.Tensor, between_slices: Callable[[], None] | None = None) -> torch.Tensor:
-        local = self._project_in_slices(hidden, between_slices)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.project(hidden)
         if self.tp.size == 1:
             return local
         logits = local.new_zeros(hidden.shape[0], self.vocab_size)
@@ -251,23 +222,6 @@ class ParallelLMHead(PackableLinear):
     def checkpoint_slices(self) -> dict[str, TensorSlice]:
         shape = (self.vocab_size, self.in_features)
         return {"weight": TensorSlice(shape, 0, self.vocab_range.start, self.vocab_range.stop)}
-
-    def _project_in_slices(
-        self, hidden: torch.Tensor, between_slices: Callable[[], None] | None
-    ) -> torch.Tensor:
-        weights: Iterable[torch.Tensor]
-        if self.packed_slices is not None:
-            weights = self.packed_slices
-        elif between_slices is not None:
-            weights = self.weight.split(self.slice_rows)
-        else:
-            return self.project(hidden)
-        parts = []
-        for index, weight in enumerate(weights):
-            if index and between_slices is not None:
-                between_slices()
-            parts.append(project_on(hidden, weight))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def checkpoint_slices(model: nn.Module) -> dict[str, TensorSlice]:

@@ -31,7 +31,6 @@ def test_packed_layers_compute_what_plain_ones_do(dtype: torch.dtype) -> None:
             ColumnParallelLinear(64, 96, range(96), bias=True),
             RowParallelLinear(96, range(96), 64, SINGLE_RANK, bias=True),
             ParallelLMHead(64, 300, SINGLE_RANK),
-            ParallelLMHead(64, 300, SINGLE_RANK, slice_weights=128 * 64),  # packed in three slices
         ]
     ).to(dtype)
     # Rows a step really has: one, a decode batch, a prompt; and a transposed (strided) view.
@@ -39,34 +38,13 @@ def test_packed_layers_compute_what_plain_ones_do(dtype: torch.dtype) -> None:
     inputs.append(torch.randn(64, 5, dtype=dtype).T)
     with torch.inference_mode():
         plain = [layer(x) for layer in layers for x in inputs if x.shape[-1] == layer.in_features]
-        assert pack_linear_weights(layers) == 4
-        assert all(layer.weight.is_mkldnn for layer in layers[:2])
-        assert [len(head.packed_slices) for head in layers[2:]] == [1, 3]
-        assert all(part.is_mkldnn for head in layers[2:] for part in head.packed_slices)
+        assert pack_linear_weights(layers) == 3
+        assert all(layer.weight.is_mkldnn for layer in layers)
         packed = [layer(x) for layer in layers for x in inputs if x.shape[-1] == layer.in_features]
     for expected, got in zip(plain, packed, strict=True):
         assert got.dtype == dtype and got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert pack_linear_weights(layers) == 0  # already packed: nothing to do twice
-
-
-@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
-def test_a_head_looks_between_its_slices_and_computes_what_one_product_does(pack: bool) -> None:
-    torch.manual_seed(0)
-    whole = ParallelLMHead(64, 300, SINGLE_RANK)
-    sliced = ParallelLMHead(64, 300, SINGLE_RANK, slice_weights=128 * 64)
-    sliced.weight = torch.nn.Parameter(whole.weight.detach().clone(), requires_grad=False)
-    if pack:
-        assert pack_linear_weights(sliced) == 1
-    hidden = torch.randn(5, 64)
-    looks: list[int] = []
-    with torch.inference_mode():
-        expected = whole(hidden)
-        got = sliced(hidden, lambda: looks.append(len(looks)))
-        # Without a look to make, a plain head computes in one product.
-        assert torch.equal(sliced(hidden), got if pack else expected)
-    assert looks == [0, 1]  # between its three slices, not before or after them
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_only_a_cpu_with_onednn_packs() -> None:
@@ -112,8 +90,7 @@ def test_weights_read_as_tensors_stay_plain(tiny_checkpoints: dict[str, Path]) -
     ).model
     # The tiny llama ties its head: the head packs a copy, the embedding keeps its plain table.
     assert llama.config.tie_word_embeddings
-    assert llama.lm_head.packed_slices is not None
-    assert all(part.is_mkldnn for part in llama.lm_head.packed_slices)
+    assert llama.lm_head.weight.is_mkldnn
     assert not llama.model.embed_tokens.weight.is_mkldnn
     kimi = ModelRunner(
         tiny_checkpoints["kimi-k2"], dtype=torch.float32, device=CPU, kv_cache_bytes=8 << 20

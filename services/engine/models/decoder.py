@@ -12,7 +12,7 @@ Parameter names match Hugging Face checkpoints, so loading is name for name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -47,16 +47,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        after_attention: Callable[[], None] | None = None,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        if after_attention is not None:
-            after_attention()
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -71,23 +64,13 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(rotary_dim, config.rope, config.max_position_embeddings)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        between_layers: Callable[[], None] | None = None,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """``between_layers`` runs after each layer's attention and after each layer: another
-        (whole) forward pass may run there, over other requests' tokens; this one's KV writes so
-        far are in its own slots. Twice a layer, because whatever waits for a look (an arrival
-        to start, a finished lane pass to be posted) waits half as long."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, meta.token_seq_lens)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, between_layers)
-            if between_layers is not None:
-                between_layers()
+            x = layer(x, cos, sin, meta)
         return self.norm(x)
 
 
@@ -116,13 +99,7 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        between_layers: Callable[[], None] | None = None,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """``between_layers`` runs where ``DecoderModel.forward`` says, and between the head's
-        slices (``ParallelLMHead``): by then this step's KV is all written."""
-        hidden = self.model(input_ids, positions, meta, between_layers)
-        return self.lm_head(hidden[meta.sample_indices], between_layers).float()
+        hidden = self.model(input_ids, positions, meta)
+        return self.lm_head(hidden[meta.sample_indices]).float()
