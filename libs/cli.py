@@ -72,7 +72,10 @@ def serve(
 @app.command("run-local")
 def run_local_command(
     port: Annotated[int, typer.Option(envvar="CACHET_PORT", help="REST port.")] = 8080,
-    replicas: Annotated[int, typer.Option(envvar="CACHET_REPLICAS", help="Engine replicas.")] = 2,
+    replicas: Annotated[
+        int | None,
+        typer.Option(envvar="CACHET_REPLICAS", min=1, help="Engine replicas; default: as the machine suits."),
+    ] = None,
 ) -> None:
     """Every service on this machine with the default model (converted on first use)."""
     from cachet.models.catalog import ensure_model

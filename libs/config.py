@@ -91,6 +91,8 @@ class EngineSettings(ServiceSettings):
     # other value, or EP > 1 on a dense model, is refused when the engine starts.
     tensor_parallel_size: int = Field(default=1, ge=1, validation_alias=_shared("CACHET_TP"))
     expert_parallel_size: int = Field(default=1, ge=1, validation_alias=_shared("CACHET_EP"))
+    # Math threads per rank (unset: this host's cores over the replica's ranks on it).
+    threads: int | None = Field(default=None, ge=1)
     load_report_interval_ms: int = Field(default=200, ge=10)
     # Least time between two messages of a token stream after its first (0: every step).
     stream_interval_ms: float = Field(default=0.0, ge=0)

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from honcho.manager import Manager
 
 from cachet.config import LOOPBACK
+from cachet.engine_layout import EngineLayout, available_cores, plan_engine_layout
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 TOKENIZER_PORT = 50051
@@ -48,8 +49,9 @@ class PlannedService:
     ready_when_it_lists_a_model: bool = False
 
 
-def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[PlannedService]:
+def plan_services(rest_port: int, layout: EngineLayout, model_dir: Path) -> list[PlannedService]:
     """The processes to start, with the addresses each needs; the REST bridge is the last."""
+    replicas = layout.replicas
     engines = [f"{LOOPBACK}:{ENGINE_BASE_PORT + i}" for i in range(replicas)]
     model_env = {"CACHET_MODEL": str(model_dir)}
     # CACHET_TP=N: each engine replica is N ranks; its `python -m cachet.engine` spawns ranks
@@ -58,8 +60,11 @@ def plan_services(rest_port: int, replicas: int, model_dir: Path) -> list[Planne
     # every replica checks it at start.
     engine_env = {
         **model_env,
-        "CACHET_TP": os.environ.get("CACHET_TP", "1"),
+        "CACHET_TP": str(layout.ranks_per_replica),
         "CACHET_EP": os.environ.get("CACHET_EP", "1"),
+        # Each rank's share of the cores (engine_layout): left to itself every replica would
+        # take them all.
+        "CACHET_ENGINE_THREADS": str(layout.threads_per_rank),
     }
     plan = [
         PlannedService(
@@ -170,8 +175,35 @@ def _announce_when_healthy(manager: Manager, services: list[PlannedService]) -> 
     print(entry_url(services), flush=True)
 
 
-def run_local(rest_port: int, replicas: int, model_dir: Path) -> int:
-    services = plan_services(rest_port, replicas, model_dir)
+def machine_layout(replicas: int | None) -> EngineLayout:
+    """The engine layout for this machine: ``CACHET_TP`` ranks a replica, ``replicas`` of them
+    (None: as many as the machine suits), the cores divided between their ranks."""
+    return plan_engine_layout(
+        cores=available_cores(),
+        gpus=_engine_gpus(),
+        ranks_per_replica=int(os.environ.get("CACHET_TP", "1")),
+        replicas=replicas,
+    )
+
+
+def _engine_gpus() -> int:
+    if os.environ.get("CACHET_DEVICE", "auto") == "cpu":
+        return 0
+    import torch  # a second of start-up, paid only by the supervisor that sizes engines
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_local(rest_port: int, replicas: int | None, model_dir: Path) -> int:
+    layout = machine_layout(replicas)
+    if layout.warning is not None:
+        print(f"run-local: warning: {layout.warning}", flush=True)
+    print(
+        f"run-local: {layout.replicas} engine replica(s) x {layout.ranks_per_replica} rank(s) x "
+        f"{layout.threads_per_rank} math thread(s)",
+        flush=True,
+    )
+    services = plan_services(rest_port, layout, model_dir)
     # Honcho runs each service from a multiprocessing child. Forked while the health
     # watcher's thread is inside gRPC, such a child inherits gRPC's poller mid-call and can
     # abort ("Check failed: next_worker->state == KICKED"), taking a service down at start.

@@ -177,9 +177,11 @@ def build_core_loop(
 
 
 def threads_per_rank(settings: EngineSettings) -> int:
-    """One process per replica on a shared CPU: more threads than cores only thrash, and the
-    ranks of a replica on one host share its cores (2 ranks x 2 threads on 2 cores: 24x slower)."""
-    if "CACHET_ENGINE_THREADS" in os.environ:
-        return int(os.environ["CACHET_ENGINE_THREADS"])
+    """``CACHET_ENGINE_THREADS`` where a supervisor divided the cores (run-local does, see
+    ``cachet.engine_layout``); else torch's count (the host's cores, or ``OMP_NUM_THREADS``)
+    split between the replica's ranks here: more threads than cores only thrash (2 ranks x
+    2 threads on 2 cores: 24x slower)."""
+    if settings.threads is not None:
+        return settings.threads
     ranks_here = int(os.environ.get("LOCAL_SIZE", settings.tensor_parallel_size))
     return max(1, torch.get_num_threads() // ranks_here)

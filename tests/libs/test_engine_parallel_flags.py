@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cachet.models.tiny import write_tiny_model
-from cachet.run_local import plan_services
+from cachet.run_local import machine_layout, plan_services
 
 CACHET = str(Path(sys.executable).with_name("cachet"))
 
@@ -42,10 +42,13 @@ def test_run_local_gives_every_engine_replica_tp_and_ep(
         monkeypatch.delenv(name, raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    engines = [s for s in plan_services(8080, 3, tmp_path) if s.module == "cachet.engine"]
+    engines = [s for s in plan_services(8080, machine_layout(3), tmp_path) if s.module == "cachet.engine"]
     assert len(engines) == 3
+    layout = machine_layout(3)
     for engine in engines:
         assert (engine.env["CACHET_TP"], engine.env["CACHET_EP"]) == expected
+        # Each rank gets its share of the cores, not all of them.
+        assert engine.env["CACHET_ENGINE_THREADS"] == str(layout.threads_per_rank)
 
 
 def test_serve_engine_refuses_an_ep_other_than_1_or_tp(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from service_processes import free_port, start_service
 
 from cachet.config import LOOPBACK
 from cachet.models.tiny import write_tiny_model
+from cachet.engine_layout import EngineLayout
 from cachet.run_local import PlannedService, is_healthy, plan_services
 
 CACHET = str(Path(sys.executable).with_name("cachet"))
@@ -39,7 +40,9 @@ def test_run_local_announces_its_url_serves_a_chat_and_stops_cleanly(tmp_path: P
     }
     # run-local's internal ports are fixed; a server of an earlier test, given one of them as a
     # free ephemeral port, may still be shutting down.
-    _wait_until_free([s.grpc_port for s in plan_services(port, 2, model) if s.grpc_port is not None])
+    _wait_until_free(
+        [s.grpc_port for s in plan_services(port, EngineLayout(2, 1, 1), model) if s.grpc_port is not None]
+    )
     log = (tmp_path / "run-local.log").open("w+b")
     process = subprocess.Popen(
         [CACHET, "run-local"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -1,0 +1,62 @@
+"""How many engine replicas one machine runs, and how many math threads each rank gets.
+
+Replicas, ranks and threads share the same cores, so they are sized together: on a CPU
+``replicas x ranks x threads <= cores``. Two replicas that each ran every core's worth of
+math threads on a 2-core machine served 16 streams at 0.06x of one replica (issue 24):
+oversubscribed intra-op threads spin against each other. On a GPU host a replica is one
+tensor-parallel group of devices, and the host's threads only feed them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# A CPU replica per this many cores by default. One replica batches every stream into one
+# step, which streams the weights once for all of them; two replicas on the same cores stream
+# them twice. Past a few dozen threads a small model's products are too small to split well,
+# so large hosts get more replicas rather than ever-wider ones.
+CPU_CORES_PER_REPLICA = 32
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    replicas: int
+    ranks_per_replica: int
+    threads_per_rank: int
+    # Set when an explicit replica count cannot be given a core per rank.
+    warning: str | None = None
+
+
+def available_cores() -> int:
+    """Cores this process may run on (a container's or taskset's limit, not the host's count)."""
+    return len(os.sched_getaffinity(0))
+
+
+def plan_engine_layout(
+    *, cores: int, gpus: int, ranks_per_replica: int, replicas: int | None
+) -> EngineLayout:
+    """Size replicas and threads together.
+
+    ``gpus``: devices the engines will use (0 on a CPU host). ``replicas``: the operator's
+    count (``CACHET_REPLICAS``), honoured as given; None picks one for the machine."""
+    if replicas is None:
+        replicas = _default_replicas(cores, gpus, ranks_per_replica)
+    ranks = replicas * ranks_per_replica
+    warning = None
+    if gpus == 0 and ranks > cores:
+        warning = (
+            f"{replicas} replicas x {ranks_per_replica} ranks need {ranks} cores and this machine "
+            f"has {cores}: ranks share cores and every replica runs slower than fewer would"
+        )
+    elif gpus and ranks > gpus:
+        warning = (
+            f"{replicas} replicas x {ranks_per_replica} ranks need {ranks} GPUs and this machine has {gpus}"
+        )
+    return EngineLayout(replicas, ranks_per_replica, max(1, cores // ranks), warning)
+
+
+def _default_replicas(cores: int, gpus: int, ranks_per_replica: int) -> int:
+    if gpus:
+        return max(1, gpus // ranks_per_replica)
+    return max(1, cores // (ranks_per_replica * CPU_CORES_PER_REPLICA))
