@@ -71,7 +71,12 @@ class EngineSettings(ServiceSettings):
         default="auto", validation_alias=_shared("CACHET_DTYPE")
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", validation_alias=_shared("CACHET_DEVICE"))
-    kv_cache_gb: float = Field(default=0.5, gt=0, validation_alias=_shared("CACHET_KV_CACHE_GB"))
+    # The KV pool's size; unset: kv_cache_memory_fraction of the memory free once the weights
+    # are loaded (capped at max_num_seqs full context windows).
+    kv_cache_gb: float | None = Field(default=None, gt=0, validation_alias=_shared("CACHET_KV_CACHE_GB"))
+    # Unset: cachet.engine_layout's default for the device, divided between the ranks that
+    # share the memory (a CPU host's ranks).
+    kv_cache_memory_fraction: float | None = Field(default=None, gt=0, le=1)
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=16)

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 # so large hosts get more replicas rather than ever-wider ones.
 CPU_CORES_PER_REPLICA = 32
 
+# Share of a host's available memory that a CPU engine's KV pool takes by default (on a GPU,
+# 0.9 of the device's: it holds nothing else). The host runs every other service too.
+CPU_KV_CACHE_MEMORY_FRACTION = 0.4
+GPU_KV_CACHE_MEMORY_FRACTION = 0.9
+
 
 @dataclass(frozen=True)
 class EngineLayout:
@@ -26,6 +31,14 @@ class EngineLayout:
     threads_per_rank: int
     # Set when an explicit replica count cannot be given a core per rank.
     warning: str | None = None
+    on_gpu: bool = False
+
+    @property
+    def kv_cache_memory_fraction(self) -> float:
+        """Each replica's share of free memory for its KV pool: CPU replicas share one host's."""
+        if self.on_gpu:
+            return GPU_KV_CACHE_MEMORY_FRACTION
+        return CPU_KV_CACHE_MEMORY_FRACTION / self.replicas
 
 
 def available_cores() -> int:
@@ -53,7 +66,7 @@ def plan_engine_layout(
         warning = (
             f"{replicas} replicas x {ranks_per_replica} ranks need {ranks} GPUs and this machine has {gpus}"
         )
-    return EngineLayout(replicas, ranks_per_replica, max(1, cores // ranks), warning)
+    return EngineLayout(replicas, ranks_per_replica, max(1, cores // ranks), warning, on_gpu=gpus > 0)
 
 
 def _default_replicas(cores: int, gpus: int, ranks_per_replica: int) -> int:

@@ -65,6 +65,10 @@ def plan_services(rest_port: int, layout: EngineLayout, model_dir: Path) -> list
         # Each rank's share of the cores (engine_layout): left to itself every replica would
         # take them all.
         "CACHET_ENGINE_THREADS": str(layout.threads_per_rank),
+        # ...and of free memory for their KV pools, unless the operator chose.
+        "CACHET_ENGINE_KV_CACHE_MEMORY_FRACTION": os.environ.get(
+            "CACHET_ENGINE_KV_CACHE_MEMORY_FRACTION", str(layout.kv_cache_memory_fraction)
+        ),
     }
     plan = [
         PlannedService(

@@ -23,12 +23,14 @@ from cachet.engine import distributed
 from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.expert_parallel import check_expert_parallel_size, check_model_has_experts
+from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.loop_messages import EngineDescription
 from cachet.engine.model_runner import ModelRunner, default_dtype
 from cachet.engine.models import ModelConfig
 from cachet.engine.rank_environment import externally_launched
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.structured_output import GrammarCompiler
+from cachet.engine_layout import CPU_KV_CACHE_MEMORY_FRACTION, GPU_KV_CACHE_MEMORY_FRACTION
 from cachet.logs import configure_logging, get_logger
 from cachet.models.catalog import ResolvedModel, ensure_model
 from cachet.startup_heap import freeze_startup_heap
@@ -112,13 +114,26 @@ def build_runner(
         Path(model.path),
         dtype=dtype,
         device=device,
-        kv_cache_bytes=int(settings.kv_cache_gb * _GIB),
+        kv_cache_bytes=kv_cache_size(settings, device),
         block_size=settings.block_size,
         max_model_len=settings.max_model_len,
         tp=tp,
         pack_weights=settings.pack_linear_weights,
     )
     return runner, model, dtype, device
+
+
+def kv_cache_size(settings: EngineSettings, device: torch.device) -> int | KvCacheBudget:
+    """``CACHET_KV_CACHE_GB`` as given, else a share of free memory (``kv_cache_budget``): a
+    GPU's own, or a CPU host's, which its ranks here divide (run-local divides it between
+    replicas)."""
+    if settings.kv_cache_gb is not None:
+        return int(settings.kv_cache_gb * _GIB)
+    on_gpu = device.type == "cuda"
+    default = GPU_KV_CACHE_MEMORY_FRACTION if on_gpu else CPU_KV_CACHE_MEMORY_FRACTION
+    fraction = settings.kv_cache_memory_fraction or default
+    ranks_here = 1 if on_gpu else int(os.environ.get("LOCAL_SIZE", settings.tensor_parallel_size))
+    return KvCacheBudget(fraction, ranks_sharing_memory=ranks_here, max_sequences=settings.max_num_seqs)
 
 
 def run_follower(rank: int, settings: EngineSettings) -> None:

@@ -29,6 +29,7 @@ from cachet.engine.attention import (
     build_attention_metadata,
     kv_cache_bytes_per_block,
 )
+from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.packed_linear import pack_linear_weights, packs_linear_weights
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
@@ -78,14 +79,15 @@ class ModelRunner:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        kv_cache_bytes: int,
+        kv_cache_bytes: int | KvCacheBudget,
         block_size: int = 16,
         max_model_len: int | None = None,
         tp: TensorParallel | None = None,
         pack_weights: bool = True,
     ) -> None:
-        """``pack_weights``: reorder linear weights for oneDNN where this device and dtype
-        allow it (``packed_linear``)."""
+        """``kv_cache_bytes``: the KV pool's size, or a budget it is sized by once the weights
+        are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
+        dtype allow it (``packed_linear``)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -104,6 +106,10 @@ class ModelRunner:
             if pack_weights and packs_linear_weights(self.device, dtype)
             else 0
         )
+        if isinstance(kv_cache_bytes, KvCacheBudget):
+            window = max_model_len or self.config.max_position_embeddings
+            per_token = self._kv_cache_bytes_per_block() // block_size
+            kv_cache_bytes = kv_cache_bytes.bytes_for(self.device, per_token, window)
         self.num_kv_blocks = self._fit_blocks(kv_cache_bytes)
         if tp is not None:
             # Every rank must hold every block id the scheduler (on rank 0) hands out.

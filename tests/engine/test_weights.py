@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from cachet.engine.attention import kv_cache_bytes_per_block
+from cachet.engine.kv_cache_budget import KvCacheBudget, free_memory_bytes
 from cachet.engine.model_runner import ModelRunner, default_dtype
 from cachet.engine.models import ModelConfig, UnsupportedModelError
 from cachet.engine.models.config import load_eos_token_ids
@@ -226,6 +227,21 @@ def test_runner_fits_blocks_to_byte_budget(tmp_path: Path) -> None:
     assert big.max_model_len == 1000
     with pytest.raises(ValueError, match="max_position_embeddings"):
         ModelRunner(tmp_path, dtype=torch.float32, device=CPU, kv_cache_bytes=64 << 20, max_model_len=4096)
+
+
+def test_a_budget_sizes_the_pool_from_free_memory_up_to_every_seat_at_full_context(tmp_path: Path) -> None:
+    save(tmp_path, tied=True)
+    per_token = kv_cache_bytes_per_block(2, 16, 2, 16, torch.bfloat16) // 16
+    # Two seats of the model's 2048-token window: far less than 40% of any host's memory.
+    capped = ModelRunner(
+        tmp_path, dtype=torch.bfloat16, device=CPU, kv_cache_bytes=KvCacheBudget(0.4, max_sequences=2)
+    )
+    assert capped.num_kv_blocks * 16 == 2 * 2048 and capped.max_model_len == 2048
+    # A share smaller than the cap: the share decides (free memory moves, so a bound).
+    share = KvCacheBudget(1e-6, ranks_sharing_memory=2, max_sequences=64)
+    shared = ModelRunner(tmp_path, dtype=torch.bfloat16, device=CPU, kv_cache_bytes=share)
+    assert 0 < shared.num_kv_blocks * 16 * per_token <= free_memory_bytes(CPU) * 1e-6 / 2 * 1.5
+    assert shared.num_kv_blocks < 64 * 2048 // 16
 
 
 def test_default_dtype_on_cpu_is_bfloat16_only_with_native_bf16() -> None:

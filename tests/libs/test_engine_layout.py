@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cachet.engine_layout import CPU_CORES_PER_REPLICA, EngineLayout, plan_engine_layout
+from cachet.engine_layout import (
+    CPU_CORES_PER_REPLICA,
+    CPU_KV_CACHE_MEMORY_FRACTION,
+    EngineLayout,
+    plan_engine_layout,
+)
 
 
 @pytest.mark.parametrize(
@@ -25,9 +30,10 @@ def test_a_cpu_default_never_runs_more_threads_than_cores(
     assert layout.replicas * layout.ranks_per_replica * layout.threads_per_rank <= cores
 
 
-def test_an_explicit_replica_count_divides_the_cores() -> None:
+def test_an_explicit_replica_count_divides_the_cores_and_the_kv_memory() -> None:
     layout = plan_engine_layout(cores=8, gpus=0, ranks_per_replica=1, replicas=2)
     assert layout == EngineLayout(2, 1, 4)
+    assert layout.kv_cache_memory_fraction == CPU_KV_CACHE_MEMORY_FRACTION / 2
 
 
 def test_more_ranks_than_cores_get_one_thread_each_and_a_warning() -> None:
@@ -37,6 +43,8 @@ def test_more_ranks_than_cores_get_one_thread_each_and_a_warning() -> None:
 
 
 def test_a_gpu_host_runs_a_replica_per_tensor_parallel_group() -> None:
-    assert plan_engine_layout(cores=16, gpus=8, ranks_per_replica=2, replicas=None) == EngineLayout(4, 2, 2)
+    assert plan_engine_layout(cores=16, gpus=8, ranks_per_replica=2, replicas=None) == EngineLayout(
+        4, 2, 2, on_gpu=True
+    )
     crowded = plan_engine_layout(cores=16, gpus=2, ranks_per_replica=2, replicas=2)
     assert crowded.warning is not None and "GPUs" in crowded.warning
