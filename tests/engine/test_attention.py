@@ -16,6 +16,7 @@ from cachet.engine.attention import (
 )
 from cachet.engine.models.config import ModelConfig
 from cachet.engine.models.llama import Attention, RotaryEmbedding
+from cachet.engine.tensor_parallel import TensorParallelRank
 
 torch.set_num_threads(1)
 
@@ -179,13 +180,12 @@ def test_attention_infers_local_heads_from_sharded_weights() -> None:
 
     expected = bound(full, 2)(x, cos, sin, meta)
     total = torch.zeros_like(expected)
+    full_q, full_k, full_v = full.qkv_proj.weight.split(full.qkv_proj.output_sizes)
     for rank in range(2):
-        shard = Attention(config)
+        shard = Attention(config, TensorParallelRank(rank=rank, size=2))
         q_rows, kv_rows = slice(rank * 32, rank * 32 + 32), slice(rank * 16, rank * 16 + 16)
-        for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
-            linear = torch.nn.Linear(64, rows.stop - rows.start, bias=False)
-            linear.weight = torch.nn.Parameter(getattr(full, name).weight[rows].detach().clone())
-            setattr(shard, name, linear)
+        rows = torch.cat([full_q[q_rows], full_k[kv_rows], full_v[kv_rows]])
+        shard.qkv_proj.weight = torch.nn.Parameter(rows.detach().clone())
         shard.o_proj = torch.nn.Linear(32, 64, bias=False)
         shard.o_proj.weight = torch.nn.Parameter(full.o_proj.weight[:, q_rows].detach().clone())
         assert shard.num_local_kv_heads == 1

@@ -39,6 +39,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def uneven_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6 query heads over 3 KV heads (the default model's 9/3 in small): 2 ranks get 2 and 1 KV heads."""
     from cachet.engine.models import ModelConfig, model_class
+    from cachet.engine.weights import checkpoint_state
 
     out = tmp_path_factory.mktemp("tp") / "uneven"
     out.mkdir()
@@ -49,7 +50,7 @@ def uneven_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     (out / "config.json").write_text(json.dumps(config))
     torch.manual_seed(1)
     model = model_class(ModelConfig.from_model_dir(out))(ModelConfig.from_model_dir(out))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {k: v.detach().clone() for k, v in checkpoint_state(model).items() if k != "lm_head.weight"}
     save_file(state, str(out / "model.safetensors"))
     return out
 

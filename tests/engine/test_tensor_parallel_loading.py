@@ -14,7 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cachet.engine.models import ModelConfig
-from cachet.engine.tensor_parallel import TensorParallelRank, TensorSlice, checkpoint_slices
+from cachet.engine.tensor_parallel import (
+    TensorParallelRank,
+    TensorSlice,
+    checkpoint_slices,
+    stacked_checkpoint_parts,
+)
 from cachet.engine.weights import CheckpointError, load_model
 
 CPU = torch.device("cpu")
@@ -37,31 +42,45 @@ def test_each_rank_holds_its_slices_and_together_they_are_the_checkpoint(
     model_dir = tiny_checkpoints[family]
     full = _checkpoint(model_dir)
     ranks = [_load(model_dir, rank, 2, ep) for rank in range(2)]
-    slices = [checkpoint_slices(model) for model in ranks]
-    split_names = set(slices[0])
+    held = [_held_parts(model) for model in ranks]
+    split_names = {name for name, (_, part) in held[0].items() if part.is_part}
     # The split reaches every kind of layer: attention, MLP (dense or shared experts), embedding.
     for part in ("q_", "o_proj", "down_proj", "embed_tokens", "lm_head"):
         assert any(part in name for name in split_names), part
 
     for name in split_names:
-        mine = [dict(model.named_parameters(remove_duplicate=False))[name] for model in ranks]
-        part: TensorSlice = slices[0][name]
+        mine = [parts[name][0] for parts in held]
+        dim = held[0][name][1].dim
         source = full.get(name, full.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
         assert source is not None, name
-        for rank, tensor in enumerate(mine):
-            own = slices[rank][name]
+        for parts in held:
+            tensor, own = parts[name]
             assert torch.equal(tensor.detach(), source.narrow(own.dim, own.start, own.stop - own.start)), name
         # Disjoint, in rank order, and nothing left over.
-        assert torch.equal(torch.cat([t.detach() for t in mine], dim=part.dim), source), name
+        assert torch.equal(torch.cat([t.detach() for t in mine], dim=dim), source), name
 
     # What is not split (norms, latent projections, the router; whole experts under EP) is
     # whole on every rank that holds it.
-    for name, tensor in ranks[1].named_parameters():
-        if name not in split_names:
+    for name, (tensor, part) in held[1].items():
+        if not part.is_part and name in full:
             assert torch.equal(tensor.detach(), full[name]), name
     # Every checkpoint tensor lands somewhere (the loader's own check, seen from outside).
-    held = {name for model in ranks for name, _ in model.named_parameters(remove_duplicate=False)}
-    assert set(full) <= held
+    assert set(full) <= {name for parts in held for name in parts}
+
+
+def _held_parts(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, TensorSlice]]:
+    """Checkpoint tensor name -> what this rank holds of it and which part that is: whole
+    parameters, sliced ones, and the rows of merged q/k/v and gate/up."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    slices = checkpoint_slices(model)
+    held = {
+        name: (tensor, slices.get(name) or TensorSlice(tuple(tensor.shape), 0, 0, tensor.shape[0]))
+        for name, tensor in params.items()
+    }
+    for name, (param, offset, part) in stacked_checkpoint_parts(model).items():
+        held.pop(param, None)
+        held[name] = (params[param].narrow(0, offset, part.stop - part.start), part)
+    return held
 
 
 def test_ep_equal_to_tp_splits_experts_whole_and_shared_experts_by_channels(

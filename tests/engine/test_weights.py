@@ -15,7 +15,7 @@ from cachet.engine.kv_cache_budget import KvCacheBudget, free_memory_bytes
 from cachet.engine.model_runner import ModelRunner, default_dtype
 from cachet.engine.models import ModelConfig, UnsupportedModelError
 from cachet.engine.models.config import load_eos_token_ids
-from cachet.engine.weights import CheckpointError, checkpoint_files, load_model
+from cachet.engine.weights import CheckpointError, checkpoint_files, checkpoint_state, load_model
 
 torch.set_num_threads(1)
 
@@ -43,7 +43,7 @@ def load(directory: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module
 
 
 def assert_matches(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> None:
-    ours = model.state_dict()
+    ours = checkpoint_state(model)
     assert set(ours) == set(reference)
     for name, tensor in reference.items():
         assert torch.equal(ours[name], tensor.to(ours[name].dtype)), name
@@ -79,7 +79,7 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
     assert len(checkpoint_files(tmp_path)) > 2
     model = load(tmp_path)
     assert_matches(model, reference)
-    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     assert model.model.layers[0].self_attn.o_proj.bias is None
 
 

@@ -19,7 +19,7 @@ from cachet.engine.models.decoder import CausalLM, DecoderLayer, DecoderModel, R
 from cachet.engine.models.rotary import RotaryEmbedding, apply_rotary
 from cachet.engine.tensor_parallel import (
     SINGLE_RANK,
-    ColumnParallelLinear,
+    MergedColumnParallelLinear,
     RowParallelLinear,
     TensorParallelRank,
 )
@@ -35,24 +35,21 @@ class Attention(nn.Module):
         kv_rows = range(kv_heads.start * head_dim, kv_heads.stop * head_dim)
         self.head_dim = head_dim
         full_q, full_kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-        self.q_proj = ColumnParallelLinear(hidden, full_q, q_rows, bias=config.qkv_bias)
-        self.k_proj = ColumnParallelLinear(hidden, full_kv, kv_rows, bias=config.qkv_bias)
-        self.v_proj = ColumnParallelLinear(hidden, full_kv, kv_rows, bias=config.qkv_bias)
+        parts = {"q_proj": (full_q, q_rows), "k_proj": (full_kv, kv_rows), "v_proj": (full_kv, kv_rows)}
+        self.qkv_proj = MergedColumnParallelLinear(hidden, parts, bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(full_q, q_rows, hidden, tp, bias=config.o_proj_bias)
         self.attn = PagedAttention()
 
     @property
     def num_local_kv_heads(self) -> int:
-        return self.k_proj.weight.shape[0] // self.head_dim
+        return self.qkv_proj.output_sizes[1] // self.head_dim
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         tokens = x.shape[0]
         # -1 heads: the local count follows the (possibly split) projection widths.
-        q = self.q_proj(x).view(tokens, -1, self.head_dim)
-        k = self.k_proj(x).view(tokens, -1, self.head_dim)
-        v = self.v_proj(x).view(tokens, -1, self.head_dim)
+        q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split(x))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, meta).reshape(tokens, -1))
 
@@ -61,12 +58,14 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallelRank = SINGLE_RANK) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = ColumnParallelLinear.by_units(hidden, inner, 1, tp, bias, "MLP channels")
-        self.up_proj = ColumnParallelLinear.by_units(hidden, inner, 1, tp, bias, "MLP channels")
+        channels = tp.split(inner, "MLP channels")
+        parts = {"gate_proj": (inner, channels), "up_proj": (inner, channels)}
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, parts, bias=bias)
         self.down_proj = RowParallelLinear.by_units(inner, 1, hidden, tp, bias, what="MLP channels")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(CausalLM):
