@@ -19,8 +19,8 @@ import pytest
 from service_processes import free_port, start_service
 
 from cachet.config import LOOPBACK
-from cachet.models.tiny import write_tiny_model
 from cachet.engine_layout import EngineLayout
+from cachet.models.tiny import write_tiny_model
 from cachet.run_local import PlannedService, is_healthy, plan_services
 
 CACHET = str(Path(sys.executable).with_name("cachet"))
