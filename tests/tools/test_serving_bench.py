@@ -12,6 +12,7 @@ import pytest
 
 from bench.serving_bench import client_args, measures, scenarios
 from bench.serving_report import decode_tok_s, format_table, table_rows
+from bench.vllm_peer import vllm_server_command
 
 
 def saved_result(output_throughput: float, mean_ttft_ms: float, mean_tpot_ms: float) -> dict:
@@ -122,3 +123,15 @@ def test_client_args_ask_vllms_client_for_what_the_table_reads(tmp_path: Path):
     assert value("--tokenizer") == "/ckpt" and value("--port") == "8123"
     assert {"--ignore-eos", "--save-result"} <= set(args)
     assert (value("--result-dir"), value("--result-filename")) == (str(tmp_path), "cold_ttft.json")
+
+
+def test_the_peer_serves_the_same_checkpoint_under_the_name_cachet_serves():
+    command = vllm_server_command(Path("/py"), Path("/ckpt"), 8124, "float32")
+    assert command[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+
+    def value(flag: str) -> str:
+        return command[command.index(flag) + 1]
+
+    assert value("--model") == "/ckpt" and value("--served-model-name") == "smollm2-135m-instruct"
+    assert (value("--dtype"), value("--max-model-len"), value("--port")) == ("float32", "8192", "8124")
+    assert "--enable-prefix-caching" in command
