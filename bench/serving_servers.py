@@ -9,6 +9,7 @@ not reach them; vLLM forks an engine-core process. Nothing outlives the ``with``
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -78,6 +79,20 @@ def running_server(
         yield
     finally:
         _stop(process)
+
+
+@contextmanager
+def one_run_at_a_time(lock_file: Path) -> Iterator[bool]:
+    """Yields False while another run holds ``lock_file``: two runs at once would share the
+    two cores, ``run-local``'s fixed gRPC ports and the result directories."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True  # the lock goes with the file's closing
 
 
 @contextmanager

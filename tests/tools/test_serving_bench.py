@@ -12,6 +12,7 @@ import pytest
 
 from bench.serving_bench import client_args, measures, scenarios
 from bench.serving_report import decode_tok_s, format_table, table_rows
+from bench.serving_servers import one_run_at_a_time
 from bench.vllm_peer import vllm_server_command
 
 
@@ -135,3 +136,10 @@ def test_the_peer_serves_the_same_checkpoint_under_the_name_cachet_serves():
     assert value("--model") == "/ckpt" and value("--served-model-name") == "smollm2-135m-instruct"
     assert (value("--dtype"), value("--max-model-len"), value("--port")) == ("float32", "8192", "8124")
     assert "--enable-prefix-caching" in command
+
+
+def test_a_second_run_finds_the_first_holding_the_machine(tmp_path: Path):
+    with one_run_at_a_time(tmp_path / "lock") as first, one_run_at_a_time(tmp_path / "lock") as second:
+        assert first and not second
+    with one_run_at_a_time(tmp_path / "lock") as after:
+        assert after
