@@ -62,9 +62,9 @@ def plan_services(rest_port: int, layout: EngineLayout, model_dir: Path) -> list
         **model_env,
         "CACHET_TP": str(layout.ranks_per_replica),
         "CACHET_EP": os.environ.get("CACHET_EP", "1"),
-        # Each rank's share of the cores (engine_layout): left to itself every replica would
-        # take them all.
-        "CACHET_ENGINE_THREADS": str(layout.threads_per_rank),
+        # Each rank's share of the cores (engine_layout), unless the operator chose: left to
+        # itself every replica would take them all.
+        "CACHET_ENGINE_THREADS": os.environ.get("CACHET_ENGINE_THREADS", str(layout.threads_per_rank)),
         # ...and of free memory for their KV pools, unless the operator chose.
         "CACHET_ENGINE_KV_CACHE_MEMORY_FRACTION": os.environ.get(
             "CACHET_ENGINE_KV_CACHE_MEMORY_FRACTION", str(layout.kv_cache_memory_fraction)
