@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 # A CPU replica per this many cores by default. One replica batches every stream into one
 # step, which streams the weights once for all of them; two replicas on the same cores stream
-# them twice. Past a few dozen threads a small model's products are too small to split well,
-# so large hosts get more replicas rather than ever-wider ones.
+# them twice. Large hosts still get several, since a small model's products split over
+# dozens of threads leave most of them idle; 32 is a judgement, not measured (the dev box
+# has 2 cores).
 CPU_CORES_PER_REPLICA = 32
 
 # Share of a host's available memory that a CPU engine's KV pool takes by default (on a GPU,
@@ -39,6 +40,15 @@ class EngineLayout:
         if self.on_gpu:
             return GPU_KV_CACHE_MEMORY_FRACTION
         return CPU_KV_CACHE_MEMORY_FRACTION / self.replicas
+
+    def replica_devices(self, replica: int) -> dict[str, str]:
+        """The environment that gives replica ``replica`` GPUs of its own (its ranks see them as
+        ``cuda:0..``); none on a CPU host. Without it every replica would share the first GPU."""
+        if not self.on_gpu:
+            return {}
+        first = replica * self.ranks_per_replica
+        devices = range(first, first + self.ranks_per_replica)
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
 
 
 def available_cores() -> int:

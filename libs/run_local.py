@@ -83,7 +83,7 @@ def plan_services(rest_port: int, layout: EngineLayout, model_dir: Path) -> list
         PlannedService(
             f"engine{i}",
             "cachet.engine",
-            {**engine_env, "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i)},
+            {**engine_env, **layout.replica_devices(i), "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i)},
             grpc_port=ENGINE_BASE_PORT + i,
         )
         for i in range(replicas)

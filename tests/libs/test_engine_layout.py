@@ -46,5 +46,12 @@ def test_a_gpu_host_runs_a_replica_per_tensor_parallel_group() -> None:
     assert plan_engine_layout(cores=16, gpus=8, ranks_per_replica=2, replicas=None) == EngineLayout(
         4, 2, 2, on_gpu=True
     )
+    layout = plan_engine_layout(cores=16, gpus=8, ranks_per_replica=2, replicas=None)
+    # Each replica's ranks get GPUs of their own; a CPU replica gets none.
+    assert [layout.replica_devices(i) for i in (0, 3)] == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"},
+        {"CUDA_VISIBLE_DEVICES": "6,7"},
+    ]
+    assert plan_engine_layout(cores=2, gpus=0, ranks_per_replica=1, replicas=None).replica_devices(0) == {}
     crowded = plan_engine_layout(cores=16, gpus=2, ranks_per_replica=2, replicas=2)
     assert crowded.warning is not None and "GPUs" in crowded.warning
