@@ -19,9 +19,9 @@ class KvCacheBudget:
     # A share of the memory free after loading (the device's on a GPU, the host's available
     # memory on a CPU), divided between the ranks that share that memory.
     memory_fraction: float
+    # Seats a replica runs (``max_num_seqs``): the pool never exceeds this many full windows.
+    max_sequences: int
     ranks_sharing_memory: int = 1
-    # Seats a replica runs: the pool never exceeds this many full context windows.
-    max_sequences: int = 64
 
     def bytes_for(self, device: torch.device, bytes_per_token: int, context_window: int) -> int:
         share = int(free_memory_bytes(device) * self.memory_fraction / self.ranks_sharing_memory)
