@@ -56,6 +56,7 @@ def chat_request_to_proto(body: schemas.ChatCompletionBody) -> router_pb2.ChatCo
         messages=[_message(m) for m in body.messages],
         sampling=_sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0),
         tools=[_tool(t.function) for t in body.tools or []],
+        cache_salt=body.cache_salt or "",
     )
     if body.tool_choice is not None:
         request.tool_choice.CopyFrom(_tool_choice(body.tool_choice))
@@ -70,7 +71,9 @@ def completion_request_to_proto(body: schemas.CompletionBody) -> router_pb2.Comp
     # Legacy logprobs=k means "the sampled token plus k alternatives".
     wants_logprobs = body.logprobs is not None
     request = router_pb2.CompletionRequest(
-        model=body.model, sampling=_sampling(body, body.max_tokens, wants_logprobs, body.logprobs or 0)
+        model=body.model,
+        sampling=_sampling(body, body.max_tokens, wants_logprobs, body.logprobs or 0),
+        cache_salt=body.cache_salt or "",
     )
     prompt = body.prompt
     if isinstance(prompt, str):

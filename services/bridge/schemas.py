@@ -172,6 +172,8 @@ class _SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: only requests with the same salt (and account) share cached prefixes.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class ChatCompletionBody(_SamplingBody):

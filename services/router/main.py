@@ -17,6 +17,7 @@ from cachet.grpc_server import RunningServer, create_server, serve_until_signall
 from cachet.logs import configure_logging, get_logger
 from cachet.router import metrics
 from cachet.router.batch_queue import BatchQueue
+from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import AccountDirectory
 from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
 from cachet.router.file_batches import FileBatches
@@ -101,6 +102,7 @@ async def start(settings: RouterSettings) -> RunningServer:
         usage=usage,
         policy=_policy(options),
         cache_timeout_seconds=options.cache_timeout_seconds,
+        cache_scopes=CacheScopes(isolate=options.cache_isolation, groups=options.cache_groups),
     )
     clients.queue = QueueStore(options.queue_path)
     clients.webhooks = _webhook_sender(clients.queue, options)

@@ -15,6 +15,7 @@ import grpc
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
 from cachet.errors import InvalidArgument
+from cachet.router.cache_scope import validate_cache_salt
 from cachet.router.upstream_errors import domain_error
 from cachet.router.v1 import router_pb2
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -39,6 +40,7 @@ def validate_chat(request: router_pb2.ChatCompletionRequest) -> None:
                 param=f"messages[{index}].role",
             )
     validate_sampling(request.sampling)
+    validate_cache_salt(request.cache_salt)
 
 
 def validate_completion(request: router_pb2.CompletionRequest) -> None:
@@ -46,6 +48,7 @@ def validate_completion(request: router_pb2.CompletionRequest) -> None:
     if bool(request.prompt) == bool(request.prompt_token_ids):
         raise InvalidArgument("give exactly one of prompt and prompt_token_ids", param="prompt")
     validate_sampling(request.sampling)
+    validate_cache_salt(request.cache_salt)
 
 
 def validate_sampling(sampling: common_pb2.SamplingParams) -> None:

@@ -2,7 +2,8 @@
 
 ::
 
-    validate → template / encode (tokenizer) → block hashes (cachet.block_hash, local)
+    validate → template / encode (tokenizer) → block hashes (cachet.block_hash, local,
+      salted by the caller's cache scope: cache_scope.py)
       → MatchPrefix (cache index; down → score by load alone) → choose a replica
       → engine Generate stream → detokenize (in process, the tokenizer's own tokenizer)
       → stop strings → output parser → chunks
@@ -35,6 +36,7 @@ from cachet.errors import NotFound, ResourceExhausted, Unavailable
 from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.logs import get_logger
 from cachet.router import metrics
+from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import Caller
 from cachet.router.detokenizer import Detokenizers
 from cachet.router.output_parser import OutputDelta, merge_deltas
@@ -82,6 +84,9 @@ class GenerationRequest:
     # False when the caller takes the whole answer at once: the engine then sends the first
     # token (the sign it started) and the rest in one message, not a message per step.
     stream: bool = True
+    # Seeds the prefix block hashes here and in the engine (cache_scope.py): only requests
+    # with the same salt share cached prefixes.
+    cache_salt: str = ""
 
 
 class _Refused(Exception):
@@ -104,8 +109,10 @@ class RequestPipeline:
         usage: UsageRecorder,
         policy: PlacementPolicy,
         cache_timeout_seconds: float,
+        cache_scopes: CacheScopes | None = None,
     ) -> None:
         self._replicas = replicas
+        self._cache_scopes = cache_scopes or CacheScopes()
         self._prompts = prompts
         self._cache = cache
         self.usage = usage
@@ -144,6 +151,7 @@ class RequestPipeline:
                 priority,
                 output_setup_for(family, tools),
                 stream,
+                self._cache_scopes.salt_for(caller.account_id, request.cache_salt),
             )
             return await self._start(generation, engine)
 
@@ -171,6 +179,7 @@ class RequestPipeline:
                 arrived,
                 priority,
                 stream=stream,
+                cache_salt=self._cache_scopes.salt_for(caller.account_id, request.cache_salt),
             )
             return await self._start(generation, engine)
 
@@ -211,7 +220,7 @@ class RequestPipeline:
         prompt_param = "messages" if request.role else "prompt"
         check_context_window(len(request.prompt_token_ids), request.sampling, engine, prompt_param)
         cached = (
-            await self._cached_prefix_tokens(engine, request.prompt_token_ids)
+            await self._cached_prefix_tokens(engine, request.prompt_token_ids, request.cache_salt)
             if len(self._replicas.addresses_serving(request.model)) > 1
             else {}  # one replica: where the prefix lives cannot change the choice
         )
@@ -289,10 +298,11 @@ class RequestPipeline:
         )
 
     async def _cached_prefix_tokens(
-        self, engine: engine_pb2.EngineInfo, prompt: Sequence[int]
+        self, engine: engine_pb2.EngineInfo, prompt: Sequence[int], cache_salt: str
     ) -> dict[str, int]:
         block_size = engine.block_size or DEFAULT_BLOCK_SIZE
-        hashes = block_hashes(prompt, engine.model, block_size=block_size)
+        # The engine names its blocks with the same salt, so the index holds these very hashes.
+        hashes = block_hashes(prompt, engine.model, block_size=block_size, cache_salt=cache_salt)
         if not hashes:
             return {}
         query = cache_pb2.MatchPrefixRequest(model=engine.model, block_hashes=hashes)
@@ -320,6 +330,7 @@ class RequestPipeline:
                 sampling=request.sampling,
                 response_format=request.response_format,
                 priority=request.priority,
+                cache_salt=request.cache_salt,
                 output_kind=engine_pb2.OUTPUT_KIND_DELTA
                 if request.stream
                 else engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,

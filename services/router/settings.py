@@ -36,6 +36,13 @@ class RouterServiceSettings(RouterSettings):
     usage_flush_seconds: float = Field(default=0.02, ge=0)
     # The cache index is an optimisation: wait for it only this long before scoring by load.
     cache_timeout_seconds: float = Field(default=0.5, gt=0)
+    # Whether each account's cached prefixes are its own (cache_scope.py): shared, a tenant
+    # learns from cached-token counts and timing what another sent. false: one cache for all
+    # accounts, for a single-tenant deployment.
+    cache_isolation: bool = True
+    # Account id -> cache group: the accounts of one group (an organisation) share cached
+    # prefixes, e.g. CACHET_ROUTER_CACHE_GROUPS='{"acct-1": "org-a", "acct-2": "org-a"}'.
+    cache_groups: dict[str, str] = Field(default_factory=dict)
 
     # --- async queue (queue_store.py, dispatcher.py, webhooks.py) ---
     # SQLite file of the queue; defaults to <data_dir>/queue.sqlite3.

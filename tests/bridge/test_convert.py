@@ -195,6 +195,13 @@ def test_completion_requests() -> None:
     )
 
 
+def test_cache_salt_passes_through_and_unset_stays_empty() -> None:
+    assert convert.chat_request_to_proto(chat_body(cache_salt="run-7")).cache_salt == "run-7"
+    assert convert.chat_request_to_proto(chat_body()).cache_salt == ""
+    text = schemas.CompletionBody.model_validate({"model": "m", "prompt": "a", "cache_salt": "run-7"})
+    assert convert.completion_request_to_proto(text).cache_salt == "run-7"
+
+
 def test_workers_ai_prompt_is_one_user_turn_unless_raw() -> None:
     body = schemas.WorkersAIRunBody.model_validate({"prompt": "Tell me a joke", "temperature": 0.25})
     assert convert.workers_ai_request_to_proto("@cf/m", body) == router_pb2.ChatCompletionRequest(

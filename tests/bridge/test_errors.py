@@ -115,6 +115,8 @@ def test_server_errors_hide_details(code: grpc.StatusCode) -> None:
             "Invalid value",
         ),
         (CHAT | {"top_logprobs": 2}, None, "top_logprobs requires logprobs"),
+        (CHAT | {"cache_salt": ""}, "cache_salt", "at least 1"),
+        (CHAT | {"cache_salt": "x" * 257}, "cache_salt", "at most 256"),
     ],
 )
 async def test_validation_errors_are_400_naming_the_field(

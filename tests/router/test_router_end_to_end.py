@@ -22,6 +22,8 @@ from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
+from cachet.router.cache_scope import CacheScopes
+from cachet.router.caller import ANONYMOUS_ACCOUNT
 from cachet.router.placement import rendezvous_order
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -158,16 +160,23 @@ async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cach
                 model=TINY_MODEL_ID, messages=request.messages, add_generation_prompt=True
             )
         )
-        hashes = block_hashes(list(rendered.token_ids), TINY_MODEL_ID)
+        # The engine names blocks with the caller's cache salt, so the index holds the salted chain.
+        salt = CacheScopes().salt_for(ANONYMOUS_ACCOUNT)
+        hashes = block_hashes(list(rendered.token_ids), TINY_MODEL_ID, cache_salt=salt)
         cache = cache_pb2_grpc.CacheIndexServiceStub(cache_channel)
 
-        async def indexed() -> bool:
+        async def holders(hashes: list[int]) -> set[str]:
             reply = await cache.MatchPrefix(
                 cache_pb2.MatchPrefixRequest(model=TINY_MODEL_ID, block_hashes=hashes)
             )
-            return any(m.address == holder and m.matched_blocks > 0 for m in reply.matches)
+            return {m.address for m in reply.matches if m.matched_blocks > 0}
+
+        async def indexed() -> bool:
+            return holder in await holders(hashes)
 
         await until(indexed, 10, "the cache index to hold the first prompt")
+        # Unsalted, the same prompt names nothing: no other account can find it.
+        assert not await holders(block_hashes(list(rendered.token_ids), TINY_MODEL_ID))
     # Let a load report (every 200 ms) show the holder idle again: a busy holder may lose on load.
     await asyncio.sleep(0.6)
 
@@ -238,6 +247,72 @@ async def test_usage_is_recorded_once_with_the_reported_counts(stack, inference,
     )
     await asyncio.sleep(0.5)  # nothing else arrives later (a second record would be a second request id)
     assert [r.requests for r in await rows()] == [1]
+
+
+TENANT_KEYS = {"sk-a": "acct-a", "sk-b": "acct-b", "sk-a2": "acct-a2", "sk-c": "acct-c"}
+
+
+async def test_each_account_sees_only_its_own_cached_prefixes(stack) -> None:
+    # acct-a2 shares acct-a's cache group (an organisation); acct-b and acct-c are on their own.
+    router = stack.start_router(
+        "router-tenants",
+        CACHET_ROUTER_API_KEYS=json.dumps(TENANT_KEYS),
+        CACHET_ROUTER_CACHE_GROUPS=json.dumps({"acct-a": "org-1", "acct-a2": "org-1"}),
+    )
+    # One session for every request: all land on one replica, so a miss is isolation, not placement.
+    holder = min(stack.engine_addresses)
+    session = session_homed_on(holder, stack.engine_addresses)
+    request = chat("Summarise the plot of Hamlet in two sentences, please.", max_tokens=1)
+    try:
+        async with create_channel(router.address) as channel:
+            keyed = router_pb2_grpc.InferenceServiceStub(channel)
+
+            async def cached_for(key: str, salt: str = "") -> int:
+                request.cache_salt = salt
+                metadata = (("authorization", f"Bearer {key}"), ("x-session-affinity", session))
+                reply = await keyed.CreateChatCompletion(request, metadata=metadata, timeout=TIMEOUT)
+                assert reply.replica_address == holder
+                return reply.usage.cached_tokens
+
+            assert await cached_for("sk-a") == 0
+            assert await cached_for("sk-b") == 0  # the same prompt, on the same replica, another account
+            assert await cached_for("sk-a") >= 16
+            assert await cached_for("sk-a2") >= 16  # same group
+            assert await cached_for("sk-c") == 0
+            assert await cached_for("sk-a", salt="private") == 0  # a caller's own salt
+            assert await cached_for("sk-a", salt="private") >= 16
+            # An unusable salt is the caller's error, not the server's.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await cached_for("sk-a", salt="x" * 257)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cache_salt" in (refused.value.details() or "")
+    finally:
+        router.stop()
+
+
+async def test_without_isolation_accounts_share_cached_prefixes(stack) -> None:
+    router = stack.start_router(
+        "router-shared", CACHET_ROUTER_API_KEYS=json.dumps(TENANT_KEYS), CACHET_ROUTER_CACHE_ISOLATION="false"
+    )
+    holder = min(stack.engine_addresses)
+    session = session_homed_on(holder, stack.engine_addresses)
+    request = chat("Name three rivers of Europe.", max_tokens=1)
+    try:
+        async with create_channel(router.address) as channel:
+            keyed = router_pb2_grpc.InferenceServiceStub(channel)
+            replies = [
+                await keyed.CreateChatCompletion(
+                    request,
+                    metadata=(("authorization", f"Bearer {key}"), ("x-session-affinity", session)),
+                    timeout=TIMEOUT,
+                )
+                for key in ("sk-a", "sk-b")
+            ]
+        assert [r.replica_address for r in replies] == [holder, holder]
+        assert replies[0].usage.cached_tokens == 0
+        assert replies[1].usage.cached_tokens >= 16
+    finally:
+        router.stop()
 
 
 async def test_api_keys_map_to_accounts(stack, usage) -> None:

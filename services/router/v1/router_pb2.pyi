@@ -122,6 +122,7 @@ class ChatCompletionRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     session_id: _builtins.str
@@ -130,6 +131,10 @@ class ChatCompletionRequest(_message.Message):
     """Allow several tool calls in one turn (OpenAI default true)."""
     request_id: _builtins.str
     """Caller-chosen request id; generated when empty."""
+    cache_salt: _builtins.str
+    """Extra salt of the prefix cache (vLLM's `cache_salt`): only requests of the same
+    account (or cache group) with the same salt share cached prefixes. At most 256 chars.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
         """The conversation; at least one message."""
@@ -162,10 +167,11 @@ class ChatCompletionRequest(_message.Message):
         session_id: _builtins.str = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
         request_id: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "parallel_tool_calls", b"parallel_tool_calls", "response_format", b"response_format", "sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
@@ -186,6 +192,7 @@ class CompletionRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     prompt: _builtins.str
@@ -194,6 +201,8 @@ class CompletionRequest(_message.Message):
     """Session id for affinity."""
     request_id: _builtins.str
     """Caller-chosen request id; generated when empty."""
+    cache_salt: _builtins.str
+    """Extra salt of the prefix cache, as in ChatCompletionRequest."""
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
@@ -216,10 +225,11 @@ class CompletionRequest(_message.Message):
         session_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
