@@ -10,20 +10,31 @@ queued it: any other account is told it does not exist (NOT_FOUND, not
 PERMISSION_DENIED, so batch ids cannot be probed).
 
 A batch that names no webhook gets its account's default, if one is configured
-(``CACHET_ROUTER_DEFAULT_WEBHOOKS``), fixed when the batch is stored.
+(``CACHET_ROUTER_DEFAULT_WEBHOOKS``), fixed when the batch is stored. A webhook the
+caller names is refused (INVALID_ARGUMENT) when it lands on an address webhooks may
+not reach (webhook_targets.py); one whose host does not resolve right now is
+accepted, and its deliveries are checked again.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
-from urllib.parse import urlsplit
 
 from cachet.errors import CachetError, InvalidArgument, NotFound
+from cachet.logs import get_logger
 from cachet.router.caller import Caller
 from cachet.router.prompt import validate_chat, validate_completion
 from cachet.router.queue_store import BatchState, BatchView, QueueStore
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.v1 import router_pb2
+from cachet.router.webhook_targets import TargetUnresolved, WebhookTargets
+
+log = get_logger(__name__)
+
+# How long queueing a batch waits for its webhook's host to resolve before accepting it
+# unchecked (every delivery is checked again).
+_RESOLVE_TIMEOUT_SECONDS = 5.0
 
 _STATUSES = {
     BatchState.QUEUED: router_pb2.BATCH_STATUS_QUEUED,
@@ -55,8 +66,10 @@ class BatchQueue:
         max_requests: int,
         default_webhooks: Mapping[str, str] | None = None,
         on_batch_finished: Callable[[str], None] = lambda batch_id: None,
+        webhook_targets: WebhookTargets | None = None,
     ) -> None:
         self._store = store
+        self._targets = webhook_targets or WebhookTargets()
         self._replicas = replicas
         self._max_requests = max_requests
         self._default_webhooks = dict(default_webhooks or {})
@@ -67,15 +80,21 @@ class BatchQueue:
         self, request: router_pb2.QueueRequestsRequest, caller: Caller
     ) -> router_pb2.QueuedBatch:
         self._validate(request)
+        webhook = await self.webhook_for(caller, request.webhook_url)
         bodies = [_with_model(queued, request.model).SerializeToString() for queued in request.requests]
-        batch_id = await self._store.create_batch(
-            caller.account_id, request.model, bodies, self.webhook_for(caller, request.webhook_url)
-        )
+        batch_id = await self._store.create_batch(caller.account_id, request.model, bodies, webhook)
         return router_pb2.QueuedBatch(request_id=batch_id, status=router_pb2.BATCH_STATUS_QUEUED)
 
-    def webhook_for(self, caller: Caller, requested: str) -> str:
-        """The batch's own webhook URL, else its account's default ('' for none)."""
-        return requested or self._default_webhooks.get(caller.account_id, "")
+    async def webhook_for(self, caller: Caller, requested: str) -> str:
+        """The batch's own webhook URL once checked, else its account's default ('' for none)."""
+        if not requested:
+            return self._default_webhooks.get(caller.account_id, "")
+        try:
+            await asyncio.wait_for(self._targets.resolve(requested), _RESOLVE_TIMEOUT_SECONDS)
+        except (TargetUnresolved, TimeoutError) as failure:
+            # DNS may be down for a moment; each delivery resolves and checks the host again.
+            log.info("webhook host unresolved at submission", error=str(failure) or "timeout")
+        return requested
 
     async def get(self, request: router_pb2.GetQueuedBatchRequest, caller: Caller) -> router_pb2.QueuedBatch:
         batch = await self._store.batch(request.request_id, caller.account_id, results_once_finished=True)
@@ -127,8 +146,6 @@ class BatchQueue:
             raise InvalidArgument("model is required", param="model")
         if not 1 <= len(request.requests) <= self._max_requests:
             raise InvalidArgument(f"a batch holds 1 to {self._max_requests} requests", param="requests")
-        if request.webhook_url and urlsplit(request.webhook_url).scheme not in ("http", "https"):
-            raise InvalidArgument("webhook_url must be an http(s) URL", param="webhook_url")
         self.check_model_served(request.model)
         for index, queued in enumerate(request.requests):
             validate_one(f"requests[{index}]", queued, request.model)

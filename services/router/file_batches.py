@@ -154,7 +154,7 @@ class FileBatches:
             caller.account_id,
             model,
             [line.request.SerializeToString() for line in accepted],
-            self._queue.webhook_for(caller, request.webhook_url),
+            await self._queue.webhook_for(caller, request.webhook_url),
             record,
         )
         return await self._view(batch_id, caller)

@@ -30,6 +30,8 @@ from cachet.router.servicer import SERVICE_NAME, InferenceServicer
 from cachet.router.settings import RouterServiceSettings, router_service_settings
 from cachet.router.usage_recorder import UsageRecorder
 from cachet.router.v1 import router_pb2_grpc
+from cachet.router.webhook_secret import webhook_secret
+from cachet.router.webhook_targets import WebhookTargets
 from cachet.router.webhooks import WebhookSender
 from cachet.tokenizer.v1 import tokenizer_pb2_grpc
 from cachet.tracing import configure_tracing
@@ -105,7 +107,8 @@ async def start(settings: RouterSettings) -> RunningServer:
         cache_scopes=CacheScopes(isolate=options.cache_isolation, groups=options.cache_groups),
     )
     clients.queue = QueueStore(options.queue_path)
-    clients.webhooks = _webhook_sender(clients.queue, options)
+    webhook_targets = WebhookTargets(options.webhook_allowed_networks)
+    clients.webhooks = _webhook_sender(clients.queue, webhook_targets, options)
     clients.dispatcher = _dispatcher(clients.queue, pipeline, replicas, clients.webhooks, options)
     replicas.start()
     # Engines started alongside us report within one interval; waiting (bounded) for them
@@ -122,6 +125,7 @@ async def start(settings: RouterSettings) -> RunningServer:
         options.queue_max_batch_requests,
         options.default_webhooks,
         on_batch_finished=clients.webhooks.kick,
+        webhook_targets=webhook_targets,
     )
     file_batches = FileBatches(clients.queue, queue, options.batch_file_max_lines)
     servicer = InferenceServicer(pipeline, AccountDirectory(options.api_keys), queue, file_batches)
@@ -146,10 +150,13 @@ def _policy(options: RouterServiceSettings) -> PlacementPolicy:
     return PlacementPolicy(load_epsilon=options.load_epsilon, load_penalty_tokens=options.load_penalty_tokens)
 
 
-def _webhook_sender(store: QueueStore, options: RouterServiceSettings) -> WebhookSender:
+def _webhook_sender(
+    store: QueueStore, targets: WebhookTargets, options: RouterServiceSettings
+) -> WebhookSender:
     return WebhookSender(
         store,
-        secret=options.webhook_secret,
+        secret=webhook_secret(options.webhook_secret, options.data_dir),
+        targets=targets,
         timeout_seconds=options.webhook_timeout_seconds,
         first_backoff_seconds=options.webhook_first_backoff_seconds,
         max_backoff_seconds=options.webhook_max_backoff_seconds,

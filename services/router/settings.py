@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, IPvAnyNetwork, field_validator
 
 from cachet.config import API_KEYS_ALIASES, RouterSettings
 
@@ -68,8 +68,13 @@ class RouterServiceSettings(RouterSettings):
     # ...and never while any replica has an interactive request waiting. At most this many
     # queued jobs run at once from this router, whatever the headroom (0: no cap).
     batch_max_in_flight: int = Field(default=0, ge=0)
-    # HMAC-SHA256 key of webhook signatures; empty: webhooks are sent unsigned (dev only).
+    # HMAC-SHA256 key of webhook signatures; empty: a key made at first start and kept in
+    # <data_dir>/webhook_secret (webhook_secret.py). Webhooks are always signed.
     webhook_secret: str = ""
+    # Networks webhooks may reach besides public addresses (webhook_targets.py): internal
+    # receivers, e.g. CACHET_ROUTER_WEBHOOK_ALLOWED_NETWORKS='["10.1.2.0/24", "127.0.0.1/32"]'.
+    # Empty: loopback, private, link-local and reserved addresses are all refused.
+    webhook_allowed_networks: list[IPvAnyNetwork] = Field(default_factory=list)
     # Per-attempt HTTP timeout of a webhook call.
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     # Retries with exponential backoff and full jitter, from first to max, until the deadline

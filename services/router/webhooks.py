@@ -1,16 +1,21 @@
 """Announcing finished batches: signed webhook calls, retried until delivered or too late.
 
 The event is a small JSON body (``batch.finished``: ids and counts, not results; the
-receiver polls for those with its own credentials). It is signed like Stripe's:
+receiver polls for those with its own credentials). It is always signed, like Stripe's
+(the key: webhook_secret.py; the scheme for receivers: docs/webhooks.md):
 
     X-Cachet-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>." + body)>
 
 Signing the timestamp with the body lets a receiver refuse replays older than a few
-minutes (``verify``'s tolerance). Any 2xx answer is delivery; anything else (another
-status, a timeout, a refused connection) is retried after an exponential backoff with
-jitter (``backoff_seconds``) until ``webhook_deadline_seconds`` after the batch
-finished, then the delivery is marked failed. Every attempt is stored
-(``QueueStore.webhook_attempts``) and logged.
+minutes (``verify``'s tolerance). Each attempt goes only to a checked address
+(webhook_targets.py) and never follows a redirect: a 3xx would send the signed event
+wherever the receiver points, past the address check. Any 2xx answer is delivery;
+anything else (another status, a redirect, a timeout, a refused connection, a host that
+does not resolve) is retried after an exponential backoff with jitter
+(``backoff_seconds``) until ``webhook_deadline_seconds`` after the batch finished; then,
+or at once for a target that is refused, the delivery is dead-lettered: state
+``failed``, no more attempts, every attempt with its error still listed. Every attempt
+is stored (``QueueStore.webhook_attempts``) and logged.
 
 Deliveries live in the store, not in memory: a batch that finished just before a
 restart is announced by the restarted router. Claiming a delivery pushes its due time
@@ -32,6 +37,7 @@ import httpx
 from cachet.logs import get_logger
 from cachet.router.queue_store import DueWebhook, QueueStore
 from cachet.router.v1 import router_pb2
+from cachet.router.webhook_targets import TargetRefused, TargetUnresolved, WebhookTargets
 
 log = get_logger(__name__)
 
@@ -88,15 +94,19 @@ class WebhookSender:
         first_backoff_seconds: float,
         max_backoff_seconds: float,
         deadline_seconds: float,
-        client: httpx.AsyncClient | None = None,
+        targets: WebhookTargets | None = None,
     ) -> None:
+        if not secret:
+            raise ValueError("webhooks are always signed: give a secret (see webhook_secret.py)")
         self._store = store
         self._secret = secret
+        self._targets = targets or WebhookTargets()
         self._timeout = timeout_seconds
         self._first_backoff = first_backoff_seconds
         self._max_backoff = max_backoff_seconds
         self._deadline = deadline_seconds
-        self._client = client or httpx.AsyncClient(timeout=timeout_seconds, follow_redirects=False)
+        # No environment proxies: a proxy would resolve the name again, past the address check.
+        self._client = httpx.AsyncClient(timeout=timeout_seconds, follow_redirects=False, trust_env=False)
         self._wake = asyncio.Event()
         self._sending: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -128,22 +138,11 @@ class WebhookSender:
             self._wake.clear()
 
     async def _deliver(self, due: DueWebhook) -> None:
-        body = await self._event_body(due)
-        timestamp = int(time.time())
-        headers = {"Content-Type": "application/json"}
-        if self._secret:
-            headers[SIGNATURE_HEADER] = sign(self._secret, timestamp, body)
-        status, error = 0, ""
-        try:
-            response = await self._client.post(due.url, content=body, headers=headers)
-            status = response.status_code
-            if not 200 <= status < 300:
-                error = f"HTTP {status}"
-        except httpx.HTTPError as failure:
-            error = f"{type(failure).__name__}: {failure}"[:_ERROR_CHARS]
+        status, error, retryable = await self._post(due.url, await self._event_body(due))
+        error = error[:_ERROR_CHARS]
         attempt = due.attempts + 1
         delivered = not error
-        retry_at_ms = None if delivered else self._retry_at_ms(due, attempt)
+        retry_at_ms = self._retry_at_ms(due, attempt) if retryable else None
         await self._store.record_webhook_attempt(
             due.batch_id, status, error, delivered=delivered, retry_at_ms=retry_at_ms
         )
@@ -155,6 +154,35 @@ class WebhookSender:
             error=error,
             outcome="delivered" if delivered else ("retry" if retry_at_ms else "failed"),
         )
+
+    async def _post(self, url: str, body: bytes) -> tuple[int, str, bool]:
+        """(HTTP status or 0, error or '' when delivered, whether another attempt may succeed)."""
+        try:
+            # Bounded like the call itself: the claim on this delivery lasts only that long.
+            target = await asyncio.wait_for(self._targets.resolve(url), self._timeout)
+        except TargetRefused as refused:
+            return 0, refused.message, False
+        except TargetUnresolved as failure:
+            return 0, str(failure), True
+        except TimeoutError:
+            return 0, f"resolving the host took over {self._timeout:g} s", True
+        headers = {
+            "Content-Type": "application/json",
+            SIGNATURE_HEADER: sign(self._secret, int(time.time()), body),
+            **target.headers,
+        }
+        try:
+            response = await self._client.post(
+                target.pinned_url, content=body, headers=headers, extensions=target.extensions
+            )
+        except httpx.HTTPError as failure:
+            return 0, f"{type(failure).__name__}: {failure}", True
+        status = response.status_code
+        if 200 <= status < 300:
+            return status, "", False
+        if response.is_redirect:
+            return status, f"HTTP {status}: redirects are not followed", True
+        return status, f"HTTP {status}", True
 
     def _retry_at_ms(self, due: DueWebhook, attempt: int) -> int | None:
         retry_at = time.time() + backoff_seconds(attempt, self._first_backoff, self._max_backoff)

@@ -24,15 +24,15 @@ from service_processes import (
     CachetStack,
     ServiceProcess,
 )
-from test_queue_end_to_end import Receiver
+from webhook_receiver import Receiver
 
 from cachet.common.v1 import common_pb2
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
+from cachet.router.webhook_secret import SECRET_FILE_NAME
 from cachet.router.webhooks import SIGNATURE_HEADER, verify
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
-SECRET = "batch-test-secret"
 ACCOUNTS = {f"sk-{name}": f"acct-{name}" for name in ("files", "other", "cancel", "queued", "hooked", "text")}
 TIMEOUT = 120.0
 
@@ -74,7 +74,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     receiver = Receiver(statuses=[500])
     router_env = {
         "CACHET_ROUTER_API_KEYS": json.dumps(ACCOUNTS),
-        "CACHET_ROUTER_WEBHOOK_SECRET": SECRET,
+        # No CACHET_ROUTER_WEBHOOK_SECRET: the router makes one and keeps it in its data dir.
+        "CACHET_ROUTER_WEBHOOK_ALLOWED_NETWORKS": '["127.0.0.1/32"]',
         "CACHET_ROUTER_WEBHOOK_FIRST_BACKOFF_SECONDS": "0.2",
         "CACHET_ROUTER_DEFAULT_WEBHOOKS": json.dumps({"acct-hooked": receiver.url}),
         # A few jobs at a time: a cancel lands while some run and most still wait.
@@ -229,6 +230,30 @@ def test_bad_requests_are_clear_errors(platform: Platform) -> None:
         client.batches.cancel(only_bad.id)
 
 
+@pytest.mark.parametrize("url", ["http://[::1]:9/hook", "http://0.0.0.0:9/hook"])
+def test_a_webhook_to_an_address_not_allowed_is_refused_when_queued(platform: Platform, url: str) -> None:
+    # The router allows 127.0.0.1/32 only; other loopback spellings stay refused, as private ranges are.
+    client = platform.client("files")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(
+            input_file_id=upload(client, [chat_line("a")]),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_body={"webhook_url": url},
+        )
+    assert refused.value.param == "webhook_url"
+    assert "not a public address" in refused.value.message
+    queued = httpx.post(
+        f"http://{platform.bridge.address}/ai/run/{TINY_MODEL_ID}?queueRequest=true",
+        json={"requests": [{"prompt": "hi", "max_tokens": 1}], "webhook_url": url},
+        headers={"Authorization": "Bearer sk-files"},
+        timeout=10,
+    )
+    assert queued.status_code == 400, queued.text
+    error = queued.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "webhook_url")
+
+
 def test_another_account_sees_neither_files_nor_batches(platform: Platform) -> None:
     owner, other = platform.client("files"), platform.client("other")
     file_id = upload(owner, [chat_line("mine")])
@@ -375,7 +400,10 @@ def test_the_account_default_webhook_is_called_and_its_attempts_are_listed(platf
     ]
     assert attempts.attempts[0].at_ms <= attempts.attempts[1].at_ms
     [(_, headers, body), *_] = [call for call in platform.receiver.calls if call[0] == 200]
-    assert verify(SECRET, headers[SIGNATURE_HEADER], body)
+    # Signed with the key the router made at its first start and stored in its data dir.
+    secret = (platform.stack.log_dir / "router-data" / SECRET_FILE_NAME).read_text().strip()
+    assert secret.startswith("whsec_")
+    assert verify(secret, headers[SIGNATURE_HEADER], body)
     assert json.loads(body)["request_id"] == queued.request_id
     with pytest.raises(grpc.RpcError) as foreign:
         inference.ListWebhookAttempts(listing, metadata=(("authorization", "Bearer sk-other"),), timeout=10)

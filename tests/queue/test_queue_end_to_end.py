@@ -9,18 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from metrics_scrape import Figures, growth, scrape
 from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, ServiceProcess
+from webhook_receiver import Receiver
 
 from cachet.common.v1 import common_pb2
 from cachet.grpc_channel import create_channel
@@ -37,6 +36,8 @@ ROUTER_ENV = {
     "CACHET_ROUTER_WEBHOOK_SECRET": SECRET,
     "CACHET_ROUTER_WEBHOOK_FIRST_BACKOFF_SECONDS": "0.2",
     "CACHET_ROUTER_WEBHOOK_MAX_BACKOFF_SECONDS": "1.0",
+    # The tests' receivers listen on loopback, which webhooks may reach only when allowed.
+    "CACHET_ROUTER_WEBHOOK_ALLOWED_NETWORKS": '["127.0.0.1/32"]',
     # Short leases: jobs of a killed router are taken again within seconds.
     "CACHET_ROUTER_QUEUE_LEASE_SECONDS": "2",
 }
@@ -147,39 +148,6 @@ def check_completed(batch: router_pb2.QueuedBatch, count: int, max_tokens: int |
         assert result.WhichOneof("outcome") == "completion", result
         assert result.completion.usage.completion_tokens == length
         assert result.completion.usage.prompt_tokens > 0
-
-
-@dataclass
-class Receiver:
-    """A webhook endpoint on 127.0.0.1 answering ``statuses`` in turn (then 200)."""
-
-    statuses: list[int] = field(default_factory=list)
-    calls: list[tuple[int, dict[str, str], bytes]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server hook's name
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                status = receiver.statuses.pop(0) if receiver.statuses else 200
-                receiver.calls.append((status, dict(self.headers), body))
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 async def test_queued_requests_drain_while_interactive_traffic_flows(

@@ -129,5 +129,26 @@ async def test_the_queue_accepts_work_while_every_engine_is_down(inference) -> N
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_webhook_to_a_non_public_address_is_refused_when_queued(inference) -> None:
+    # No allow-list here: loopback in any spelling is refused, as private ranges are.
+    for url in ("http://127.0.0.1:9/hook", "http://localhost:9/hook", "http://[::1]:9/", "ftp://127.0.0.1/"):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await inference.QueueRequests(
+                router_pb2.QueueRequestsRequest(
+                    model=TINY_MODEL_ID, requests=[router_pb2.QueuedRequest(chat=chat())], webhook_url=url
+                ),
+                timeout=10,
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, url
+        assert error_info_from_metadata(refused.value.trailing_metadata()).param == "webhook_url"
+
+
+async def test_a_cache_salt_longer_than_allowed_is_invalid_argument(inference) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await inference.CreateChatCompletion(chat(cache_salt="s" * 257), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_info_from_metadata(refused.value.trailing_metadata()).param == "cache_salt"
+
+
 async def test_list_models_is_empty_while_no_engine_is_up(inference) -> None:
     assert list((await inference.ListModels(router_pb2.ListModelsRequest(), timeout=10)).models) == []
