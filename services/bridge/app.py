@@ -1,5 +1,8 @@
 """The REST API: OpenAI and Workers AI routes, each one REST body -> one router call -> JSON or SSE.
 
+Anthropic's Messages API (``anthropic_routes``) and the OpenAI Files and Batch API
+(``batch_routes``) are routers of their own that reuse this module's dependencies.
+
 ``create_app(settings)`` builds it; the gRPC channels open in the app's lifespan
 (uvicorn runs it; tests enter ``app.router.lifespan_context(app)``).
 """
@@ -17,12 +20,19 @@ import grpc
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cachet.bridge import convert, schemas
+from cachet.bridge import anthropic_schemas, convert, schemas
 from cachet.bridge.auth import Authenticator, Caller
-from cachet.bridge.calls import Render, SSEResponse, read_chunk, unary_until_disconnect
+from cachet.bridge.calls import (
+    OPENAI_SSE,
+    Render,
+    SSEDialect,
+    SSEResponse,
+    read_chunk,
+    unary_until_disconnect,
+)
 from cachet.bridge.errors import ERROR_RESPONSES, BridgeError, from_rpc_error, install_error_handlers
 from cachet.bridge.metrics import CONTENT_TYPE, BridgeMetrics
 from cachet.bridge.middleware import BodyLimitMiddleware, TelemetryMiddleware, current_trace_id
@@ -31,6 +41,7 @@ from cachet.config import BridgeSettings
 from cachet.grpc_channel import create_channel
 from cachet.logs import get_logger
 from cachet.router.v1 import router_pb2, router_pb2_grpc
+from cachet.tokenizer.v1 import tokenizer_pb2_grpc
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
 log = get_logger(__name__)
@@ -47,14 +58,18 @@ class Backends:
     inference: Any = None
     usage: Any = None
     health: Any = None
+    # Only Anthropic's count_tokens: the router has no RPC that renders a prompt without running it.
+    tokenizer: Any = None
 
     def open(self) -> None:
         router = create_channel(self.settings.router_address, self.settings.max_message_bytes)
         usage = create_channel(self.settings.usage_address, self.settings.max_message_bytes)
-        self.channels = [router, usage]
+        tokenizer = create_channel(self.settings.tokenizer_address, self.settings.max_message_bytes)
+        self.channels = [router, usage, tokenizer]
         self.inference = router_pb2_grpc.InferenceServiceStub(router)
         self.health = health_pb2_grpc.HealthStub(router)
         self.usage = usage_pb2_grpc.UsageServiceStub(usage)
+        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(tokenizer)
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -65,18 +80,22 @@ class Backends:
 # ---------------------------------------------------------------- dependencies
 
 _bearer = HTTPBearer(auto_error=False, description="API key (any value in open development mode).")
+_api_key = APIKeyHeader(
+    name="x-api-key", auto_error=False, description="API key, as Anthropic's clients send it."
+)
 
 
 def _caller(
     request: Request,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    x_api_key: Annotated[str | None, Depends(_api_key)],
     x_session_affinity: Annotated[
         str | None, Header(description="Session id: keeps a session on one replica.")
     ] = None,
 ) -> Caller:
-    # The security scheme is declared for /openapi.json; the raw header is what gets checked and passed on.
+    # The security schemes are declared for /openapi.json; the raw headers are what get checked.
     auth: Authenticator = request.app.state.auth
-    return auth.identify(request.headers.get("authorization"), x_session_affinity)
+    return auth.identify(request.headers.get("authorization"), x_session_affinity, x_api_key)
 
 
 CallerDep = Annotated[Caller, Depends(_caller)]
@@ -103,7 +122,14 @@ async def _unary(request: Request, method: Any, message: Any, caller: Caller) ->
     return await _rpc(unary_until_disconnect(method(message, metadata=caller.metadata()), request))
 
 
-async def _stream(request: Request, method: Any, message: Any, caller: Caller, render: Render) -> SSEResponse:
+async def _stream(
+    request: Request,
+    method: Any,
+    message: Any,
+    caller: Caller,
+    render: Render,
+    dialect: SSEDialect = OPENAI_SSE,
+) -> SSEResponse:
     started = time.perf_counter()
     call = method(message, metadata=caller.metadata())
     try:
@@ -111,7 +137,7 @@ async def _stream(request: Request, method: Any, message: Any, caller: Caller, r
     except BaseException:
         call.cancel()
         raise
-    return SSEResponse(call, first, render, request.app.state.metrics, _route(request), started)
+    return SSEResponse(call, first, render, request.app.state.metrics, _route(request), started, dialect)
 
 
 @dataclass(frozen=True)
@@ -377,7 +403,7 @@ def create_app(settings: BridgeSettings) -> FastAPI:
 
     app = FastAPI(
         title="Cachet",
-        summary="OpenAI- and Workers-AI-compatible inference, with prefix caching you can see.",
+        summary="OpenAI-, Anthropic- and Workers-AI-compatible inference, with prefix caching you can see.",
         version="0.1.0",
         lifespan=lifespan,
     )
@@ -391,6 +417,9 @@ def create_app(settings: BridgeSettings) -> FastAPI:
     from cachet.bridge.batch_routes import api as batch_api
 
     app.include_router(batch_api)
+    from cachet.bridge.anthropic_routes import api as anthropic_api
+
+    app.include_router(anthropic_api)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     # Added last, so outermost: its span and its 500 cover everything inside.
     app.add_middleware(TelemetryMiddleware, metrics=app.state.metrics)
@@ -407,6 +436,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             schemas.ChatCompletionChunkResponse,
             schemas.TextCompletionResponse,
             schemas.WorkersAIStreamEvent,
+            anthropic_schemas.MessageStreamEventOut,
         ):
             definition = model.model_json_schema(
                 ref_template="#/components/schemas/{model}", mode="serialization"

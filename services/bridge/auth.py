@@ -1,7 +1,9 @@
 """Who is calling: API key -> account, and the metadata the router needs about the caller.
 
-With keys configured, only they are accepted. With none, the bridge runs in open
-development mode: everyone is the account ``anonymous`` (and ``create_app``
+A key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or as
+``x-api-key: <key>`` (Anthropic's), on any route; the bearer wins when both are
+sent. With keys configured, only they are accepted. With none, the bridge runs in
+open development mode: everyone is the account ``anonymous`` (and ``create_app``
 refuses to serve that on anything but loopback).
 """
 
@@ -42,23 +44,25 @@ class Authenticator:
     def dev_mode(self) -> bool:
         return not self.api_keys
 
-    def identify(self, authorization: str | None, session: str | None) -> Caller:
+    def identify(self, authorization: str | None, session: str | None, api_key: str | None = None) -> Caller:
         """The caller behind these headers, or 401 (bad key) / 400 (unusable session id)."""
         session_id = _session_id(session)
+        key = _bearer_key(authorization) or (api_key or "").strip()
+        # The router reads the key from a bearer header only (router.proto), whichever header brought it.
+        forwarded = f"Bearer {key}" if key else ""
         if self.dev_mode:
-            return Caller(DEV_ACCOUNT, authorization or "", session_id)
-        key = _bearer_key(authorization)
+            return Caller(DEV_ACCOUNT, forwarded or authorization or "", session_id)
         account = self._account(key)
         if account is None:
             raise BridgeError(
                 401,
                 "Incorrect API key provided."
                 if key
-                else "Missing API key: send Authorization: Bearer <key>.",
+                else "Missing API key: send Authorization: Bearer <key> or x-api-key: <key>.",
                 "authentication_error",
                 code="invalid_api_key",
             )
-        return Caller(account, authorization or "", session_id)
+        return Caller(account, forwarded, session_id)
 
     def _account(self, key: str) -> str | None:
         # Compare every key in constant time so response timing does not reveal a key's prefix.

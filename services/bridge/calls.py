@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -18,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cachet.bridge.errors import from_rpc_error
+from cachet.bridge.errors import BridgeError, from_rpc_error
 from cachet.bridge.metrics import BridgeMetrics
 from cachet.bridge.middleware import current_trace_id
 from cachet.router.v1 import router_pb2
@@ -31,7 +32,31 @@ DONE = b"data: [DONE]\n\n"
 
 def sse_event(data: dict[str, Any]) -> bytes:
     """One Server-Sent Event framed as OpenAI frames it: ``data: <json>`` and a blank line."""
-    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _json(data) + b"\n\n"
+
+
+def named_sse_event(data: dict[str, Any]) -> bytes:
+    """One Server-Sent Event framed as Anthropic frames it: ``event: <its type>``, then the data."""
+    return b"event: " + str(data["type"]).encode() + b"\ndata: " + _json(data) + b"\n\n"
+
+
+def _json(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class SSEDialect:
+    """How an API frames its stream: each event, the failure that ends one midway, and its end."""
+
+    event: Callable[[dict[str, Any]], bytes]
+    error: Callable[[BridgeError], bytes]
+    # Written after the last event of a stream that ended well.
+    end: bytes
+
+
+OPENAI_SSE = SSEDialect(sse_event, lambda error: sse_event(error.body()), DONE)
+# Anthropic's stream ends with its message_stop event, nothing after it.
+ANTHROPIC_SSE = SSEDialect(named_sse_event, lambda error: named_sse_event(error.anthropic_body()), b"")
 
 
 async def unary_until_disconnect(call: Any, request: Request) -> Any:
@@ -72,10 +97,11 @@ class SSEResponse(StreamingResponse):
         metrics: BridgeMetrics,
         route: str,
         started: float,
+        dialect: SSEDialect = OPENAI_SSE,
     ) -> None:
         self.call = call
         super().__init__(
-            self._events(first, render, metrics, route, started),
+            self._events(first, render, metrics, route, started, dialect),
             media_type="text/event-stream",
             # Proxies (nginx) must pass events on as they come, not buffer the stream.
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -95,6 +121,7 @@ class SSEResponse(StreamingResponse):
         metrics: BridgeMetrics,
         route: str,
         started: float,
+        dialect: SSEDialect,
     ) -> AsyncIterator[bytes]:
         first = True
         try:
@@ -105,10 +132,11 @@ class SSEResponse(StreamingResponse):
                     if first:
                         metrics.first_event.labels(route).observe(time.perf_counter() - started)
                         first = False
-                    yield sse_event(event)
+                    yield dialect.event(event)
                 chunk = await read_chunk(self.call)
         except grpc.aio.AioRpcError as error:
-            # Headers are gone already: the failure becomes the last event, as OpenAI streams do it.
-            yield sse_event(from_rpc_error(error, current_trace_id()).body())
+            # Headers are gone already: the failure becomes the last event, as both APIs do it.
+            yield dialect.error(from_rpc_error(error, current_trace_id()))
             return
-        yield DONE
+        if dialect.end:
+            yield dialect.end

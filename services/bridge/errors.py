@@ -3,7 +3,10 @@
 ``{"error": {"message", "type", "param", "code"}}`` whether the request failed
 validation here, a service refused it (its gRPC status and ``ErrorInfo`` mapped
 by the one table below), or the bridge itself broke (500, generic message, the
-trace id to find the log line). Nothing else in the bridge builds error JSON.
+trace id to find the log line). Under Anthropic's Messages API (``/v1/messages``)
+the same error is rendered Anthropic's way instead: ``{"type": "error", "error":
+{"type", "message"}}`` with Anthropic's status and type (``error_response``
+picks by path). Nothing else in the bridge builds error JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from cachet.bridge.anthropic_schemas import AnthropicErrorResponse
 from cachet.bridge.schemas import ErrorResponse
 from cachet.errors import error_info_from_metadata
 
@@ -52,6 +56,25 @@ _HTTP_TYPES = {
 }
 
 
+# Under this path errors are Anthropic's (its SDKs read nothing else).
+ANTHROPIC_PATH = "/v1/messages"
+
+# HTTP status -> (Anthropic's status, Anthropic's error type). Over capacity and unavailable are
+# Anthropic's 529 "overloaded" (retried by its clients); what Cachet does not implement is a
+# request it cannot serve, 400. Unlisted statuses keep their number, with the type below.
+_ANTHROPIC_ERRORS: dict[int, tuple[int, str]] = {
+    400: (400, "invalid_request_error"),
+    401: (401, "authentication_error"),
+    403: (403, "permission_error"),
+    404: (404, "not_found_error"),
+    413: (413, "request_too_large"),
+    429: (529, "overloaded_error"),
+    500: (500, "api_error"),
+    501: (400, "invalid_request_error"),
+    503: (529, "overloaded_error"),
+}
+
+
 @dataclass
 class BridgeError(Exception):
     """A failure to answer as ``{"error": ...}`` with ``status``; raised anywhere in a handler."""
@@ -70,8 +93,32 @@ class BridgeError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self._headers())
+
+    def anthropic_status(self) -> int:
+        return _ANTHROPIC_ERRORS.get(self.status, (self.status, ""))[0]
+
+    def anthropic_body(self) -> dict[str, Any]:
+        default = "invalid_request_error" if self.status < 500 else "api_error"
+        kind = _ANTHROPIC_ERRORS.get(self.status, (self.status, default))[1]
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def anthropic_response(self) -> JSONResponse:
+        return JSONResponse(
+            self.anthropic_body(), status_code=self.anthropic_status(), headers=self._headers()
+        )
+
+    def _headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds else None
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def error_response(error: BridgeError, path: str) -> JSONResponse:
+    """``error`` in the shape of the API that ``path`` belongs to."""
+    return error.anthropic_response() if is_anthropic_path(path) else error.response()
 
 
 class PayloadTooLarge(HTTPException):
@@ -154,23 +201,23 @@ def field_path(loc: tuple[Any, ...] | list[Any], body: Any = None, missing: bool
 def install_error_handlers(app: FastAPI) -> None:
     """OpenAI-shaped answers for our errors, validation (400, not FastAPI's 422) and routing (404/405/413)."""
 
-    async def on_bridge_error(_request: Request, error: Exception) -> JSONResponse:
+    async def on_bridge_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, BridgeError)
-        return error.response()
+        return error_response(error, request.url.path)
 
-    async def on_validation_error(_request: Request, error: Exception) -> JSONResponse:
+    async def on_validation_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
-        return validation_error(error).response()
+        return error_response(validation_error(error), request.url.path)
 
-    async def on_http_error(_request: Request, error: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, HTTPException)
         if isinstance(error, PayloadTooLarge):
-            return error.error.response()
+            return error_response(error.error, request.url.path)
         message = error.detail if isinstance(error.detail, str) else "request failed"
         bridge_error = BridgeError(
             error.status_code, message, _HTTP_TYPES.get(error.status_code, "api_error")
         )
-        response = bridge_error.response()
+        response = error_response(bridge_error, request.url.path)
         for name, value in (error.headers or {}).items():
             response.headers[name] = value
         return response
@@ -193,5 +240,19 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         500: "Server error; the message carries a trace id.",
         501: "Not implemented yet.",
         503: "A backing service is unavailable; retry after Retry-After seconds.",
+    }.items()
+}
+
+# The same, for Anthropic's Messages API: its error shape and statuses.
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": description, "model": AnthropicErrorResponse}
+    for status, description in {
+        400: "Invalid request, or one Cachet does not support (the message names the field).",
+        401: "Missing or unknown API key (x-api-key or Authorization: Bearer).",
+        403: "The key's account may not use this resource.",
+        404: "Unknown model.",
+        413: "Request body over the size limit.",
+        500: "Server error; the message carries a trace id.",
+        529: "Over capacity or a backing service unavailable; retry after Retry-After seconds.",
     }.items()
 }

@@ -12,7 +12,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cachet.bridge.errors import BridgeError, PayloadTooLarge, internal_message
+from cachet.bridge.errors import BridgeError, PayloadTooLarge, error_response, internal_message
 from cachet.bridge.metrics import BridgeMetrics
 from cachet.logs import get_logger
 
@@ -65,9 +65,8 @@ class TelemetryMiddleware:
                 span.record_exception(error)
                 span.set_status(Status(StatusCode.ERROR, type(error).__name__))
                 if not state["started"]:
-                    await BridgeError(500, internal_message(current_trace_id()), "server_error").response()(
-                        scope, receive, send_observed
-                    )
+                    failure = BridgeError(500, internal_message(current_trace_id()), "server_error")
+                    await error_response(failure, scope["path"])(scope, receive, send_observed)
             route = _route_template(scope)
             span.update_name(f"{scope['method']} {route}")
             span.set_attribute("http.route", route)
@@ -97,7 +96,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await PayloadTooLarge(self.max_bytes).error.response()(scope, receive, send)
+            await error_response(PayloadTooLarge(self.max_bytes).error, scope["path"])(scope, receive, send)
             return
         received = 0
 

@@ -22,6 +22,8 @@ DEV_ACCOUNT = "anonymous"
 class BridgeServiceSettings(BridgeSettings):
     # The usage service answers GET /v1/usage (same default port as UsageSettings).
     usage_address: str = f"{LOOPBACK}:50081"
+    # The tokenizer answers POST /v1/messages/count_tokens (same default port as run-local's).
+    tokenizer_address: str = f"{LOOPBACK}:50051"
     # Request bodies above this are answered 413 without being read whole.
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
     # Seconds GET /health waits for the router's gRPC health answer.

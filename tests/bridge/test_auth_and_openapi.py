@@ -121,6 +121,8 @@ async def test_openapi_declares_models_errors_and_streams() -> None:
         "/v1/batches/{batch_id}",
         "/v1/batches/{batch_id}/cancel",
         "/v1/batches/{batch_id}/webhook_attempts",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     }
     chat = paths["/v1/chat/completions"]["post"]
     ok = chat["responses"]["200"]["content"]
@@ -129,20 +131,28 @@ async def test_openapi_declares_models_errors_and_streams() -> None:
     assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/ChatCompletionBody"
     )
-    for operation in (op for methods in paths.values() for op in methods.values()):
-        responses = operation["responses"]
-        # Validation answers 400 with the error shape: FastAPI's 422 must not be advertised.
-        assert "422" not in responses
-        assert (
-            responses["400"]["content"]["application/json"]["schema"]["$ref"]
-            == "#/components/schemas/ErrorResponse"
-        )
-        assert "503" in responses
+    for path, methods in paths.items():
+        anthropic = path.startswith("/v1/messages")
+        for operation in methods.values():
+            responses = operation["responses"]
+            # Validation answers 400 with the error shape: FastAPI's 422 must not be advertised.
+            assert "422" not in responses
+            shape = "AnthropicErrorResponse" if anthropic else "ErrorResponse"
+            assert (
+                responses["400"]["content"]["application/json"]["schema"]["$ref"]
+                == f"#/components/schemas/{shape}"
+            )
+            # Anthropic's "overloaded" is 529 where OpenAI's clients get 503.
+            assert ("529" if anthropic else "503") in responses
+    messages = paths["/v1/messages"]["post"]["responses"]["200"]["content"]
+    assert messages["application/json"]["schema"]["$ref"] == "#/components/schemas/MessageResponse"
+    assert messages["text/event-stream"]["schema"]["$ref"] == "#/components/schemas/MessageStreamEventOut"
     # Every reference resolves: the SSE event models are in the components too.
     components = spec["components"]["schemas"]
     for ref in _refs(spec):
         assert ref.removeprefix("#/components/schemas/") in components, ref
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert spec["components"]["securitySchemes"]["APIKeyHeader"]["name"] == "x-api-key"
     # The cached-token count is part of the declared usage, required.
     assert "cached_tokens" in components["PromptTokensDetails"]["required"]
 
