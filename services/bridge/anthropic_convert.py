@@ -176,7 +176,10 @@ def _text(block: anthropic.TextBlock) -> schemas.TextPart:
 def _tool(tool: anthropic.ToolDefinition) -> schemas.Tool:
     return schemas.Tool(
         function=schemas.FunctionDefinition(
-            name=tool.name, description=tool.description, parameters=tool.input_schema, strict=tool.strict
+            name=tool.name,
+            description=tool.description or "",
+            parameters=tool.input_schema,
+            strict=tool.strict,
         )
     )
 

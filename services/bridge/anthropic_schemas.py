@@ -149,7 +149,8 @@ class ToolDefinition(_Block):
     # Server tools are named by a dated type ("web_search_20250305"); custom tools by none.
     type: str | None = None
     name: str = Field(pattern=TOOL_NAME)
-    description: str = ""
+    # Optional at Anthropic; some clients send null for none.
+    description: str | None = None
     input_schema: dict[str, Any]
     strict: bool = False
     cache_control: CacheControl | None = None

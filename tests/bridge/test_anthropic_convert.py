@@ -165,6 +165,12 @@ def test_plain_strings_url_images_and_structured_output() -> None:
     assert request.messages[0].content[0].text == "Be brief."
     assert request.messages[1].content[0].image_url == "https://x.test/a.png"
     assert json.loads(request.response_format.json_schema.schema_json) == WEATHER
+    # A tool with a null (or no) description.
+    tools = [{"name": "f", "description": None, "input_schema": {"type": "object"}}]
+    described = anthropic_convert.messages_request_to_proto(
+        MessagesBody(**anthropic_request(tools=tools, tool_choice=None))
+    )
+    assert described.tools[0].description == ""
     assert request.response_format.json_schema.strict
     # Unset sampling stays unset: the router's defaults apply.
     assert not request.sampling.HasField("temperature")
