@@ -57,13 +57,18 @@ class EngineHarness:
         max_num_seqs: int = 64,
         max_batch_running: int | None = None,
         pack_weights: bool = True,
+        device: str = "cpu",
+        cuda_graphs: bool = False,
+        kv_cache_gib: float = 1.0,
     ) -> None:
         self.runner = ModelRunner(
             model_dir,
             dtype=dtype,
-            device=torch.device("cpu"),
-            kv_cache_bytes=int(1 * _GIB),
+            device=torch.device(device),
+            kv_cache_bytes=int(kv_cache_gib * _GIB),
             pack_weights=pack_weights,
+            cuda_graphs=cuda_graphs,
+            max_decode_batch=max_num_seqs,
         )
         self.model_id = model_id
         self.max_batched_tokens = max_batched_tokens

@@ -108,6 +108,9 @@ class EngineSettings(ServiceSettings):
     # Reorder linear weights once for oneDNN on a CPU (bit-identical in bf16, 1.3-1.6x faster
     # products at the batch sizes serving runs; see cachet.engine.packed_linear).
     pack_linear_weights: bool = True
+    # On a CUDA device, replay decode steps as CUDA graphs (cachet.engine.cuda_graphs); no
+    # effect on a CPU, for models that opt out, or in a tensor-parallel replica.
+    cuda_graphs: bool = True
     # Prometheus /metrics HTTP port; 0 turns the endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
 

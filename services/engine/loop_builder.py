@@ -119,6 +119,8 @@ def build_runner(
         max_model_len=settings.max_model_len,
         tp=tp,
         pack_weights=settings.pack_linear_weights,
+        cuda_graphs=settings.cuda_graphs and device.type == "cuda",
+        max_decode_batch=settings.max_num_seqs,
     )
     return runner, model, dtype, device
 

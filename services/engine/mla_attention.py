@@ -21,10 +21,9 @@ the whole cached vector and whose value is its first ``kv_lora_rank`` channels:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from cachet.engine.attention import AttentionGroup, AttentionMetadata
+from cachet.engine.attention import AttentionGroup, AttentionMetadata, scaled_dot_product_attention
 
 
 class PagedLatentAttention(nn.Module):
@@ -54,10 +53,12 @@ class PagedLatentAttention(nn.Module):
         query = torch.cat((q_latent, q_rot), dim=-1)
         out = q_latent.new_empty(q_latent.shape)
         for group in meta.groups:
-            out[group.token_index] = self._attend_group(query, cache, group)
+            out[group.token_index] = self._attend_group(query, cache, group, meta.fixed_shapes)
         return out
 
-    def _attend_group(self, query: torch.Tensor, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    def _attend_group(
+        self, query: torch.Tensor, cache: torch.Tensor, group: AttentionGroup, fixed_shapes: bool
+    ) -> torch.Tensor:
         batch, max_q, max_kv = group.batch_size, group.max_query_len, group.max_kv_len
         num_heads, width = query.shape[1:]
         padded = query.new_zeros(batch * max_q, num_heads, width)
@@ -68,8 +69,8 @@ class PagedLatentAttention(nn.Module):
         if padded.device.type == "cpu" and padded.dtype != torch.float32:
             # As in PagedAttention: bf16 SDPA is emulated and slower than the casts on AVX2 CPUs.
             padded, keys, values = padded.float(), keys.float(), values.float()
-        out = F.scaled_dot_product_attention(
-            padded, keys, values, attn_mask=group.mask, scale=self.scale, enable_gqa=True
+        out = scaled_dot_product_attention(
+            padded, keys, values, group.mask, scale=self.scale, enable_gqa=True
         )
         out = out.transpose(1, 2).reshape(batch * max_q, num_heads, self.kv_lora_rank)
         return out[group.padded_index].to(query.dtype)

@@ -29,6 +29,7 @@ from cachet.engine.attention import (
     build_attention_metadata,
     kv_cache_bytes_per_block,
 )
+from cachet.engine.cuda_graphs import DecodeGraphs
 from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.packed_linear import pack_linear_weights, packs_linear_weights
@@ -84,10 +85,15 @@ class ModelRunner:
         max_model_len: int | None = None,
         tp: TensorParallel | None = None,
         pack_weights: bool = True,
+        cuda_graphs: bool = False,
+        max_decode_batch: int = 64,
     ) -> None:
         """``kv_cache_bytes``: the KV pool's size, or a budget it is sized by once the weights
         are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
-        dtype allow it (``packed_linear``)."""
+        dtype allow it (``packed_linear``). ``cuda_graphs``: replay decode steps of up to
+        ``max_decode_batch`` requests from fixed-shape steps (``cuda_graphs``), captured as
+        CUDA graphs on a CUDA device and run eagerly elsewhere; ignored for models that opt
+        out and for tensor-parallel replicas."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -115,21 +121,43 @@ class ModelRunner:
             # Every rank must hold every block id the scheduler (on rank 0) hands out.
             self.num_kv_blocks = tp.min_over_ranks(self.num_kv_blocks)
         self.max_model_len = self._resolve_max_model_len(max_model_len)
-        self.kv_cache = self._allocate_kv_cache()
+        use_graphs = (
+            cuda_graphs
+            and getattr(self.model, "supports_cuda_graphs", True)
+            # Collectives inside a captured step are not wired up (DeepSpeed's all-reduce on CPU,
+            # NCCL's capture mode on GPU); a tensor-parallel replica decodes eagerly.
+            and (tp is None or tp.size == 1)
+        )
+        # The fixed-shape decode steps write padding rows into one block past those reported.
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks + (1 if use_graphs else 0))
         for layer_cache, attention in zip(self.kv_cache, self.model.attention_layers(), strict=True):
             attention.kv_cache = layer_cache
         self._requests: dict[str, _RequestState] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                vocab_size=self.vocab_size,
+                block_size=block_size,
+                max_batch=max_decode_batch,
+                max_model_len=self.max_model_len,
+                scratch_block=self.num_kv_blocks,
+                kv_bytes_per_key=self._kv_cache_bytes_per_block()
+                // (self.config.num_hidden_layers * block_size),
+                device=self.device,
+            )
+            self.decode_graphs.capture()
 
-    def _allocate_kv_cache(self) -> torch.Tensor:
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """``[layers, ...]``: K/V per KV head, unless the model caches its own per-token layout."""
         if hasattr(self.model, "kv_cache_shape_per_token"):
             # MLA: one latent per token, ``[layers, num_blocks, block_size, *per_token]``; zeroed for
             # the same reason as allocate_kv_cache (padded gathers read unused slots).
-            shape = (self.num_kv_blocks, self.block_size, *self.model.kv_cache_shape_per_token())
+            shape = (num_blocks, self.block_size, *self.model.kv_cache_shape_per_token())
             return torch.zeros(self.config.num_hidden_layers, *shape, dtype=self.dtype, device=self.device)
         return allocate_kv_cache(
             self.config.num_hidden_layers,
-            self.num_kv_blocks,
+            num_blocks,
             self.block_size,
             self.model.num_local_kv_heads(),
             self.config.head_dim,
@@ -214,13 +242,17 @@ class ModelRunner:
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[str]]:
         """Compute the plan's KV and the logits of its sampling positions (ids in ``samplers``)."""
         spans, input_ids, positions, samplers = self._prepare(plan)
-        meta = build_attention_metadata(spans, self.block_size, self.device)
-        with torch.inference_mode():
-            logits = self.model(
-                torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                torch.cat(positions).to(self.device),
-                meta,
-            )
+        shape = self.decode_graphs.shape_for(spans) if self.decode_graphs is not None else None
+        if shape is not None:
+            logits = self.decode_graphs.run(shape, spans, input_ids)
+        else:
+            meta = build_attention_metadata(spans, self.block_size, self.device)
+            with torch.inference_mode():
+                logits = self.model(
+                    torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                    torch.cat(positions).to(self.device),
+                    meta,
+                )
         for rid, num_new in plan.num_scheduled_tokens.items():
             self._requests[rid].num_computed_tokens += num_new
         return logits, samplers

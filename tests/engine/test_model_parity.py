@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from cachet.engine import cuda_graphs
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.step_plan import NewRequest, RunningRequestDiff, StepPlan
@@ -157,16 +158,19 @@ def drive(runner: ModelRunner, requests: dict[str, SimRequest], new_tokens: int 
         step += 1
 
 
-def runner_for(model_dir: Path, block_size: int = 16) -> ModelRunner:
+def runner_for(
+    model_dir: Path, block_size: int = 16, device: str = "cpu", **options: bool | int
+) -> ModelRunner:
     # Dynamic NTK is the one variant meant to run past its trained window.
     max_len = 128 if model_dir.name == "rope-dynamic" else None
     return ModelRunner(
         model_dir,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=torch.device(device),
         kv_cache_bytes=4 << 20,
         block_size=block_size,
         max_model_len=max_len,
+        **options,
     )
 
 
@@ -258,3 +262,62 @@ def test_cuda_runner_matches_hf(checkpoints: dict[str, Path]) -> None:
     drive(runner, reqs)
     for req in reqs.values():
         assert req.output == hf_greedy(model_dir, req.prompt)
+
+
+def staggered_decoders() -> dict[str, SimRequest]:
+    """Three requests (a batch padded to 4), admitted apart so decode steps span several
+    captured context lengths and mix with prefill chunks, which run eagerly."""
+    return {
+        "a": SimRequest(prompt(12, 5)),
+        "b": SimRequest(prompt(13, 30), chunk=8, start_step=2),
+        "c": SimRequest(prompt(14, 17), start_step=4),
+    }
+
+
+@pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias", "rope-dynamic"])
+def test_fixed_shape_decode_steps_match_hf(
+    checkpoints: dict[str, Path], variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The steps CUDA graphs capture, run eagerly on the CPU: padded batches, padded keys,
+    # padding rows writing into the scratch block (block 0 holds request a's prompt).
+    monkeypatch.setattr(cuda_graphs, "MIN_CAPTURED_KV_LEN", 16)
+    runner = runner_for(checkpoints[variant], block_size=8, cuda_graphs=True, max_decode_batch=4)
+    graphs = runner.decode_graphs
+    assert graphs is not None
+    assert graphs.batch_sizes == [1, 2, 4]
+    assert graphs.kv_lengths[:3] == [16, 32, 64]
+    assert runner.kv_cache.shape[2] == runner.num_kv_blocks + 1
+    reqs = staggered_decoders()
+    drive(runner, reqs)
+    assert graphs.runs >= NEW_TOKENS
+    for rid, req in reqs.items():
+        assert req.output == hf_greedy(checkpoints[variant], req.prompt), rid
+
+
+def test_decode_steps_outside_the_captured_shapes_run_eagerly(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cuda_graphs, "MIN_CAPTURED_KV_LEN", 16)
+    runner = runner_for(checkpoints["llama-tied"], block_size=8, cuda_graphs=True, max_decode_batch=2)
+    reqs = staggered_decoders()
+    drive(runner, reqs)
+    # Three decoders never fit a batch of 2; one or two do.
+    assert 0 < runner.decode_graphs.runs < NEW_TOKENS * 3
+    for rid, req in reqs.items():
+        assert req.output == hf_greedy(checkpoints["llama-tied"], req.prompt), rid
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["qwen2-bias", "rope-dynamic"])
+def test_cuda_graph_decode_matches_hf(
+    checkpoints: dict[str, Path], variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cuda_graphs, "MIN_CAPTURED_KV_LEN", 16)
+    runner = runner_for(
+        checkpoints[variant], block_size=8, device="cuda", cuda_graphs=True, max_decode_batch=4
+    )
+    reqs = staggered_decoders()
+    drive(runner, reqs)
+    assert runner.decode_graphs.replays >= NEW_TOKENS
+    for rid, req in reqs.items():
+        assert req.output == hf_greedy(checkpoints[variant], req.prompt), rid

@@ -280,6 +280,10 @@ class DeepseekV3ForCausalLM(CausalLM):
     channels), else to every rank of an initialised process group (expert parallel
     alone), else one rank."""
 
+    # Routing reads each expert's token count on the host (``_routed``), which a CUDA graph
+    # cannot record; decode steps run eagerly.
+    supports_cuda_graphs = False
+
     def __init__(
         self,
         config: ModelConfig,
