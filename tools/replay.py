@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from cachet.cache.prefix_index import PrefixIndex
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from cachet.router.placement import PlacementPolicy, ReplicaLoad, choose_replica
+from cachet.router.session_directory import SessionDirectory
 from cachet.tools.simulated_replica import ServiceTimeModel, SimulatedReplica
 from cachet.tools.trace import TraceRequest
 
@@ -205,7 +206,8 @@ Chooser = Callable[[TraceRequest, Sequence[ReplicaLoad], PrefixIndex], tuple[str
 
 def _chooser(policy: str, config: ReplayConfig, addresses: Sequence[str]) -> Chooser:
     if policy in ("affinity", "cache-aware"):
-        use_sessions = policy == "affinity"
+        # The router's own session directory: homes and KV footprints of live sessions.
+        sessions = SessionDirectory() if policy == "affinity" else None
 
         def placed(
             request: TraceRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex
@@ -213,13 +215,19 @@ def _chooser(policy: str, config: ReplayConfig, addresses: Sequence[str]) -> Cho
             matches = index.match(MODEL, request.hash_ids)
             # Cached tokens as the router computes them: whole matched blocks.
             cached = {match.address: match.matched_blocks * config.block_tokens for match in matches}
+            if sessions is None or not request.session_id:
+                placement = choose_replica(loads, cached, policy=config.placement)
+                return placement.address, placement.reason
+            now = request.timestamp_ms / 1000.0
             placement = choose_replica(
                 loads,
                 cached,
-                session_id=request.session_id if use_sessions else "",
-                all_addresses=addresses,
+                session_id=request.session_id,
+                session_home=sessions.home(request.session_id, now),
+                footprints=sessions.footprints(now),
                 policy=config.placement,
             )
+            sessions.record(request.session_id, placement.address, request.input_length, now)
             return placement.address, placement.reason
 
         return placed

@@ -27,6 +27,7 @@ from cachet.router.queue_store import JobState, QueueStore
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
+from cachet.router.session_directory import SessionDirectory
 from cachet.router.settings import RouterServiceSettings, router_service_settings
 from cachet.router.usage_recorder import UsageRecorder
 from cachet.router.v1 import router_pb2_grpc
@@ -105,6 +106,7 @@ async def start(settings: RouterSettings) -> RunningServer:
         policy=_policy(options),
         cache_timeout_seconds=options.cache_timeout_seconds,
         cache_scopes=CacheScopes(isolate=options.cache_isolation, groups=options.cache_groups),
+        sessions=SessionDirectory(idle_seconds=options.session_idle_seconds),
     )
     clients.queue = QueueStore(options.queue_path)
     webhook_targets = WebhookTargets(options.webhook_allowed_networks)
@@ -147,7 +149,11 @@ async def start(settings: RouterSettings) -> RunningServer:
 
 
 def _policy(options: RouterServiceSettings) -> PlacementPolicy:
-    return PlacementPolicy(load_epsilon=options.load_epsilon, load_penalty_tokens=options.load_penalty_tokens)
+    return PlacementPolicy(
+        load_penalty_tokens=options.load_penalty_tokens,
+        session_slack_tokens=options.session_slack_tokens,
+        new_session_slack_tokens=options.new_session_slack_tokens,
+    )
 
 
 def _webhook_sender(

@@ -1,20 +1,25 @@
 """Which engine replica serves a request: pure functions over a snapshot of the replicas.
 
-Two rules, one per kind of request:
+Every request is scored: cached prefix tokens − ``load_penalty_tokens`` × load.
+The penalty is what moving costs against what it saves: a replica holding 3 more
+requests must hold 3 × the penalty more cached tokens to win, so a request leaves
+the replica that holds its prefix only when the queue it would wait in there costs
+more than recomputing the prefix elsewhere.
 
-* **With a session id** (``x-session-affinity``): rendezvous (highest-random-weight)
-  hashing ranks every configured replica for the session, so a session keeps its
-  replica, and when a replica comes or goes only the sessions ranked first on it
-  move. Load is bounded (consistent hashing with bounded loads, Mirrokni et al.):
-  a replica whose load would exceed ``ceil((1 + eps) * (total + 1) / n)`` is
-  skipped and the session spills to its next replica in rendezvous order, so one
-  hot session cannot pile its traffic on one replica. If the session's own replica
-  is gone or saturated, the session has no home to keep: it goes wherever the
-  longest cached prefix is (the scoring rule below), which is most likely the
-  replica it spilled to last time.
-* **Without a session**: score = cached prefix tokens − ``load_penalty_tokens`` × load;
-  highest score wins, ties go to the least loaded replica, then to the lowest
-  address so that equal inputs always give equal answers.
+* **Without a session**: the highest score wins; ties go to the least loaded
+  replica, then to the lowest address, so that equal inputs give equal answers.
+* **With a session id** (``x-session-affinity`` or ``prompt_cache_key``): a strong
+  hint, not a blind hash. The score decides first, exactly as without a session,
+  so the session goes where its prefix actually is (the cache index says) and
+  moves only when that pays. What the session id adds is the choice among
+  replicas that score within ``session_slack_tokens`` of the best, which is every
+  replica when the session is new or its prefix is gone: its home (where its last
+  request went, see ``session_directory.py``) if that is among them, else the one
+  whose live sessions hold the fewest KV tokens (so sessions share the replicas'
+  KV by footprint, not by count), then the session's rendezvous order (a stable
+  answer that another router process gives too). A blind rendezvous hash with
+  bounded loads, which this replaced, lost 5% of the cached tokens of real agent
+  sessions to spills onto replicas that held nothing of theirs.
 
 Saturated replicas (see ``ReplicaLoad.saturated``) are never chosen. When every
 replica is saturated the request is refused at once with ``ResourceExhausted``:
@@ -24,7 +29,6 @@ a synchronous request never waits without bound for capacity.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -73,16 +77,21 @@ class ReplicaLoad:
 class PlacementPolicy:
     """Knobs of the placement rules."""
 
-    # Bounded-load slack: a session's replica may carry up to (1 + eps) × its fair share.
-    # 1.0 from `cachet replay` on the agent trace (4 replicas): eps 0.25 spilled ~3% of
-    # turns off their home (0.973x the ideal cached ratio), eps 1.0 none (1.000x) at a
-    # max/mean load of 1.14 instead of 1.10.
-    load_epsilon: float = 1.0
     # Cached prefix tokens that one request already on a replica is worth: a replica with
-    # 3 more requests must hold 3 × this many more cached tokens to win. 512 from the same
-    # replay: at 128 cache-aware placement piled work up (max/mean load 1.45 for 1.000x the
-    # ideal); at 512 it keeps 0.998x at 1.06; at 2048 hits fall to 0.974x.
+    # 3 more requests must hold 3 × this many more cached tokens to win. 512 from `cachet
+    # replay` on the synthetic agent trace: at 128 cache-aware placement piled work up (max/mean
+    # load 1.45 for 1.000x the ideal); at 512 it keeps 0.998x at 1.06; at 2048 hits fall to 0.974x.
     load_penalty_tokens: float = 512.0
+    # A session chooses by home, then KV footprint, among replicas that score within this
+    # of the best. One request's worth of load: footprint may outweigh one more request in
+    # flight, never a cached block more. (Tuning on the Claude Code sessions' replay: see
+    # docs/benchmarks.md.)
+    session_slack_tokens: float = 512.0
+    # The same for a session with no home yet (new, or idle past the directory's memory):
+    # what it may give up of a prefix cached for others (a shared system prompt and tools)
+    # to land where the sessions' KV is smallest. Without it every new session follows the
+    # shared prefix to the first replica that cached it.
+    new_session_slack_tokens: float = 32_768.0
     # What a refused caller is told to wait before retrying.
     retry_after_seconds: int = 1
 
@@ -92,7 +101,9 @@ class Placement:
     """The chosen replica and why (the reason goes to logs and metrics)."""
 
     address: str
-    reason: str  # "session", "session_spill", "session_failover" or "score"
+    # "score" (no session); "session" (its home), "session_new" (no home: by footprint),
+    # "session_move" (its home lost on score, or is gone).
+    reason: str
 
 
 def rendezvous_weight(session_id: str, address: str) -> int:
@@ -106,27 +117,23 @@ def rendezvous_order(session_id: str, addresses: Collection[str]) -> list[str]:
     return sorted(addresses, key=lambda address: (-rendezvous_weight(session_id, address), address))
 
 
-def bounded_load_capacity(replicas: Sequence[ReplicaLoad], epsilon: float) -> int:
-    """Most requests one replica may hold, counting the request being placed."""
-    total = sum(replica.load for replica in replicas) + 1
-    return math.ceil((1.0 + epsilon) * total / len(replicas))
-
-
 def choose_replica(
     replicas: Sequence[ReplicaLoad],
     cached_tokens: Mapping[str, int],
     *,
     session_id: str = "",
-    all_addresses: Collection[str] = (),
+    session_home: str = "",
+    footprints: Mapping[str, int] | None = None,
     exclude: Collection[str] = (),
     policy: PlacementPolicy = PlacementPolicy(),
 ) -> Placement:
     """Pick the replica for one request.
 
-    ``replicas`` are the available ones (healthy, reporting); ``all_addresses`` are
-    every configured replica, available or not, so that a session's home is the same
-    whether or not its replica is up right now. ``cached_tokens`` maps an address to
-    the prompt tokens it holds cached. ``exclude`` names replicas already tried.
+    ``replicas`` are the available ones (healthy, reporting). ``cached_tokens`` maps
+    an address to the prompt tokens it holds cached. ``exclude`` names replicas
+    already tried. For a session: ``session_home`` is where its last request went
+    ("" if none) and ``footprints`` the KV tokens of the live sessions on each
+    replica (``SessionDirectory``).
     """
     candidates = [replica for replica in replicas if replica.address not in exclude]
     if not candidates:
@@ -138,38 +145,41 @@ def choose_replica(
             retry_after_seconds=policy.retry_after_seconds,
         )
     if session_id:
-        return _place_session(session_id, candidates, open_replicas, cached_tokens, all_addresses, policy)
+        return _place_session(
+            session_id, session_home, open_replicas, cached_tokens, footprints or {}, policy
+        )
     return Placement(_best_scored(open_replicas, cached_tokens, policy).address, "score")
+
+
+def _score(replica: ReplicaLoad, cached_tokens: Mapping[str, int], policy: PlacementPolicy) -> float:
+    return cached_tokens.get(replica.address, 0) - policy.load_penalty_tokens * replica.load
 
 
 def _place_session(
     session_id: str,
-    candidates: Sequence[ReplicaLoad],
+    home: str,
     open_replicas: Sequence[ReplicaLoad],
     cached_tokens: Mapping[str, int],
-    all_addresses: Collection[str],
+    footprints: Mapping[str, int],
     policy: PlacementPolicy,
 ) -> Placement:
-    by_address = {replica.address: replica for replica in open_replicas}
-    order = rendezvous_order(session_id, {*all_addresses, *(r.address for r in candidates)})
-    if order[0] not in by_address:
-        # Home is down, excluded or saturated: follow the session's cached prefix instead.
-        return Placement(_best_scored(open_replicas, cached_tokens, policy).address, "session_failover")
-    capacity = bounded_load_capacity(candidates, policy.load_epsilon)
-    for rank, address in enumerate(order):
-        replica = by_address.get(address)
-        if replica is not None and replica.load + 1 <= capacity:
-            return Placement(address, "session" if rank == 0 else "session_spill")
-    # Every open replica is over the bound (the light ones are saturated): still serve.
-    return Placement(_best_scored(open_replicas, cached_tokens, policy).address, "session_spill")
+    best = max(_score(replica, cached_tokens, policy) for replica in open_replicas)
+    slack = policy.session_slack_tokens if home else policy.new_session_slack_tokens
+    near = [r.address for r in open_replicas if _score(r, cached_tokens, policy) >= best - slack]
+    if home in near:
+        return Placement(home, "session")
+    rank = {address: i for i, address in enumerate(rendezvous_order(session_id, near))}
+    # The session's own tokens are not in its new replica's footprint yet; a home it leaves
+    # keeps them until the directory hears of the move.
+    chosen = min(near, key=lambda address: (footprints.get(address, 0), rank[address]))
+    return Placement(chosen, "session_move" if home else "session_new")
 
 
 def _best_scored(
     replicas: Sequence[ReplicaLoad], cached_tokens: Mapping[str, int], policy: PlacementPolicy
 ) -> ReplicaLoad:
     def rank(replica: ReplicaLoad) -> tuple[float, int, str]:
-        score = cached_tokens.get(replica.address, 0) - policy.load_penalty_tokens * replica.load
         # min() over (−score, load, address): best score, then least loaded, then lowest address.
-        return (-score, replica.load, replica.address)
+        return (-_score(replica, cached_tokens, policy), replica.load, replica.address)
 
     return min(replicas, key=rank)

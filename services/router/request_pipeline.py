@@ -43,6 +43,7 @@ from cachet.router.output_parser import OutputDelta, merge_deltas
 from cachet.router.placement import Placement, PlacementPolicy, choose_replica
 from cachet.router.prompt import PromptBuilder, check_context_window, validate_chat, validate_completion
 from cachet.router.replica_set import Replica, ReplicaSet
+from cachet.router.session_directory import SessionDirectory
 from cachet.router.stop_strings import StopStringFilter
 from cachet.router.tool_parsers.model_family import ModelFamilies
 from cachet.router.tool_parsers.selection import PLAIN_TEXT, OutputSetup, output_setup_for
@@ -89,6 +90,11 @@ class GenerationRequest:
     cache_salt: str = ""
 
 
+def _session_key(caller: Caller) -> str:
+    # Session ids are the callers' own names: two accounts may both call theirs "main".
+    return f"{caller.account_id}\0{caller.session_id}"
+
+
 class _Refused(Exception):
     """An engine turned the request away before starting it; another replica may take it."""
 
@@ -110,8 +116,10 @@ class RequestPipeline:
         policy: PlacementPolicy,
         cache_timeout_seconds: float,
         cache_scopes: CacheScopes | None = None,
+        sessions: SessionDirectory | None = None,
     ) -> None:
         self._replicas = replicas
+        self._sessions = sessions or SessionDirectory()
         self._cache_scopes = cache_scopes or CacheScopes()
         self._prompts = prompts
         self._cache = cache
@@ -242,7 +250,7 @@ class RequestPipeline:
                 raise self._final_refusal(last_refusal.error) from last_refusal
             replica = self._replicas.get(placement.address)
             try:
-                return await self._open(request, replica, placement, detokenizer)
+                generation = await self._open(request, replica, placement, detokenizer)
             except _Refused as refusal:
                 refused.append(placement.address)
                 last_refusal = refusal
@@ -256,15 +264,27 @@ class RequestPipeline:
                 if len(refused) > 1:
                     raise self._final_refusal(refusal.error) from refusal
                 metrics.ENGINE_RETRIES.inc()
+                continue
+            if request.caller.session_id:
+                self._sessions.record(
+                    _session_key(request.caller),
+                    placement.address,
+                    len(request.prompt_token_ids),
+                    time.monotonic(),
+                )
+            return generation
 
     def _place(self, request: GenerationRequest, cached: dict[str, int], refused: Sequence[str]) -> Placement:
         available = [replica.load() for replica in self._replicas.available(request.model)]
+        now = time.monotonic()
+        session = request.caller.session_id
         try:
             placement = choose_replica(
                 available,
                 cached,
-                session_id=request.caller.session_id,
-                all_addresses=self._replicas.addresses_serving(request.model),
+                session_id=session,
+                session_home=self._sessions.home(_session_key(request.caller), now) if session else "",
+                footprints=self._sessions.footprints(now) if session else None,
                 exclude=refused,
                 policy=self._policy,
             )

@@ -16,8 +16,13 @@ class RouterServiceSettings(RouterSettings):
     # API key -> account id, e.g. CACHET_API_KEYS='{"sk-test": "acct-1"}' (shared with the bridge).
     # Empty means development mode: every caller is the "anonymous" account.
     api_keys: dict[str, str] = Field(default_factory=dict, validation_alias=API_KEYS_ALIASES["router"])
-    # Bounded-load slack of session affinity (see placement.py).
-    load_epsilon: float = Field(default=1.0, ge=0)
+    # A session id's placement (see placement.py): how much better than its home another
+    # replica must score to take the session, and what a new session gives up of a prefix
+    # cached for others to land where the sessions hold the least KV.
+    session_slack_tokens: float = Field(default=512.0, ge=0)
+    new_session_slack_tokens: float = Field(default=32_768.0, ge=0)
+    # A session is forgotten (its home and KV footprint) after this long without a request.
+    session_idle_seconds: float = Field(default=600.0, gt=0)
     # Cached prompt tokens one queued or running request is worth when scoring replicas.
     load_penalty_tokens: float = Field(default=512.0, ge=0)
     # A replica whose last load report is older than this is treated as down. Generous, because

@@ -1,4 +1,4 @@
-"""Placement rules, exactly: session stickiness, bounded-load spill, failover, scoring, admission."""
+"""Placement rules, exactly: sessions by prefix, home and KV footprint, scoring, admission."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from cachet.errors import ResourceExhausted, Unavailable
 from cachet.router.placement import (
     PlacementPolicy,
     ReplicaLoad,
-    bounded_load_capacity,
     choose_replica,
     rendezvous_order,
     rendezvous_weight,
@@ -97,70 +96,75 @@ def test_rendezvous_moves_only_sessions_homed_on_a_removed_replica() -> None:
 # --- sessions --------------------------------------------------------------------------------
 
 
-def test_session_sticks_to_its_home_regardless_of_cached_prefix() -> None:
-    session = session_homed_on(B)
-    replicas = [idle(A), idle(B), idle(C)]
-    placement = choose_replica(replicas, {A: 4096}, session_id=session, all_addresses=ALL)
+def test_session_stays_home_while_home_holds_its_prefix() -> None:
+    # B holds the session's 4,096 cached tokens; two more requests there cost 1,024 < 4,096.
+    replicas = [idle(A), idle(B, running=2), idle(C)]
+    placement = choose_replica(replicas, {B: 4096, A: 512}, session_id="s", session_home=B)
     assert (placement.address, placement.reason) == (B, "session")
-    # Same answer every time, and under moderate load on the home replica.
-    loaded = [idle(A, 1), idle(B, 2), idle(C, 1)]
-    assert choose_replica(loaded, {}, session_id=session, all_addresses=ALL).address == B
 
 
-def test_bounded_load_capacity() -> None:
-    # total load 3 + this request = 4 over 2 replicas, × 1.25 = 2.5 → 3.
-    assert bounded_load_capacity([idle(A, 3), idle(B, 0)], 0.25) == 3
-    assert bounded_load_capacity([idle(A), idle(B)], 0.25) == 1
-
-
-def test_session_spills_to_its_next_rendezvous_replica_when_home_is_over_the_bound() -> None:
+def test_session_follows_its_prefix_rather_than_a_hash() -> None:
+    # The session's prefix is on C whatever its rendezvous order says: the index wins.
     session = session_homed_on(A)
-    order = rendezvous_order(session, ALL)
-    # Home holds 4 of 5 requests: capacity = ceil(1.25 × 6 / 3) = 3, so 4 + 1 > 3 spills.
-    loads = {order[0]: 4, order[1]: 1, order[2]: 0}
-    replicas = [idle(address, running=load, max_running=16) for address, load in loads.items()]
-    placement = choose_replica(replicas, {}, session_id=session, all_addresses=ALL)
-    # The spill follows rendezvous order (second choice), not the least loaded replica.
-    assert (placement.address, placement.reason) == (order[1], "session_spill")
+    placement = choose_replica([idle(A), idle(B), idle(C)], {C: 2048}, session_id=session, session_home=C)
+    assert placement.address == C
 
 
-def test_session_skips_a_second_choice_that_is_also_over_the_bound() -> None:
-    session = session_homed_on(A)
-    order = rendezvous_order(session, ALL)
-    loads = {order[0]: 3, order[1]: 3, order[2]: 0}  # capacity = ceil(1.25 × 7 / 3) = 3
-    replicas = [idle(address, running=load, max_running=16) for address, load in loads.items()]
-    tight = PlacementPolicy(load_epsilon=0.25)
-    assert (
-        choose_replica(replicas, {}, session_id=session, all_addresses=ALL, policy=tight).address == order[2]
+def test_session_moves_only_when_the_queue_at_home_costs_more_than_its_prefix() -> None:
+    policy = PlacementPolicy(load_penalty_tokens=512, session_slack_tokens=512)
+    # Home B: 2,048 cached − 4 × 512 = 0; A: 0 − 0 = 0. Within the slack: stay home.
+    stays = choose_replica(
+        [idle(A), idle(B, running=4, max_running=16)],
+        {B: 2048},
+        session_id="s",
+        session_home=B,
+        policy=policy,
     )
-
-
-def test_session_fails_over_to_longest_prefix_when_home_is_gone() -> None:
-    session = session_homed_on(A)
-    others = [address for address in rendezvous_order(session, ALL) if address != A]
-    # The prefix lives on the rendezvous *last* choice: failover must follow the prefix, not the order.
-    prefix_holder = others[1]
-    replicas = [idle(address) for address in others]  # A is not available
-    placement = choose_replica(replicas, {prefix_holder: 512}, session_id=session, all_addresses=ALL)
-    assert (placement.address, placement.reason) == (prefix_holder, "session_failover")
-
-
-def test_session_fails_over_when_home_is_saturated() -> None:
-    session = session_homed_on(C)
-    replicas = [idle(A), idle(B, running=1), idle(C, running=8, waiting=2)]
-    # With 128 tokens a request, B's 160 cached tokens outweigh its one running request.
-    policy = PlacementPolicy(load_penalty_tokens=128)
-    placement = choose_replica(
-        replicas, {B: 160, C: 4096}, session_id=session, all_addresses=ALL, policy=policy
+    assert (stays.address, stays.reason) == (B, "session")
+    # Two more requests at home: 2,048 − 6 × 512 = −1,024, more than the slack below A: move.
+    moves = choose_replica(
+        [idle(A), idle(B, running=6, max_running=16)],
+        {B: 2048},
+        session_id="s",
+        session_home=B,
+        policy=policy,
     )
-    assert (placement.address, placement.reason) == (B, "session_failover")
+    assert (moves.address, moves.reason) == (A, "session_move")
 
 
-def test_session_fails_over_when_home_was_tried_already() -> None:
-    session = session_homed_on(A)
+def test_a_new_session_goes_where_the_sessions_hold_the_least_kv() -> None:
     replicas = [idle(A), idle(B), idle(C)]
-    placement = choose_replica(replicas, {C: 64}, session_id=session, all_addresses=ALL, exclude={A})
-    assert (placement.address, placement.reason) == (C, "session_failover")
+    footprints = {A: 90_000, B: 10_000, C: 40_000}
+    placement = choose_replica(replicas, {}, session_id="new", footprints=footprints)
+    assert (placement.address, placement.reason) == (B, "session_new")
+
+
+def test_a_new_session_gives_up_a_shared_prefix_to_balance_kv_but_not_more() -> None:
+    replicas = [idle(A), idle(B)]
+    footprints = {A: 500_000}
+    # A holds the 12,000-token system prompt every session shares; B holds nothing yet.
+    assert choose_replica(replicas, {A: 12_000}, session_id="new", footprints=footprints).address == B
+    # 40,000 cached tokens on A are more than a new session gives up (32,768 by default).
+    assert choose_replica(replicas, {A: 40_000}, session_id="new", footprints=footprints).address == A
+
+
+def test_equal_footprints_fall_back_to_the_rendezvous_order() -> None:
+    session = session_homed_on(C)
+    placement = choose_replica([idle(A), idle(B), idle(C)], {}, session_id=session)
+    assert (placement.address, placement.reason) == (C, "session_new")
+
+
+def test_a_session_whose_home_is_gone_or_saturated_or_tried_moves() -> None:
+    replicas = [idle(A), idle(B, running=1), idle(C, running=8, waiting=2)]
+    # Home C is saturated: B's 1,024 cached tokens outweigh its one running request.
+    placement = choose_replica(replicas, {B: 1024, C: 4096}, session_id="s", session_home=C)
+    assert (placement.address, placement.reason) == (B, "session_move")
+    # Home A was tried already.
+    tried = choose_replica([idle(A), idle(B), idle(C)], {C: 64}, session_id="s", session_home=A, exclude={A})
+    assert tried.reason == "session_move"
+    # Home is not reporting at all.
+    gone = choose_replica([idle(B), idle(C)], {C: 2048}, session_id="s", session_home=A)
+    assert (gone.address, gone.reason) == (C, "session_move")
 
 
 # --- scoring without a session ---------------------------------------------------------------
@@ -204,7 +208,7 @@ def test_all_saturated_is_resource_exhausted_at_once() -> None:
         choose_replica(replicas, {A: 64}, policy=PlacementPolicy(retry_after_seconds=3))
     assert refused.value.retry_after_seconds == 3
     with pytest.raises(ResourceExhausted):
-        choose_replica(replicas, {}, session_id="s", all_addresses=(A, B))
+        choose_replica(replicas, {}, session_id="s", session_home=A)
 
 
 def test_no_available_replica_is_unavailable() -> None:

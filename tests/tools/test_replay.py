@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
-from cachet.router.placement import PlacementPolicy, rendezvous_order
+from cachet.router.placement import rendezvous_order
 from cachet.tools.agent_traces import AgentTraceShape, agent_trace
 from cachet.tools.replay import (
     POLICIES,
@@ -79,6 +78,7 @@ def test_exact_ideal(exact_report) -> None:
 
 
 def test_exact_affinity(exact_report) -> None:
+    # c starts on replica-0 (rendezvous order breaks the tie), a on replica-1 (no session KV there).
     # replica-0: r0 cold; r2 hits 1,2 (20); r4 evicts 5,2,1; r5 misses (0), evicting 10,9.
     # replica-1: r1 cold; r3 hits 3,4 (20). r6 has no session: the index says replica-1 holds
     # block 3, so the score sends it there (10).
@@ -87,7 +87,8 @@ def test_exact_affinity(exact_report) -> None:
     assert figures.computed_tokens == (20 + 5 + 30 + 20, 20 + 10 + 0)
     assert figures.requests == (4, 3)
     assert figures.max_load_over_mean == pytest.approx(75 / 52.5)
-    assert figures.reasons == {"session": 6, "score": 1}
+    # The two sessions start on replicas holding no session KV (c: rendezvous order on a tie).
+    assert figures.reasons == {"session_new": 2, "session": 4, "score": 1}
 
 
 def test_exact_cache_aware_herds_onto_the_first_replica(exact_report) -> None:
@@ -202,15 +203,6 @@ def test_on_agent_traffic_cache_aware_placement_beats_round_robin(agent_trace_12
     # Affinity spreads the work; round-robin spreads requests evenly.
     assert report.policies["affinity"].max_load_over_mean < 1.3
     assert max_over_mean(report.policies["round-robin"].requests) < 1.01
-
-
-def test_tight_load_slack_spills_sessions_off_their_home(agent_trace_128) -> None:
-    config = ReplayConfig(blocks_per_replica=2048)
-    tight = replace(config, placement=PlacementPolicy(load_epsilon=0.0))
-    spilled = replay(agent_trace_128, tight, policies=("affinity",)).policies["affinity"]
-    kept = replay(agent_trace_128, config, policies=("affinity",)).policies["affinity"]
-    assert spilled.cached_token_ratio < kept.cached_token_ratio
-    assert spilled.max_load_over_mean <= kept.max_load_over_mean
 
 
 def test_too_little_capacity_costs_hits(agent_trace_128) -> None:
