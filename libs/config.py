@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field
+from pydantic import AfterValidator, AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK = "127.0.0.1"
@@ -27,6 +28,23 @@ def _shared(name: str):
 API_KEYS_ALIASES = {
     service: AliasChoices(f"CACHET_{service.upper()}_API_KEYS", "CACHET_API_KEYS", "api_keys")
     for service in ("bridge", "router")
+}
+
+
+def _store_url(url: str) -> str:
+    if url and urlsplit(url).scheme not in ("postgresql", "postgres"):
+        raise ValueError(f"must be empty (SQLite files) or a postgresql:// URL, not {urlsplit(url).scheme!r}")
+    return url
+
+
+# Where the queue and the usage ledger live (libs/durable_postgres.py): empty for the SQLite
+# files under the data directory; postgresql://user@host:port/database for one database that
+# several routers and usage processes share. CACHET_STORE_URL sets both services; a
+# service-specific variable wins over it.
+StoreUrl = Annotated[str, AfterValidator(_store_url)]
+STORE_URL_ALIASES = {
+    service: AliasChoices(f"CACHET_{service.upper()}_STORE_URL", "CACHET_STORE_URL", "store_url")
+    for service in ("usage", "router")
 }
 
 
@@ -132,8 +150,9 @@ class UsageSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CACHET_USAGE_")
 
     port: int = Field(default=50081, ge=0, le=65535)
-    # SQLite file; defaults to <data_dir>/usage.sqlite3.
+    # SQLite file; defaults to <data_dir>/usage.sqlite3. Unused when store_url is set.
     database: Path | None = None
+    store_url: StoreUrl = Field(default="", validation_alias=STORE_URL_ALIASES["usage"])
 
 
 class RouterSettings(ServiceSettings):
@@ -144,6 +163,7 @@ class RouterSettings(ServiceSettings):
     cache_address: str = f"{LOOPBACK}:50071"
     usage_address: str = f"{LOOPBACK}:50081"
     engine_addresses: list[str] = Field(default_factory=list)
+    store_url: StoreUrl = Field(default="", validation_alias=STORE_URL_ALIASES["router"])
 
 
 class BridgeSettings(ServiceSettings):

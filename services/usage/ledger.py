@@ -1,251 +1,50 @@
-"""The append-only usage ledger on SQLite, keyed by request id.
+"""The append-only usage ledger, keyed by request id: its contract, and the choice of store.
 
-Contract (which a PostgreSQL ledger will share: the same three async methods,
-the same table, the same ``ON CONFLICT DO NOTHING``):
+Contract (``SqliteLedger``, the embedded default, and ``PostgresLedger``, for usage
+processes that share one database, both keep it):
 
 - ``record`` stores an entry with its cost and cache savings computed from the
   price in force *now*; later price changes never rewrite history. A second
   record with the same request id changes nothing and reports ``duplicate=True``
-  with the cost stored the first time, so a caller's retry sees the same answer.
+  with the cost stored the first time, so a caller's retry sees the same answer,
+  whichever process served either call.
+- ``record_many`` records a batch in one transaction, all or nothing (a failed
+  batch is retried whole, and the ids make that safe).
 - ``query`` sums in SQL, grouped by any combination of account, model, UTC day
   and session, over a half-open time range.
-- Rows are never updated or deleted: triggers refuse it, in the file itself.
-
-SQLite is blocking, so every call runs on one worker thread that owns the one
-connection; the event loop only awaits. One writer is all SQLite allows anyway,
-and WAL keeps other processes' readers unblocked. A call whose caller is
-cancelled still finishes on the worker: a committed write is then found as a
-duplicate by the retry, never half-done.
+- Rows are never updated or deleted: triggers in the database refuse it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import sqlite3
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Protocol
 
-from cachet.durable_sqlite import open_durable_sqlite
-from cachet.logs import get_logger
+from cachet.config import UsageSettings
+from cachet.durable_postgres import is_postgres_url
+from cachet.usage.postgres_ledger import PostgresLedger
 from cachet.usage.prices import ModelPrice
-from cachet.usage.records import GroupField, RecordOutcome, UsageEntry, UsageQuery, UsageTotals
+from cachet.usage.records import RecordOutcome, UsageEntry, UsageQuery, UsageTotals
+from cachet.usage.sqlite_ledger import SqliteLedger
 
-log = get_logger(__name__)
-
-T = TypeVar("T")
-
-SCHEMA_VERSION = 1
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage_records (
-    request_id TEXT PRIMARY KEY,
-    account_id TEXT NOT NULL,
-    model TEXT NOT NULL,
-    session_id TEXT NOT NULL,
-    prompt_tokens INTEGER NOT NULL,
-    cached_tokens INTEGER NOT NULL,
-    completion_tokens INTEGER NOT NULL,
-    finished_at_ms INTEGER NOT NULL,
-    replica_address TEXT NOT NULL,
-    priority TEXT NOT NULL,
-    -- The prices applied, kept so every stored cost can be re-derived and audited.
-    input_microusd_per_mtok INTEGER NOT NULL,
-    cached_input_microusd_per_mtok INTEGER NOT NULL,
-    output_microusd_per_mtok INTEGER NOT NULL,
-    cost_picousd INTEGER NOT NULL,
-    cache_savings_picousd INTEGER NOT NULL,
-    recorded_at_ms INTEGER NOT NULL
-);
--- Per-account reports over time are the common query; the time index serves the rest.
-CREATE INDEX IF NOT EXISTS usage_records_account_time ON usage_records (account_id, finished_at_ms);
-CREATE INDEX IF NOT EXISTS usage_records_time ON usage_records (finished_at_ms);
-CREATE TRIGGER IF NOT EXISTS usage_records_no_update BEFORE UPDATE ON usage_records
-BEGIN SELECT RAISE(ABORT, 'usage_records is append-only'); END;
-CREATE TRIGGER IF NOT EXISTS usage_records_no_delete BEFORE DELETE ON usage_records
-BEGIN SELECT RAISE(ABORT, 'usage_records is append-only'); END;
-"""
-
-_INSERT = """
-INSERT INTO usage_records (
-    request_id, account_id, model, session_id, prompt_tokens, cached_tokens, completion_tokens,
-    finished_at_ms, replica_address, priority, input_microusd_per_mtok, cached_input_microusd_per_mtok,
-    output_microusd_per_mtok, cost_picousd, cache_savings_picousd, recorded_at_ms
-) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (request_id) DO NOTHING
-"""
-
-# The only SQL spliced into a query: fixed expressions chosen by enum, never caller text.
-_GROUP_EXPRESSIONS: dict[GroupField, str] = {
-    GroupField.ACCOUNT: "account_id",
-    GroupField.MODEL: "model",
-    # Integer division: whole seconds are enough to name a UTC day.
-    GroupField.DAY: "strftime('%Y-%m-%d', finished_at_ms / 1000, 'unixepoch')",
-    GroupField.SESSION: "session_id",
-}
-_TOTALS_KEY_FIELD: dict[GroupField, str] = {
-    GroupField.ACCOUNT: "account_id",
-    GroupField.MODEL: "model",
-    GroupField.DAY: "day",
-    GroupField.SESSION: "session_id",
-}
-_SUMS = """COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),
-    COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost_picousd), 0), COALESCE(SUM(cache_savings_picousd), 0)"""
-_SUM_FIELDS = (
-    "requests",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "cost_picousd",
-    "cache_savings_picousd",
-)
+DATABASE_NAME = "usage.sqlite3"
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    return open_durable_sqlite(path, _SCHEMA, SCHEMA_VERSION, what="ledger", check_same_thread=True)
+class Ledger(Protocol):
+    # Where the entries live (a file, or host:port/database), for logs.
+    location: str
+
+    async def record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome: ...
+
+    async def record_many(self, priced: Sequence[tuple[UsageEntry, ModelPrice]]) -> list[RecordOutcome]: ...
+
+    async def query(self, query: UsageQuery) -> list[UsageTotals]: ...
+
+    async def close(self) -> None: ...
 
 
-def _where(query: UsageQuery) -> tuple[str, list[Any]]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    for column, value in (
-        ("account_id", query.account_id),
-        ("model", query.model),
-        ("session_id", query.session_id),
-    ):
-        if value:
-            clauses.append(f"{column} = ?")
-            params.append(value)
-    if query.start_ms:
-        clauses.append("finished_at_ms >= ?")
-        params.append(query.start_ms)
-    if query.end_ms:
-        clauses.append("finished_at_ms < ?")
-        params.append(query.end_ms)
-    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
-
-
-def _query_sql(query: UsageQuery) -> tuple[str, list[Any]]:
-    where, params = _where(query)
-    keys = [_GROUP_EXPRESSIONS[field] for field in query.group_by]
-    if not keys:
-        # No grouping: one total row, present (all zeros) even when nothing matched.
-        return f"SELECT {_SUMS} FROM usage_records{where}", params
-    key_list = ", ".join(keys)
-    return (
-        f"SELECT {key_list}, {_SUMS} FROM usage_records{where} GROUP BY {key_list} ORDER BY {key_list}",
-        params,
-    )
-
-
-def _totals(group_by: tuple[GroupField, ...], row: tuple[Any, ...]) -> UsageTotals:
-    keys = {_TOTALS_KEY_FIELD[field]: value for field, value in zip(group_by, row, strict=False)}
-    sums = dict(zip(_SUM_FIELDS, row[len(group_by) :], strict=True))
-    return UsageTotals(**keys, **sums)
-
-
-class SqliteLedger:
-    """The usage ledger in one SQLite file (WAL); see the module docstring for the contract."""
-
-    def __init__(self, connection: sqlite3.Connection, executor: ThreadPoolExecutor, path: Path) -> None:
-        # Use ``open``: the connection must be made on, and only used from, the executor's thread.
-        self._connection = connection
-        self._executor = executor
-        self.path = path
-
-    @classmethod
-    async def open(cls, path: Path) -> SqliteLedger:
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-ledger")
-        try:
-            connection = await asyncio.get_running_loop().run_in_executor(executor, _connect, path)
-        except BaseException:
-            executor.shutdown(wait=False)
-            raise
-        log.info("usage ledger opened", path=str(path))
-        return cls(connection, executor, path)
-
-    async def record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
-        """Append ``entry`` priced at ``price``, unless its request id is already there."""
-        return await self._run(self._record, entry, price)
-
-    async def record_many(self, priced: Sequence[tuple[UsageEntry, ModelPrice]]) -> list[RecordOutcome]:
-        """``record`` for each entry, in one transaction: one fsync for the lot."""
-        return await self._run(self._record_many, priced)
-
-    async def query(self, query: UsageQuery) -> list[UsageTotals]:
-        """Totals per group, ordered by the group keys."""
-        return await self._run(self._query, query)
-
-    async def close(self) -> None:
-        """Close the connection; a WAL checkpoint folds the log back into the main file."""
-        await self._run(self._connection.close)
-        self._executor.shutdown(wait=True)
-
-    async def _run(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
-
-    def _record_many(self, priced: Sequence[tuple[UsageEntry, ModelPrice]]) -> list[RecordOutcome]:
-        # All or nothing: a failed batch is retried whole, and the ids make that safe.
-        self._connection.execute("BEGIN IMMEDIATE")
-        try:
-            outcomes = [self._record(entry, price) for entry, price in priced]
-        except BaseException:
-            self._connection.execute("ROLLBACK")
-            raise
-        self._connection.execute("COMMIT")
-        return outcomes
-
-    def _record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
-        cost = price.cost_picousd(entry.prompt_tokens, entry.cached_tokens, entry.completion_tokens)
-        savings = price.cache_savings_picousd(entry.cached_tokens)
-        cursor = self._connection.execute(
-            _INSERT,
-            (
-                entry.request_id,
-                entry.account_id,
-                entry.model,
-                entry.session_id,
-                entry.prompt_tokens,
-                entry.cached_tokens,
-                entry.completion_tokens,
-                entry.finished_at_ms,
-                entry.replica_address,
-                entry.priority,
-                price.input_microusd_per_mtok,
-                price.cached_input_microusd_per_mtok,
-                price.output_microusd_per_mtok,
-                cost,
-                savings,
-                int(time.time() * 1000),
-            ),
-        )
-        if cursor.rowcount == 1:
-            return RecordOutcome(duplicate=False, cost_picousd=cost)
-        return self._stored_outcome(entry)
-
-    def _stored_outcome(self, entry: UsageEntry) -> RecordOutcome:
-        # Safe outside the INSERT's transaction: a stored row never changes.
-        stored = self._connection.execute(
-            "SELECT cost_picousd, account_id, model, prompt_tokens, cached_tokens, completion_tokens"
-            " FROM usage_records WHERE request_id = ?",
-            (entry.request_id,),
-        ).fetchone()
-        seen = (
-            entry.account_id,
-            entry.model,
-            entry.prompt_tokens,
-            entry.cached_tokens,
-            entry.completion_tokens,
-        )
-        if tuple(stored[1:]) != seen:
-            # Same id, different usage: a caller bug (ids reused), not a retry. The
-            # first record stands; say so loudly instead of billing twice.
-            log.warning("request id reused with different usage; kept the first", request_id=entry.request_id)
-        return RecordOutcome(duplicate=True, cost_picousd=stored[0])
-
-    def _query(self, query: UsageQuery) -> list[UsageTotals]:
-        sql, params = _query_sql(query)
-        rows = self._connection.execute(sql, params).fetchall()
-        return [_totals(query.group_by, row) for row in rows]
+async def open_ledger(settings: UsageSettings) -> Ledger:
+    """PostgreSQL when ``store_url`` names a database, else the SQLite file under the data directory."""
+    if settings.store_url and is_postgres_url(settings.store_url):
+        return await PostgresLedger.open(settings.store_url)
+    return await SqliteLedger.open(settings.database or settings.data_dir / DATABASE_NAME)

@@ -9,30 +9,28 @@ from cachet.config import UsageSettings
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
 from cachet.tracing import configure_tracing
-from cachet.usage.ledger import SqliteLedger
+from cachet.usage.ledger import Ledger, open_ledger
 from cachet.usage.prices import load_price_table
 from cachet.usage.servicer import SERVICE_NAME, UsageServicer
 from cachet.usage.v1 import usage_pb2_grpc
 
 log = get_logger(__name__)
 
-DATABASE_NAME = "usage.sqlite3"
-
 # Strong references to the close-after-stop tasks: the event loop keeps only weak ones.
 _closers: set[asyncio.Task[None]] = set()
 
 
-async def _close_after_termination(running: RunningServer, ledger: SqliteLedger) -> None:
+async def _close_after_termination(running: RunningServer, ledger: Ledger) -> None:
     # Whoever stops the server (a signal, a test), in-flight calls drain first,
     # and only then does the ledger's connection go away under them.
     await running.server.wait_for_termination()
     await ledger.close()
-    log.info("usage ledger closed", path=str(ledger.path))
+    log.info("usage ledger closed", location=ledger.location)
 
 
 async def _start(settings: UsageSettings) -> tuple[RunningServer, asyncio.Task[None]]:
     prices = load_price_table(settings.data_dir)
-    ledger = await SqliteLedger.open(settings.database or settings.data_dir / DATABASE_NAME)
+    ledger = await open_ledger(settings)
     servicer = UsageServicer(ledger, prices)
     try:
         registrar = partial(usage_pb2_grpc.add_UsageServiceServicer_to_server, servicer)

@@ -14,7 +14,7 @@ import grpc
 from cachet.errors import InvalidArgument
 from cachet.tracing import context_from_traceparent, get_tracer
 from cachet.usage import metrics
-from cachet.usage.ledger import SqliteLedger
+from cachet.usage.ledger import Ledger
 from cachet.usage.prices import ModelPrice, PriceTable
 from cachet.usage.records import RecordOutcome, UsageEntry, UsageQuery, UsageTotals, parse_group_by
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
@@ -79,7 +79,7 @@ def price_to_proto(model: str, price: ModelPrice) -> usage_pb2.ModelPrice:
 class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
     """Serves one ledger with one price table."""
 
-    def __init__(self, ledger: SqliteLedger, prices: PriceTable) -> None:
+    def __init__(self, ledger: Ledger, prices: PriceTable) -> None:
         self._ledger = ledger
         self._prices = prices
 

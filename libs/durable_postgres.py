@@ -1,0 +1,112 @@
+"""The PostgreSQL databases that hold what a user would miss after a restart (queue, usage ledger).
+
+The scale-out twin of ``durable_sqlite``: every router and usage process that shares
+``CACHET_STORE_URL`` opens the same database the same way. A pool of asyncpg
+connections (the driver is asyncio-native, so no worker thread sits between the
+event loop and the server), then the store's *versioned* migrations: each store
+(``queue``, ``ledger``) lists its schema changes in order, and those above the
+version recorded in ``schema_migrations`` are applied in one transaction under
+an advisory lock, so processes starting together apply each change once. A
+database that a newer build migrated further is refused, as SQLite's version check
+refuses a newer file.
+
+Failures to reach the server become ``Unavailable`` (UNAVAILABLE, HTTP 503, retry
+later): a router or ledger whose database is restarting is unable to answer now,
+not broken, and a caller's retry is safe because every write is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import AsyncIterator, Sequence
+from urllib.parse import urlsplit
+
+import asyncpg
+
+from cachet.errors import Unavailable
+
+# Each store's migrations, version 1 first; a version, once released, is never edited.
+Migrations = Sequence[tuple[int, str]]
+
+URL_SCHEMES = ("postgresql", "postgres")
+
+# Errors that mean "the server is not there now", as opposed to a bad statement.
+_UNREACHABLE = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+)
+
+_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    store TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (store, version)
+)"""
+
+
+def is_postgres_url(url: str) -> bool:
+    return urlsplit(url).scheme in URL_SCHEMES
+
+
+def describe(url: str) -> str:
+    """``host:port/database`` of ``url``, never its password (for logs and errors)."""
+    parts = urlsplit(url)
+    host = parts.hostname or "localhost"
+    return f"{host}:{parts.port or 5432}{parts.path or '/'}"
+
+
+async def open_pool(url: str, migrations: Migrations, *, store: str, max_size: int = 8) -> asyncpg.Pool:
+    """A pool on ``url`` with ``store``'s migrations applied; Unavailable if the server cannot be reached."""
+    try:
+        pool = await asyncpg.create_pool(url, min_size=1, max_size=max_size, timeout=10)
+    except _UNREACHABLE as error:
+        raise Unavailable(f"cannot reach the PostgreSQL {store} store at {describe(url)}: {error}") from error
+    try:
+        async with pool.acquire() as connection:
+            await migrate(connection, migrations, store=store)
+    except BaseException:
+        await pool.close()
+        raise
+    return pool
+
+
+async def migrate(connection: asyncpg.Connection, migrations: Migrations, *, store: str) -> int:
+    """Apply ``store``'s migrations newer than the database's; returns the version now in force."""
+    known = max(version for version, _ in migrations)
+    async with connection.transaction():
+        # One key per store, shared by every process: two starting at once apply in turn.
+        await connection.execute("SELECT pg_advisory_xact_lock($1)", _lock_key(store))
+        await connection.execute(_MIGRATIONS_TABLE)
+        applied = await connection.fetchval(
+            "SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE store = $1", store
+        )
+        if applied > known:
+            raise RuntimeError(
+                f"the {store} store in this database has schema version {applied}; this build knows {known}"
+            )
+        for version, statements in sorted(migrations):
+            if version > applied:
+                await connection.execute(statements)
+                await connection.execute(
+                    "INSERT INTO schema_migrations (store, version) VALUES ($1, $2)", store, version
+                )
+    return known
+
+
+@contextlib.asynccontextmanager
+async def unreachable_as_unavailable(store: str) -> AsyncIterator[None]:
+    """Turn a lost server inside the block into Unavailable naming ``store``."""
+    try:
+        yield
+    except _UNREACHABLE as error:
+        raise Unavailable(f"the {store} store (PostgreSQL) is unreachable: {error}") from error
+
+
+def _lock_key(store: str) -> int:
+    return zlib.crc32(f"cachet.migrations.{store}".encode())

@@ -1,0 +1,182 @@
+"""The usage ledger on SQLite (the embedded default): one file, one worker thread.
+
+The contract is ``cachet.usage.ledger``'s. SQLite is blocking, so every call runs on
+one worker thread that owns the one connection; the event loop only awaits. One
+writer is all SQLite allows anyway, and WAL keeps other processes' readers
+unblocked. A call whose caller is cancelled still finishes on the worker: a
+committed write is then found as a duplicate by the retry, never half-done.
+Triggers in the file itself refuse updates and deletes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from cachet.durable_sqlite import open_durable_sqlite
+from cachet.logs import get_logger
+from cachet.usage.ledger_query import query_sql, totals
+from cachet.usage.prices import ModelPrice
+from cachet.usage.records import RecordOutcome, UsageEntry, UsageQuery, UsageTotals
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage_records (
+    request_id TEXT PRIMARY KEY,
+    account_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    finished_at_ms INTEGER NOT NULL,
+    replica_address TEXT NOT NULL,
+    priority TEXT NOT NULL,
+    -- The prices applied, kept so every stored cost can be re-derived and audited.
+    input_microusd_per_mtok INTEGER NOT NULL,
+    cached_input_microusd_per_mtok INTEGER NOT NULL,
+    output_microusd_per_mtok INTEGER NOT NULL,
+    cost_picousd INTEGER NOT NULL,
+    cache_savings_picousd INTEGER NOT NULL,
+    recorded_at_ms INTEGER NOT NULL
+);
+-- Per-account reports over time are the common query; the time index serves the rest.
+CREATE INDEX IF NOT EXISTS usage_records_account_time ON usage_records (account_id, finished_at_ms);
+CREATE INDEX IF NOT EXISTS usage_records_time ON usage_records (finished_at_ms);
+CREATE TRIGGER IF NOT EXISTS usage_records_no_update BEFORE UPDATE ON usage_records
+BEGIN SELECT RAISE(ABORT, 'usage_records is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS usage_records_no_delete BEFORE DELETE ON usage_records
+BEGIN SELECT RAISE(ABORT, 'usage_records is append-only'); END;
+"""
+
+_INSERT = """
+INSERT INTO usage_records (
+    request_id, account_id, model, session_id, prompt_tokens, cached_tokens, completion_tokens,
+    finished_at_ms, replica_address, priority, input_microusd_per_mtok, cached_input_microusd_per_mtok,
+    output_microusd_per_mtok, cost_picousd, cache_savings_picousd, recorded_at_ms
+) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (request_id) DO NOTHING
+"""
+
+# Integer division: whole seconds are enough to name a UTC day.
+_DAY = "strftime('%Y-%m-%d', finished_at_ms / 1000, 'unixepoch')"
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    return open_durable_sqlite(path, _SCHEMA, SCHEMA_VERSION, what="ledger", check_same_thread=True)
+
+
+class SqliteLedger:
+    """The usage ledger in one SQLite file (WAL); see the module docstring for the contract."""
+
+    def __init__(self, connection: sqlite3.Connection, executor: ThreadPoolExecutor, path: Path) -> None:
+        # Use ``open``: the connection must be made on, and only used from, the executor's thread.
+        self._connection = connection
+        self._executor = executor
+        self.path = path
+        self.location = str(path)
+
+    @classmethod
+    async def open(cls, path: Path) -> SqliteLedger:
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-ledger")
+        try:
+            connection = await asyncio.get_running_loop().run_in_executor(executor, _connect, path)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        log.info("usage ledger opened", path=str(path))
+        return cls(connection, executor, path)
+
+    async def record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
+        """Append ``entry`` priced at ``price``, unless its request id is already there."""
+        return await self._run(self._record, entry, price)
+
+    async def record_many(self, priced: Sequence[tuple[UsageEntry, ModelPrice]]) -> list[RecordOutcome]:
+        """``record`` for each entry, in one transaction: one fsync for the lot."""
+        return await self._run(self._record_many, priced)
+
+    async def query(self, query: UsageQuery) -> list[UsageTotals]:
+        """Totals per group, ordered by the group keys."""
+        return await self._run(self._query, query)
+
+    async def close(self) -> None:
+        """Close the connection; a WAL checkpoint folds the log back into the main file."""
+        await self._run(self._connection.close)
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    def _record_many(self, priced: Sequence[tuple[UsageEntry, ModelPrice]]) -> list[RecordOutcome]:
+        # All or nothing: a failed batch is retried whole, and the ids make that safe.
+        self._connection.execute("BEGIN IMMEDIATE")
+        try:
+            outcomes = [self._record(entry, price) for entry, price in priced]
+        except BaseException:
+            self._connection.execute("ROLLBACK")
+            raise
+        self._connection.execute("COMMIT")
+        return outcomes
+
+    def _record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
+        cost = price.cost_picousd(entry.prompt_tokens, entry.cached_tokens, entry.completion_tokens)
+        savings = price.cache_savings_picousd(entry.cached_tokens)
+        cursor = self._connection.execute(
+            _INSERT,
+            (
+                entry.request_id,
+                entry.account_id,
+                entry.model,
+                entry.session_id,
+                entry.prompt_tokens,
+                entry.cached_tokens,
+                entry.completion_tokens,
+                entry.finished_at_ms,
+                entry.replica_address,
+                entry.priority,
+                price.input_microusd_per_mtok,
+                price.cached_input_microusd_per_mtok,
+                price.output_microusd_per_mtok,
+                cost,
+                savings,
+                int(time.time() * 1000),
+            ),
+        )
+        if cursor.rowcount == 1:
+            return RecordOutcome(duplicate=False, cost_picousd=cost)
+        return self._stored_outcome(entry)
+
+    def _stored_outcome(self, entry: UsageEntry) -> RecordOutcome:
+        # Safe outside the INSERT's transaction: a stored row never changes.
+        stored = self._connection.execute(
+            "SELECT cost_picousd, account_id, model, prompt_tokens, cached_tokens, completion_tokens"
+            " FROM usage_records WHERE request_id = ?",
+            (entry.request_id,),
+        ).fetchone()
+        seen = (
+            entry.account_id,
+            entry.model,
+            entry.prompt_tokens,
+            entry.cached_tokens,
+            entry.completion_tokens,
+        )
+        if tuple(stored[1:]) != seen:
+            # Same id, different usage: a caller bug (ids reused), not a retry. The
+            # first record stands; say so loudly instead of billing twice.
+            log.warning("request id reused with different usage; kept the first", request_id=entry.request_id)
+        return RecordOutcome(duplicate=True, cost_picousd=stored[0])
+
+    def _query(self, query: UsageQuery) -> list[UsageTotals]:
+        sql, params = query_sql(query, day_expression=_DAY, placeholder=lambda _: "?")
+        rows = self._connection.execute(sql, params).fetchall()
+        return [totals(query.group_by, row) for row in rows]
