@@ -120,6 +120,13 @@ def replay(
     block_tokens: Annotated[int, typer.Option(help="Tokens per hash id.")] = 512,
     replicas: Annotated[int, typer.Option(help="Simulated engine replicas.")] = 4,
     blocks_per_replica: Annotated[int, typer.Option(help="KV capacity of each replica, in blocks.")] = 4096,
+    host_blocks_per_replica: Annotated[
+        int,
+        typer.Option(min=0, help="Host-memory KV tier of each replica, in blocks (fed by its evictions)."),
+    ] = 0,
+    shared_blocks: Annotated[
+        int, typer.Option(min=0, help="One KV tier all replicas share, in blocks (fed by every write).")
+    ] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the random policy.")] = 0,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of a table.")
@@ -132,7 +139,12 @@ def replay(
     from cachet.tools.trace import read_trace
 
     config = ReplayConfig(
-        replicas=replicas, blocks_per_replica=blocks_per_replica, block_tokens=block_tokens, seed=seed
+        replicas=replicas,
+        blocks_per_replica=blocks_per_replica,
+        block_tokens=block_tokens,
+        host_blocks_per_replica=host_blocks_per_replica,
+        shared_blocks=shared_blocks,
+        seed=seed,
     )
     report = run_replay(read_trace(trace), config)
     typer.echo(json.dumps(report.to_json()) if as_json else format_report(report, config))

@@ -28,6 +28,15 @@ Figures:
 * ``max_load_over_mean``: per replica, load = tokens it computed (uncached prompt
   tokens plus generated tokens); the busiest replica's over the mean. 1.0 is a
   perfect balance; with 4 replicas, 4.0 means one replica did everything.
+* ``cost_usd``: what the trace is billed at the model's prices (the usage
+  service's ``ModelPrice``: by default $0.60 / 1M input, $0.10 / 1M cached input,
+  $3.00 / 1M output), cached tokens from any tier at the cached price;
+  ``saving_usd``: the same trace with nothing cached, minus that.
+
+Tiers (``--host-blocks-per-replica``, ``--shared-blocks``): each replica's pool
+demotes what it evicts to a host tier of its own, and every replica writes what it
+computes to one shared tier; a prefix found there is loaded, not recomputed (see
+``simulated_replica.py``).
 """
 
 from __future__ import annotations
@@ -42,8 +51,10 @@ from cachet.cache.prefix_index import PrefixIndex
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from cachet.router.placement import PlacementPolicy, ReplicaLoad, choose_replica
 from cachet.router.session_directory import SessionDirectory
+from cachet.tools.lru_tier import LruTier
 from cachet.tools.simulated_replica import ServiceTimeModel, SimulatedReplica
 from cachet.tools.trace import TraceRequest
+from cachet.usage.prices import ModelPrice
 
 POLICIES = ("affinity", "cache-aware", "round-robin", "random")
 # Every simulated replica serves this one model; the index keys blocks by model.
@@ -58,6 +69,10 @@ class ReplayConfig:
     replicas: int = 4
     blocks_per_replica: int = DEFAULT_BLOCKS_PER_REPLICA
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    # Tiers below the pools: a host tier per replica, one shared tier; 0 = none.
+    host_blocks_per_replica: int = 0
+    shared_blocks: int = 0
+    price: ModelPrice = ModelPrice()
     # Seeds the ``random`` policy only; every other policy is deterministic.
     seed: int = 0
     service: ServiceTimeModel = ServiceTimeModel()
@@ -66,6 +81,8 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.blocks_per_replica < 1 or self.block_tokens < 1:
             raise ValueError("replicas, blocks_per_replica and block_tokens must be positive")
+        if self.host_blocks_per_replica < 0 or self.shared_blocks < 0:
+            raise ValueError("host_blocks_per_replica and shared_blocks cannot be negative")
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,20 @@ class PolicyFigures:
     requests: tuple[int, ...]
     # How often each placement reason was given ("session", "score", "round-robin", ...).
     reasons: Mapping[str, int] = field(default_factory=dict)
+    # Of the cached prompt tokens, those loaded from the host and the shared tier.
+    host_cached_tokens: int = 0
+    shared_cached_tokens: int = 0
+    # Billed at the model's prices, and what caching saved against none (pico-USD: exact).
+    cost_picousd: int = 0
+    saving_picousd: int = 0
+
+    @property
+    def cost_usd(self) -> float:
+        return self.cost_picousd / 1e12
+
+    @property
+    def saving_usd(self) -> float:
+        return self.saving_picousd / 1e12
 
 
 @dataclass(frozen=True)
@@ -97,6 +128,8 @@ class ReplayReport:
                 name: {
                     "cached_token_ratio": figures.cached_token_ratio,
                     "max_load_over_mean": figures.max_load_over_mean,
+                    "cost_usd": figures.cost_usd,
+                    "saving_usd": figures.saving_usd,
                 }
                 for name, figures in self.policies.items()
             },
@@ -150,12 +183,15 @@ def ideal_cached_tokens(trace: Sequence[TraceRequest], block_tokens: int) -> int
 
 def replay_policy(trace: Sequence[TraceRequest], policy: str, config: ReplayConfig) -> PolicyFigures:
     """Replay ``trace`` (already in time order) with one policy."""
+    shared = LruTier(config.shared_blocks)
     replicas = [
         SimulatedReplica(
             f"replica-{i}",
             num_blocks=config.blocks_per_replica,
             block_tokens=config.block_tokens,
             service=config.service,
+            host_blocks=config.host_blocks_per_replica,
+            shared=shared,
         )
         for i in range(config.replicas)
     ]
@@ -171,15 +207,20 @@ def replay_policy(trace: Sequence[TraceRequest], policy: str, config: ReplayConf
         replica.serve(request.hash_ids, request.input_length, request.output_length, request.timestamp_ms)
         publish(index, address, replica.take_events())
     computed = tuple(replica.computed_tokens for replica in replicas)
+    cached = sum(replica.cached_tokens for replica in replicas)
+    prompt = sum(request.input_length for request in trace)
+    output = sum(request.output_length for request in trace)
     return PolicyFigures(
         policy=policy,
-        cached_token_ratio=_ratio(
-            sum(replica.cached_tokens for replica in replicas), sum(r.input_length for r in trace)
-        ),
+        cached_token_ratio=_ratio(cached, prompt),
         max_load_over_mean=max_over_mean(computed),
         computed_tokens=computed,
         requests=tuple(replica.requests for replica in replicas),
         reasons=dict(reasons),
+        host_cached_tokens=sum(replica.host_tokens for replica in replicas),
+        shared_cached_tokens=sum(replica.shared_tokens for replica in replicas),
+        cost_picousd=config.price.cost_picousd(prompt, cached, output),
+        saving_picousd=config.price.cache_savings_picousd(cached),
     )
 
 
@@ -255,21 +296,29 @@ def _ratio(part: int, whole: int) -> float:
 def format_report(report: ReplayReport, config: ReplayConfig) -> str:
     """A table for people: one line per policy, plus the ideal."""
     ideal = report.ideal_cached_token_ratio
+    tiers = (
+        f" (+ {config.host_blocks_per_replica} host blocks each, {config.shared_blocks} shared blocks)"
+        if config.host_blocks_per_replica or config.shared_blocks
+        else ""
+    )
     lines = [
         f"{report.requests} requests, {report.input_tokens} prompt tokens; {config.replicas} replicas × "
-        f"{config.blocks_per_replica} blocks of {config.block_tokens} tokens",
+        f"{config.blocks_per_replica} blocks of {config.block_tokens} tokens{tiers}",
         f"ideal cached-token ratio (one unlimited cache): {ideal:.4f}",
         "",
-        f"{'policy':<13}{'cached ratio':>13}{'× ideal':>9}{'load max/mean':>15}{'requests max/mean':>19}"
-        "  placements",
+        f"{'policy':<13}{'cached ratio':>13}{'× ideal':>9}{'from host':>10}{'from shared':>12}"
+        f"{'load max/mean':>15}{'cost $':>10}{'saved $':>10}  placements",
     ]
     for figures in report.policies.values():
         of_ideal = figures.cached_token_ratio / ideal if ideal else 0.0
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(figures.reasons.items()))
         lines.append(
             f"{figures.policy:<13}{figures.cached_token_ratio:>13.4f}{of_ideal:>9.3f}"
-            f"{figures.max_load_over_mean:>15.3f}{max_over_mean(figures.requests):>19.3f}  {reasons}"
+            f"{_ratio(figures.host_cached_tokens, report.input_tokens):>10.4f}"
+            f"{_ratio(figures.shared_cached_tokens, report.input_tokens):>12.4f}"
+            f"{figures.max_load_over_mean:>15.3f}{figures.cost_usd:>10.2f}{figures.saving_usd:>10.2f}  {reasons}"
         )
     lines.append("")
     lines.append("load = tokens a replica computed (uncached prompt + generated); 1.0 = perfectly even")
+    lines.append("from host / shared: share of all prompt tokens loaded from that tier (counted as cached)")
     return "\n".join(lines)

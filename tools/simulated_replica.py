@@ -9,6 +9,13 @@ What it models, and what it leaves out:
   the trace's hash ids, and frees everything tail-first, exactly as a finished
   engine sequence does. So eviction is the pool's own LRU, and the pool's
   stored/removed events are the ones a real replica would publish.
+* **Tiers below the pool** (``LruTier``): a host-memory tier of the replica's own,
+  fed by the pool's evictions (a block the pool drops is demoted there), and a
+  shared tier that every replica writes each block it computes to and reads from
+  (a shared file system). A prefix continues through them past the pool's own
+  hits; a block found there is loaded back into the pool (counted as cached, as
+  usage bills it) instead of recomputed. Tiers are invisible to the cache index,
+  as in the router today: placement sees only what the pools hold.
 * **What is not modelled**: KV held by requests while they run. Blocks are taken
   and released within ``serve``, so the pool is a pure prefix cache; a request
   longer than the pool caches only the prefix that fits. Chunked prefill,
@@ -23,8 +30,9 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cachet.engine.block_pool import BlockPool, KvEvent
+from cachet.engine.block_pool import BlockPool, BlocksRemoved, KvEvent
 from cachet.router.placement import ReplicaLoad
+from cachet.tools.lru_tier import LruTier
 
 
 @dataclass(frozen=True)
@@ -52,8 +60,11 @@ class ServiceTimeModel:
 class ServedRequest:
     """What serving one request cost a replica."""
 
-    cached_tokens: int
+    cached_tokens: int  # from every tier
     computed_tokens: int  # uncached prompt tokens plus generated tokens
+    # Of cached_tokens, those loaded from the host and the shared tier.
+    host_tokens: int = 0
+    shared_tokens: int = 0
 
 
 class SimulatedReplica:
@@ -64,12 +75,25 @@ class SimulatedReplica:
     """
 
     def __init__(
-        self, address: str, *, num_blocks: int, block_tokens: int, service: ServiceTimeModel
+        self,
+        address: str,
+        *,
+        num_blocks: int,
+        block_tokens: int,
+        service: ServiceTimeModel,
+        host_blocks: int = 0,
+        shared: LruTier | None = None,
     ) -> None:
         self.address = address
         self.block_tokens = block_tokens
         self.service = service
         self.pool = BlockPool(num_blocks)
+        self.host = LruTier(host_blocks)
+        self.shared = shared if shared is not None else LruTier(0)
+        # The pool's events since the last take_events(), read here first for its evictions.
+        self._events: list[KvEvent] = []
+        self.host_tokens = 0
+        self.shared_tokens = 0
         # Finish times (ms) of the requests in flight; a min-heap, so finished ones pop first.
         self._finishes: list[float] = []
         self.requests = 0
@@ -95,23 +119,54 @@ class SimulatedReplica:
         self.pool.touch(hits)
         # The hit blocks are now in use, so everything free can take new blocks without evicting them.
         stored = min(len(hash_ids) - len(hits), self.pool.num_free_blocks)
+        # Where the pool's prefix ends, the tiers may go on; a loaded block needs a pool block too.
+        tiers = self._tier_hits(hash_ids[len(hits) : len(hits) + stored])
         new_blocks = self.pool.allocate(stored)
         parent = hash_ids[len(hits) - 1] if hits else None
-        self.pool.cache_blocks(new_blocks, hash_ids[len(hits) : len(hits) + stored], parent)
+        new_hashes = hash_ids[len(hits) : len(hits) + stored]
+        self.pool.cache_blocks(new_blocks, new_hashes, parent)
+        for block_hash in new_hashes[len(tiers) :]:
+            self.shared.put(block_hash)  # written once computed
         # Tail first, as the engine frees a finished sequence: its last blocks are evicted first.
         self.pool.free(reversed(hits + new_blocks))
+        self._demote_evicted()
         # The trace's last block may be partial: a hit on it saves only the tokens it has.
-        cached = min(len(hits) * self.block_tokens, input_length)
+        cached = min((len(hits) + len(tiers)) * self.block_tokens, input_length)
+        device = min(len(hits) * self.block_tokens, cached)
+        host = min(tiers.count("host") * self.block_tokens, cached - device)
         computed = input_length - cached + output_length
         self.requests += 1
         self.cached_tokens += cached
         self.computed_tokens += computed
+        self.host_tokens += host
+        self.shared_tokens += cached - device - host
         heapq.heappush(self._finishes, now_ms + self.service.service_ms(input_length - cached, output_length))
-        return ServedRequest(cached_tokens=cached, computed_tokens=computed)
+        return ServedRequest(cached, computed, host, cached - device - host)
+
+    def _tier_hits(self, hash_ids: Sequence[int]) -> list[str]:
+        """Which tier holds each leading block past the pool's prefix ("host" or "shared"), to the first miss."""
+        found: list[str] = []
+        for block_hash in hash_ids:
+            if self.host.hit(block_hash):
+                found.append("host")
+            elif self.shared.hit(block_hash):
+                found.append("shared")
+            else:
+                break
+        return found
+
+    def _demote_evicted(self) -> None:
+        events = self.pool.take_events()
+        for event in events:
+            if isinstance(event, BlocksRemoved):
+                for block_hash in event.block_hashes:
+                    self.host.put(block_hash)
+        self._events.extend(events)
 
     def take_events(self) -> list[KvEvent]:
         """The pool's stored/removed events since the last call: what the replica publishes."""
-        return self.pool.take_events()
+        events, self._events = self._events, []
+        return events
 
     def _leading_hits(self, hash_ids: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix; a gap ends it (a child's KV needs its parent's)."""

@@ -23,7 +23,7 @@ from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
 from cachet.router.file_batches import FileBatches
 from cachet.router.placement import PlacementPolicy
 from cachet.router.prompt import PromptBuilder
-from cachet.router.queue_store import JobState, QueueStore
+from cachet.router.queue_store import JobState, QueueStore, open_queue_store
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
@@ -108,7 +108,11 @@ async def start(settings: RouterSettings) -> RunningServer:
         cache_scopes=CacheScopes(isolate=options.cache_isolation, groups=options.cache_groups),
         sessions=SessionDirectory(idle_seconds=options.session_idle_seconds),
     )
-    clients.queue = QueueStore(options.queue_path)
+    try:
+        clients.queue = await open_queue_store(options)
+    except BaseException:
+        await clients.close(drain_seconds=0)
+        raise
     webhook_targets = WebhookTargets(options.webhook_allowed_networks)
     clients.webhooks = _webhook_sender(clients.queue, webhook_targets, options)
     clients.dispatcher = _dispatcher(clients.queue, pipeline, replicas, clients.webhooks, options)

@@ -50,7 +50,7 @@ class RouterServiceSettings(RouterSettings):
     cache_groups: dict[str, str] = Field(default_factory=dict)
 
     # --- async queue (queue_store.py, dispatcher.py, webhooks.py) ---
-    # SQLite file of the queue; defaults to <data_dir>/queue.sqlite3.
+    # SQLite file of the queue; defaults to <data_dir>/queue.sqlite3. Unused when store_url is set.
     queue_database: Path | None = None
     # Most requests in one queued batch.
     queue_max_batch_requests: int = Field(default=1000, ge=1)

@@ -1,4 +1,8 @@
-"""Queue test fixtures: a settable clock and a QueueStore on a real SQLite file driven by it."""
+"""Queue test fixtures: a settable clock, and a queue store driven by it on each database.
+
+``queue_backend`` (and ``store``, opened on it) runs a test once on a real SQLite file
+and once on a schema of its own on the real PostgreSQL server.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from queue_backends import QueueBackend, postgres_backend, sqlite_backend
 from settable_clock import Clock
 
 from cachet.router.queue_store import QueueStore
@@ -16,8 +21,15 @@ def clock() -> Clock:
     return Clock()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def queue_backend(request: pytest.FixtureRequest, tmp_path: Path) -> QueueBackend:
+    if request.param == "sqlite":
+        return sqlite_backend(tmp_path / "queue.sqlite3")
+    return postgres_backend(request.getfixturevalue("postgres_url"))
+
+
 @pytest.fixture
-async def store(tmp_path: Path, clock: Clock) -> AsyncIterator[QueueStore]:
-    opened = QueueStore(tmp_path / "queue.sqlite3", clock_ms=clock)
+async def store(queue_backend: QueueBackend, clock: Clock) -> AsyncIterator[QueueStore]:
+    opened = await queue_backend.open(clock)
     yield opened
     await opened.close()

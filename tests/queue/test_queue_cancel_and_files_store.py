@@ -1,21 +1,10 @@
-"""QueueStore's cancel, uploaded files and OpenAI batch records on a real SQLite file."""
+"""The queue store's cancel, uploaded files and OpenAI batch records, on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
-
-from pathlib import Path
-
-import pytest
 
 from cachet.router.queue_store import BatchState, FileBatchRecord, JobState, QueueStore
 
 CANCELLED = b"cancelled-result"
-
-
-@pytest.fixture
-async def store(tmp_path: Path):
-    opened = QueueStore(tmp_path / "queue.sqlite3")
-    yield opened
-    await opened.close()
 
 
 async def test_cancel_ends_unstarted_jobs_and_the_running_one_finishes_the_batch(store: QueueStore) -> None:

@@ -24,7 +24,7 @@ from webhook_receiver import Receiver
 from cachet.common.v1 import common_pb2
 from cachet.grpc_channel import create_channel
 from cachet.models.tiny import write_tiny_model
-from cachet.router.queue_store import QueueStore
+from cachet.router.sqlite_queue_store import SqliteQueueStore
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 from cachet.router.webhooks import SIGNATURE_HEADER, verify
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
@@ -237,7 +237,7 @@ async def test_a_webhook_that_fails_twice_is_delivered_on_the_third_try(
         await asyncio.sleep(0.5)  # no fourth call after the success
         assert [status for status, _, _ in receiver.calls] == [503, 500, 200]
         assert all(verify(SECRET, headers[SIGNATURE_HEADER], body) for _, headers, body in receiver.calls)
-        store = QueueStore(queue_stack.data_dir / "queue.sqlite3")
+        store = SqliteQueueStore(queue_stack.data_dir / "queue.sqlite3")
         try:
             attempts = await store.webhook_attempts(queued.request_id)
             view = await store.batch(queued.request_id, "acct-hook")
@@ -258,7 +258,7 @@ async def test_a_router_killed_mid_drain_finishes_every_job_once_after_restart(
     async with create_channel(queue_stack.router.address) as channel:
         inference = router_pb2_grpc.InferenceServiceStub(channel)
         queued = await inference.QueueRequests(batch_of(count, max_tokens), metadata=auth("kill"), timeout=10)
-        store = QueueStore(queue_stack.data_dir / "queue.sqlite3")
+        store = SqliteQueueStore(queue_stack.data_dir / "queue.sqlite3")
 
         async def done() -> int:
             view = await store.batch(queued.request_id, "acct-kill")

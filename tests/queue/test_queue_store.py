@@ -1,15 +1,16 @@
-"""QueueStore on a real SQLite file: leases, expiry, fairness, exactly-once completion, webhooks."""
+"""The queue store on SQLite and on PostgreSQL: leases, expiry, fairness, exactly-once completion, webhooks."""
 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from pathlib import Path
 
 from prometheus_client import REGISTRY
+from queue_backends import QueueBackend
 from settable_clock import Clock
 
 from cachet.router.queue_store import BatchState, Completion, QueueStore
+from cachet.router.sqlite_queue_store import SqliteQueueStore
 
 
 async def test_a_lease_expires_and_the_job_is_taken_again(store: QueueStore, clock: Clock) -> None:
@@ -75,7 +76,7 @@ async def test_completion_is_stored_once_and_finishes_the_batch_once(store: Queu
 
 
 async def test_completions_arriving_together_share_a_commit_and_keep_their_own_outcomes(
-    store: QueueStore,
+    store: QueueStore, queue_backend: QueueBackend
 ) -> None:
     bodies = [str(i).encode() for i in range(30)]
     batch = await store.create_batch("acct-a", "m", bodies)
@@ -92,7 +93,7 @@ async def test_completions_arriving_together_share_a_commit_and_keep_their_own_o
     *stored, again, failed = outcomes
     assert all(isinstance(o, Completion) and o.stored for o in stored)
     assert isinstance(again, Completion) and not again.stored
-    assert isinstance(failed, sqlite3.Error)
+    assert isinstance(failed, queue_backend.write_error)
     assert sum(o.batch_finished for o in stored) == 0  # job 0 is still out
     assert await store.counts() == {"done": 29, "leased": 1}
     # 31 completions arrived before the first was written: they shared one commit, or two.
@@ -104,10 +105,9 @@ async def test_completions_arriving_together_share_a_commit_and_keep_their_own_o
     assert view is not None and view.state is BatchState.DONE and view.results == bodies
 
 
-async def test_two_dispatchers_racing_complete_each_job_exactly_once(tmp_path: Path) -> None:
-    """Two stores (two routers) on one file, leases that lapse at once: every job ends with one result."""
-    path = tmp_path / "shared.sqlite3"
-    stores = [QueueStore(path), QueueStore(path)]
+async def test_two_dispatchers_racing_complete_each_job_exactly_once(queue_backend: QueueBackend) -> None:
+    """Two stores (two routers) on one database, leases that lapse at once: every job ends with one result."""
+    stores = [await queue_backend.open(None), await queue_backend.open(None)]
     jobs = 40
     batch = await stores[0].create_batch("acct-a", "m", [str(i).encode() for i in range(jobs)])
     stored: list[str] = []
@@ -150,9 +150,10 @@ async def test_leases_go_round_robin_across_accounts(store: QueueStore) -> None:
     assert order == [b"a0", b"b0", b"c0", b"a1", b"b1", b"b2"]
 
 
-async def test_lease_many_takes_what_single_leases_would_in_one_commit(tmp_path: Path) -> None:
+async def test_lease_many_takes_what_single_leases_would(tmp_path: Path, queue_backend: QueueBackend) -> None:
     bodies = {"acct-b": [b"b0", b"b1", b"b2"], "acct-a": [b"a0", b"a1"], "acct-c": [b"c0"]}
-    singles, together = QueueStore(tmp_path / "singles.sqlite3"), QueueStore(tmp_path / "together.sqlite3")
+    # The single leases run on a SQLite file of their own, the reference order.
+    singles, together = SqliteQueueStore(tmp_path / "singles.sqlite3"), await queue_backend.open(None)
     try:
         for store in (singles, together):
             for account, lines in bodies.items():
@@ -163,12 +164,8 @@ async def test_lease_many_takes_what_single_leases_would_in_one_commit(tmp_path:
             assert job is not None
             one_by_one.append(job.body)
             after = job.account_id
-        statements: list[str] = []
-        together._db.set_trace_callback(statements.append)
         first = await together.lease_many("r", lease_seconds=60, after_account="acct-a", limit=4)
-        together._db.set_trace_callback(None)
         assert [job.body for job in first] == one_by_one == [b"b0", b"c0", b"a0", b"b1"]
-        assert statements.count("COMMIT") == 1
         # Fewer than asked once the queue runs dry, none after that.
         rest = await together.lease_many("r", lease_seconds=60, after_account=first[-1].account_id, limit=5)
         assert [job.body for job in rest] == [b"a1", b"b2"]
@@ -176,6 +173,20 @@ async def test_lease_many_takes_what_single_leases_would_in_one_commit(tmp_path:
     finally:
         await singles.close()
         await together.close()
+
+
+async def test_sqlite_lease_many_is_one_commit(tmp_path: Path) -> None:
+    store = SqliteQueueStore(tmp_path / "queue.sqlite3")
+    try:
+        for account in ("acct-a", "acct-b"):
+            await store.create_batch(account, "m", [b"x", b"y"])
+        statements: list[str] = []
+        store._db.set_trace_callback(statements.append)
+        assert len(await store.lease_many("r", lease_seconds=60, limit=4)) == 4
+        store._db.set_trace_callback(None)
+        assert statements.count("COMMIT") == 1
+    finally:
+        await store.close()
 
 
 async def test_another_account_cannot_see_a_batch(store: QueueStore) -> None:
@@ -186,11 +197,11 @@ async def test_another_account_cannot_see_a_batch(store: QueueStore) -> None:
     assert view is not None and view.state is BatchState.QUEUED and view.results == [None]
 
 
-async def test_a_batch_survives_reopening_the_file(tmp_path: Path) -> None:
-    first = QueueStore(tmp_path / "q.sqlite3")
+async def test_a_batch_survives_reopening_the_store(queue_backend: QueueBackend) -> None:
+    first = await queue_backend.open(None)
     batch = await first.create_batch("acct-a", "m", [b"one"])
     await first.close()
-    second = QueueStore(tmp_path / "q.sqlite3")
+    second = await queue_backend.open(None)
     try:
         job = await second.lease("r", lease_seconds=5)
         assert job is not None and job.batch_id == batch and job.body == b"one"

@@ -23,6 +23,7 @@ from cachet.engine.v1 import engine_pb2
 from cachet.models.tiny import write_tiny_model
 from cachet.router.dispatcher import HeadroomPolicy, replica_slots
 from cachet.router.queue_store import QueueStore
+from cachet.router.sqlite_queue_store import SqliteQueueStore
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 HEADROOM = HeadroomPolicy(max_running_fraction=0.75, min_free_kv_fraction=0.2)
@@ -33,7 +34,7 @@ async def fill(store: QueueStore, jobs: int, accounts: int = 4, per_batch: int =
         await store.create_batch(f"acct-{start // per_batch % accounts}", "m", [b"body"] * per_batch)
 
 
-async def instructions_per_lease(store: QueueStore, leases: int = 8) -> float:
+async def instructions_per_lease(store: SqliteQueueStore, leases: int = 8) -> float:
     """SQLite VM instructions (in steps of 100) spent by each of ``leases`` leases."""
     steps = 0
 
@@ -53,8 +54,8 @@ async def instructions_per_lease(store: QueueStore, leases: int = 8) -> float:
 
 
 async def test_a_lease_costs_the_same_with_a_backlog_twenty_times_larger(tmp_path: Path) -> None:
-    small = QueueStore(tmp_path / "small.sqlite3")
-    large = QueueStore(tmp_path / "large.sqlite3")
+    small = SqliteQueueStore(tmp_path / "small.sqlite3")
+    large = SqliteQueueStore(tmp_path / "large.sqlite3")
     try:
         await fill(small, 1_000)
         await fill(large, 20_000)
@@ -68,7 +69,7 @@ async def test_a_lease_costs_the_same_with_a_backlog_twenty_times_larger(tmp_pat
 
 
 async def test_submitting_costs_the_same_with_a_backlog_twenty_times_larger(tmp_path: Path) -> None:
-    store = QueueStore(tmp_path / "queue.sqlite3")
+    store = SqliteQueueStore(tmp_path / "queue.sqlite3")
     steps = 0
 
     def count() -> int:

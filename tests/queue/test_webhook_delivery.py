@@ -1,4 +1,4 @@
-"""The webhook sender against real receivers on 127.0.0.1 and a real SQLite queue store.
+"""The webhook sender against real receivers on 127.0.0.1 and a real queue store (SQLite, PostgreSQL).
 
 Every target here is on this machine: loopback URLs, or a made-up name that the
 resolver seam answers with 127.0.0.1 (which real DNS would not resolve at all).
@@ -11,9 +11,9 @@ import json
 import time
 from collections.abc import AsyncIterator
 from ipaddress import ip_network
-from pathlib import Path
 
 import pytest
+from queue_backends import QueueBackend
 from webhook_receiver import Receiver
 
 from cachet.router.queue_store import QueueStore
@@ -26,8 +26,9 @@ LOOPBACK = [ip_network("127.0.0.1/32")]
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[QueueStore]:
-    opened = QueueStore(tmp_path / "queue.sqlite3")
+async def store(queue_backend: QueueBackend) -> AsyncIterator[QueueStore]:
+    # Real time, not the settable clock: the sender's backoff and deadlines run on it.
+    opened = await queue_backend.open(None)
     yield opened
     await opened.close()
 

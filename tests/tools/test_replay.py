@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from cachet.router.placement import rendezvous_order
 from cachet.tools.agent_traces import AgentTraceShape, agent_trace
+from cachet.tools.lru_tier import LruTier
 from cachet.tools.replay import (
     POLICIES,
     ReplayConfig,
@@ -87,6 +89,8 @@ def test_exact_affinity(exact_report) -> None:
     assert figures.computed_tokens == (20 + 5 + 30 + 20, 20 + 10 + 0)
     assert figures.requests == (4, 3)
     assert figures.max_load_over_mean == pytest.approx(75 / 52.5)
+    # 105 uncached tokens at $0.60/M and 50 cached at $0.10/M; caching saved 50 × $0.50/M.
+    assert (figures.cost_picousd, figures.saving_picousd) == (105 * 600_000 + 50 * 100_000, 50 * 500_000)
     # The two sessions start on replicas holding no session KV (c: rendezvous order on a tie).
     assert figures.reasons == {"session_new": 2, "session": 4, "score": 1}
 
@@ -123,7 +127,9 @@ def test_json_has_exactly_the_promised_keys(exact_report) -> None:
     assert set(document) == {"ideal_cached_token_ratio", "policies"}
     assert list(document["policies"]) == list(POLICIES)
     for figures in document["policies"].values():
-        assert set(figures) == {"cached_token_ratio", "max_load_over_mean"}
+        assert set(figures) == {"cached_token_ratio", "max_load_over_mean", "cost_usd", "saving_usd"}
+    assert document["policies"]["affinity"]["cost_usd"] == pytest.approx(68e-6)
+    assert document["policies"]["affinity"]["saving_usd"] == pytest.approx(25e-6)
 
 
 def test_without_sessions_affinity_is_cache_aware() -> None:
@@ -173,6 +179,44 @@ def test_a_prompt_longer_than_the_pool_caches_the_prefix_that_fits() -> None:
     assert replica.pool.cached_hashes() == {1, 2}
     served = replica.serve([1, 2, 3, 4], 40, 0, now_ms=1)
     assert (served.cached_tokens, served.computed_tokens) == (20, 20)
+
+
+def test_evicted_blocks_are_demoted_to_the_host_tier_and_loaded_back() -> None:
+    replica = SimulatedReplica("r", num_blocks=2, block_tokens=10, service=ServiceTimeModel(), host_blocks=2)
+    replica.serve([1, 2], 20, 0, now_ms=0)
+    # The pool evicts the first prompt tail first (2, then 1): both are demoted, in that order.
+    replica.serve([3, 4], 20, 0, now_ms=1)
+    assert replica.host.lru_order() == [2, 1]
+    served = replica.serve([1, 2, 5], 25, 0, now_ms=2)
+    # 1 and 2 come back from the host (the pool has room for two blocks: 5 is not stored);
+    # evicting 4 then 3 pushes 1 and 2, the least recently used, out of the host tier.
+    assert (served.cached_tokens, served.host_tokens, served.shared_tokens) == (20, 20, 0)
+    assert replica.host.lru_order() == [4, 3]
+    assert replica.pool.cached_hashes() == {1, 2}
+    assert (replica.cached_tokens, replica.host_tokens) == (20, 20)
+
+
+def test_every_replica_reads_what_any_replica_wrote_to_the_shared_tier() -> None:
+    shared = LruTier(3)
+    service = ServiceTimeModel()
+    writer = SimulatedReplica("a", num_blocks=4, block_tokens=10, service=service, shared=shared)
+    reader = SimulatedReplica("b", num_blocks=4, block_tokens=10, service=service, shared=shared)
+    writer.serve([7, 8], 20, 0, now_ms=0)
+    assert shared.lru_order() == [7, 8]
+    served = reader.serve([7, 8, 9, 6], 40, 0, now_ms=1)
+    assert (served.cached_tokens, served.shared_tokens) == (20, 20)
+    # Loaded blocks are not written again; computed ones are, and the least recent goes.
+    assert shared.lru_order() == [8, 9, 6]
+
+
+def test_tiers_raise_the_cached_ratio_and_lower_the_cost_when_kv_is_short(agent_trace_128) -> None:
+    short = ReplayConfig(blocks_per_replica=128)
+    tiered = replace(short, host_blocks_per_replica=1024, shared_blocks=2048)
+    plain = replay(agent_trace_128, short, policies=("affinity",)).policies["affinity"]
+    more = replay(agent_trace_128, tiered, policies=("affinity",)).policies["affinity"]
+    assert more.cached_token_ratio > plain.cached_token_ratio + 0.1
+    assert more.host_cached_tokens > 0 and more.shared_cached_tokens > 0
+    assert more.cost_picousd < plain.cost_picousd and more.saving_picousd > plain.saving_picousd
 
 
 def test_max_over_mean() -> None:

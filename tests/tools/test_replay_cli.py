@@ -27,9 +27,24 @@ def test_generate_then_replay_as_json(tmp_path) -> None:
     assert set(document) == {"ideal_cached_token_ratio", "policies"}
     assert set(document["policies"]) == {"affinity", "cache-aware", "round-robin", "random"}
     for figures in document["policies"].values():
-        assert set(figures) == {"cached_token_ratio", "max_load_over_mean"}
+        assert set(figures) == {"cached_token_ratio", "max_load_over_mean", "cost_usd", "saving_usd"}
         assert 0.0 <= figures["cached_token_ratio"] <= document["ideal_cached_token_ratio"]
         assert 1.0 <= figures["max_load_over_mean"] <= 2.0
+
+
+def test_tiers_from_the_command_line(tmp_path) -> None:
+    runner = CliRunner()
+    trace = tmp_path / "agent.jsonl"
+    runner.invoke(app, ["trace", "agent", str(trace), "--sessions", "8", "--turns", "4", "--seed", "2"])
+    args = ["replay", str(trace), "--json", "--replicas", "2", "--blocks-per-replica", "24"]
+    plain = json.loads(runner.invoke(app, args).output)
+    tiered = runner.invoke(app, [*args, "--host-blocks-per-replica", "64", "--shared-blocks", "128"])
+    assert tiered.exit_code == 0, tiered.output
+    for policy, figures in json.loads(tiered.output)["policies"].items():
+        assert figures["cached_token_ratio"] > plain["policies"][policy]["cached_token_ratio"]
+        assert figures["cost_usd"] < plain["policies"][policy]["cost_usd"]
+    refused = runner.invoke(app, [*args, "--shared-blocks", "-1"])
+    assert refused.exit_code != 0
 
 
 def test_replay_prints_a_table_by_default(tmp_path) -> None:
