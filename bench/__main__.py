@@ -12,6 +12,7 @@ from pathlib import Path
 from bench.cache_index_bench import run_cache_index_bench
 from bench.cuda_graph_bench import run_cuda_graph_bench
 from bench.engine_bench import run_engine_bench
+from bench.kv_tier_bench import run_kv_tier_bench
 from bench.linear_packing_bench import run_linear_packing_bench
 from bench.queue_bench import REAL_MODEL_WINDOW_SECONDS, run_queue_bench
 from bench.replay_bench import run_replay_bench
@@ -56,6 +57,8 @@ def main() -> None:
             args.model, args.dtype, requests=200 if args.quick else 1000
         ),
         "engine": lambda: run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
+        # TTFT of a prompt copied back from the host KV tier, against cold and the engine's pool.
+        "kv_tiers": lambda: run_kv_tier_bench(model=args.model, dtype=args.dtype, quick=args.quick),
         # Eager decode against CUDA-graph replay on a GPU; says it is skipped without one.
         "cuda_graphs": lambda: run_cuda_graph_bench(model=args.model, dtype=args.dtype, quick=args.quick),
         # Packed linear weights against plain ones, same process (default model unless --model).

@@ -60,6 +60,7 @@ class EngineHarness:
         device: str = "cpu",
         cuda_graphs: bool = False,
         kv_cache_gib: float = 1.0,
+        host_kv_gib: float = 0.0,
     ) -> None:
         self.runner = ModelRunner(
             model_dir,
@@ -69,6 +70,7 @@ class EngineHarness:
             pack_weights=pack_weights,
             cuda_graphs=cuda_graphs,
             max_decode_batch=max_num_seqs,
+            host_kv_bytes=int(host_kv_gib * _GIB),
         )
         self.model_id = model_id
         self.max_batched_tokens = max_batched_tokens

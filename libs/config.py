@@ -95,6 +95,9 @@ class EngineSettings(ServiceSettings):
     # Unset: cachet.engine_layout's default for the device, divided between the ranks that
     # share the memory (a CPU host's ranks).
     kv_cache_memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    # The host KV tier of one replica (cachet.engine.host_kv_tier): blocks evicted from the pool
+    # wait there and a prefix hit copies them back. 0: none. Divided between a replica's ranks.
+    kv_host_gb: float = Field(default=0, ge=0, validation_alias=_shared("CACHET_KV_HOST_GB"))
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=16)

@@ -69,6 +69,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[int, int] = {}
         self._events: list[KvEvent] = []
+        self._evicted: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -100,14 +101,16 @@ class BlockPool:
         """Take ``num_blocks`` blocks from the free-list head, each with ref count 1.
 
         Cached blocks taken this way are evicted: their hashes are dropped and
-        reported in one ``BlocksRemoved`` event. The caller owns the references.
+        reported in one ``BlocksRemoved`` event, and (block id, hash) pairs wait in
+        ``take_evicted`` for a lower tier. The caller owns the references.
         """
         if num_blocks > len(self._free):
             raise NoFreeBlocks(f"asked for {num_blocks} blocks, {len(self._free)} free")
         block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
-        evicted = [h for h in map(self._drop_hash, block_ids) if h is not None]
+        evicted = [(b, h) for b in block_ids if (h := self._drop_hash(b)) is not None]
         if evicted:
-            self._events.append(BlocksRemoved(tuple(evicted)))
+            self._events.append(BlocksRemoved(tuple(h for _, h in evicted)))
+            self._evicted.extend(evicted)
         for block_id in block_ids:
             self._ref_counts[block_id] = 1
         return block_ids
@@ -172,6 +175,12 @@ class BlockPool:
         self._by_hash.clear()
         self._events.append(AllBlocksCleared())
         return True
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """(block id, hash) of the cached blocks evicted since the last call, oldest first: their
+        KV is intact until the step that reuses them runs."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def take_events(self) -> list[KvEvent]:
         """Events since the last call, oldest first; the pool forgets them."""

@@ -116,6 +116,7 @@ class CoreLoop:
         running = dict.fromkeys(PRIORITIES, 0)
         for request in scheduler.running:
             running[priority_of(request)] += 1
+        host_blocks, host_slots = scheduler.kv.num_host_blocks
         return EngineStats(
             running=running,
             waiting={"interactive": scheduler.waiting.num_interactive, "batch": scheduler.waiting.num_batch},
@@ -124,4 +125,8 @@ class CoreLoop:
             total_kv_blocks=scheduler.kv.num_blocks,
             # A copy: the report outlives this step, the totals go on changing.
             counts=scheduler.counts.snapshot(),
+            host_kv_blocks=host_blocks,
+            host_kv_slots=host_slots,
+            cached_tokens_by_tier=dict(scheduler.kv.hit_tokens),
+            kv_block_copies=dict(scheduler.kv.block_copies),
         )

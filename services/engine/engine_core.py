@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar, StepMasks
+from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.kv_cache_manager import KVCacheManager
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.request_output import RequestOutput
@@ -70,7 +71,13 @@ class EngineCore:
 
     def __post_init__(self) -> None:
         pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
-        kv = KVCacheManager(pool, model=self.model, block_size=self.runner.block_size)
+        host_slots = getattr(self.runner, "num_host_kv_blocks", 0)
+        kv = KVCacheManager(
+            pool,
+            model=self.model,
+            block_size=self.runner.block_size,
+            host_tier=HostTierIndex(host_slots) if host_slots else None,
+        )
         self.scheduler = Scheduler(kv, self.scheduler_config)
         if self.grammar_compiler is not None:
             self._masks = MaskBuilder(self.grammar_compiler.vocab_size)

@@ -10,6 +10,10 @@ Ownership contract: a request holds exactly one reference on every block of its
 table, from ``allocate_slots`` until ``free``. A block is named (registered in
 the pool's hash map) only once it is full *and* its KV has been computed, so a
 cache hit never reads KV that a forward pass has not written yet.
+
+With a host tier (``host_kv_tier``), blocks the pool evicts are copied down to it, and
+a prefix that continues in the host tier past the pool's hits is copied back into
+freshly allocated blocks: those tokens count as cached, like pool hits.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from collections.abc import Iterable, Sequence
 
 from cachet.block_hash import DEFAULT_BLOCK_SIZE, hash_block, hash_seed
 from cachet.engine.block_pool import BlockPool, KvEvent
+from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.request import Request
+from cachet.engine.step_plan import KvBlockMoves
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,15 +34,29 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables of live requests; hides the pool from the scheduler."""
 
-    def __init__(self, pool: BlockPool, *, model: str, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        model: str,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        host_tier: HostTierIndex | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = pool
         self.model = model
         self.block_size = block_size
+        self.host_tier = host_tier if pool.enable_caching else None
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already named (or found already named elsewhere).
         self._num_named: dict[str, int] = {}
+        # Hashes found in the host tier by the last get_computed_blocks, per request, for the
+        # allocate_slots call that admits it.
+        self._host_hits: dict[str, list[int]] = {}
+        # Totals since start, for metrics (fixed keys: read from other threads).
+        self.hit_tokens = {"engine": 0, "host": 0}
+        self.block_copies = {"demote": 0, "promote": 0}
 
     # ------------------------------------------------------------------ queries
 
@@ -47,6 +67,12 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_host_blocks(self) -> tuple[int, int]:
+        """(held, slots) of the host tier; (0, 0) without one."""
+        tier = self.host_tier
+        return (len(tier), tier.num_slots) if tier is not None else (0, 0)
 
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table (empty when it holds none)."""
@@ -68,6 +94,9 @@ class KVCacheManager:
         The request's last token is never taken from the cache: the forward pass
         must compute it to produce logits. So at most ``num_tokens - 1`` tokens
         come from the cache, rounded down to a block boundary. Takes no reference.
+
+        The token count includes the blocks that continue the prefix in the host tier; the
+        ``allocate_slots`` call that admits the request allocates and fills them.
         """
         if not self.pool.enable_caching:
             return [], 0
@@ -79,7 +108,14 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits, len(hits) * self.block_size
+        host_hits: list[int] = []
+        if self.host_tier is not None:
+            for block_hash in request.block_hashes[len(hits) : max_blocks]:
+                if block_hash not in self.host_tier:
+                    break
+                host_hits.append(block_hash)
+        self._host_hits[request.request_id] = host_hits
+        return hits, (len(hits) + len(host_hits)) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
@@ -87,13 +123,17 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens; return the newly allocated block ids.
 
         ``new_computed_blocks`` (from ``get_computed_blocks``, first call only) join
-        the table first and gain one reference each. Returns None, changing
+        the table first and gain one reference each; the host-tier hits that call found
+        follow them, in new blocks their KV is copied into. Returns None, changing
         nothing, when the pool cannot supply the blocks: the caller preempts or waits.
         """
         table = self._tables.get(request.request_id, [])
         if new_computed_blocks and table:
             raise AssertionError(f"{request.request_id}: cache hits after blocks were allocated")
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        host_hits = self._host_hits.pop(request.request_id, []) if not table else []
+        num_computed = (
+            request.num_computed_tokens + (len(new_computed_blocks) + len(host_hits)) * self.block_size
+        )
         num_needed = (
             cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(new_computed_blocks)
         )
@@ -106,6 +146,14 @@ class KVCacheManager:
         # allocate() can evict them from its head.
         self.pool.touch(new_computed_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0))
+        evicted = self.pool.take_evicted()
+        if self.host_tier is not None:
+            # Promote first: it locks the hits' slots, so the demotions of the blocks this
+            # allocation evicted cannot take those slots before the runner has read them.
+            self.host_tier.promote(host_hits, new_blocks[: len(host_hits)])
+            self.host_tier.demote(evicted)
+        self.hit_tokens["engine"] += len(new_computed_blocks) * self.block_size
+        self.hit_tokens["host"] += len(host_hits) * self.block_size
         if request.request_id not in self._tables:
             self._num_named[request.request_id] = len(new_computed_blocks)
         self._tables[request.request_id] = table + list(new_computed_blocks) + new_blocks
@@ -129,11 +177,26 @@ class KVCacheManager:
         """Drop the request's references, tail block first, so its tail is evicted first."""
         table = self._tables.pop(request.request_id, [])
         self._num_named.pop(request.request_id, None)
+        self._host_hits.pop(request.request_id, None)
         self.pool.free(reversed(table))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (only when no request holds blocks); True when done."""
-        return self.pool.reset()
+        """Forget every cached prefix, the host tier's too (only when no request holds blocks);
+        True when done."""
+        if not self.pool.reset():
+            return False
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        return True
+
+    def take_block_moves(self) -> KvBlockMoves:
+        """Copies between the pool and the host tier ordered since the last call, for the plan."""
+        if self.host_tier is None:
+            return KvBlockMoves()
+        moves = self.host_tier.take_moves()
+        self.block_copies["demote"] += len(moves.demote)
+        self.block_copies["promote"] += len(moves.promote)
+        return moves
 
     def take_events(self) -> list[KvEvent]:
         """KV events since the last call, oldest first (the engine publishes them)."""

@@ -121,6 +121,7 @@ def build_runner(
         pack_weights=settings.pack_linear_weights,
         cuda_graphs=settings.cuda_graphs and device.type == "cuda",
         max_decode_batch=settings.max_num_seqs,
+        host_kv_bytes=int(settings.kv_host_gb * _GIB / settings.tensor_parallel_size),
     )
     return runner, model, dtype, device
 
@@ -164,6 +165,7 @@ def build_core_loop(
     log.info(
         "model loaded",
         kv_blocks=runner.num_kv_blocks,
+        host_kv_blocks=runner.num_host_kv_blocks,
         max_model_len=runner.max_model_len,
         packed_linears=runner.packed_linears,
     )

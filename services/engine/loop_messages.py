@@ -11,7 +11,7 @@ of a replica whose loop runs in a process of its own never imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cachet.engine.block_pool import KvEvent
@@ -61,6 +61,13 @@ class EngineStats:
     free_kv_blocks: int
     total_kv_blocks: int
     counts: SchedulerCounts
+    # The host tier's blocks held and slots (0, 0 without one).
+    host_kv_blocks: int = 0
+    host_kv_slots: int = 0
+    # Totals since start: prompt tokens served from each tier ("engine", "host"), and blocks
+    # copied each way between the pool and the host tier ("demote", "promote").
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    kv_block_copies: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_running(self) -> int:

@@ -62,6 +62,30 @@ class SchedulerCollector(Collector):
         yield GaugeMetricFamily(
             "cachet_engine_kv_blocks", "KV cache blocks in the pool.", value=stats.total_kv_blocks
         )
+        yield GaugeMetricFamily(
+            "cachet_engine_kv_host_blocks_used",
+            "Blocks the host KV tier holds (evicted from the pool, findable by prefix).",
+            value=stats.host_kv_blocks,
+        )
+        yield GaugeMetricFamily(
+            "cachet_engine_kv_host_blocks", "Blocks the host KV tier can hold.", value=stats.host_kv_slots
+        )
+        hits = CounterMetricFamily(
+            "cachet_engine_prefix_cache_hit_tokens",
+            "Prompt tokens served from a KV tier instead of computed (host: copied back).",
+            labels=["tier"],
+        )
+        for tier, tokens in stats.cached_tokens_by_tier.items():
+            hits.add_metric([tier], tokens)
+        yield hits
+        copies = CounterMetricFamily(
+            "cachet_engine_kv_block_copies",
+            "KV blocks copied between the pool and the host tier (demote: down, promote: back).",
+            labels=["direction"],
+        )
+        for direction, blocks in stats.kv_block_copies.items():
+            copies.add_metric([direction], blocks)
+        yield copies
         yield CounterMetricFamily(
             "cachet_engine_steps", "Forward passes with work in them.", value=counts.steps
         )

@@ -30,6 +30,7 @@ from cachet.engine.attention import (
     kv_cache_bytes_per_block,
 )
 from cachet.engine.cuda_graphs import DecodeGraphs
+from cachet.engine.host_kv_blocks import HostKvBlocks
 from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.packed_linear import pack_linear_weights, packs_linear_weights
@@ -87,13 +88,15 @@ class ModelRunner:
         pack_weights: bool = True,
         cuda_graphs: bool = False,
         max_decode_batch: int = 64,
+        host_kv_bytes: int = 0,
     ) -> None:
         """``kv_cache_bytes``: the KV pool's size, or a budget it is sized by once the weights
         are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
         dtype allow it (``packed_linear``). ``cuda_graphs``: replay decode steps of up to
         ``max_decode_batch`` requests from fixed-shape steps (``cuda_graphs``), captured as
         CUDA graphs on a CUDA device and run eagerly elsewhere; ignored for models that opt
-        out and for tensor-parallel replicas."""
+        out and for tensor-parallel replicas. ``host_kv_bytes``: this rank's host tier
+        (``host_kv_tier``), 0 for none."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -133,6 +136,8 @@ class ModelRunner:
         for layer_cache, attention in zip(self.kv_cache, self.model.attention_layers(), strict=True):
             attention.kv_cache = layer_cache
         self._requests: dict[str, _RequestState] = {}
+        self.host_kv = self._allocate_host_kv(host_kv_bytes, tp)
+        self.num_host_kv_blocks = self.host_kv.blocks.shape[0] if self.host_kv is not None else 0
         self.decode_graphs: DecodeGraphs | None = None
         if use_graphs:
             self.decode_graphs = DecodeGraphs(
@@ -164,6 +169,16 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+
+    def _allocate_host_kv(self, host_kv_bytes: int, tp: TensorParallel | None) -> HostKvBlocks | None:
+        if host_kv_bytes <= 0:
+            return None
+        # The pool's block axis: [layers, blocks, ...] for MLA's latent, [layers, 2, blocks, ...] else.
+        block_dim = 1 if hasattr(self.model, "kv_cache_shape_per_token") else 2
+        num_slots = host_kv_bytes // self._kv_cache_bytes_per_block()
+        if tp is not None:
+            num_slots = tp.min_over_ranks(num_slots)
+        return HostKvBlocks(self.kv_cache, block_dim, num_slots) if num_slots > 0 else None
 
     def _kv_cache_bytes_per_block(self) -> int:
         if hasattr(self.model, "kv_cache_shape_per_token"):
@@ -215,7 +230,8 @@ class ModelRunner:
         """Run one step. ``logit_masks`` (request id -> bool [vocab], True = allowed) applies to
         requests that sample this step; masks for requests that do not are ignored."""
         self._apply_diffs(plan)
-        if plan.is_empty:
+        self._copy_kv_blocks(plan)
+        if not plan.num_scheduled_tokens:
             return StepResult()
         logits, samplers = self._forward(plan)
         with torch.inference_mode():
@@ -229,7 +245,8 @@ class ModelRunner:
         """A follower rank's step: the same forward as rank 0 (its collectives pair with rank 0's,
         down to the sharded lm_head), no sampling; rank 0's tokens come via ``accept_sampled``."""
         self._apply_diffs(plan)
-        if not plan.is_empty:
+        self._copy_kv_blocks(plan)
+        if plan.num_scheduled_tokens:
             self._forward(plan)
 
     def accept_sampled(self, sampled: Mapping[str, int]) -> None:
@@ -256,6 +273,13 @@ class ModelRunner:
         for rid, num_new in plan.num_scheduled_tokens.items():
             self._requests[rid].num_computed_tokens += num_new
         return logits, samplers
+
+    def _copy_kv_blocks(self, plan: StepPlan) -> None:
+        if not plan.kv_moves:
+            return
+        if self.host_kv is None:
+            raise ValueError("the plan moves KV blocks to or from a host tier this runner does not have")
+        self.host_kv.apply(plan.kv_moves)
 
     def _apply_diffs(self, plan: StepPlan) -> None:
         # Drop before adding: a preempted request can come back as new in the same plan.

@@ -31,7 +31,14 @@ from dataclasses import dataclass, field, fields
 from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
 from cachet.engine.kv_cache_manager import KVCacheManager, cdiv
 from cachet.engine.request import Request, RequestStatus
-from cachet.engine.step_plan import NewRequest, RunningRequestDiff, SampledToken, StepPlan, StepResult
+from cachet.engine.step_plan import (
+    KvBlockMoves,
+    NewRequest,
+    RunningRequestDiff,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
 from cachet.engine.waiting_queue import WaitingQueue
 
 
@@ -171,9 +178,13 @@ class _PlanBuilder:
         self.new_requests.pop(request.request_id, None)
         self.running.pop(request.request_id, None)
 
-    def build(self, finished_request_ids: set[str]) -> StepPlan:
+    def build(self, finished_request_ids: set[str], kv_moves: KvBlockMoves) -> StepPlan:
         return StepPlan(
-            list(self.new_requests.values()), list(self.running.values()), self.tokens, finished_request_ids
+            list(self.new_requests.values()),
+            list(self.running.values()),
+            self.tokens,
+            finished_request_ids,
+            kv_moves,
         )
 
     def _spend(self, request: Request, num_tokens: int) -> None:
@@ -289,10 +300,11 @@ class Scheduler:
         self.num_interactive_left_waiting = sum(
             1 for request in self.waiting.interactive_requests() if request.is_ready
         )
-        if not plan.tokens:
+        moves = self.kv.take_block_moves()
+        if not plan.tokens and not moves:
             return StepPlan()
         finished, self._finished_ids = self._finished_ids, set()
-        return plan.build(finished)
+        return plan.build(finished, moves)
 
     def _interactive_can_start(self) -> bool:
         """True when the next request to admit is interactive and a seat and blocks await it.

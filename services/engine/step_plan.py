@@ -51,6 +51,18 @@ class RunningRequestDiff:
 
 
 @dataclass(frozen=True)
+class KvBlockMoves:
+    """Copies between the KV pool and the host tier, done before the step's forward pass:
+    ``demote`` (pool block id, host slot) first, then ``promote`` (host slot, pool block id)."""
+
+    demote: list[tuple[int, int]] = field(default_factory=list)
+    promote: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.demote or self.promote)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Everything the runner needs for one forward pass."""
 
@@ -60,6 +72,7 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests that ended or were preempted since the last step: the runner drops them.
     finished_request_ids: set[str] = field(default_factory=set)
+    kv_moves: KvBlockMoves = field(default_factory=KvBlockMoves)
 
     @property
     def total_scheduled_tokens(self) -> int:
@@ -67,7 +80,9 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
+        """Nothing for the runner: no tokens and no KV copies (a copy order must never be lost:
+        the host tier already names the slot it fills)."""
+        return not self.num_scheduled_tokens and not self.kv_moves
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,88 @@
+"""The host KV tier: blocks evicted from the engine's pool wait in host memory, and a
+prefix hit there is copied back instead of recomputed. This is the scheduler's half.
+
+Two halves, split the way the engine is:
+
+* ``HostTierIndex`` lives with the scheduler (rank 0). It names host slots by the chained
+  block hash the pool uses, keeps them in LRU order, and turns pool evictions and prefix
+  hits into copy orders (``KvBlockMoves``) that travel in the step plan.
+* ``host_kv_blocks.HostKvBlocks`` lives with each model runner (every rank of a sharded
+  replica holds its own shard of each block) and carries the orders out before the
+  step's forward pass: demotions first (the evicted block is about to be overwritten by
+  this very step), then promotions.
+
+The tier is inclusive: a promoted block keeps its host slot, so evicting it again costs no
+copy. A slot read by a promotion is locked until the plan that carries the order is built:
+a demotion in the same step must not overwrite it before the runner has read it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from cachet.engine.step_plan import KvBlockMoves
+
+
+class HostTierIndex:
+    """Which block hashes the host tier holds, in which slot, least recently used first."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[int, int] = OrderedDict()  # hash -> slot, LRU first
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._locked: set[int] = set()
+        self._demote: list[tuple[int, int]] = []
+        self._promote: list[tuple[int, int]] = []
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def demote(self, evicted: Iterable[tuple[int, int]]) -> None:
+        """Order copies of pool blocks being evicted, given as (block id, hash). A hash already
+        held only becomes most recent; with every slot locked, the block is not kept."""
+        for block_id, block_hash in evicted:
+            if block_hash in self._slots:
+                self._slots.move_to_end(block_hash)
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                continue
+            self._slots[block_hash] = slot
+            self._demote.append((block_id, slot))
+
+    def promote(self, block_hashes: Iterable[int], block_ids: Iterable[int]) -> None:
+        """Order copies of held blocks into the pool blocks allocated for them."""
+        for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
+            slot = self._slots[block_hash]
+            self._slots.move_to_end(block_hash)
+            self._locked.add(slot)
+            self._promote.append((slot, block_id))
+
+    def take_moves(self) -> KvBlockMoves:
+        """This step's copy orders, oldest first; unlocks the slots they read."""
+        moves = KvBlockMoves(demote=self._demote, promote=self._promote)
+        self._demote, self._promote = [], []
+        self._locked.clear()
+        return moves
+
+    def clear(self) -> None:
+        """Forget every held block (a prefix cache reset, between steps)."""
+        if self._demote or self._promote:
+            raise AssertionError("host tier cleared while a step's copy orders are pending")
+        self._slots.clear()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for block_hash, slot in self._slots.items():
+            if slot not in self._locked:
+                del self._slots[block_hash]
+                return slot
+        return None
