@@ -57,6 +57,8 @@ def chat_request_to_proto(body: schemas.ChatCompletionBody) -> router_pb2.ChatCo
         sampling=_sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0),
         tools=[_tool(t.function) for t in body.tools or []],
         cache_salt=body.cache_salt or "",
+        # The router takes x-session-affinity metadata over this field (caller.py).
+        session_id=body.prompt_cache_key or "",
     )
     if body.tool_choice is not None:
         request.tool_choice.CopyFrom(_tool_choice(body.tool_choice))
@@ -74,6 +76,7 @@ def completion_request_to_proto(body: schemas.CompletionBody) -> router_pb2.Comp
         model=body.model,
         sampling=_sampling(body, body.max_tokens, wants_logprobs, body.logprobs or 0),
         cache_salt=body.cache_salt or "",
+        session_id=body.prompt_cache_key or "",
     )
     prompt = body.prompt
     if isinstance(prompt, str):

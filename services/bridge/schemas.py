@@ -174,6 +174,9 @@ class _SamplingBody(_Body):
     user: str | None = None
     # vLLM's extension: only requests with the same salt (and account) share cached prefixes.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # OpenAI's routing key for prefix-cache hits: the same session key as x-session-affinity,
+    # which wins when a request carries both.
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class ChatCompletionBody(_SamplingBody):

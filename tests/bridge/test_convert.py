@@ -195,6 +195,13 @@ def test_completion_requests() -> None:
     )
 
 
+def test_prompt_cache_key_is_the_session_the_router_places_by() -> None:
+    assert convert.chat_request_to_proto(chat_body(prompt_cache_key="agent-7")).session_id == "agent-7"
+    assert convert.chat_request_to_proto(chat_body()).session_id == ""
+    text = schemas.CompletionBody.model_validate({"model": "m", "prompt": "a", "prompt_cache_key": "agent-7"})
+    assert convert.completion_request_to_proto(text).session_id == "agent-7"
+
+
 def test_cache_salt_passes_through_and_unset_stays_empty() -> None:
     assert convert.chat_request_to_proto(chat_body(cache_salt="run-7")).cache_salt == "run-7"
     assert convert.chat_request_to_proto(chat_body()).cache_salt == ""

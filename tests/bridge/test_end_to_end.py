@@ -80,6 +80,37 @@ def test_chat_completion_reports_usage_and_cached_tokens(platform: Platform) -> 
     assert again.choices[0].message.content == first.choices[0].message.content
 
 
+def test_prompt_cache_key_is_the_session_and_the_header_wins(platform: Platform) -> None:
+    keyed, header = f"key-{uuid.uuid4().hex}", f"header-{uuid.uuid4().hex}"
+    client = platform.client()
+    client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=messages(), extra_body={"prompt_cache_key": keyed}, **_greedy_body()
+    )
+    client.completions.create(
+        model=TINY_MODEL_ID, prompt="Paris is", extra_body={"prompt_cache_key": keyed}, **_greedy_body()
+    )
+    client.chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=messages(),
+        extra_body={"prompt_cache_key": keyed},
+        extra_headers={"x-session-affinity": header},
+        **_greedy_body(),
+    )
+    # The ledger is written in batches: wait for the three records, grouped by session.
+    deadline = time.monotonic() + 30
+    while True:
+        rows = httpx.get(f"{platform.url}/v1/usage", params={"group_by": "session"}, timeout=TIMEOUT).json()
+        sessions = {row["session_id"]: row["requests"] for row in rows["data"]}
+        if sessions.get(keyed) == 2 and sessions.get(header) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (sessions.get(keyed), sessions.get(header)) == (2, 1)
+
+
+def _greedy_body() -> dict:
+    return {"temperature": 0, "max_tokens": 2}
+
+
 def test_streaming_with_include_usage_matches_the_plain_answer(platform: Platform) -> None:
     prompt = messages("Name a colour.")
     plain = platform.client().chat.completions.create(model=TINY_MODEL_ID, messages=prompt, **GREEDY)

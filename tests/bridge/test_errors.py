@@ -117,6 +117,8 @@ def test_server_errors_hide_details(code: grpc.StatusCode) -> None:
         (CHAT | {"top_logprobs": 2}, None, "top_logprobs requires logprobs"),
         (CHAT | {"cache_salt": ""}, "cache_salt", "at least 1"),
         (CHAT | {"cache_salt": "x" * 257}, "cache_salt", "at most 256"),
+        (CHAT | {"prompt_cache_key": ""}, "prompt_cache_key", "at least 1"),
+        (CHAT | {"prompt_cache_key": "k" * 257}, "prompt_cache_key", "at most 256"),
     ],
 )
 async def test_validation_errors_are_400_naming_the_field(
