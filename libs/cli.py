@@ -166,5 +166,40 @@ def agent_trace_command(
     typer.echo(f"{write_trace(out, agent_trace(shape, seed=seed))} requests written to {out}")
 
 
+@trace_app.command("claude-code")
+def claude_code_trace_command(
+    out: Annotated[Path, typer.Argument(help="Output JSON-lines file.")],
+    sources: Annotated[
+        list[Path],
+        typer.Argument(help="Claude Code stream-json logs, or files of session summaries (bench/traces/)."),
+    ],
+    sessions: Annotated[int, typer.Option(min=1, help="Sessions drawn from the sources' shapes.")] = 72,
+    block_tokens: Annotated[int, typer.Option(min=1, help="Tokens per hash id.")] = 64,
+    shared_prefix_tokens: Annotated[
+        int, typer.Option(min=0, help="Leading tokens every session shares (system prompt and tools).")
+    ] = 12_000,
+    start_window_s: Annotated[int, typer.Option(min=0, help="Sessions start uniformly over this.")] = 600,
+    seed: Annotated[int, typer.Option(help="Trace seed.")] = 0,
+) -> None:
+    """Write a trace of real coding-agent sessions' shapes (see cachet.tools.claude_code_trace)."""
+    from cachet.tools.claude_code_trace import (
+        ClaudeCodeTraceShape,
+        claude_code_trace,
+        describe,
+        read_sessions,
+    )
+    from cachet.tools.trace import write_trace
+
+    shapes = [shape for source in sources for shape in read_sessions(source)]
+    shape = ClaudeCodeTraceShape(
+        sessions=sessions,
+        block_tokens=block_tokens,
+        shared_prefix_tokens=shared_prefix_tokens,
+        start_window_ms=start_window_s * 1000,
+    )
+    written = write_trace(out, claude_code_trace(shapes, shape, seed=seed))
+    typer.echo(f"from {describe(shapes)}: {written} requests written to {out}")
+
+
 if __name__ == "__main__":
     app()

@@ -99,6 +99,18 @@ def session_from_log(path: Path) -> SessionShape:
     return SessionShape(str(path), prompts, outputs, duration)
 
 
+def read_sessions(path: Path) -> list[SessionShape]:
+    """A Claude Code stream-json log (one session), or a file of summary lines (one session each)."""
+    with path.open() as lines:
+        first = next((line for line in lines if line.strip()), "")
+    if not first:
+        raise ValueError(f"{path} is empty")
+    record = json.loads(first)
+    if "type" in record:
+        return [session_from_log(path)]
+    return read_session_summaries(path)
+
+
 def read_session_summaries(path: Path) -> list[SessionShape]:
     """Every summary line of a JSON-lines file (the shape of ``bench/traces/claude_code_sessions.jsonl``)."""
     with path.open() as lines:

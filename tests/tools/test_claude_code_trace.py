@@ -13,6 +13,7 @@ from cachet.tools.claude_code_trace import (
     SessionShape,
     claude_code_trace,
     read_session_summaries,
+    read_sessions,
     session_from_log,
     session_from_summary,
 )
@@ -66,6 +67,12 @@ def test_a_log_gives_every_main_thread_call_exactly(tmp_path) -> None:
     assert shape.prompt_tokens == (18001, 20501)
     assert shape.output_tokens == (40, 90)
     assert shape.duration_ms == 61_000
+    # A log and a file of summaries are told apart by their first line.
+    assert read_sessions(log) == [shape]
+    assert len(read_sessions(SUMMARIES)) == 9
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_sessions(tmp_path / "empty.jsonl")
 
 
 def test_the_committed_public_sessions_load() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -56,3 +57,16 @@ def test_replay_prints_a_table_by_default(tmp_path) -> None:
     assert "ideal cached-token ratio" in replayed.output
     for policy in ("affinity", "cache-aware", "round-robin", "random"):
         assert f"\n{policy} " in replayed.output
+
+
+def test_a_trace_from_the_public_claude_code_sessions(tmp_path) -> None:
+    summaries = Path(__file__).resolve().parents[2] / "bench" / "traces" / "claude_code_sessions.jsonl"
+    out = tmp_path / "cc.jsonl"
+    made = CliRunner().invoke(
+        app, ["trace", "claude-code", str(out), str(summaries), "--sessions", "5", "--block-tokens", "256"]
+    )
+    assert made.exit_code == 0, made.output
+    assert "from 9 sessions, 180 calls" in made.output
+    trace = read_trace(out)
+    assert len({request.session_id for request in trace}) == 5
+    assert all(request.input_length >= 18_259 for request in trace)
