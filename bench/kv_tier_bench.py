@@ -21,13 +21,17 @@ from cachet.models.catalog import ensure_model
 HOST_KV_GIB = 1.0
 
 
-def run_kv_tier_bench(model: str | None = None, dtype: str = "auto", quick: bool = False) -> dict:
+def run_kv_tier_bench(
+    model: str | None = None, dtype: str = "auto", quick: bool = False, device: str = "cpu"
+) -> dict:
     resolved = ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data")))
-    torch_dtype = default_dtype(torch.device("cpu")) if dtype == "auto" else getattr(torch, dtype)
+    torch_dtype = default_dtype(torch.device(device)) if dtype == "auto" else getattr(torch, dtype)
     prompt_len = 500 if quick else 2000
     progress(f"model {resolved.model_id}, {torch_dtype}, {prompt_len}-token prompts, one math thread")
     with one_math_thread():
-        probe = EngineHarness(resolved.path, resolved.model_id, torch_dtype, 512, kv_cache_gib=0.01)
+        probe = EngineHarness(
+            resolved.path, resolved.model_id, torch_dtype, 512, kv_cache_gib=0.01, device=device
+        )
         bytes_per_token = probe.runner._kv_cache_bytes_per_block() // probe.runner.block_size
         vocab = probe.runner.vocab_size
         del probe
@@ -39,6 +43,7 @@ def run_kv_tier_bench(model: str | None = None, dtype: str = "auto", quick: bool
             max_batched_tokens=512,
             kv_cache_gib=pool_gib,
             host_kv_gib=HOST_KV_GIB,
+            device=device,
         )
         generator = torch.Generator().manual_seed(11)
         first, *others = (
@@ -58,6 +63,7 @@ def run_kv_tier_bench(model: str | None = None, dtype: str = "auto", quick: bool
     results = {
         "model": resolved.model_id,
         "dtype": str(torch_dtype),
+        "device": device,
         "prompt_tokens": prompt_len,
         "ttft_seconds": {"cold": cold, "engine pool": pool_hit, "host tier": host_hit},
         "cached_tokens": {"engine pool": pool_cached, "host tier": host_cached},
@@ -72,7 +78,10 @@ def run_kv_tier_bench(model: str | None = None, dtype: str = "auto", quick: bool
 
 
 def _print_table(results: dict) -> None:
-    print(f"\nKV tiers: {results['model']}, {results['dtype']}, {results['prompt_tokens']}-token prompt")
+    print(
+        f"\nKV tiers: {results['model']}, {results['dtype']} on {results['device']}, "
+        f"{results['prompt_tokens']}-token prompt"
+    )
     print(f"{'time to first token':<44}{'seconds':>10}{'cached':>10}")
     print("-" * 64)
     for name, seconds in results["ttft_seconds"].items():
@@ -90,5 +99,6 @@ if __name__ == "__main__":
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    run_kv_tier_bench(args.model, args.dtype, args.quick)
+    run_kv_tier_bench(args.model, args.dtype, args.quick, args.device)
