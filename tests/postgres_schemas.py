@@ -14,10 +14,14 @@ import asyncio
 import itertools
 import os
 import uuid
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
+
+T = TypeVar("T")
 
 DEFAULT_URL = "postgresql://root@127.0.0.1:5432/test"
 URL = os.environ.get("CACHET_TEST_POSTGRES_URL", DEFAULT_URL)
@@ -27,6 +31,13 @@ HOW_TO_FIX = (
     "127.0.0.1:5432: trust auth, role root, database test); start it, or set "
     "CACHET_TEST_POSTGRES_URL=postgresql://user@host:port/database to use another"
 )
+
+
+def run_alone(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` to its end on a loop of its own, in a thread of its own: the caller
+    may be a fixture called while a test's event loop runs."""
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
 
 
 class SessionSchemas:
@@ -55,8 +66,16 @@ class SessionSchemas:
         schema = url.rsplit("search_path=", 1)[1]
         await self._execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
+    def create_now(self) -> str:
+        """``create`` (after ``check_server``) for a fixture that is not async (one shared by a module)."""
+        run_alone(self.check_server())
+        return run_alone(self.create())
+
+    def drop_now(self, url: str) -> None:
+        run_alone(self.drop(url))
+
     def drop_all_now(self) -> None:
-        """Drop every schema this session made (at its end; runs outside any event loop)."""
+        """Drop every schema this session made (at its end)."""
 
         async def drop_all() -> None:
             connection = await asyncpg.connect(URL, timeout=5)
@@ -69,9 +88,7 @@ class SessionSchemas:
             finally:
                 await connection.close()
 
-        # A thread of its own: the caller may sit inside a test's running event loop.
-        with ThreadPoolExecutor(max_workers=1) as thread:
-            thread.submit(asyncio.run, drop_all()).result()
+        run_alone(drop_all())
 
     async def _execute(self, statement: str) -> None:
         connection = await asyncpg.connect(URL, timeout=5)

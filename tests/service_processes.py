@@ -154,23 +154,30 @@ class CachetStack:
         engines: int = 2,
         engine_env: dict[str, str] | None = None,
         router_env: dict[str, str] | None = None,
+        usage_env: dict[str, str] | None = None,
     ) -> CachetStack:
         """Start everything; ``engine_env`` adds variables to every engine (limits, KV size), ``router_env``
-        to the router."""
+        to the router, ``usage_env`` to the usage service (its store)."""
         try:
-            self._start(engines, engine_env or {}, router_env or {})
+            self._start(engines, engine_env or {}, router_env or {}, usage_env or {})
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start(self, engines: int, engine_env: dict[str, str], router_env: dict[str, str]) -> None:
+    def _start(
+        self, engines: int, engine_env: dict[str, str], router_env: dict[str, str], usage_env: dict[str, str]
+    ) -> None:
         self._add(
             start_service(
                 "tokenizer", {"CACHET_TOKENIZER_MODELS": json.dumps([str(self.model_dir)])}, self.log_dir
             )
         )
-        self._add(start_service("usage", {"CACHET_DATA_DIR": str(self.log_dir / "usage-data")}, self.log_dir))
+        self._add(
+            start_service(
+                "usage", {"CACHET_DATA_DIR": str(self.log_dir / "usage-data")} | usage_env, self.log_dir
+            )
+        )
         for index in range(engines):
             self._add(
                 start_service(

@@ -10,7 +10,6 @@ import asyncio
 import json
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 from metrics_scrape import Figures, growth, scrape
+from queued_batches import auth, batch_of, chat, check_completed, wait_done
 from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, ServiceProcess
 from webhook_receiver import Receiver
 
-from cachet.common.v1 import common_pb2
 from cachet.grpc_channel import create_channel
 from cachet.models.tiny import write_tiny_model
 from cachet.router.sqlite_queue_store import SqliteQueueStore
@@ -80,40 +79,6 @@ async def inference(queue_stack: QueueStack) -> AsyncIterator[router_pb2_grpc.In
         yield router_pb2_grpc.InferenceServiceStub(channel)
 
 
-def auth(account: str) -> tuple[tuple[str, str]]:
-    return (("authorization", f"Bearer sk-{account}"),)
-
-
-def chat(max_tokens: int = 4) -> router_pb2.ChatCompletionRequest:
-    nonce = uuid.uuid4().hex
-    message = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text=f"[{nonce}] Hi")])
-    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return router_pb2.ChatCompletionRequest(model=TINY_MODEL_ID, messages=[message], sampling=sampling)
-
-
-def batch_of(
-    count: int, max_tokens: int | list[int] = 4, webhook_url: str = ""
-) -> router_pb2.QueueRequestsRequest:
-    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * count
-    return router_pb2.QueueRequestsRequest(
-        model=TINY_MODEL_ID,
-        requests=[router_pb2.QueuedRequest(chat=chat(length)) for length in lengths],
-        webhook_url=webhook_url,
-    )
-
-
-async def wait_done(inference, batch_id: str, account: str, timeout: float) -> router_pb2.QueuedBatch:
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = await inference.GetQueuedBatch(
-            router_pb2.GetQueuedBatchRequest(request_id=batch_id), metadata=auth(account), timeout=10
-        )
-        if batch.status == router_pb2.BATCH_STATUS_DONE:
-            return batch
-        assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status} after {timeout} s"
-        await asyncio.sleep(0.1)
-
-
 async def ledger_matches(
     queue_stack: QueueStack, account: str, batches: list[router_pb2.QueuedBatch]
 ) -> None:
@@ -136,18 +101,6 @@ async def ledger_matches(
                 break
             await asyncio.sleep(0.1)  # usage records land just after their results
     assert rows == [expected]
-
-
-def check_completed(batch: router_pb2.QueuedBatch, count: int, max_tokens: int | list[int]) -> None:
-    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * count
-    assert len(batch.results) == count
-    ids = [result.completion.id for result in batch.results]
-    # In request order, each under its job id (the ledger key).
-    assert ids == [f"{batch.request_id}-{i}" for i in range(count)]
-    for result, length in zip(batch.results, lengths, strict=True):
-        assert result.WhichOneof("outcome") == "completion", result
-        assert result.completion.usage.completion_tokens == length
-        assert result.completion.usage.prompt_tokens > 0
 
 
 async def test_queued_requests_drain_while_interactive_traffic_flows(
