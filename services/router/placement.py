@@ -12,14 +12,21 @@ more than recomputing the prefix elsewhere.
   hint, not a blind hash. The score decides first, exactly as without a session,
   so the session goes where its prefix actually is (the cache index says) and
   moves only when that pays. What the session id adds is the choice among
-  replicas that score within ``session_slack_tokens`` of the best, which is every
-  replica when the session is new or its prefix is gone: its home (where its last
-  request went, see ``session_directory.py``) if that is among them, else the one
-  whose live sessions hold the fewest KV tokens (so sessions share the replicas'
-  KV by footprint, not by count), then the session's rendezvous order (a stable
-  answer that another router process gives too). A blind rendezvous hash with
-  bounded loads, which this replaced, lost 5% of the cached tokens of real agent
-  sessions to spills onto replicas that held nothing of theirs.
+  replicas that score within ``session_slack_tokens`` of the best (every replica
+  when the session's prefix is gone, or when it is new: then within
+  ``new_session_slack_tokens``, so that a system prompt cached for others does not
+  draw every new session to one replica): the least loaded, then the one whose
+  live sessions hold the fewest KV tokens (``session_directory.py``), then the
+  session's rendezvous order, a stable answer that another router process gives
+  too. When the index said nothing at all (down, or no block cached anywhere), the
+  session stays on its home, where its last request went, unless that is saturated
+  or gone.
+  A blind rendezvous hash with bounded loads, which this replaced, lost 5% of the
+  cached tokens of real agent sessions to spills onto replicas that held nothing
+  of theirs (issue 25); preferring the home over a less loaded replica when the
+  index showed the home had lost the session's prefix cost 0.6% of the cached
+  tokens in the replay of 256 Claude Code sessions on too little KV
+  (docs/benchmarks.md).
 
 Saturated replicas (see ``ReplicaLoad.saturated``) are never chosen. When every
 replica is saturated the request is refused at once with ``ResourceExhausted``:
@@ -82,11 +89,11 @@ class PlacementPolicy:
     # replay` on the synthetic agent trace: at 128 cache-aware placement piled work up (max/mean
     # load 1.45 for 1.000x the ideal); at 512 it keeps 0.998x at 1.06; at 2048 hits fall to 0.974x.
     load_penalty_tokens: float = 512.0
-    # A session chooses by home, then KV footprint, among replicas that score within this
-    # of the best. One request's worth of load: footprint may outweigh one more request in
-    # flight, never a cached block more. (Tuning on the Claude Code sessions' replay: see
-    # docs/benchmarks.md.)
-    session_slack_tokens: float = 512.0
+    # A session chooses by load, then KV footprint, among replicas that score within this of
+    # the best. 0: exact ties only. 512 (a request's worth) cost up to 0.3% of the cached
+    # tokens against keyless placement on the synthetic agent trace, moving young sessions
+    # off a home one request busier, and gained nothing on the Claude Code replay.
+    session_slack_tokens: float = 0.0
     # The same for a session with no home yet (new, or idle past the directory's memory):
     # what it may give up of a prefix cached for others (a shared system prompt and tools)
     # to land where the sessions' KV is smallest. Without it every new session follows the
@@ -163,15 +170,18 @@ def _place_session(
     footprints: Mapping[str, int],
     policy: PlacementPolicy,
 ) -> Placement:
+    if not cached_tokens and any(r.address == home for r in open_replicas):
+        # The index is down or knows nothing: the home is the only sign of the session's KV.
+        return Placement(home, "session")
     best = max(_score(replica, cached_tokens, policy) for replica in open_replicas)
     slack = policy.session_slack_tokens if home else policy.new_session_slack_tokens
-    near = [r.address for r in open_replicas if _score(r, cached_tokens, policy) >= best - slack]
-    if home in near:
+    near = [r for r in open_replicas if _score(r, cached_tokens, policy) >= best - slack]
+    rank = {address: i for i, address in enumerate(rendezvous_order(session_id, [r.address for r in near]))}
+    # A session's own tokens count in the footprint of the home it may leave until the
+    # directory hears of the move; that only ever favours staying.
+    chosen = min(near, key=lambda r: (r.load, footprints.get(r.address, 0), rank[r.address])).address
+    if chosen == home:
         return Placement(home, "session")
-    rank = {address: i for i, address in enumerate(rendezvous_order(session_id, near))}
-    # The session's own tokens are not in its new replica's footprint yet; a home it leaves
-    # keeps them until the directory hears of the move.
-    chosen = min(near, key=lambda address: (footprints.get(address, 0), rank[address]))
     return Placement(chosen, "session_move" if home else "session_new")
 
 

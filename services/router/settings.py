@@ -19,7 +19,7 @@ class RouterServiceSettings(RouterSettings):
     # A session id's placement (see placement.py): how much better than its home another
     # replica must score to take the session, and what a new session gives up of a prefix
     # cached for others to land where the sessions hold the least KV.
-    session_slack_tokens: float = Field(default=512.0, ge=0)
+    session_slack_tokens: float = Field(default=0.0, ge=0)
     new_session_slack_tokens: float = Field(default=32_768.0, ge=0)
     # A session is forgotten (its home and KV footprint) after this long without a request.
     session_idle_seconds: float = Field(default=600.0, gt=0)

@@ -111,19 +111,15 @@ def test_session_follows_its_prefix_rather_than_a_hash() -> None:
 
 
 def test_session_moves_only_when_the_queue_at_home_costs_more_than_its_prefix() -> None:
-    policy = PlacementPolicy(load_penalty_tokens=512, session_slack_tokens=512)
-    # Home B: 2,048 cached − 4 × 512 = 0; A: 0 − 0 = 0. Within the slack: stay home.
+    policy = PlacementPolicy(load_penalty_tokens=512)
+    # Home B: 2,048 cached − 2 × 512 = 1,024; A: 0. A is behind: stay.
     stays = choose_replica(
-        [idle(A), idle(B, running=4, max_running=16)],
-        {B: 2048},
-        session_id="s",
-        session_home=B,
-        policy=policy,
+        [idle(A), idle(B, running=2)], {B: 2048}, session_id="s", session_home=B, policy=policy
     )
     assert (stays.address, stays.reason) == (B, "session")
-    # Two more requests at home: 2,048 − 6 × 512 = −1,024, more than the slack below A: move.
+    # Two more requests at home: 2,048 − 4 × 512 = 0, level with A: the lighter replica takes it.
     moves = choose_replica(
-        [idle(A), idle(B, running=6, max_running=16)],
+        [idle(A), idle(B, running=4, max_running=16)],
         {B: 2048},
         session_id="s",
         session_home=B,
@@ -132,11 +128,29 @@ def test_session_moves_only_when_the_queue_at_home_costs_more_than_its_prefix() 
     assert (moves.address, moves.reason) == (A, "session_move")
 
 
-def test_a_new_session_goes_where_the_sessions_hold_the_least_kv() -> None:
+def test_with_the_index_silent_a_session_stays_home_unless_home_is_saturated() -> None:
+    # Nothing cached anywhere (index down): B is busier, yet the session stays.
+    placement = choose_replica([idle(A), idle(B, running=5)], {}, session_id="s", session_home=B)
+    assert (placement.address, placement.reason) == (B, "session")
+    moved = choose_replica([idle(A), idle(B, running=8, waiting=1)], {}, session_id="s", session_home=B)
+    assert (moved.address, moved.reason) == (A, "session_move")
+
+
+def test_a_session_whose_prefix_is_gone_from_home_goes_to_the_lighter_replica() -> None:
+    # Every replica holds only the shared 512-token system prompt: home B is no better.
+    shared = {A: 512, B: 512, C: 512}
+    replicas = [idle(A), idle(B, running=1), idle(C)]
+    placement = choose_replica(replicas, shared, session_id="s", session_home=B, footprints={A: 900, C: 100})
+    assert (placement.address, placement.reason) == (C, "session_move")
+
+
+def test_a_new_session_goes_to_the_least_loaded_then_where_sessions_hold_the_least_kv() -> None:
     replicas = [idle(A), idle(B), idle(C)]
     footprints = {A: 90_000, B: 10_000, C: 40_000}
     placement = choose_replica(replicas, {}, session_id="new", footprints=footprints)
     assert (placement.address, placement.reason) == (B, "session_new")
+    busy_b = [idle(A), idle(B, running=1), idle(C)]
+    assert choose_replica(busy_b, {}, session_id="new", footprints=footprints).address == C
 
 
 def test_a_new_session_gives_up_a_shared_prefix_to_balance_kv_but_not_more() -> None:
@@ -156,8 +170,8 @@ def test_equal_footprints_fall_back_to_the_rendezvous_order() -> None:
 
 def test_a_session_whose_home_is_gone_or_saturated_or_tried_moves() -> None:
     replicas = [idle(A), idle(B, running=1), idle(C, running=8, waiting=2)]
-    # Home C is saturated: B's 1,024 cached tokens outweigh its one running request.
-    placement = choose_replica(replicas, {B: 1024, C: 4096}, session_id="s", session_home=C)
+    # Home C is saturated: B's 2,048 cached tokens outweigh its one running request.
+    placement = choose_replica(replicas, {B: 2048, C: 4096}, session_id="s", session_home=C)
     assert (placement.address, placement.reason) == (B, "session_move")
     # Home A was tried already.
     tried = choose_replica([idle(A), idle(B), idle(C)], {C: 64}, session_id="s", session_home=A, exclude={A})
