@@ -139,22 +139,43 @@ CREATE INDEX file_batches_by_account ON file_batches (account_id, seq);
 # Jobs that may run: queued, or leased by an owner whose lease has lapsed ($2: now).
 _RUNNABLE = "(state = 'queued' OR (state = 'leased' AND lease_expires_at_ms <= $2))"
 
-# The oldest runnable job of the first account past $1, once per kind of runnable job so
-# each scan starts at its first entry of (state, account_id, seq) rather than sorting
-# every runnable row. SKIP LOCKED passes over a job another transaction is leasing.
-_CANDIDATES = """
+# Lease the oldest runnable job of the first account past $1, in one statement. Each kind
+# of runnable job is asked once so each scan starts at its first entry of (state,
+# account_id, seq) rather than sorting every runnable row; SKIP LOCKED passes over a job
+# another transaction is leasing. Of the two rows found (both locked until commit), the
+# older account's, then the older job, is leased.
+_LEASE = """
 WITH queued AS (
-    SELECT account_id, seq, request_id, batch_id, position, body, attempts FROM jobs
+    SELECT request_id, account_id, seq FROM jobs
     WHERE state = 'queued' AND account_id {bound} $1
     ORDER BY account_id, seq LIMIT 1 FOR UPDATE SKIP LOCKED
 ), lapsed AS (
-    SELECT account_id, seq, request_id, batch_id, position, body, attempts FROM jobs
+    SELECT request_id, account_id, seq FROM jobs
     WHERE state = 'leased' AND lease_expires_at_ms <= $2 AND account_id {bound} $1
     ORDER BY account_id, seq LIMIT 1 FOR UPDATE SKIP LOCKED
+), chosen AS (
+    SELECT request_id FROM (SELECT * FROM queued UNION ALL SELECT * FROM lapsed) AS candidates
+    ORDER BY account_id, seq LIMIT 1
 )
-SELECT * FROM queued UNION ALL SELECT * FROM lapsed"""
-_NEXT_CANDIDATES = _CANDIDATES.format(bound=">")
-_ANY_CANDIDATES = _CANDIDATES.format(bound=">=")  # with $1 = '': every text sorts at or after ''
+UPDATE jobs SET state = 'leased', lease_owner = $3, lease_expires_at_ms = $4, attempts = jobs.attempts + 1
+FROM chosen WHERE jobs.request_id = chosen.request_id
+RETURNING jobs.request_id, jobs.batch_id, jobs.position, jobs.account_id, jobs.body, jobs.attempts"""
+_LEASE_NEXT = _LEASE.format(bound=">")
+_LEASE_ANY = _LEASE.format(bound=">=")  # with $1 = '': every text sorts at or after ''
+
+# A group's results in one statement; a job named twice is updated once.
+_COMPLETE_ALL = """
+UPDATE jobs SET state = 'done', result = completions.result, finished_at_ms = $3, lease_owner = ''
+FROM unnest($1::text[], $2::bytea[]) AS completions (request_id, result)
+WHERE jobs.request_id = completions.request_id AND jobs.state != 'done'
+RETURNING jobs.request_id, jobs.batch_id"""
+# The group's batches with no job left to end, finished (webhook armed) by this statement.
+_FINISH_ENDED = """
+UPDATE batches SET finished_at_ms = $2,
+    webhook_state = CASE WHEN webhook_url = '' THEN '' ELSE 'pending' END, webhook_due_at_ms = $2
+WHERE batch_id = ANY($1::text[]) AND finished_at_ms IS NULL
+AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.batch_id = batches.batch_id AND state IN ('queued', 'leased'))
+RETURNING batch_id"""
 
 
 def _now_ms() -> int:
@@ -344,21 +365,22 @@ class PostgresQueueStore:
         self, db: asyncpg.Connection, owner: str, lease_seconds: float, after: str
     ) -> Job | None:
         now = self._clock_ms()
+        expires = now + int(lease_seconds * 1000)
         # The first account after the last one served, wrapping around to the smallest.
-        candidates = await db.fetch(_NEXT_CANDIDATES, after, now) or await db.fetch(_ANY_CANDIDATES, "", now)
-        if not candidates:
-            return None
-        # Both kinds' first rows are locked until commit; the other one is merely left as it was.
-        account, _, request_id, batch_id, position, body, attempts = min(tuple(row) for row in candidates)
-        await db.execute(
-            "UPDATE jobs SET state = 'leased', lease_owner = $1, lease_expires_at_ms = $2, attempts = $3"
-            " WHERE request_id = $4",
-            owner,
-            now + int(lease_seconds * 1000),
-            attempts + 1,
-            request_id,
+        row = await db.fetchrow(_LEASE_NEXT, after, now, owner, expires) or await db.fetchrow(
+            _LEASE_ANY, "", now, owner, expires
         )
-        return Job(request_id, batch_id, position, account, body, owner, attempts + 1)
+        if row is None:
+            return None
+        return Job(
+            row["request_id"],
+            row["batch_id"],
+            row["position"],
+            row["account_id"],
+            row["body"],
+            owner,
+            row["attempts"],
+        )
 
     async def renew(self, job: Job, lease_seconds: float) -> bool:
         """Extend a lease we still hold; False when it was lost (expired and taken, or finished)."""
@@ -394,7 +416,6 @@ class PostgresQueueStore:
         return await self._completions.complete(job, result)
 
     async def _write_completions(self, group: Sequence[PendingCompletion]) -> list[Completion | Exception]:
-        outcomes: list[Completion | Exception] = []
         async with self._transaction() as db:
             # Every batch of the group locked up front, in id order: two routers' groups that
             # share batches then queue behind each other instead of deadlocking.
@@ -402,13 +423,46 @@ class PostgresQueueStore:
                 "SELECT 1 FROM batches WHERE batch_id = ANY($1::text[]) ORDER BY batch_id FOR UPDATE",
                 sorted({pending.job.batch_id for pending in group}),
             )
+            try:
+                async with db.transaction():
+                    return await self._complete_together(db, group)
+            except asyncpg.PostgresError:
+                pass  # one of them cannot be written: each in a savepoint of its own, so it fails alone
+            outcomes: list[Completion | Exception] = []
             for pending in group:
                 try:
                     async with db.transaction():
                         outcomes.append(await self._complete(db, pending.job, pending.result))
                 except asyncpg.PostgresError as error:
                     outcomes.append(error)
-        return outcomes
+            return outcomes
+
+    async def _complete_together(
+        self, db: asyncpg.Connection, group: Sequence[PendingCompletion]
+    ) -> list[Completion | Exception]:
+        """The group in two statements (results, then the batches they ended); one completion
+        after another took five round trips each, and held a router's drain below its leases."""
+        now = self._clock_ms()
+        first: dict[str, int] = {}
+        for index, pending in enumerate(group):
+            first.setdefault(pending.job.request_id, index)
+        rows = await db.fetch(_COMPLETE_ALL, list(first), [group[i].result for i in first.values()], now)
+        stored = {first[row["request_id"]] for row in rows}
+        ended = {
+            row["batch_id"]
+            for row in await db.fetch(_FINISH_ENDED, sorted({r["batch_id"] for r in rows}), now)
+        }
+        # One completion reports its batch's end: the last one of the group stored for it.
+        reporter = {group[index].job.batch_id: index for index in sorted(stored)}
+        return [
+            Completion(
+                stored=index in stored,
+                batch_finished=index in stored
+                and pending.job.batch_id in ended
+                and reporter[pending.job.batch_id] == index,
+            )
+            for index, pending in enumerate(group)
+        ]
 
     async def _complete(self, db: asyncpg.Connection, job: Job, result: bytes) -> Completion:
         now = self._clock_ms()

@@ -105,6 +105,25 @@ async def test_completions_arriving_together_share_a_commit_and_keep_their_own_o
     assert view is not None and view.state is BatchState.DONE and view.results == bodies
 
 
+async def test_a_batch_completed_in_one_group_finishes_once_and_keeps_first_results(
+    store: QueueStore,
+) -> None:
+    bodies = [str(i).encode() for i in range(10)]
+    batch = await store.create_batch("acct-a", "m", bodies, webhook_url="http://127.0.0.1:1/hook")
+    jobs = await store.lease_many("router-1", lease_seconds=10, limit=len(bodies))
+    assert len(jobs) == len(bodies)
+    outcomes = await asyncio.gather(
+        *(store.complete(job, job.body) for job in jobs), store.complete(jobs[3], b"a second attempt")
+    )
+    *firsts, again = outcomes
+    assert all(o.stored for o in firsts) and not again.stored and not again.batch_finished
+    assert sum(o.batch_finished for o in outcomes) == 1
+    view = await store.batch(batch, "acct-a")
+    assert view is not None and view.state is BatchState.DONE and view.results == bodies
+    due = await store.claim_webhook(hold_seconds=10)
+    assert due is not None and due.batch_id == batch
+
+
 async def test_two_dispatchers_racing_complete_each_job_exactly_once(queue_backend: QueueBackend) -> None:
     """Two stores (two routers) on one database, leases that lapse at once: every job ends with one result."""
     stores = [await queue_backend.open(None), await queue_backend.open(None)]
