@@ -61,6 +61,7 @@ class EngineHarness:
         cuda_graphs: bool = False,
         kv_cache_gib: float = 1.0,
         host_kv_gib: float = 0.0,
+        shared_kv_dir: Path | None = None,
     ) -> None:
         self.runner = ModelRunner(
             model_dir,
@@ -71,6 +72,8 @@ class EngineHarness:
             cuda_graphs=cuda_graphs,
             max_decode_batch=max_num_seqs,
             host_kv_bytes=int(host_kv_gib * _GIB),
+            shared_kv_dir=shared_kv_dir,
+            shared_kv_bytes=4 * _GIB,
         )
         self.model_id = model_id
         self.max_batched_tokens = max_batched_tokens
@@ -103,8 +106,17 @@ class EngineHarness:
         """(tokens generated, seconds) until every request finished."""
         generated, start = 0, time.perf_counter()
         while self.core.has_unfinished_requests():
-            generated += sum(len(o.new_token_ids) for o in self.core.step())
+            generated += sum(len(o.new_token_ids) for o in self._step())
         return generated, time.perf_counter() - start
+
+    def _step(self) -> list:
+        """One step, or a short wait while nothing is ready (a prefix still loading from the
+        shared KV tier), as the engine's loop waits: spinning would hold the interpreter lock
+        its loader thread needs."""
+        if not self.core.has_work_now():
+            time.sleep(0.0005)
+            return []
+        return self.core.step()
 
     def time_to_first_token(self, prompt: list[int]) -> tuple[float, int]:
         """(seconds, cached prompt tokens) until the first token of one request."""
@@ -112,7 +124,7 @@ class EngineHarness:
         start = time.perf_counter()
         cached = 0
         while self.core.has_unfinished_requests():
-            for output in self.core.step():
+            for output in self._step():
                 if output.request_id == request_id and output.new_token_ids:
                     cached = output.num_cached_tokens
         return time.perf_counter() - start, cached

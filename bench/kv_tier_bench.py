@@ -1,14 +1,18 @@
-"""Time to first token when a prompt's prefix comes back from the host KV tier, against the
+"""Time to first token when a prompt's prefix comes back from a lower KV tier, against the
 same prompt computed cold and served from the engine's own pool, same process.
 
 The pool holds about one and a half long prompts, so running two other prompts evicts the
 first one's blocks into the host tier (``cachet.engine.host_kv_tier``); the first prompt
-sent again is then copied back instead of recomputed. `python -m bench.kv_tier_bench`.
+sent again is then copied back instead of recomputed. Every block is also written to a
+shared file tier (``cachet.engine.shared_kv_tier``) in a temporary folder; a second engine
+with an empty pool and host tier, as a replica on another host would be, then serves the
+first prompt from those files. `python -m bench.kv_tier_bench`.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -36,15 +40,21 @@ def run_kv_tier_bench(
         vocab = probe.runner.vocab_size
         del probe
         pool_gib = 1.5 * prompt_len * bytes_per_token / (1 << 30)
-        engine = EngineHarness(
-            resolved.path,
-            resolved.model_id,
-            torch_dtype,
-            max_batched_tokens=512,
-            kv_cache_gib=pool_gib,
-            host_kv_gib=HOST_KV_GIB,
-            device=device,
-        )
+        shared = Path(tempfile.mkdtemp(prefix="cachet-shared-kv-"))
+
+        def new_engine() -> EngineHarness:
+            return EngineHarness(
+                resolved.path,
+                resolved.model_id,
+                torch_dtype,
+                max_batched_tokens=512,
+                kv_cache_gib=pool_gib,
+                host_kv_gib=HOST_KV_GIB,
+                device=device,
+                shared_kv_dir=shared,
+            )
+
+        engine = new_engine()
         generator = torch.Generator().manual_seed(11)
         first, *others = (
             torch.randint(0, vocab, (prompt_len,), generator=generator).tolist() for _ in range(3)
@@ -60,16 +70,33 @@ def run_kv_tier_bench(
         before = dict(engine.core.scheduler.kv.hit_tokens)
         host_hit, host_cached = engine.time_to_first_token(first)
         from_host = engine.core.scheduler.kv.hit_tokens["host"] - before["host"]
+        while engine.core.has_work_now():
+            engine.core.step()
+        engine.runner.shared_kv.drain()
+        progress("a second engine, from the shared file tier")
+        other = new_engine()
+        shared_hit, shared_cached = other.time_to_first_token(first)
+        from_shared = other.core.scheduler.kv.hit_tokens["shared"]
     results = {
         "model": resolved.model_id,
         "dtype": str(torch_dtype),
         "device": device,
         "prompt_tokens": prompt_len,
-        "ttft_seconds": {"cold": cold, "engine pool": pool_hit, "host tier": host_hit},
-        "cached_tokens": {"engine pool": pool_cached, "host tier": host_cached},
-        "host_tier_tokens": from_host,
+        "ttft_seconds": {
+            "cold": cold,
+            "engine pool": pool_hit,
+            "host tier": host_hit,
+            "shared file tier": shared_hit,
+        },
+        "cached_tokens": {
+            "engine pool": pool_cached,
+            "host tier": host_cached,
+            "shared file tier": shared_cached,
+        },
+        "tier_tokens": {"host": from_host, "shared": from_shared},
         "ratios": {
             "host tier / cold (target <= 0.1)": host_hit / cold,
+            "shared file tier / cold (target <= 0.25)": shared_hit / cold,
             "engine pool / cold": pool_hit / cold,
         },
     }
@@ -87,7 +114,8 @@ def _print_table(results: dict) -> None:
     for name, seconds in results["ttft_seconds"].items():
         cached = results["cached_tokens"].get(name, 0)
         print(f"{name:<44}{seconds:>10.3f}{cached:>10}")
-    print(f"(host tier served {results['host_tier_tokens']} of those tokens)")
+    tiers = results["tier_tokens"]
+    print(f"(tokens served by the host tier: {tiers['host']}, by the shared tier: {tiers['shared']})")
     for name, value in results["ratios"].items():
         print(f"{name:<54}{value:>10.3f}")
 

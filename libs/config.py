@@ -98,6 +98,11 @@ class EngineSettings(ServiceSettings):
     # The host KV tier of one replica (cachet.engine.host_kv_tier): blocks evicted from the pool
     # wait there and a prefix hit copies them back. 0: none. Divided between a replica's ranks.
     kv_host_gb: float = Field(default=0, ge=0, validation_alias=_shared("CACHET_KV_HOST_GB"))
+    # The shared file KV tier (cachet.engine.shared_kv_tier): one file per block under this
+    # folder, which replicas on any host that see it share; needs the host tier. Unset: none.
+    kv_shared_dir: Path | None = Field(default=None, validation_alias=_shared("CACHET_KV_SHARED_DIR"))
+    # Its size budget, for this model and layout's folder (least recently used files go first).
+    kv_shared_gb: float = Field(default=20, gt=0, validation_alias=_shared("CACHET_KV_SHARED_GB"))
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=16)

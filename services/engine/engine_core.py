@@ -77,6 +77,7 @@ class EngineCore:
             model=self.model,
             block_size=self.runner.block_size,
             host_tier=HostTierIndex(host_slots) if host_slots else None,
+            shared_tier=getattr(self.runner, "shared_kv", None),
         )
         self.scheduler = Scheduler(kv, self.scheduler_config)
         if self.grammar_compiler is not None:
@@ -95,6 +96,10 @@ class EngineCore:
         if request.grammar is not None and self._masks is None:
             raise InvalidRequest("response_format needs the engine to have a tokenizer")
         self.scheduler.add_request(request)
+        prefetch = self.scheduler.kv.start_prefetch(request)
+        if prefetch is not None and self.wake is not None:
+            wake = self.wake
+            prefetch.add_done_callback(lambda _: wake())
         if request.grammar is not None and not request.grammar.ready:
             self._compiling[request.request_id] = request
             if self.wake is not None:
@@ -119,6 +124,8 @@ class EngineCore:
         return (
             bool(self._pending or self.scheduler.running)
             or self.scheduler.waiting.peek_ready() is not None
+            # Blocks named by the last step still to be written to the shared tier.
+            or self.scheduler.kv.has_pending_moves
             # A failed grammar is never ready, but its refusal is work: the next step sends it.
             or any(r.grammar is not None and r.grammar.error is not None for r in self._compiling.values())
         )

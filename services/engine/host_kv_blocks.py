@@ -29,12 +29,14 @@ class HostKvBlocks:
         self.non_blocking = on_cuda
         self.bytes_per_block = self.blocks[0].numel() * self.blocks.element_size()
 
+    def pool_block(self, block_id: int) -> torch.Tensor:
+        return self.kv_cache.select(self.block_dim, block_id)
+
     def apply(self, moves: KvBlockMoves) -> None:
+        """Demotions, then blocks loaded from the shared tier, then promotions (``KvBlockMoves``)."""
         for block_id, slot in moves.demote:
-            self.blocks[slot].copy_(
-                self.kv_cache.select(self.block_dim, block_id), non_blocking=self.non_blocking
-            )
+            self.blocks[slot].copy_(self.pool_block(block_id), non_blocking=self.non_blocking)
+        for slot, block in moves.fill:
+            self.blocks[slot].copy_(block)
         for slot, block_id in moves.promote:
-            self.kv_cache.select(self.block_dim, block_id).copy_(
-                self.blocks[slot], non_blocking=self.non_blocking
-            )
+            self.pool_block(block_id).copy_(self.blocks[slot], non_blocking=self.non_blocking)

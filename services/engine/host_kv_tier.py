@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 from cachet.engine.step_plan import KvBlockMoves
 
@@ -36,6 +37,7 @@ class HostTierIndex:
         self._locked: set[int] = set()
         self._demote: list[tuple[int, int]] = []
         self._promote: list[tuple[int, int]] = []
+        self._fill: list[tuple[int, Any]] = []
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
@@ -64,16 +66,31 @@ class HostTierIndex:
             self._locked.add(slot)
             self._promote.append((slot, block_id))
 
-    def take_moves(self) -> KvBlockMoves:
-        """This step's copy orders, oldest first; unlocks the slots they read."""
-        moves = KvBlockMoves(demote=self._demote, promote=self._promote)
-        self._demote, self._promote = [], []
+    def fill(self, loaded: Iterable[tuple[int, Any]]) -> None:
+        """Order blocks loaded from the shared tier, as (hash, block tensor), into slots; a slot
+        filled this step is locked like a promoted one (its promotion follows)."""
+        for block_hash, block in loaded:
+            if block_hash in self._slots:
+                self._slots.move_to_end(block_hash)
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                return
+            self._slots[block_hash] = slot
+            self._locked.add(slot)
+            self._fill.append((slot, block))
+
+    def take_moves(self, store: list[tuple[int, int]] | None = None) -> KvBlockMoves:
+        """This step's copy orders, oldest first, with ``store`` orders for the shared tier;
+        unlocks the slots they read."""
+        moves = KvBlockMoves(demote=self._demote, promote=self._promote, store=store or [], fill=self._fill)
+        self._demote, self._promote, self._fill = [], [], []
         self._locked.clear()
         return moves
 
     def clear(self) -> None:
         """Forget every held block (a prefix cache reset, between steps)."""
-        if self._demote or self._promote:
+        if self._demote or self._promote or self._fill:
             raise AssertionError("host tier cleared while a step's copy orders are pending")
         self._slots.clear()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))

@@ -14,17 +14,30 @@ cache hit never reads KV that a forward pass has not written yet.
 With a host tier (``host_kv_tier``), blocks the pool evicts are copied down to it, and
 a prefix that continues in the host tier past the pool's hits is copied back into
 freshly allocated blocks: those tokens count as cached, like pool hits.
+
+With a shared file tier too (``shared_kv_tier``), every block is written there once it
+is named, and a new request's prefix that continues there is loaded into the host tier
+before the request is admitted (``start_prefetch``; the request waits, the steps go on).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from cachet.block_hash import DEFAULT_BLOCK_SIZE, hash_block, hash_seed
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.request import Request
 from cachet.engine.step_plan import KvBlockMoves
+
+if TYPE_CHECKING:
+    from cachet.engine.shared_kv_tier import SharedKvFiles
+
+log = structlog.get_logger(__name__)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -41,6 +54,7 @@ class KVCacheManager:
         model: str,
         block_size: int = DEFAULT_BLOCK_SIZE,
         host_tier: HostTierIndex | None = None,
+        shared_tier: SharedKvFiles | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -48,15 +62,23 @@ class KVCacheManager:
         self.model = model
         self.block_size = block_size
         self.host_tier = host_tier if pool.enable_caching else None
+        if shared_tier is not None and self.host_tier is None:
+            raise ValueError("a shared KV tier loads into the host tier: it needs one")
+        self.shared_tier = shared_tier if self.host_tier is not None else None
+        # Blocks named since the last plan that the shared tier lacks: (block id, hash).
+        self._store: list[tuple[int, int]] = []
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already named (or found already named elsewhere).
         self._num_named: dict[str, int] = {}
         # Hashes found in the host tier by the last get_computed_blocks, per request, for the
         # allocate_slots call that admits it.
         self._host_hits: dict[str, list[int]] = {}
+        # Per request, the hashes its prefetch filled into the host tier: their hits count as
+        # the shared tier's.
+        self._from_shared: dict[str, set[int]] = {}
         # Totals since start, for metrics (fixed keys: read from other threads).
-        self.hit_tokens = {"engine": 0, "host": 0}
-        self.block_copies = {"demote": 0, "promote": 0}
+        self.hit_tokens = {"engine": 0, "host": 0, "shared": 0}
+        self.block_copies = {"demote": 0, "promote": 0, "store": 0, "load": 0}
 
     # ------------------------------------------------------------------ queries
 
@@ -101,6 +123,7 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return [], 0
         self._update_block_hashes(request)
+        self._install_prefetch(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -153,7 +176,10 @@ class KVCacheManager:
             self.host_tier.promote(host_hits, new_blocks[: len(host_hits)])
             self.host_tier.demote(evicted)
         self.hit_tokens["engine"] += len(new_computed_blocks) * self.block_size
-        self.hit_tokens["host"] += len(host_hits) * self.block_size
+        loaded = self._from_shared.pop(request.request_id, set())
+        from_shared = sum(1 for h in host_hits if h in loaded)
+        self.hit_tokens["host"] += (len(host_hits) - from_shared) * self.block_size
+        self.hit_tokens["shared"] += from_shared * self.block_size
         if request.request_id not in self._tables:
             self._num_named[request.request_id] = len(new_computed_blocks)
         self._tables[request.request_id] = table + list(new_computed_blocks) + new_blocks
@@ -172,12 +198,21 @@ class KVCacheManager:
         parent = request.block_hashes[start - 1] if start else None
         self.pool.cache_blocks(table[start:end], request.block_hashes[start:end], parent)
         self._num_named[request.request_id] = end
+        if self.shared_tier is not None:
+            self._store.extend(
+                (block_id, block_hash)
+                for block_id, block_hash in zip(
+                    table[start:end], request.block_hashes[start:end], strict=True
+                )
+                if not self.shared_tier.contains(block_hash)
+            )
 
     def free(self, request: Request) -> None:
         """Drop the request's references, tail block first, so its tail is evicted first."""
         table = self._tables.pop(request.request_id, [])
         self._num_named.pop(request.request_id, None)
         self._host_hits.pop(request.request_id, None)
+        self._from_shared.pop(request.request_id, None)
         self.pool.free(reversed(table))
 
     def reset_prefix_cache(self) -> bool:
@@ -189,14 +224,60 @@ class KVCacheManager:
             self.host_tier.clear()
         return True
 
+    @property
+    def has_pending_moves(self) -> bool:
+        """Blocks named since the last plan wait to be written to the shared tier."""
+        return bool(self._store)
+
     def take_block_moves(self) -> KvBlockMoves:
         """Copies between the pool and the host tier ordered since the last call, for the plan."""
         if self.host_tier is None:
             return KvBlockMoves()
-        moves = self.host_tier.take_moves()
+        moves = self.host_tier.take_moves(self._store)
+        self._store = []
         self.block_copies["demote"] += len(moves.demote)
         self.block_copies["promote"] += len(moves.promote)
+        self.block_copies["store"] += len(moves.store)
+        self.block_copies["load"] += len(moves.fill)
         return moves
+
+    def start_prefetch(self, request: Request) -> Future[list[tuple[int, Any]]] | None:
+        """Start loading the part of a new request's prefix that only the shared tier holds:
+        the run of blocks after those the pool and the host tier hold. The request is not
+        ready (``Request.is_ready``) until the load is done; None when there is none to load."""
+        if self.shared_tier is None or self.host_tier is None:
+            return None
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:max_blocks]
+        first = 0
+        while first < len(hashes) and (
+            self.pool.lookup(hashes[first]) is not None or hashes[first] in self.host_tier
+        ):
+            first += 1
+        run = []
+        for block_hash in hashes[first:]:
+            if not self.shared_tier.contains(block_hash):
+                break
+            run.append(block_hash)
+        if not run:
+            return None
+        request.kv_prefetch = self.shared_tier.read_later(run)
+        return request.kv_prefetch
+
+    def _install_prefetch(self, request: Request) -> None:
+        """Blocks a finished prefetch loaded go into the host tier (filled before this step's
+        promotions), where the lookup that follows finds them."""
+        prefetch, request.kv_prefetch = request.kv_prefetch, None
+        if prefetch is None or self.host_tier is None:
+            return
+        try:
+            loaded = prefetch.result()
+        except Exception as exc:  # a load that failed costs a recompute, never the request
+            log.warning("shared KV prefetch failed", request_id=request.request_id, error=str(exc))
+            return
+        self.host_tier.fill(loaded)
+        self._from_shared[request.request_id] = {block_hash for block_hash, _ in loaded}
 
     def take_events(self) -> list[KvEvent]:
         """KV events since the last call, oldest first (the engine publishes them)."""

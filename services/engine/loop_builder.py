@@ -122,6 +122,8 @@ def build_runner(
         cuda_graphs=settings.cuda_graphs and device.type == "cuda",
         max_decode_batch=settings.max_num_seqs,
         host_kv_bytes=int(settings.kv_host_gb * _GIB / settings.tensor_parallel_size),
+        shared_kv_dir=settings.kv_shared_dir,
+        shared_kv_bytes=int(settings.kv_shared_gb * _GIB),
     )
     return runner, model, dtype, device
 

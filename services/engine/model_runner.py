@@ -36,6 +36,7 @@ from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.packed_linear import pack_linear_weights, packs_linear_weights
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
+from cachet.engine.shared_kv_tier import SharedKvFiles, layout_key
 from cachet.engine.step_plan import NewRequest, StepPlan, StepResult
 from cachet.engine.tensor_parallel import SINGLE_RANK
 from cachet.engine.weights import load_model
@@ -89,6 +90,8 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_decode_batch: int = 64,
         host_kv_bytes: int = 0,
+        shared_kv_dir: Path | None = None,
+        shared_kv_bytes: int = 0,
     ) -> None:
         """``kv_cache_bytes``: the KV pool's size, or a budget it is sized by once the weights
         are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
@@ -96,7 +99,10 @@ class ModelRunner:
         ``max_decode_batch`` requests from fixed-shape steps (``cuda_graphs``), captured as
         CUDA graphs on a CUDA device and run eagerly elsewhere; ignored for models that opt
         out and for tensor-parallel replicas. ``host_kv_bytes``: this rank's host tier
-        (``host_kv_tier``), 0 for none."""
+        (``host_kv_tier``), 0 for none. ``shared_kv_dir``: the shared file tier's root
+        (``shared_kv_tier``), kept under ``shared_kv_bytes``; it loads into the host tier,
+        so it needs one, and a tensor-parallel replica has none (its ranks' shards would
+        need writing and checking together)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -138,6 +144,21 @@ class ModelRunner:
         self._requests: dict[str, _RequestState] = {}
         self.host_kv = self._allocate_host_kv(host_kv_bytes, tp)
         self.num_host_kv_blocks = self.host_kv.blocks.shape[0] if self.host_kv is not None else 0
+        self.shared_kv: SharedKvFiles | None = None
+        if shared_kv_dir is not None:
+            if self.host_kv is None:
+                raise ValueError(
+                    "the shared KV tier (CACHET_KV_SHARED_DIR) needs a host tier: set CACHET_KV_HOST_GB"
+                )
+            if tp is None or tp.size == 1:
+                block_shape = tuple(self.host_kv.blocks.shape[1:])
+                self.shared_kv = SharedKvFiles(
+                    Path(shared_kv_dir),
+                    layout_key(Path(model_dir).name, dtype, block_size, block_shape),
+                    budget_bytes=shared_kv_bytes,
+                    block_shape=block_shape,
+                    dtype=dtype,
+                )
         self.decode_graphs: DecodeGraphs | None = None
         if use_graphs:
             self.decode_graphs = DecodeGraphs(
@@ -279,7 +300,24 @@ class ModelRunner:
             return
         if self.host_kv is None:
             raise ValueError("the plan moves KV blocks to or from a host tier this runner does not have")
+        for block_id, block_hash in plan.kv_moves.store:
+            self._store_shared(block_id, block_hash)
         self.host_kv.apply(plan.kv_moves)
+
+    def _store_shared(self, block_id: int, block_hash: int) -> None:
+        """Copy a pool block out for the shared tier's writer; on CUDA into pinned memory without
+        waiting, the writer waiting on the copy's event instead."""
+        if self.shared_kv is None:
+            raise ValueError("the plan stores KV blocks in a shared tier this runner does not have")
+        source = self.host_kv.pool_block(block_id)
+        if source.device.type != "cuda":
+            self.shared_kv.write_later(block_hash, source.clone())
+            return
+        staging = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        staging.copy_(source, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.shared_kv.write_later(block_hash, staging, copied.synchronize)
 
     def _apply_diffs(self, plan: StepPlan) -> None:
         # Drop before adding: a preempted request can come back as new in the same plan.

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from cachet.engine.grammar_matcher import RequestGrammar
 
 
@@ -65,6 +67,8 @@ class Request:
     stop_reason: str = ""
     # Structured output: the grammar every output token must follow (None: free text).
     grammar: RequestGrammar | None = None
+    # Blocks of its prefix being loaded from the shared KV tier ((hash, block) pairs).
+    kv_prefetch: Future[list[tuple[int, Any]]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,8 +88,11 @@ class Request:
 
     @property
     def is_ready(self) -> bool:
-        """False while its grammar is still compiling: the scheduler leaves it waiting."""
-        return self.grammar is None or self.grammar.ready
+        """False while its grammar is still compiling or its prefix is still loading from the
+        shared KV tier: the scheduler leaves it waiting."""
+        return (self.grammar is None or self.grammar.ready) and (
+            self.kv_prefetch is None or self.kv_prefetch.done()
+        )
 
     def __repr__(self) -> str:
         # Prompts stay out of logs.

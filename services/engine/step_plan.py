@@ -18,6 +18,7 @@ mid-prompt samples nothing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from cachet.engine.sampling_params import SamplingParams
 
@@ -52,14 +53,19 @@ class RunningRequestDiff:
 
 @dataclass(frozen=True)
 class KvBlockMoves:
-    """Copies between the KV pool and the host tier, done before the step's forward pass:
-    ``demote`` (pool block id, host slot) first, then ``promote`` (host slot, pool block id)."""
+    """Copies between the KV pool and the lower tiers, done before the step's forward pass, in
+    this order: those that read pool blocks about to be reused (``store`` (pool block id,
+    hash) to the shared file tier, ``demote`` (pool block id, host slot) to the host tier),
+    then ``fill`` (host slot, block tensor loaded from the shared tier), then ``promote``
+    (host slot, pool block id)."""
 
     demote: list[tuple[int, int]] = field(default_factory=list)
     promote: list[tuple[int, int]] = field(default_factory=list)
+    store: list[tuple[int, int]] = field(default_factory=list)
+    fill: list[tuple[int, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.demote or self.promote)
+        return bool(self.demote or self.promote or self.store or self.fill)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,204 @@
+"""The shared file KV tier: one file per block under ``CACHET_KV_SHARED_DIR``, so a block one
+replica computed can be loaded by any replica that sees the directory (a local SSD, or a
+shared filesystem across hosts, as llm-d's file-system offload does).
+
+Files live in a folder named by everything that makes two replicas' blocks interchangeable
+(model, dtype, block size, the block's shape: the sharding layout) and are named by the
+chained block hash. Each file is a small JSON header (that key, the hash, shape, dtype,
+payload size and its SHA-256) and the block's bytes. A file is written under a temporary
+name and renamed into place, so a reader sees a whole file or none; a torn, truncated,
+corrupted or foreign file fails the header or checksum test, is removed, and its tokens
+are recomputed: never served.
+
+Writes and reads run on one worker thread; the engine's step only queues them. The folder
+is kept under a size budget by removing the least recently used files (a read refreshes a
+file's modification time); several replicas may clean the same folder, and a file that
+vanishes under a reader is simply a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import struct
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+_MAGIC = b"CKV1"
+_HEADER_LENGTH = struct.Struct("<I")
+# Clean up at most this often (in writes): listing a large folder is not free.
+_CLEAN_UP_EVERY_WRITES = 64
+# A clean-up goes down to this share of the budget, so it does not run again at once.
+_CLEAN_UP_TARGET = 0.9
+
+
+def layout_key(model: str, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...]) -> str:
+    """The folder name: replicas whose keys match can load each other's blocks."""
+    shape = "x".join(map(str, block_shape))
+    raw = f"{model}-{str(dtype).removeprefix('torch.')}-bs{block_size}-{shape}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", raw)
+
+
+class SharedKvFiles:
+    """One layout's folder of block files, and the worker thread that reads and writes it."""
+
+    def __init__(
+        self, root: Path, key: str, *, budget_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
+        self.key = key
+        self.folder = Path(root) / key
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared-kv")
+        self._lock = threading.Lock()
+        self._writes_since_clean_up = 0
+        # Totals since start, for metrics (fixed keys: read from other threads).
+        self.counts = {"written": 0, "loaded": 0, "rejected": 0, "removed": 0}
+
+    def path(self, block_hash: int) -> Path:
+        return self.folder / f"{block_hash & (2**64 - 1):016x}.kv"
+
+    def contains(self, block_hash: int) -> bool:
+        return self.path(block_hash).exists()
+
+    # ------------------------------------------------------------------- writes
+
+    def write_later(
+        self, block_hash: int, block: torch.Tensor, ready: Callable[[], None] | None = None
+    ) -> None:
+        """Queue ``block`` (a CPU tensor this tier now owns) for writing; ``ready`` is waited on
+        first, on the worker (a CUDA event whose copy fills ``block``)."""
+        self._worker.submit(self._write, block_hash, block, ready)
+
+    def _write(self, block_hash: int, block: torch.Tensor, ready: Callable[[], None] | None) -> None:
+        try:
+            if ready is not None:
+                ready()
+            final = self.path(block_hash)
+            if final.exists():
+                return
+            payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+            header = json.dumps(
+                {
+                    "key": self.key,
+                    "hash": block_hash,
+                    "shape": list(block.shape),
+                    "dtype": str(block.dtype),
+                    "nbytes": len(payload),
+                    "sha256": hashlib.sha256(payload).hexdigest(),
+                }
+            ).encode()
+            temporary = self.folder / f".{final.name}.{uuid.uuid4().hex}.tmp"
+            with open(temporary, "wb") as file:
+                file.write(_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + payload)
+            os.replace(temporary, final)
+            self.counts["written"] += 1
+            self._writes_since_clean_up += 1
+            if self._writes_since_clean_up >= _CLEAN_UP_EVERY_WRITES:
+                self.clean_up()
+        except OSError as exc:
+            # A full or read-only disk costs the tier its blocks, never a request.
+            log.warning("shared KV block not written", error=str(exc))
+
+    # -------------------------------------------------------------------- reads
+
+    def read_later(self, block_hashes: list[int]) -> Future[list[tuple[int, torch.Tensor]]]:
+        """Load the leading run of ``block_hashes`` whose files are sound, on the worker."""
+        return self._worker.submit(self._read_run, block_hashes)
+
+    def _read_run(self, block_hashes: list[int]) -> list[tuple[int, torch.Tensor]]:
+        loaded = []
+        for block_hash in block_hashes:
+            block = self.read(block_hash)
+            if block is None:
+                break
+            loaded.append((block_hash, block))
+        return loaded
+
+    def read(self, block_hash: int) -> torch.Tensor | None:
+        """The block's tensor, or None when its file is missing or fails a check (then removed)."""
+        path = self.path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        block = self._decode(data, block_hash)
+        if block is None:
+            self.counts["rejected"] += 1
+            log.warning("shared KV block file rejected", path=str(path))
+            path.unlink(missing_ok=True)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # least recently used goes first
+        self.counts["loaded"] += 1
+        return block
+
+    def _decode(self, data: bytes, block_hash: int) -> torch.Tensor | None:
+        start = len(_MAGIC) + _HEADER_LENGTH.size
+        if len(data) < start or not data.startswith(_MAGIC):
+            return None
+        (header_length,) = _HEADER_LENGTH.unpack_from(data, len(_MAGIC))
+        try:
+            header = json.loads(data[start : start + header_length])
+        except ValueError:
+            return None
+        payload = data[start + header_length :]
+        expected = {
+            "key": self.key,
+            "hash": block_hash,
+            "shape": list(self.block_shape),
+            "dtype": str(self.dtype),
+            "nbytes": len(payload),
+        }
+        if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
+            return None
+        if header.get("sha256") != hashlib.sha256(payload).hexdigest():
+            return None
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+
+    # ----------------------------------------------------------------- clean-up
+
+    def clean_up(self) -> None:
+        """Remove least recently used files until the folder is within its budget."""
+        with self._lock:
+            self._writes_since_clean_up = 0
+            files = []
+            for entry in os.scandir(self.folder):
+                try:
+                    stat = entry.stat()
+                except OSError:
+                    continue
+                files.append((stat.st_mtime, stat.st_size, entry.path))
+            total = sum(size for _, size, _ in files)
+            if total <= self.budget_bytes:
+                return
+            target = self.budget_bytes * _CLEAN_UP_TARGET
+            for _, size, path in sorted(files):
+                if total <= target:
+                    break
+                try:
+                    os.unlink(path)
+                except OSError:
+                    continue
+                total -= size
+                self.counts["removed"] += 1
+
+    def drain(self) -> None:
+        """Wait for every queued read and write (tests, shutdown)."""
+        self._worker.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
