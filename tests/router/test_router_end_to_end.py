@@ -187,22 +187,34 @@ async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cach
     assert second.content == first.content
 
 
-async def test_session_affinity_keeps_each_session_on_its_replica(stack, inference) -> None:
-    for home in stack.engine_addresses:
-        session = session_homed_on(home, stack.engine_addresses)
-        served = set()
-        for turn in range(3):
-            request = chat(f"Question number {turn}?", max_tokens=2)
-            # Metadata for one turn, the request field for another: both name the session.
-            if turn % 2:
-                request.session_id = session
-                reply = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
-            else:
-                reply = await inference.CreateChatCompletion(
-                    request, metadata=(("x-session-affinity", session),), timeout=TIMEOUT
-                )
-            served.add(reply.replica_address)
-        assert served == {home}
+async def test_a_session_stays_where_it_started_and_new_sessions_spread(stack) -> None:
+    # A router of its own: its session directory then holds only these sessions.
+    router = stack.start_router("router-sessions")
+    homes = []
+    try:
+        async with create_channel(router.address) as channel:
+            inference = router_pb2_grpc.InferenceServiceStub(channel)
+            for _ in stack.engine_addresses:
+                session = uuid.uuid4().hex
+                served = []
+                for turn in range(3):
+                    # Fresh prompts: no turn finds another's prefix, so only the session keeps it put.
+                    request = chat(f"Question number {turn}?", max_tokens=2)
+                    # Metadata for one turn, the request field for another: both name the session.
+                    if turn % 2:
+                        request.session_id = session
+                        reply = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
+                    else:
+                        reply = await inference.CreateChatCompletion(
+                            request, metadata=(("x-session-affinity", session),), timeout=TIMEOUT
+                        )
+                    served.append(reply.replica_address)
+                assert len(set(served)) == 1, served
+                homes.append(served[0])
+    finally:
+        router.stop()
+    # Each new session went where the live sessions held the least KV: one per replica.
+    assert sorted(homes) == sorted(stack.engine_addresses)
 
 
 async def test_stop_strings_truncate_the_output(inference) -> None:
@@ -258,10 +270,11 @@ async def test_each_account_sees_only_its_own_cached_prefixes(stack) -> None:
         "router-tenants",
         CACHET_ROUTER_API_KEYS=json.dumps(TENANT_KEYS),
         CACHET_ROUTER_CACHE_GROUPS=json.dumps({"acct-a": "org-1", "acct-a2": "org-1"}),
+        # One replica for every request, so a miss is isolation, not placement (each account's
+        # session is its own, and a new one goes where the sessions hold the least KV).
+        CACHET_ROUTER_ENGINE_ADDRESSES=json.dumps([holder := min(stack.engine_addresses)]),
     )
-    # One session for every request: all land on one replica, so a miss is isolation, not placement.
-    holder = min(stack.engine_addresses)
-    session = session_homed_on(holder, stack.engine_addresses)
+    session = uuid.uuid4().hex
     request = chat("Summarise the plot of Hamlet in two sentences, please.", max_tokens=1)
     try:
         async with create_channel(router.address) as channel:
@@ -292,10 +305,13 @@ async def test_each_account_sees_only_its_own_cached_prefixes(stack) -> None:
 
 async def test_without_isolation_accounts_share_cached_prefixes(stack) -> None:
     router = stack.start_router(
-        "router-shared", CACHET_ROUTER_API_KEYS=json.dumps(TENANT_KEYS), CACHET_ROUTER_CACHE_ISOLATION="false"
+        "router-shared",
+        CACHET_ROUTER_API_KEYS=json.dumps(TENANT_KEYS),
+        CACHET_ROUTER_CACHE_ISOLATION="false",
+        # One replica, as above: only the cache's sharing decides a hit.
+        CACHET_ROUTER_ENGINE_ADDRESSES=json.dumps([holder := min(stack.engine_addresses)]),
     )
-    holder = min(stack.engine_addresses)
-    session = session_homed_on(holder, stack.engine_addresses)
+    session = uuid.uuid4().hex
     request = chat("Name three rivers of Europe.", max_tokens=1)
     try:
         async with create_channel(router.address) as channel:
