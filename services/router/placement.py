@@ -108,7 +108,7 @@ class Placement:
     """The chosen replica and why (the reason goes to logs and metrics)."""
 
     address: str
-    # "score" (no session); "session" (its home), "session_new" (no home: by footprint),
+    # "score" (no session); "session" (its home), "session_new" (no home: by load and KV),
     # "session_move" (its home lost on score, or is gone).
     reason: str
 
