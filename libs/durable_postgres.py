@@ -99,13 +99,29 @@ async def migrate(connection: asyncpg.Connection, migrations: Migrations, *, sto
     return known
 
 
+def connection_lost(error: BaseException) -> bool:
+    """Whether ``error`` says the connection or the server is gone (not that a statement was refused)."""
+    # asyncpg raises InternalClientError ("cannot switch to state ...") for a query sent on a
+    # connection the server cut while it sat idle in the pool (pg_terminate_backend, failover).
+    return isinstance(error, (*_UNREACHABLE, asyncpg.InternalClientError))
+
+
 @contextlib.asynccontextmanager
-async def unreachable_as_unavailable(store: str) -> AsyncIterator[None]:
-    """Turn a lost server inside the block into Unavailable naming ``store``."""
+async def pooled_connection(pool: asyncpg.Pool, store: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of ``pool``. A lost server reads as Unavailable naming ``store``, and a
+    connection it cut is closed, so that the pool opens a fresh one for the next caller."""
     try:
-        yield
-    except _UNREACHABLE as error:
-        raise Unavailable(f"the {store} store (PostgreSQL) is unreachable: {error}") from error
+        async with pool.acquire() as connection:
+            try:
+                yield connection
+            except BaseException as error:
+                if connection_lost(error):
+                    connection.terminate()
+                raise
+    except Exception as error:
+        if connection_lost(error):
+            raise Unavailable(f"the {store} store (PostgreSQL) is unreachable: {error}") from error
+        raise
 
 
 def _lock_key(store: str) -> int:

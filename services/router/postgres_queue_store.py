@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import asyncpg
 
-from cachet.durable_postgres import describe, open_pool, unreachable_as_unavailable
+from cachet.durable_postgres import connection_lost, describe, open_pool, pooled_connection
 from cachet.logs import get_logger
 from cachet.router.completion_groups import CompletionGroups, PendingCompletion
 from cachet.router.queue_records import (
@@ -426,14 +426,18 @@ class PostgresQueueStore:
             try:
                 async with db.transaction():
                     return await self._complete_together(db, group)
-            except asyncpg.PostgresError:
-                pass  # one of them cannot be written: each in a savepoint of its own, so it fails alone
+            except asyncpg.PostgresError as error:
+                if connection_lost(error):
+                    raise
+                # One of them cannot be written: each in a savepoint of its own, so it fails alone.
             outcomes: list[Completion | Exception] = []
             for pending in group:
                 try:
                     async with db.transaction():
                         outcomes.append(await self._complete(db, pending.job, pending.result))
                 except asyncpg.PostgresError as error:
+                    if connection_lost(error):
+                        raise
                     outcomes.append(error)
             return outcomes
 
@@ -617,11 +621,9 @@ class PostgresQueueStore:
 
     # ------------------------------------------------------------------ plumbing
 
-    @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+    def _connection(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
         """A pooled connection; a lost server reads as Unavailable."""
-        async with unreachable_as_unavailable(STORE), self._pool.acquire() as connection:
-            yield connection
+        return pooled_connection(self._pool, STORE)
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[asyncpg.Connection]:

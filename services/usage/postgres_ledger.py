@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import asyncpg
 
-from cachet.durable_postgres import describe, open_pool, unreachable_as_unavailable
+from cachet.durable_postgres import describe, open_pool, pooled_connection
 from cachet.logs import get_logger
 from cachet.usage.ledger_query import query_sql, totals
 from cachet.usage.prices import ModelPrice
@@ -92,22 +92,18 @@ class PostgresLedger:
 
     async def record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
         """Append ``entry`` priced at ``price``, unless its request id is already there."""
-        async with unreachable_as_unavailable(STORE), self._pool.acquire() as connection:
+        async with pooled_connection(self._pool, STORE) as connection:
             return await self._record(connection, entry, price)
 
     async def record_many(self, priced: Sequence[tuple[UsageEntry, ModelPrice]]) -> list[RecordOutcome]:
         """``record`` for each entry, in one transaction: one commit for the lot, all or nothing."""
-        async with (
-            unreachable_as_unavailable(STORE),
-            self._pool.acquire() as connection,
-            connection.transaction(),
-        ):
+        async with pooled_connection(self._pool, STORE) as connection, connection.transaction():
             return [await self._record(connection, entry, price) for entry, price in priced]
 
     async def query(self, query: UsageQuery) -> list[UsageTotals]:
         """Totals per group, ordered by the group keys."""
         sql, params = query_sql(query, day_expression=_DAY, placeholder=lambda n: f"${n}")
-        async with unreachable_as_unavailable(STORE), self._pool.acquire() as connection:
+        async with pooled_connection(self._pool, STORE) as connection:
             rows = await connection.fetch(sql, *params)
         return [totals(query.group_by, tuple(row)) for row in rows]
 
