@@ -106,11 +106,11 @@ def test_layout_keys_name_safe_folders() -> None:
     assert key == "org_model_name-bfloat16-bs16-30x2x16x3x64"
 
 
-def engine_with_shared_tier(model_dir: Path, shared: Path, per_block: int) -> EngineCore:
+def engine_with_shared_tier(model_dir: Path, shared: Path, per_block: int, device: str) -> EngineCore:
     runner = ModelRunner(
         model_dir,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=torch.device(device),
         kv_cache_bytes=32 * per_block,
         block_size=16,
         host_kv_bytes=32 * per_block,
@@ -129,15 +129,21 @@ def engine_with_shared_tier(model_dir: Path, shared: Path, per_block: int) -> En
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "kimi-k2"])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    ("family", "device"),
+    [("llama", "cpu"), ("kimi-k2", "cpu"), pytest.param("llama", "cuda", marks=CUDA)],
+)
 def test_a_second_engine_serves_the_first_ones_prompt_from_the_shared_folder(
-    tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str, device: str
 ) -> None:
     model_dir = tiny_checkpoints[family]
     per_block = ModelRunner(
         model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=64 << 20
     )._kv_cache_bytes_per_block()
-    first = engine_with_shared_tier(model_dir, tmp_path, per_block)
+    first = engine_with_shared_tier(model_dir, tmp_path, per_block, device)
     prompt = torch.randint(5, 200, (150,), generator=torch.Generator().manual_seed(5)).tolist()
     cold_tokens, cold_logprobs, cached = greedy(first, "a", prompt, 8)
     assert cached == 0
@@ -146,7 +152,7 @@ def test_a_second_engine_serves_the_first_ones_prompt_from_the_shared_folder(
     first.runner.shared_kv.drain()
     assert first.scheduler.kv.block_copies["store"] == 9  # the prompt's full blocks
 
-    second = engine_with_shared_tier(model_dir, tmp_path, per_block)
+    second = engine_with_shared_tier(model_dir, tmp_path, per_block, device)
     tokens, logprobs, cached = greedy(second, "b", prompt, 8)
     assert cached == 144
     assert second.scheduler.kv.hit_tokens == {"engine": 0, "host": 0, "shared": 144}
