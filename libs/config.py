@@ -105,7 +105,8 @@ class EngineSettings(ServiceSettings):
     kv_shared_gb: float = Field(default=20, gt=0, validation_alias=_shared("CACHET_KV_SHARED_GB"))
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=512, ge=16)
+    # Unset: cachet.engine_layout's default for the device (512 on a CPU, 2,048 on a GPU).
+    max_num_batched_tokens: int | None = Field(default=None, ge=16)
     # Most tokens of async-queue work in one step (unset: a quarter of max_num_batched_tokens).
     max_batch_tokens_per_step: int | None = Field(default=None, ge=1)
     max_waiting: int = Field(default=256, ge=1)

@@ -24,6 +24,16 @@ CPU_CORES_PER_REPLICA = 32
 CPU_KV_CACHE_MEMORY_FRACTION = 0.4
 GPU_KV_CACHE_MEMORY_FRACTION = 0.9
 
+# Tokens one engine step may compute (prefill chunks and decodes) unless set. On a CPU a step
+# is bound by its math: 512 keeps a prefill chunk from stalling the decodes beside it. On a
+# GPU an eager step is bound by launching its kernels, so bigger chunks are nearly free:
+# measured on an H100 (bf16, the default model's shape), 2,048 against 512 cut a 2,000-token
+# prompt's cold TTFT from 215 to 48 ms, an 8,000-token one's from 720 to 331 ms, and doubled
+# 16 streams' decode while that prompt prefilled (698 -> 1,362 tok/s); 8,192 was worse on
+# both counts (458 ms, 1,043 tok/s): a chunk's attention grows with its length.
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 @dataclass(frozen=True)
 class EngineLayout:

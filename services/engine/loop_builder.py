@@ -30,7 +30,12 @@ from cachet.engine.models import ModelConfig
 from cachet.engine.rank_environment import externally_launched
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.structured_output import GrammarCompiler
-from cachet.engine_layout import CPU_KV_CACHE_MEMORY_FRACTION, GPU_KV_CACHE_MEMORY_FRACTION
+from cachet.engine_layout import (
+    CPU_KV_CACHE_MEMORY_FRACTION,
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    GPU_KV_CACHE_MEMORY_FRACTION,
+    GPU_MAX_NUM_BATCHED_TOKENS,
+)
 from cachet.logs import configure_logging, get_logger
 from cachet.models.catalog import ResolvedModel, ensure_model
 from cachet.startup_heap import freeze_startup_heap
@@ -178,7 +183,8 @@ def build_core_loop(
         model=model.model_id,
         scheduler_config=SchedulerConfig(
             max_model_len=runner.max_model_len,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_batched_tokens=settings.max_num_batched_tokens
+            or (GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS),
             max_batch_tokens_per_step=settings.max_batch_tokens_per_step,
             max_num_seqs=settings.max_num_seqs,
             max_batch_running=settings.max_batch_running,
