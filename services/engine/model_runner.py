@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 
 from cachet.engine.attention import (
@@ -43,6 +44,8 @@ from cachet.engine.weights import load_model
 
 if TYPE_CHECKING:
     from cachet.engine.distributed import TensorParallel
+
+log = structlog.get_logger(__name__)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -144,35 +147,12 @@ class ModelRunner:
         self._requests: dict[str, _RequestState] = {}
         self.host_kv = self._allocate_host_kv(host_kv_bytes, tp)
         self.num_host_kv_blocks = self.host_kv.blocks.shape[0] if self.host_kv is not None else 0
-        self.shared_kv: SharedKvFiles | None = None
-        if shared_kv_dir is not None:
-            if self.host_kv is None:
-                raise ValueError(
-                    "the shared KV tier (CACHET_KV_SHARED_DIR) needs a host tier: set CACHET_KV_HOST_GB"
-                )
-            if tp is None or tp.size == 1:
-                block_shape = tuple(self.host_kv.blocks.shape[1:])
-                self.shared_kv = SharedKvFiles(
-                    Path(shared_kv_dir),
-                    layout_key(Path(model_dir).name, dtype, block_size, block_shape),
-                    budget_bytes=shared_kv_bytes,
-                    block_shape=block_shape,
-                    dtype=dtype,
-                )
-        self.decode_graphs: DecodeGraphs | None = None
-        if use_graphs:
-            self.decode_graphs = DecodeGraphs(
-                self.model,
-                vocab_size=self.vocab_size,
-                block_size=block_size,
-                max_batch=max_decode_batch,
-                max_model_len=self.max_model_len,
-                scratch_block=self.num_kv_blocks,
-                kv_bytes_per_key=self._kv_cache_bytes_per_block()
-                // (self.config.num_hidden_layers * block_size),
-                device=self.device,
-            )
-            self.decode_graphs.capture()
+        self.shared_kv = (
+            self._open_shared_kv(Path(shared_kv_dir), shared_kv_bytes, Path(model_dir).name, tp)
+            if shared_kv_dir is not None
+            else None
+        )
+        self.decode_graphs = self._capture_decode_graphs(max_decode_batch) if use_graphs else None
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """``[layers, ...]``: K/V per KV head, unless the model caches its own per-token layout."""
@@ -200,6 +180,40 @@ class ModelRunner:
         if tp is not None:
             num_slots = tp.min_over_ranks(num_slots)
         return HostKvBlocks(self.kv_cache, block_dim, num_slots) if num_slots > 0 else None
+
+    def _open_shared_kv(
+        self, root: Path, budget_bytes: int, model_name: str, tp: TensorParallel | None
+    ) -> SharedKvFiles | None:
+        if self.host_kv is None:
+            raise ValueError(
+                "the shared KV tier (CACHET_KV_SHARED_DIR) needs a host tier: set CACHET_KV_HOST_GB"
+            )
+        if tp is not None and tp.size > 1:
+            log.warning("no shared KV tier in a tensor-parallel replica", tensor_parallel_size=tp.size)
+            return None
+        block_shape = tuple(self.host_kv.blocks.shape[1:])
+        return SharedKvFiles(
+            root,
+            layout_key(model_name, self.dtype, self.block_size, block_shape),
+            budget_bytes=budget_bytes,
+            block_shape=block_shape,
+            dtype=self.dtype,
+        )
+
+    def _capture_decode_graphs(self, max_decode_batch: int) -> DecodeGraphs:
+        graphs = DecodeGraphs(
+            self.model,
+            vocab_size=self.vocab_size,
+            block_size=self.block_size,
+            max_batch=max_decode_batch,
+            max_model_len=self.max_model_len,
+            scratch_block=self.num_kv_blocks,
+            kv_bytes_per_key=self._kv_cache_bytes_per_block()
+            // (self.config.num_hidden_layers * self.block_size),
+            device=self.device,
+        )
+        graphs.capture()
+        return graphs
 
     def _kv_cache_bytes_per_block(self) -> int:
         if hasattr(self.model, "kv_cache_shape_per_token"):
