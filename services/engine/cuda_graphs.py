@@ -54,12 +54,18 @@ def captured_batch_sizes(max_batch: int) -> list[int]:
 
 
 def captured_kv_lengths(max_model_len: int, block_size: int) -> list[int]:
-    """Powers of two from ``MIN_CAPTURED_KV_LEN``, then the window itself (whole blocks)."""
-    window = -(-max_model_len // block_size) * block_size
-    lengths = []
-    length = max(MIN_CAPTURED_KV_LEN, block_size)
-    while length < window:
-        lengths.append(length)
+    """Powers of two from ``MIN_CAPTURED_KV_LEN``, then the window itself, each rounded up to
+    whole blocks (a step's block table covers exactly its key length)."""
+
+    def whole_blocks(tokens: int) -> int:
+        return -(-tokens // block_size) * block_size
+
+    window = whole_blocks(max_model_len)
+    lengths: list[int] = []
+    length = MIN_CAPTURED_KV_LEN
+    while whole_blocks(length) < window:
+        if not lengths or whole_blocks(length) > lengths[-1]:
+            lengths.append(whole_blocks(length))
         length *= 2
     return [*lengths, window]
 

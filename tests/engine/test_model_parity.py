@@ -264,6 +264,15 @@ def test_cuda_runner_matches_hf(checkpoints: dict[str, Path]) -> None:
         assert req.output == hf_greedy(model_dir, req.prompt)
 
 
+def test_captured_shapes_cover_whole_blocks() -> None:
+    assert cuda_graphs.captured_batch_sizes(1) == [1]
+    assert cuda_graphs.captured_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert cuda_graphs.captured_kv_lengths(8192, 16) == [256, 512, 1024, 2048, 4096, 8192]
+    # A block size that does not divide the powers of two: every length is whole blocks.
+    assert cuda_graphs.captured_kv_lengths(1000, 48) == [288, 528, 1008]
+    assert cuda_graphs.captured_kv_lengths(100, 16) == [112]
+
+
 def staggered_decoders() -> dict[str, SimRequest]:
     """Three requests (a batch padded to 4), admitted apart so decode steps span several
     captured context lengths and mix with prefill chunks, which run eagerly."""
@@ -274,18 +283,20 @@ def staggered_decoders() -> dict[str, SimRequest]:
     }
 
 
-@pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias", "rope-dynamic"])
+@pytest.mark.parametrize(
+    ("variant", "block_size"), [("llama-tied", 8), ("qwen2-bias", 8), ("rope-dynamic", 8), ("llama-tied", 12)]
+)
 def test_fixed_shape_decode_steps_match_hf(
-    checkpoints: dict[str, Path], variant: str, monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], variant: str, block_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The steps CUDA graphs capture, run eagerly on the CPU: padded batches, padded keys,
     # padding rows writing into the scratch block (block 0 holds request a's prompt).
     monkeypatch.setattr(cuda_graphs, "MIN_CAPTURED_KV_LEN", 16)
-    runner = runner_for(checkpoints[variant], block_size=8, cuda_graphs=True, max_decode_batch=4)
+    runner = runner_for(checkpoints[variant], block_size=block_size, cuda_graphs=True, max_decode_batch=4)
     graphs = runner.decode_graphs
     assert graphs is not None
     assert graphs.batch_sizes == [1, 2, 4]
-    assert graphs.kv_lengths[:3] == [16, 32, 64]
+    assert graphs.kv_lengths[:3] == ([16, 32, 64] if block_size == 8 else [24, 36, 72])
     assert runner.kv_cache.shape[2] == runner.num_kv_blocks + 1
     reqs = staggered_decoders()
     drive(runner, reqs)
