@@ -13,7 +13,9 @@ Ownership contract:
 
 Every change to the set of findable hashes is recorded as a ``KvEvent``, in
 order, so a follower (the cache service) that replays the events holds
-exactly the set ``cached_hashes()``.
+exactly the set ``cached_hashes()``. The events name their tier: the pool's are
+``"engine"``; the host and shared tiers emit the same events under their own names, so
+one follower mirrors each tier of a replica as its own set.
 """
 
 from __future__ import annotations
@@ -21,27 +23,38 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+# Where a replica holds a block's KV, fastest first: the pool (reused in place), host memory
+# (copied back), the shared file tier (read, then copied back).
+KvTier = Literal["engine", "host", "shared"]
+KV_TIERS: tuple[KvTier, ...] = ("engine", "host", "shared")
 
 
 @dataclass(frozen=True)
 class BlocksStored:
-    """Full blocks became findable under these chained hashes, in prefix order."""
+    """Full blocks became findable in ``tier`` under these chained hashes, in prefix order."""
 
     block_hashes: tuple[int, ...]
-    # Hash of the block before the first one; None for a sequence's first block.
+    # Hash of the block before the first one; None for a sequence's first block (and for the
+    # lower tiers, which gain blocks one by one, out of prefix order).
     parent_block_hash: int | None
+    tier: KvTier = "engine"
 
 
 @dataclass(frozen=True)
 class BlocksRemoved:
-    """These hashes no longer resolve (their blocks were evicted)."""
+    """These hashes no longer resolve in ``tier`` (their blocks were evicted from it)."""
 
     block_hashes: tuple[int, ...]
+    tier: KvTier = "engine"
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """Every hash was dropped at once (prefix cache reset)."""
+    """Every hash of ``tier`` was dropped at once (prefix cache reset)."""
+
+    tier: KvTier = "engine"
 
 
 KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared

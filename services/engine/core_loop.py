@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cachet.engine.block_pool import BlocksStored, KvEvent
+from cachet.engine.block_pool import KvEvent
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import InvalidRequest, RequestNotFound
 from cachet.engine.grammar_matcher import RequestGrammar
@@ -88,8 +88,7 @@ class CoreLoop:
                 return False
             return True
         assert isinstance(command, SubscribeKvEvents), command
-        snapshot = sorted(self.core.scheduler.kv.cached_block_hashes())
-        return [BlocksStored(tuple(snapshot), None)] if snapshot else []
+        return self.core.scheduler.kv.snapshot_events()
 
     def has_work_now(self) -> bool:
         return self.core.has_work_now()
@@ -129,4 +128,5 @@ class CoreLoop:
             host_kv_slots=host_slots,
             cached_tokens_by_tier=dict(scheduler.kv.hit_tokens),
             kv_block_copies=dict(scheduler.kv.block_copies),
+            kv_block_copy_bytes=scheduler.kv.block_copy_bytes,
         )

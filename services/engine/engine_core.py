@@ -78,6 +78,7 @@ class EngineCore:
             block_size=self.runner.block_size,
             host_tier=HostTierIndex(host_slots) if host_slots else None,
             shared_tier=getattr(self.runner, "shared_kv", None),
+            block_bytes=getattr(getattr(self.runner, "host_kv", None), "bytes_per_block", 0),
         )
         self.scheduler = Scheduler(kv, self.scheduler_config)
         if self.grammar_compiler is not None:

@@ -14,6 +14,10 @@ Two halves, split the way the engine is:
 The tier is inclusive: a promoted block keeps its host slot, so evicting it again costs no
 copy. A slot read by a promotion is locked until the plan that carries the order is built:
 a demotion in the same step must not overwrite it before the runner has read it.
+
+Every hash the tier gains or loses is a KV event of tier ``"host"`` (``take_events``), so the
+cache index goes on finding a block the pool evicted: the pool reports it removed, this
+tier stored, and the router still sends its prefix where the copy back is cheap.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+from cachet.engine.block_pool import KvEvent
 from cachet.engine.step_plan import KvBlockMoves
+from cachet.engine.tier_events import TierEvents, snapshot
 
 
 class HostTierIndex:
@@ -38,6 +44,7 @@ class HostTierIndex:
         self._demote: list[tuple[int, int]] = []
         self._promote: list[tuple[int, int]] = []
         self._fill: list[tuple[int, Any]] = []
+        self._events = TierEvents("host")
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
@@ -56,6 +63,7 @@ class HostTierIndex:
             if slot is None:
                 continue
             self._slots[block_hash] = slot
+            self._events.stored(block_hash)
             self._demote.append((block_id, slot))
 
     def promote(self, block_hashes: Iterable[int], block_ids: Iterable[int]) -> None:
@@ -77,6 +85,7 @@ class HostTierIndex:
             if slot is None:
                 return
             self._slots[block_hash] = slot
+            self._events.stored(block_hash)
             self._locked.add(slot)
             self._fill.append((slot, block))
 
@@ -94,6 +103,15 @@ class HostTierIndex:
             raise AssertionError("host tier cleared while a step's copy orders are pending")
         self._slots.clear()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._events.cleared()
+
+    def take_events(self) -> list[KvEvent]:
+        """The tier's KV events since the last call, oldest first."""
+        return self._events.take()
+
+    def snapshot_events(self) -> list[KvEvent]:
+        """Every held hash as one stored event, for a new follower."""
+        return snapshot("host", self._slots)
 
     def _take_slot(self) -> int | None:
         if self._free_slots:
@@ -101,5 +119,6 @@ class HostTierIndex:
         for block_hash, slot in self._slots.items():
             if slot not in self._locked:
                 del self._slots[block_hash]
+                self._events.removed(block_hash)
                 return slot
         return None

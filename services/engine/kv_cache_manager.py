@@ -18,6 +18,10 @@ freshly allocated blocks: those tokens count as cached, like pool hits.
 With a shared file tier too (``shared_kv_tier``), every block is written there once it
 is named, and a new request's prefix that continues there is loaded into the host tier
 before the request is admitted (``start_prefetch``; the request waits, the steps go on).
+
+The KV events (``take_events``) are every tier's: the pool's (``"engine"``), the host
+tier's and the shared tier's, each in its own order, so the cache index knows where each
+block can still be found, not only whether the pool holds it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.request import Request
 from cachet.engine.step_plan import KvBlockMoves
+from cachet.engine.tier_events import snapshot
 
 if TYPE_CHECKING:
     from cachet.engine.shared_kv_tier import SharedKvFiles
@@ -55,6 +60,7 @@ class KVCacheManager:
         block_size: int = DEFAULT_BLOCK_SIZE,
         host_tier: HostTierIndex | None = None,
         shared_tier: SharedKvFiles | None = None,
+        block_bytes: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -79,6 +85,8 @@ class KVCacheManager:
         # Totals since start, for metrics (fixed keys: read from other threads).
         self.hit_tokens = {"engine": 0, "host": 0, "shared": 0}
         self.block_copies = {"demote": 0, "promote": 0, "store": 0, "load": 0}
+        # Bytes of one block's KV on this rank (0: unknown), which turns copies into bytes moved.
+        self.block_bytes = block_bytes
 
     # ------------------------------------------------------------------ queries
 
@@ -101,8 +109,22 @@ class KVCacheManager:
         return list(self._tables.get(request_id, ()))
 
     def cached_block_hashes(self) -> set[int]:
-        """Hashes of every block a new request could reuse now (a KV event follower's snapshot)."""
+        """Hashes of every block the pool holds, which a new request reuses in place."""
         return self.pool.cached_hashes()
+
+    def snapshot_events(self) -> list[KvEvent]:
+        """Every tier's blocks as stored events: what a new KV event follower starts from."""
+        events = snapshot("engine", self.pool.cached_hashes())
+        if self.host_tier is not None:
+            events += self.host_tier.snapshot_events()
+        if self.shared_tier is not None:
+            events += self.shared_tier.snapshot_events()
+        return events
+
+    @property
+    def block_copy_bytes(self) -> dict[str, int]:
+        """Bytes copied by direction since start (demote/promote: host tier, store/load: shared)."""
+        return {direction: n * self.block_bytes for direction, n in self.block_copies.items()}
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether KV for ``num_tokens`` tokens fits in the pool with nothing else in it."""
@@ -280,8 +302,15 @@ class KVCacheManager:
         self._from_shared[request.request_id] = {block_hash for block_hash, _ in loaded}
 
     def take_events(self) -> list[KvEvent]:
-        """KV events since the last call, oldest first (the engine publishes them)."""
-        return self.pool.take_events()
+        """KV events since the last call, the pool's, then the host tier's, then the shared tier's,
+        each tier's oldest first (the engine publishes them). Tiers are mirrored apart, so only the
+        order within a tier matters."""
+        events = self.pool.take_events()
+        if self.host_tier is not None:
+            events += self.host_tier.take_events()
+        if self.shared_tier is not None:
+            events += self.shared_tier.take_events()
+        return events
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its tokens."""

@@ -68,6 +68,7 @@ class EngineStats:
     # copied each way between the pool and the host tier ("demote", "promote").
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     kv_block_copies: dict[str, int] = field(default_factory=dict)
+    kv_block_copy_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_running(self) -> int:

@@ -86,6 +86,15 @@ class SchedulerCollector(Collector):
         for direction, blocks in stats.kv_block_copies.items():
             copies.add_metric([direction], blocks)
         yield copies
+        copied = CounterMetricFamily(
+            "cachet_engine_kv_block_copy_bytes",
+            "Bytes of KV moved between tiers on rank 0 (demote/promote: host tier; store/load: "
+            "shared file tier, payload only).",
+            labels=["direction"],
+        )
+        for direction, nbytes in stats.kv_block_copy_bytes.items():
+            copied.add_metric([direction], nbytes)
+        yield copied
         yield CounterMetricFamily(
             "cachet_engine_steps", "Forward passes with work in them.", value=counts.steps
         )

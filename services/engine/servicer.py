@@ -167,13 +167,23 @@ def _to_response(output: RequestOutput, include_usage: bool) -> engine_pb2.Gener
     return response
 
 
+_TIERS = {
+    "engine": engine_pb2.KV_TIER_ENGINE,
+    "host": engine_pb2.KV_TIER_HOST,
+    "shared": engine_pb2.KV_TIER_SHARED,
+}
+
+
 def _to_kv_event(event: KvEvent) -> engine_pb2.KvEvent:
+    tier = _TIERS[event.tier]
     if isinstance(event, BlocksStored):
         stored = engine_pb2.BlocksStored(block_hashes=event.block_hashes)
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
-        return engine_pb2.KvEvent(stored=stored)
+        return engine_pb2.KvEvent(stored=stored, tier=tier)
     if isinstance(event, BlocksRemoved):
-        return engine_pb2.KvEvent(removed=engine_pb2.BlocksRemoved(block_hashes=event.block_hashes))
+        return engine_pb2.KvEvent(
+            removed=engine_pb2.BlocksRemoved(block_hashes=event.block_hashes), tier=tier
+        )
     assert isinstance(event, AllBlocksCleared), event
-    return engine_pb2.KvEvent(cleared=engine_pb2.AllBlocksCleared())
+    return engine_pb2.KvEvent(cleared=engine_pb2.AllBlocksCleared(), tier=tier)

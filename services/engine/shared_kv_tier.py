@@ -14,6 +14,13 @@ Writes and reads run on one worker thread; the engine's step only queues them. T
 is kept under a size budget by removing the least recently used files (a read refreshes a
 file's modification time); several replicas may clean the same folder, and a file that
 vanishes under a reader is simply a miss.
+
+The tier's KV events (tier ``"shared"``) name the files this replica knows of: those it
+wrote, found already written, or read, less those it removed. The folder may be common to
+many replicas, but each announces only what it saw, so the cache index holds the shared tier
+per replica: a file another replica wrote is not credited to this one until it reads it,
+and a file another replica's clean-up removed stays credited until this one misses it (a
+miss costs a recompute, never a wrong answer).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from pathlib import Path
 
 import structlog
 import torch
+
+from cachet.engine.block_pool import KvEvent
+from cachet.engine.tier_events import TierEvents, snapshot
 
 log = structlog.get_logger(__name__)
 
@@ -67,12 +77,38 @@ class SharedKvFiles:
         self._writes_since_clean_up = 0
         # Totals since start, for metrics (fixed keys: read from other threads).
         self.counts = {"written": 0, "loaded": 0, "rejected": 0, "removed": 0}
+        # Bytes of block files written and read (payload and header), for metrics.
+        self.bytes = {"written": 0, "loaded": 0}
+        # Known files and their events: changed on the worker, taken on the engine's loop.
+        self._events_lock = threading.Lock()
+        self._known: set[int] = set()
+        self._events = TierEvents("shared")
 
     def path(self, block_hash: int) -> Path:
         return self.folder / f"{block_hash & (2**64 - 1):016x}.kv"
 
     def contains(self, block_hash: int) -> bool:
         return self.path(block_hash).exists()
+
+    def take_events(self) -> list[KvEvent]:
+        """KV events of the files this replica came to know of or removed since the last call."""
+        with self._events_lock:
+            return self._events.take()
+
+    def snapshot_events(self) -> list[KvEvent]:
+        """Every file this replica knows of as one stored event, for a new follower. Events still
+        pending may repeat what it holds: a follower applies them with set semantics."""
+        with self._events_lock:
+            return snapshot("shared", self._known)
+
+    def _knew(self, block_hash: int, present: bool) -> None:
+        with self._events_lock:
+            if present and block_hash not in self._known:
+                self._known.add(block_hash)
+                self._events.stored(block_hash)
+            elif not present and block_hash in self._known:
+                self._known.discard(block_hash)
+                self._events.removed(block_hash)
 
     # ------------------------------------------------------------------- writes
 
@@ -89,6 +125,7 @@ class SharedKvFiles:
                 ready()
             final = self.path(block_hash)
             if final.exists():
+                self._knew(block_hash, True)
                 return
             payload = block.contiguous().view(torch.uint8).numpy().tobytes()
             header = json.dumps(
@@ -105,7 +142,9 @@ class SharedKvFiles:
             with open(temporary, "wb") as file:
                 file.write(_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + payload)
             os.replace(temporary, final)
+            self._knew(block_hash, True)
             self.counts["written"] += 1
+            self.bytes["written"] += len(payload) + len(header) + len(_MAGIC) + _HEADER_LENGTH.size
             self._writes_since_clean_up += 1
             if self._writes_since_clean_up >= _CLEAN_UP_EVERY_WRITES:
                 self.clean_up()
@@ -134,16 +173,20 @@ class SharedKvFiles:
         try:
             data = path.read_bytes()
         except OSError:
+            self._knew(block_hash, False)
             return None
         block = self._decode(data, block_hash)
         if block is None:
             self.counts["rejected"] += 1
             log.warning("shared KV block file rejected", path=str(path))
             path.unlink(missing_ok=True)
+            self._knew(block_hash, False)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # least recently used goes first
+        self._knew(block_hash, True)
         self.counts["loaded"] += 1
+        self.bytes["loaded"] += len(data)
         return block
 
     def _decode(self, data: bytes, block_hash: int) -> torch.Tensor | None:
@@ -195,6 +238,8 @@ class SharedKvFiles:
                     continue
                 total -= size
                 self.counts["removed"] += 1
+                if (block_hash := _block_hash_of(path)) is not None:
+                    self._knew(block_hash, False)
 
     def drain(self) -> None:
         """Wait for every queued read and write (tests, shutdown)."""
@@ -202,3 +247,14 @@ class SharedKvFiles:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _block_hash_of(path: str) -> int | None:
+    """The hash a block file is named by; None for a temporary file (``.<name>.<id>.tmp``)."""
+    name = os.path.basename(path)
+    if name.startswith(".") or not name.endswith(".kv"):
+        return None
+    try:
+        return int(name.removesuffix(".kv"), 16)
+    except ValueError:
+        return None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x61\x63het/cache/v1/cache.proto\x12\x0f\x63\x61\x63het.cache.v1\"9\n\x12MatchPrefixRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"E\n\x13MatchPrefixResponse\x12.\n\x07matches\x18\x01 \x03(\x0b\x32\x1d.cachet.cache.v1.ReplicaMatch\"7\n\x0cReplicaMatch\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\"&\n\x13WatchReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"%\n\x14WatchReplicaResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x01(\x08\"\x15\n\x13ListReplicasRequest\"G\n\x14ListReplicasResponse\x12/\n\x08replicas\x18\x01 \x03(\x0b\x32\x1d.cachet.cache.v1.ReplicaState\"{\n\x0cReplicaState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x1c\n\x14last_sequence_number\x18\x05 \x01(\x04\x32\xa7\x02\n\x11\x43\x61\x63heIndexService\x12X\n\x0bMatchPrefix\x12#.cachet.cache.v1.MatchPrefixRequest\x1a$.cachet.cache.v1.MatchPrefixResponse\x12[\n\x0cWatchReplica\x12$.cachet.cache.v1.WatchReplicaRequest\x1a%.cachet.cache.v1.WatchReplicaResponse\x12[\n\x0cListReplicas\x12$.cachet.cache.v1.ListReplicasRequest\x1a%.cachet.cache.v1.ListReplicasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x61\x63het/cache/v1/cache.proto\x12\x0f\x63\x61\x63het.cache.v1\"9\n\x12MatchPrefixRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"E\n\x13MatchPrefixResponse\x12.\n\x07matches\x18\x01 \x03(\x0b\x32\x1d.cachet.cache.v1.ReplicaMatch\"z\n\x0cReplicaMatch\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x15\n\rengine_blocks\x18\x03 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\r\x12\x15\n\rshared_blocks\x18\x05 \x01(\r\"&\n\x13WatchReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"%\n\x14WatchReplicaResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x01(\x08\"\x15\n\x13ListReplicasRequest\"G\n\x14ListReplicasResponse\x12/\n\x08replicas\x18\x01 \x03(\x0b\x32\x1d.cachet.cache.v1.ReplicaState\"\xa7\x01\n\x0cReplicaState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x1c\n\x14last_sequence_number\x18\x05 \x01(\x04\x12\x13\n\x0bhost_blocks\x18\x06 \x01(\x04\x12\x15\n\rshared_blocks\x18\x07 \x01(\x04\x32\xa7\x02\n\x11\x43\x61\x63heIndexService\x12X\n\x0bMatchPrefix\x12#.cachet.cache.v1.MatchPrefixRequest\x1a$.cachet.cache.v1.MatchPrefixResponse\x12[\n\x0cWatchReplica\x12$.cachet.cache.v1.WatchReplicaRequest\x1a%.cachet.cache.v1.WatchReplicaResponse\x12[\n\x0cListReplicas\x12$.cachet.cache.v1.ListReplicasRequest\x1a%.cachet.cache.v1.ListReplicasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MATCHPREFIXRESPONSE']._serialized_start=107
   _globals['_MATCHPREFIXRESPONSE']._serialized_end=176
   _globals['_REPLICAMATCH']._serialized_start=178
-  _globals['_REPLICAMATCH']._serialized_end=233
-  _globals['_WATCHREPLICAREQUEST']._serialized_start=235
-  _globals['_WATCHREPLICAREQUEST']._serialized_end=273
-  _globals['_WATCHREPLICARESPONSE']._serialized_start=275
-  _globals['_WATCHREPLICARESPONSE']._serialized_end=312
-  _globals['_LISTREPLICASREQUEST']._serialized_start=314
-  _globals['_LISTREPLICASREQUEST']._serialized_end=335
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=337
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=408
-  _globals['_REPLICASTATE']._serialized_start=410
-  _globals['_REPLICASTATE']._serialized_end=533
-  _globals['_CACHEINDEXSERVICE']._serialized_start=536
-  _globals['_CACHEINDEXSERVICE']._serialized_end=831
+  _globals['_REPLICAMATCH']._serialized_end=300
+  _globals['_WATCHREPLICAREQUEST']._serialized_start=302
+  _globals['_WATCHREPLICAREQUEST']._serialized_end=340
+  _globals['_WATCHREPLICARESPONSE']._serialized_start=342
+  _globals['_WATCHREPLICARESPONSE']._serialized_end=379
+  _globals['_LISTREPLICASREQUEST']._serialized_start=381
+  _globals['_LISTREPLICASREQUEST']._serialized_end=402
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=404
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=475
+  _globals['_REPLICASTATE']._serialized_start=478
+  _globals['_REPLICASTATE']._serialized_end=645
+  _globals['_CACHEINDEXSERVICE']._serialized_start=648
+  _globals['_CACHEINDEXSERVICE']._serialized_end=943
 # @@protoc_insertion_point(module_scope)

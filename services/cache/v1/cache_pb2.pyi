@@ -78,19 +78,33 @@ class ReplicaMatch(_message.Message):
 
     ADDRESS_FIELD_NUMBER: _builtins.int
     MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ENGINE_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_BLOCKS_FIELD_NUMBER: _builtins.int
+    SHARED_BLOCKS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """Engine address ("127.0.0.1:port"), the router's name for a replica."""
     matched_blocks: _builtins.int
-    """Leading blocks of the query this replica holds."""
+    """Leading blocks of the query this replica holds in any tier: engine_blocks + host_blocks +
+    shared_blocks. An index that knows no tiers reports the engine's alone.
+    """
+    engine_blocks: _builtins.int
+    """Of those, the leading run in the engine's pool (reused in place)."""
+    host_blocks: _builtins.int
+    """The run after engine_blocks that the host tier holds (copied back, not recomputed)."""
+    shared_blocks: _builtins.int
+    """The run after those that the replica's shared file tier holds (read, then copied back)."""
     def __init__(
         self,
         *,
         address: _builtins.str = ...,
         matched_blocks: _builtins.int = ...,
+        engine_blocks: _builtins.int = ...,
+        host_blocks: _builtins.int = ...,
+        shared_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "matched_blocks", b"matched_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "engine_blocks", b"engine_blocks", "host_blocks", b"host_blocks", "matched_blocks", b"matched_blocks", "shared_blocks", b"shared_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -192,6 +206,8 @@ class ReplicaState(_message.Message):
     CONNECTED_FIELD_NUMBER: _builtins.int
     CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     LAST_SEQUENCE_NUMBER_FIELD_NUMBER: _builtins.int
+    HOST_BLOCKS_FIELD_NUMBER: _builtins.int
+    SHARED_BLOCKS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """Engine address."""
     replica_id: _builtins.str
@@ -199,9 +215,13 @@ class ReplicaState(_message.Message):
     connected: _builtins.bool
     """The KV event stream is up."""
     cached_blocks: _builtins.int
-    """Blocks the index believes the replica holds."""
+    """Blocks the index believes the replica's pool holds (the engine tier)."""
     last_sequence_number: _builtins.int
     """Last event batch applied."""
+    host_blocks: _builtins.int
+    """Blocks the index believes the replica's host tier holds."""
+    shared_blocks: _builtins.int
+    """Blocks the index believes the replica's shared file tier holds (as the replica announced)."""
     def __init__(
         self,
         *,
@@ -210,10 +230,12 @@ class ReplicaState(_message.Message):
         connected: _builtins.bool = ...,
         cached_blocks: _builtins.int = ...,
         last_sequence_number: _builtins.int = ...,
+        host_blocks: _builtins.int = ...,
+        shared_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cached_blocks", b"cached_blocks", "connected", b"connected", "last_sequence_number", b"last_sequence_number", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cached_blocks", b"cached_blocks", "connected", b"connected", "host_blocks", b"host_blocks", "last_sequence_number", b"last_sequence_number", "replica_id", b"replica_id", "shared_blocks", b"shared_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

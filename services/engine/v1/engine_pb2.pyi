@@ -48,6 +48,36 @@ message costs both ends CPU, and on a busy replica that CPU is the step loop's.
 """
 Global___OutputKind: _TypeAlias = OutputKind  # noqa: Y015
 
+class _KvTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KvTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_TIER_ENGINE: _KvTier.ValueType  # 0
+    """The engine's KV pool: reused in place."""
+    KV_TIER_HOST: _KvTier.ValueType  # 1
+    """Host memory (CACHET_KV_HOST_GB): copied back into the pool on a hit."""
+    KV_TIER_SHARED: _KvTier.ValueType  # 2
+    """The shared file tier (CACHET_KV_SHARED_DIR), as this replica knows it: the files it wrote,
+    found or read. Files other replicas wrote into the same folder are not announced by this one.
+    """
+
+class KvTier(_KvTier, metaclass=_KvTierEnumTypeWrapper):
+    """Where a replica holds a block's KV. A block can be in several at once (the host tier keeps
+    a copy of what it promotes; the shared tier keeps every block written).
+    """
+
+KV_TIER_ENGINE: KvTier.ValueType  # 0
+"""The engine's KV pool: reused in place."""
+KV_TIER_HOST: KvTier.ValueType  # 1
+"""Host memory (CACHET_KV_HOST_GB): copied back into the pool on a hit."""
+KV_TIER_SHARED: KvTier.ValueType  # 2
+"""The shared file tier (CACHET_KV_SHARED_DIR), as this replica knows it: the files it wrote,
+found or read. Files other replicas wrote into the same folder are not announced by this one.
+"""
+Global___KvTier: _TypeAlias = KvTier  # noqa: Y015
+
 @_typing.final
 class GenerateRequest(_message.Message):
     """One generation."""
@@ -366,6 +396,11 @@ class KvEvent(_message.Message):
     STORED_FIELD_NUMBER: _builtins.int
     REMOVED_FIELD_NUMBER: _builtins.int
     CLEARED_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    tier: Global___KvTier.ValueType
+    """The tier that gained or lost the blocks. Engines older than the tiers send none, which
+    reads as KV_TIER_ENGINE: all they had.
+    """
     @_builtins.property
     def stored(self) -> Global___BlocksStored:
         """Full blocks now cached under these hashes."""
@@ -384,10 +419,11 @@ class KvEvent(_message.Message):
         stored: Global___BlocksStored | None = ...,
         removed: Global___BlocksRemoved | None = ...,
         cleared: Global___AllBlocksCleared | None = ...,
+        tier: Global___KvTier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stored", "removed", "cleared"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
@@ -427,7 +463,7 @@ Global___BlocksStored: _TypeAlias = BlocksStored  # noqa: Y015
 
 @_typing.final
 class BlocksRemoved(_message.Message):
-    """Blocks that were evicted."""
+    """Blocks that were evicted from the event's tier."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -451,7 +487,7 @@ Global___BlocksRemoved: _TypeAlias = BlocksRemoved  # noqa: Y015
 
 @_typing.final
 class AllBlocksCleared(_message.Message):
-    """Everything was dropped."""
+    """Everything in the event's tier was dropped."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
