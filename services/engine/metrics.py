@@ -70,31 +70,32 @@ class SchedulerCollector(Collector):
         yield GaugeMetricFamily(
             "cachet_engine_kv_host_blocks", "Blocks the host KV tier can hold.", value=stats.host_kv_slots
         )
-        hits = CounterMetricFamily(
-            "cachet_engine_prefix_cache_hit_tokens",
-            "Prompt tokens served from a KV tier instead of computed (host: copied back).",
-            labels=["tier"],
+        yield _by_label(
+            CounterMetricFamily(
+                "cachet_engine_prefix_cache_hit_tokens",
+                "Prompt tokens served from a KV tier instead of computed (host: copied back).",
+                labels=["tier"],
+            ),
+            stats.cached_tokens_by_tier,
         )
-        for tier, tokens in stats.cached_tokens_by_tier.items():
-            hits.add_metric([tier], tokens)
-        yield hits
-        copies = CounterMetricFamily(
-            "cachet_engine_kv_block_copies",
-            "KV blocks copied between the pool and the host tier (demote: down, promote: back).",
-            labels=["direction"],
+        yield _by_label(
+            CounterMetricFamily(
+                "cachet_engine_kv_block_copies",
+                "KV blocks copied between the pool and the lower tiers (demote/promote: host tier; "
+                "store/load: shared file tier).",
+                labels=["direction"],
+            ),
+            stats.kv_block_copies,
         )
-        for direction, blocks in stats.kv_block_copies.items():
-            copies.add_metric([direction], blocks)
-        yield copies
-        copied = CounterMetricFamily(
-            "cachet_engine_kv_block_copy_bytes",
-            "Bytes of KV moved between tiers on rank 0 (demote/promote: host tier; store/load: "
-            "shared file tier, payload only).",
-            labels=["direction"],
+        yield _by_label(
+            CounterMetricFamily(
+                "cachet_engine_kv_block_copy_bytes",
+                "Bytes of KV moved between tiers on rank 0 (demote/promote: host tier; store/load: "
+                "shared file tier, payload only).",
+                labels=["direction"],
+            ),
+            stats.kv_block_copy_bytes,
         )
-        for direction, nbytes in stats.kv_block_copy_bytes.items():
-            copied.add_metric([direction], nbytes)
-        yield copied
         yield CounterMetricFamily(
             "cachet_engine_steps", "Forward passes with work in them.", value=counts.steps
         )
@@ -135,6 +136,12 @@ class SchedulerCollector(Collector):
 def _by_priority(family: _Family, values: dict[str, int]) -> _Family:
     for priority in PRIORITIES:
         family.add_metric([priority], values[priority])
+    return family
+
+
+def _by_label(family: _Family, values: dict[str, int]) -> _Family:
+    for label, value in values.items():
+        family.add_metric([label], value)
     return family
 
 
