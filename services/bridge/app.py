@@ -1,7 +1,8 @@
 """The REST API: OpenAI and Workers AI routes, each one REST body -> one router call -> JSON or SSE.
 
-Anthropic's Messages API (``anthropic_routes``) and the OpenAI Files and Batch API
-(``batch_routes``) are routers of their own that reuse this module's dependencies.
+Anthropic's Messages API (``anthropic_routes``), OpenAI's Responses API
+(``responses_routes``) and the OpenAI Files and Batch API (``batch_routes``) are
+routers of their own that reuse this module's dependencies.
 
 ``create_app(settings)`` builds it; the gRPC channels open in the app's lifespan
 (uvicorn runs it; tests enter ``app.router.lifespan_context(app)``).
@@ -36,6 +37,8 @@ from cachet.bridge.calls import (
 from cachet.bridge.errors import ERROR_RESPONSES, BridgeError, from_rpc_error, install_error_handlers
 from cachet.bridge.metrics import CONTENT_TYPE, BridgeMetrics
 from cachet.bridge.middleware import BodyLimitMiddleware, TelemetryMiddleware, current_trace_id
+from cachet.bridge.responses_schemas import ResponseStreamEventOut
+from cachet.bridge.responses_store import ResponseStore
 from cachet.bridge.settings import BridgeServiceSettings, is_loopback
 from cachet.config import BridgeSettings
 from cachet.grpc_channel import create_channel
@@ -392,6 +395,7 @@ def create_app(settings: BridgeSettings) -> FastAPI:
             host=config.host,
         )
     backends = Backends(config)
+    responses = ResponseStore(config.responses_path)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -400,6 +404,7 @@ def create_app(settings: BridgeSettings) -> FastAPI:
             yield
         finally:
             await backends.close()
+            responses.close()
 
     app = FastAPI(
         title="Cachet",
@@ -411,6 +416,7 @@ def create_app(settings: BridgeSettings) -> FastAPI:
     app.state.auth = auth
     app.state.backends = backends
     app.state.metrics = BridgeMetrics()
+    app.state.responses = responses
     install_error_handlers(app)
     app.include_router(api)
     # Imported here, not at the top: the batch routes reuse this module's dependencies.
@@ -420,6 +426,9 @@ def create_app(settings: BridgeSettings) -> FastAPI:
     from cachet.bridge.anthropic_routes import api as anthropic_api
 
     app.include_router(anthropic_api)
+    from cachet.bridge.responses_routes import api as responses_api
+
+    app.include_router(responses_api)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     # Added last, so outermost: its span and its 500 cover everything inside.
     app.add_middleware(TelemetryMiddleware, metrics=app.state.metrics)
@@ -437,6 +446,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             schemas.TextCompletionResponse,
             schemas.WorkersAIStreamEvent,
             anthropic_schemas.MessageStreamEventOut,
+            ResponseStreamEventOut,
         ):
             definition = model.model_json_schema(
                 ref_template="#/components/schemas/{model}", mode="serialization"

@@ -8,6 +8,7 @@ and ``CACHET_BRIDGE_MAX_BODY_BYTES`` read like every other bridge variable.
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 
 from pydantic import Field
 
@@ -28,6 +29,12 @@ class BridgeServiceSettings(BridgeSettings):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
     # Seconds GET /health waits for the router's gRPC health answer.
     health_timeout_seconds: float = Field(default=1.0, gt=0)
+    # Stored responses (POST /v1/responses with store); defaults to <data_dir>/responses.sqlite3.
+    responses_database: Path | None = None
+
+    @property
+    def responses_path(self) -> Path:
+        return self.responses_database or self.data_dir / "responses.sqlite3"
 
     @property
     def dev_mode(self) -> bool:
