@@ -10,9 +10,10 @@ an advisory lock, so processes starting together apply each change once. A
 database that a newer build migrated further is refused, as SQLite's version check
 refuses a newer file.
 
-Failures to reach the server become ``Unavailable`` (UNAVAILABLE, HTTP 503, retry
-later): a router or ledger whose database is restarting is unable to answer now,
-not broken, and a caller's retry is safe because every write is idempotent.
+Failures to reach the server while serving become ``Unavailable`` (UNAVAILABLE, HTTP
+503, retry later): a router or ledger whose database is restarting is unable to answer
+now, not broken, and a caller's retry is safe because every write is idempotent. At
+start they are ``StoreNotOpened``, which the entry points report in one line.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 )"""
 
 
+class StoreNotOpened(Exception):
+    """The store could not be opened at start: unreachable, or migrated by a newer build.
+
+    A start-up condition an operator fixes (start the server, fix the URL, upgrade), so a
+    service's entry point reports it in one line rather than as a traceback.
+    """
+
+
 def is_postgres_url(url: str) -> bool:
     return urlsplit(url).scheme in URL_SCHEMES
 
@@ -62,11 +71,13 @@ def describe(url: str) -> str:
 
 
 async def open_pool(url: str, migrations: Migrations, *, store: str, max_size: int = 8) -> asyncpg.Pool:
-    """A pool on ``url`` with ``store``'s migrations applied; Unavailable if the server cannot be reached."""
+    """A pool on ``url`` with ``store``'s migrations applied; StoreNotOpened if the server cannot be reached."""
     try:
         pool = await asyncpg.create_pool(url, min_size=1, max_size=max_size, timeout=10)
     except _UNREACHABLE as error:
-        raise Unavailable(f"cannot reach the PostgreSQL {store} store at {describe(url)}: {error}") from error
+        raise StoreNotOpened(
+            f"cannot reach the PostgreSQL {store} store at {describe(url)}: {error}"
+        ) from error
     try:
         async with pool.acquire() as connection:
             await migrate(connection, migrations, store=store)
@@ -87,7 +98,7 @@ async def migrate(connection: asyncpg.Connection, migrations: Migrations, *, sto
             "SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE store = $1", store
         )
         if applied > known:
-            raise RuntimeError(
+            raise StoreNotOpened(
                 f"the {store} store in this database has schema version {applied}; this build knows {known}"
             )
         for version, statements in sorted(migrations):

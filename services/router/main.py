@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY, start_http_server
 
 from cachet.cache.v1 import cache_pb2_grpc
 from cachet.config import RouterSettings
+from cachet.durable_postgres import StoreNotOpened
 from cachet.event_loop_lag import EventLoopLagMonitor
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
@@ -206,4 +207,8 @@ def main(port: int | None = None) -> None:
     settings = RouterServiceSettings(port=port) if port is not None else RouterServiceSettings()
     configure_logging("router", settings.log_level)
     configure_tracing("router")
-    asyncio.run(_serve(settings))
+    try:
+        asyncio.run(_serve(settings))
+    except StoreNotOpened as failed:
+        log.error("queue store not opened", error=str(failed))
+        raise SystemExit(f"cachet router: {failed}") from None

@@ -6,6 +6,7 @@ import asyncio
 from functools import partial
 
 from cachet.config import UsageSettings
+from cachet.durable_postgres import StoreNotOpened
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
 from cachet.tracing import configure_tracing
@@ -64,4 +65,8 @@ def main(port: int | None = None) -> None:
     settings = UsageSettings(port=port) if port is not None else UsageSettings()
     configure_logging("usage", settings.log_level)
     configure_tracing("usage")
-    asyncio.run(_serve(settings))
+    try:
+        asyncio.run(_serve(settings))
+    except StoreNotOpened as failed:
+        log.error("usage ledger not opened", error=str(failed))
+        raise SystemExit(f"cachet usage: {failed}") from None

@@ -9,7 +9,7 @@ import uuid
 import asyncpg
 import pytest
 
-from cachet.durable_postgres import migrate, open_pool
+from cachet.durable_postgres import StoreNotOpened, migrate, open_pool
 from cachet.errors import Unavailable
 from cachet.router.postgres_queue_store import PostgresQueueStore
 
@@ -41,7 +41,7 @@ async def test_a_database_from_a_newer_build_is_refused(postgres_url: str) -> No
     pool = await open_pool(postgres_url, [*MIGRATIONS, (3, "SELECT 1")], store="things")
     await pool.close()
     with pytest.raises(
-        RuntimeError, match="things store in this database has schema version 3; this build knows 2"
+        StoreNotOpened, match="things store in this database has schema version 3; this build knows 2"
     ):
         await open_pool(postgres_url, MIGRATIONS, store="things")
 

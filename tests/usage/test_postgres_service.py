@@ -4,12 +4,15 @@ a server that cannot be reached fails the start with where it looked, not a trac
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from cachet.config import UsageSettings
-from cachet.errors import Unavailable
+from cachet.durable_postgres import StoreNotOpened
 from cachet.grpc_channel import create_channel
 from cachet.loopback_port import free_loopback_port
 from cachet.usage.main import start
@@ -58,6 +61,21 @@ async def test_an_unreachable_database_fails_the_start_saying_where(tmp_path: Pa
     settings = UsageSettings(
         port=0, data_dir=tmp_path, store_url=f"postgresql://root:secret@127.0.0.1:{port}/test"
     )
-    with pytest.raises(Unavailable, match=f"ledger store at 127.0.0.1:{port}/test") as raised:
+    with pytest.raises(StoreNotOpened, match=f"ledger store at 127.0.0.1:{port}/test") as raised:
         await start(settings)
     assert "secret" not in str(raised.value)
+
+
+def test_the_usage_process_says_in_one_line_that_its_database_is_unreachable(tmp_path: Path) -> None:
+    port = free_loopback_port()
+    env = os.environ | {
+        "CACHET_USAGE_PORT": "0",
+        "CACHET_DATA_DIR": str(tmp_path),
+        "CACHET_STORE_URL": f"postgresql://root@127.0.0.1:{port}/test",
+    }
+    ended = subprocess.run(
+        [sys.executable, "-m", "cachet.usage"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert ended.returncode == 1
+    assert f"cachet usage: cannot reach the PostgreSQL ledger store at 127.0.0.1:{port}/test" in ended.stderr
+    assert "Traceback" not in ended.stderr
