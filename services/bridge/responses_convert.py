@@ -37,17 +37,8 @@ def new_id(prefix: str) -> str:
 
 def input_items(body: responses.ResponsesBody) -> list[Json]:
     """This request's input as stored items, each with an id (``GET .../input_items`` lists them)."""
-    items = (
-        [
-            responses.MessageItem(
-                role="user", content=[responses.InputText(type="input_text", text=body.input)]
-            )
-        ]
-        if isinstance(body.input, str)
-        else body.input
-    )
     out = []
-    for item in items:
+    for item in body.input:
         data = item.model_dump(exclude_none=True, by_alias=True)
         data.setdefault("id", new_id(_ID_PREFIXES[item.type]))
         out.append(data)

@@ -22,7 +22,7 @@ from cachet.bridge import responses_convert
 from cachet.bridge.app import BackendsDep, CallerDep, _stream, _unary
 from cachet.bridge.auth import Caller
 from cachet.bridge.calls import SSEDialect, named_sse_event
-from cachet.bridge.errors import BridgeError
+from cachet.bridge.errors import ERROR_RESPONSES, BridgeError
 from cachet.bridge.responses_schemas import (
     DeletedResponse,
     InputItemList,
@@ -35,7 +35,7 @@ from cachet.logs import get_logger
 
 log = get_logger(__name__)
 
-api = APIRouter()
+api = APIRouter(responses=ERROR_RESPONSES)
 
 _SSE = {
     200: {

@@ -150,14 +150,19 @@ InputItem = Annotated[
 ]
 
 
-def _default_message_type(items: Any) -> Any:
-    # A message item may omit "type" (EasyInputMessage); the discriminator needs it.
-    if isinstance(items, list):
+def _as_items(value: Any) -> Any:
+    """Input as a list of items: a string is one user message, and a message item may omit
+    its "type" (EasyInputMessage), which the discriminator needs."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("input must not be empty")
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+    if isinstance(value, list):
         return [
             {**item, "type": "message"} if isinstance(item, dict) and "type" not in item else item
-            for item in items
+            for item in value
         ]
-    return items
+    return value
 
 
 # ---------------------------------------------------------------- tools and formats
@@ -246,7 +251,8 @@ class ResponsesBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
-    input: str | list[InputItem] = Field(min_length=1)
+    # A string is taken as one user message (_as_items).
+    input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     previous_response_id: str | None = Field(default=None, min_length=1)
     store: bool = True
@@ -282,7 +288,7 @@ class ResponsesBody(BaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _message_type(cls, value: Any) -> Any:
-        return _default_message_type(value)
+        return _as_items(value)
 
     @field_validator("tools", mode="before")
     @classmethod

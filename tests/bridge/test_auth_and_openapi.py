@@ -123,6 +123,9 @@ async def test_openapi_declares_models_errors_and_streams() -> None:
         "/v1/batches/{batch_id}/webhook_attempts",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
     }
     chat = paths["/v1/chat/completions"]["post"]
     ok = chat["responses"]["200"]["content"]
@@ -147,6 +150,9 @@ async def test_openapi_declares_models_errors_and_streams() -> None:
     messages = paths["/v1/messages"]["post"]["responses"]["200"]["content"]
     assert messages["application/json"]["schema"]["$ref"] == "#/components/schemas/MessageResponse"
     assert messages["text/event-stream"]["schema"]["$ref"] == "#/components/schemas/MessageStreamEventOut"
+    created = paths["/v1/responses"]["post"]["responses"]["200"]["content"]
+    assert created["application/json"]["schema"]["$ref"] == "#/components/schemas/ResponseObject"
+    assert created["text/event-stream"]["schema"]["$ref"] == "#/components/schemas/ResponseStreamEventOut"
     # Every reference resolves: the SSE event models are in the components too.
     components = spec["components"]["schemas"]
     for ref in _refs(spec):
