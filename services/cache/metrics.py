@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cachet.cache.followers import Followers
-from cachet.cache.prefix_index import PrefixIndex
+from cachet.cache.prefix_index import TIERS, PrefixIndex
 from cachet.config import LOOPBACK
 
 
@@ -24,18 +24,24 @@ class IndexCollector(Collector):
         self._followers = followers
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(
+        figures = self._index.figures
+        blocks = GaugeMetricFamily(
             "cachet_cache_index_blocks",
-            "(replica, block) pairs the index holds; a block on two replicas counts twice.",
-            value=self._index.total_blocks(),
+            "(replica, block) pairs the index holds per tier; a block on two replicas counts twice.",
+            labels=["tier"],
         )
-        yield CounterMetricFamily(
-            "cachet_cache_index_lookups", "MatchPrefix lookups answered.", value=self._index.figures.lookups
-        )
-        yield CounterMetricFamily(
+        hits = CounterMetricFamily(
             "cachet_cache_index_hit_blocks",
-            "Sum over lookups of the longest prefix match, in blocks.",
-            value=self._index.figures.hit_blocks,
+            "Sum over lookups of the longest prefix match, in blocks, by the tier that holds them.",
+            labels=["tier"],
+        )
+        for tier in TIERS:
+            blocks.add_metric([tier], self._index.total_blocks(tier))
+            hits.add_metric([tier], figures.hit_blocks_by_tier[tier])
+        yield blocks
+        yield hits
+        yield CounterMetricFamily(
+            "cachet_cache_index_lookups", "MatchPrefix lookups answered.", value=figures.lookups
         )
         yield GaugeMetricFamily(
             "cachet_cache_index_replicas_connected",

@@ -30,20 +30,41 @@ the child is useless without the parent's.
 Events are applied with set semantics: the engine registers each hash on at
 most one block, so "stored" of a held hash and "removed" of an unknown one are
 no-ops rather than errors; either way the mirror ends equal to the engine's set.
+
+Tiers: a replica holds blocks in its pool (``"engine"``), its host memory (``"host"``) and
+the shared file tier as it announced it (``"shared"``; per replica, since each engine
+announces only the files it wrote or read). Each tier is its own pair of maps, fed by the
+events that name it. A match is the engine's own lookup: the leading run in the pool, then
+the run the host tier continues it with, then the run the shared tier continues that with;
+each replica's answer says how many blocks came from each, since a hit in a lower tier
+costs a copy (placement weighs them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+# Where a replica holds a block, fastest first (as the engine's events name them).
+Tier = Literal["engine", "host", "shared"]
+TIERS: tuple[Tier, ...] = ("engine", "host", "shared")
 
 
 @dataclass(frozen=True, order=True)
 class ReplicaMatch:
-    """How many leading blocks of a query one replica holds (at least one)."""
+    """How many leading blocks of a query one replica holds (at least one), by tier: the first
+    ``engine_blocks`` in its pool, the next ``host_blocks`` in host memory, the next
+    ``shared_blocks`` in the shared file tier."""
 
     address: str
-    matched_blocks: int
+    engine_blocks: int
+    host_blocks: int = 0
+    shared_blocks: int = 0
+
+    @property
+    def matched_blocks(self) -> int:
+        return self.engine_blocks + self.host_blocks + self.shared_blocks
 
 
 @dataclass
@@ -52,7 +73,8 @@ class _ReplicaBlocks:
     bit: int
     # Model of the replica's blocks; "" until the first stored event names it.
     model: str = ""
-    hashes: set[int] = field(default_factory=set)
+    # Per tier, the hashes it holds there.
+    hashes: dict[Tier, set[int]] = field(default_factory=lambda: {tier: set() for tier in TIERS})
 
 
 @dataclass
@@ -62,6 +84,8 @@ class IndexFigures:
     lookups: int = 0
     # Sum over lookups of the longest match: blocks the best replica could reuse.
     hit_blocks: int = 0
+    # The same sum split by the tier each of those blocks came from.
+    hit_blocks_by_tier: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
 
 class PrefixIndex:
@@ -69,15 +93,18 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._blocks: dict[str, _ReplicaBlocks] = {}
-        self._holders: dict[int, int] = {}
+        # Per tier: block hash -> mask of the replicas holding it there.
+        self._holders: dict[Tier, dict[int, int]] = {tier: {} for tier in TIERS}
         # Slot -> address; None marks a free slot (kept so that masks stay narrow).
         self._slots: list[str | None] = []
         self.figures = IndexFigures()
 
     # -- events ---------------------------------------------------------------
 
-    def apply_stored(self, address: str, model: str, block_hashes: Iterable[int]) -> None:
-        """``address`` now holds these blocks of ``model``.
+    def apply_stored(
+        self, address: str, model: str, block_hashes: Iterable[int], tier: Tier = "engine"
+    ) -> None:
+        """``address`` now holds these blocks of ``model`` in ``tier``.
 
         A replica serves one model; a stored event for another model while it
         still holds blocks means the follower missed a restart, which it must
@@ -85,33 +112,36 @@ class PrefixIndex:
         """
         replica = self._blocks.get(address) or self._add_replica(address)
         if replica.model != model:
-            if replica.hashes:
+            if any(replica.hashes.values()):
                 raise ValueError(f"replica {address} holds blocks of {replica.model!r}, not {model!r}")
             replica.model = model
-        hashes, holders, bit = replica.hashes, self._holders, replica.bit
+        hashes, holders, bit = replica.hashes[tier], self._holders[tier], replica.bit
         for block_hash in block_hashes:
             if block_hash not in hashes:
                 hashes.add(block_hash)
                 holders[block_hash] = holders.get(block_hash, 0) | bit
 
-    def apply_removed(self, address: str, block_hashes: Iterable[int]) -> None:
-        """``address`` no longer holds these blocks."""
+    def apply_removed(self, address: str, block_hashes: Iterable[int], tier: Tier = "engine") -> None:
+        """``address`` no longer holds these blocks in ``tier``."""
         replica = self._blocks.get(address)
         if replica is None:
             return
+        hashes = replica.hashes[tier]
         for block_hash in block_hashes:
-            if block_hash in replica.hashes:
-                replica.hashes.discard(block_hash)
-                self._drop_holder(block_hash, replica.bit)
+            if block_hash in hashes:
+                hashes.discard(block_hash)
+                self._drop_holder(tier, block_hash, replica.bit)
 
-    def clear(self, address: str) -> None:
-        """``address`` dropped every block but is still followed (and keeps its model)."""
+    def clear(self, address: str, tier: Tier | None = None) -> None:
+        """``address`` dropped every block of ``tier`` (None: of every tier) but is still followed
+        (and keeps its model)."""
         replica = self._blocks.get(address)
         if replica is None:
             return
-        for block_hash in replica.hashes:
-            self._drop_holder(block_hash, replica.bit)
-        replica.hashes = set()
+        for cleared in TIERS if tier is None else (tier,):
+            for block_hash in replica.hashes[cleared]:
+                self._drop_holder(cleared, block_hash, replica.bit)
+            replica.hashes[cleared] = set()
 
     def forget_replica(self, address: str) -> None:
         """Drop everything known about ``address`` (disconnected, restarted, or unwatched); frees its slot."""
@@ -130,18 +160,20 @@ class PrefixIndex:
         replica = self._blocks[address] = _ReplicaBlocks(bit=1 << slot)
         return replica
 
-    def _drop_holder(self, block_hash: int, bit: int) -> None:
-        holders = self._holders[block_hash] & ~bit
+    def _drop_holder(self, tier: Tier, block_hash: int, bit: int) -> None:
+        tier_holders = self._holders[tier]
+        holders = tier_holders[block_hash] & ~bit
         if holders:
-            self._holders[block_hash] = holders
+            tier_holders[block_hash] = holders
         else:
-            # Keep _holders free of empty masks so its size is the number of distinct hashes.
-            del self._holders[block_hash]
+            # Keep the holders maps free of empty masks so their size is the number of distinct hashes.
+            del tier_holders[block_hash]
 
     # -- queries --------------------------------------------------------------
 
     def match(self, model: str, block_hashes: Sequence[int]) -> list[ReplicaMatch]:
-        """Replicas of ``model`` holding at least block 0 of the chain, longest match first.
+        """Replicas of ``model`` holding at least block 0 of the chain in some tier, longest match
+        first.
 
         Ties are ordered by address so that answers are deterministic.
         """
@@ -149,29 +181,79 @@ class PrefixIndex:
         matches = self._walk(model, block_hashes)
         matches.sort(key=lambda m: (-m.matched_blocks, m.address))
         if matches:
-            self.figures.hit_blocks += matches[0].matched_blocks
+            best = matches[0]
+            self.figures.hit_blocks += best.matched_blocks
+            by_tier = self.figures.hit_blocks_by_tier
+            by_tier["engine"] += best.engine_blocks
+            by_tier["host"] += best.host_blocks
+            by_tier["shared"] += best.shared_blocks
         return matches
 
     def _walk(self, model: str, block_hashes: Sequence[int]) -> list[ReplicaMatch]:
+        """One pass over the chain with three candidate masks: replicas still in their pool run,
+        in their host run, and in their shared run. At each block a replica stays in its run,
+        drops to a lower tier's run that holds the block, or is done."""
         if not block_hashes:
             return []
-        holders = self._holders
+        engine_holders, host_holders, shared_holders = (self._holders[tier] for tier in TIERS)
         of_model = 0
         for replica in self._blocks.values():
             if replica.model == model:
                 of_model |= replica.bit
-        candidates = holders.get(block_hashes[0], 0) & of_model
+        in_engine, in_host, in_shared = of_model, 0, 0
+        # Per replica bit: the block index where its pool run ended, and where its host run ended.
+        engine_end: dict[int, int] = {}
+        host_end: dict[int, int] = {}
         matches: list[ReplicaMatch] = []
-        # Invariant at the top of iteration i: every candidate holds blocks 0..i-1.
-        for i in range(1, len(block_hashes)):
-            if not candidates:
+        # Invariant at the top of iteration i: every candidate holds blocks 0..i-1 in its runs.
+        for i in range(len(block_hashes)):
+            if not in_engine | in_host | in_shared:
                 return matches
-            still = candidates & holders.get(block_hashes[i], 0)
-            if still != candidates:
-                matches.extend(ReplicaMatch(address, i) for address in self._addresses(candidates & ~still))
-                candidates = still
-        matches.extend(ReplicaMatch(address, len(block_hashes)) for address in self._addresses(candidates))
+            block_hash = block_hashes[i]
+            engine = engine_holders.get(block_hash, 0)
+            host = host_holders.get(block_hash, 0) if host_holders else 0
+            shared = shared_holders.get(block_hash, 0) if shared_holders else 0
+            left_engine = in_engine & ~engine
+            if left_engine:
+                self._mark(left_engine, i, engine_end)
+                in_engine &= engine
+                in_host |= left_engine & host
+                left_engine &= ~host
+            left_host = (in_host & ~host) | left_engine
+            if left_host:
+                self._mark(left_host, i, host_end)
+                in_host &= host
+                in_shared |= left_host & shared
+            done = (in_shared & ~shared) | (left_host & ~shared)
+            if done:
+                in_shared &= shared
+                matches.extend(self._matches(done, i, engine_end, host_end))
+        matches.extend(
+            self._matches(in_engine | in_host | in_shared, len(block_hashes), engine_end, host_end)
+        )
         return matches
+
+    @staticmethod
+    def _mark(mask: int, index: int, ends: dict[int, int]) -> None:
+        while mask:
+            low = mask & -mask
+            ends.setdefault(low, index)
+            mask ^= low
+
+    def _matches(
+        self, mask: int, end: int, engine_end: dict[int, int], host_end: dict[int, int]
+    ) -> Iterator[ReplicaMatch]:
+        """The matches of the replicas in ``mask``, whose runs ended at block ``end``."""
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            if end == 0:
+                continue
+            address = self._slots[low.bit_length() - 1]
+            assert address is not None  # a freed slot's bit was cleared from every mask
+            engine = engine_end.get(low, end)
+            host = host_end.get(low, end)
+            yield ReplicaMatch(address, engine, host - engine, end - host)
 
     def _addresses(self, mask: int) -> Iterator[str]:
         while mask:
@@ -181,44 +263,46 @@ class PrefixIndex:
             yield address
             mask ^= low
 
-    def replica_blocks(self, address: str) -> int:
-        """Blocks the index believes ``address`` holds (0 for an unknown replica)."""
+    def replica_blocks(self, address: str, tier: Tier = "engine") -> int:
+        """Blocks the index believes ``address`` holds in ``tier`` (0 for an unknown replica)."""
         replica = self._blocks.get(address)
-        return len(replica.hashes) if replica is not None else 0
+        return len(replica.hashes[tier]) if replica is not None else 0
 
     def replica_model(self, address: str) -> str:
         replica = self._blocks.get(address)
         return replica.model if replica is not None else ""
 
-    def holds(self, address: str, block_hash: int) -> bool:
+    def holds(self, address: str, block_hash: int, tier: Tier = "engine") -> bool:
         replica = self._blocks.get(address)
-        return replica is not None and bool(self._holders.get(block_hash, 0) & replica.bit)
+        return replica is not None and bool(self._holders[tier].get(block_hash, 0) & replica.bit)
 
     def replicas(self) -> list[str]:
         """Addresses with an entry (possibly holding no block), sorted."""
         return sorted(self._blocks)
 
-    def total_blocks(self) -> int:
-        """(replica, block) pairs held: a block cached on two replicas counts twice."""
-        return sum(len(replica.hashes) for replica in self._blocks.values())
+    def total_blocks(self, tier: Tier = "engine") -> int:
+        """(replica, block) pairs held in ``tier``: a block cached on two replicas counts twice."""
+        return sum(len(replica.hashes[tier]) for replica in self._blocks.values())
 
-    def distinct_blocks(self) -> int:
-        return len(self._holders)
+    def distinct_blocks(self, tier: Tier = "engine") -> int:
+        return len(self._holders[tier])
 
     # -- checks ---------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless ``_holders`` is exactly the inverse of ``_blocks`` and slots are consistent."""
-        inverse: dict[int, int] = {}
+        inverse: dict[Tier, dict[int, int]] = {tier: {} for tier in TIERS}
         for address, replica in self._blocks.items():
             if self._slots[replica.bit.bit_length() - 1] != address or replica.bit & (replica.bit - 1):
                 raise AssertionError(f"replica {address} does not own its slot")
-            for block_hash in replica.hashes:
-                inverse[block_hash] = inverse.get(block_hash, 0) | replica.bit
-        if inverse != self._holders:
-            raise AssertionError("holders map is not the inverse of the per-replica block sets")
+            for tier, hashes in replica.hashes.items():
+                for block_hash in hashes:
+                    inverse[tier][block_hash] = inverse[tier].get(block_hash, 0) | replica.bit
+        for tier in TIERS:
+            if inverse[tier] != self._holders[tier]:
+                raise AssertionError(f"{tier} holders map is not the inverse of the per-replica block sets")
         if sum(held is not None for held in self._slots) != len(self._blocks):
             raise AssertionError("a slot is held by an address the index does not follow")
         for address, replica in self._blocks.items():
-            if replica.hashes and not replica.model:
+            if any(replica.hashes.values()) and not replica.model:
                 raise AssertionError(f"replica {address} holds blocks but has no model")

@@ -23,12 +23,19 @@ from dataclasses import dataclass
 import grpc
 
 from cachet.cache.backoff import Backoff
-from cachet.cache.prefix_index import PrefixIndex
+from cachet.cache.prefix_index import PrefixIndex, Tier
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.logs import get_logger
 
 log = get_logger(__name__)
+
+# An engine older than the tiers sends no tier: KV_TIER_ENGINE, all it had.
+_TIERS: dict[int, Tier] = {
+    engine_pb2.KV_TIER_ENGINE: "engine",
+    engine_pb2.KV_TIER_HOST: "host",
+    engine_pb2.KV_TIER_SHARED: "shared",
+}
 
 
 @dataclass
@@ -120,12 +127,16 @@ class ReplicaFollower:
             self._check_in_sync(batch)
         for event in batch.events:
             kind = event.WhichOneof("event")
+            tier = _TIERS.get(event.tier)
+            if tier is None:
+                # A tier this index does not know (a newer engine): better unmirrored than misfiled.
+                continue
             if kind == "stored":
-                self._index.apply_stored(self.address, batch.model, event.stored.block_hashes)
+                self._index.apply_stored(self.address, batch.model, event.stored.block_hashes, tier)
             elif kind == "removed":
-                self._index.apply_removed(self.address, event.removed.block_hashes)
+                self._index.apply_removed(self.address, event.removed.block_hashes, tier)
             elif kind == "cleared":
-                self._index.clear(self.address)
+                self._index.clear(self.address, tier)
         self.status.last_sequence_number = batch.sequence_number
 
     def _connected(self, first: engine_pb2.KvEventBatch) -> None:

@@ -53,7 +53,14 @@ class CacheIndexServicer(cache_pb2_grpc.CacheIndexServiceServicer):
         matches = self._index.match(request.model, request.block_hashes)
         return cache_pb2.MatchPrefixResponse(
             matches=[
-                cache_pb2.ReplicaMatch(address=m.address, matched_blocks=m.matched_blocks) for m in matches
+                cache_pb2.ReplicaMatch(
+                    address=m.address,
+                    matched_blocks=m.matched_blocks,
+                    engine_blocks=m.engine_blocks,
+                    host_blocks=m.host_blocks,
+                    shared_blocks=m.shared_blocks,
+                )
+                for m in matches
             ]
         )
 
@@ -73,6 +80,8 @@ class CacheIndexServicer(cache_pb2_grpc.CacheIndexServiceServicer):
                 connected=status.connected,
                 cached_blocks=self._index.replica_blocks(status.address),
                 last_sequence_number=status.last_sequence_number,
+                host_blocks=self._index.replica_blocks(status.address, "host"),
+                shared_blocks=self._index.replica_blocks(status.address, "shared"),
             )
             for status in self._followers.statuses()
         ]

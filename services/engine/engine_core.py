@@ -81,6 +81,8 @@ class EngineCore:
             block_bytes=getattr(getattr(self.runner, "host_kv", None), "bytes_per_block", 0),
         )
         self.scheduler = Scheduler(kv, self.scheduler_config)
+        if kv.shared_tier is not None:
+            kv.shared_tier.on_events = self._wake
         if self.grammar_compiler is not None:
             self._masks = MaskBuilder(self.grammar_compiler.vocab_size)
 
@@ -125,8 +127,9 @@ class EngineCore:
         return (
             bool(self._pending or self.scheduler.running)
             or self.scheduler.waiting.peek_ready() is not None
-            # Blocks named by the last step still to be written to the shared tier.
+            # Blocks named by the last step still to be written to the shared tier, or written since.
             or self.scheduler.kv.has_pending_moves
+            or self.scheduler.kv.has_pending_events
             # A failed grammar is never ready, but its refusal is work: the next step sends it.
             or any(r.grammar is not None and r.grammar.error is not None for r in self._compiling.values())
         )
@@ -217,6 +220,10 @@ class EngineCore:
             if request.grammar.is_terminated:
                 completed[request_id] = ""
         return completed
+
+    def _wake(self) -> None:
+        if self.wake is not None:
+            self.wake()
 
     def _publish_kv_events(self) -> None:
         events = self.scheduler.kv.take_events()

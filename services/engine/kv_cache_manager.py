@@ -251,6 +251,12 @@ class KVCacheManager:
         """Blocks named since the last plan wait to be written to the shared tier."""
         return bool(self._store)
 
+    @property
+    def has_pending_events(self) -> bool:
+        """The shared tier's worker wrote or dropped files since the last ``take_events``: events a
+        step with nothing else to do must still publish."""
+        return self.shared_tier is not None and self.shared_tier.has_events
+
     def take_block_moves(self) -> KvBlockMoves:
         """Copies between the pool and the host tier ordered since the last call, for the plan."""
         if self.host_tier is None:

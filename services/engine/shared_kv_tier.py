@@ -83,6 +83,9 @@ class SharedKvFiles:
         self._events_lock = threading.Lock()
         self._known: set[int] = set()
         self._events = TierEvents("shared")
+        # Called (on the worker) when events start pending: the engine's loop may be idle, and a
+        # block written after its last step must still reach the index.
+        self.on_events: Callable[[], None] | None = None
 
     def path(self, block_hash: int) -> Path:
         return self.folder / f"{block_hash & (2**64 - 1):016x}.kv"
@@ -101,14 +104,23 @@ class SharedKvFiles:
         with self._events_lock:
             return snapshot("shared", self._known)
 
+    @property
+    def has_events(self) -> bool:
+        with self._events_lock:
+            return bool(self._events)
+
     def _knew(self, block_hash: int, present: bool) -> None:
         with self._events_lock:
+            was_pending = bool(self._events)
             if present and block_hash not in self._known:
                 self._known.add(block_hash)
                 self._events.stored(block_hash)
             elif not present and block_hash in self._known:
                 self._known.discard(block_hash)
                 self._events.removed(block_hash)
+            wake = self.on_events if self._events and not was_pending else None
+        if wake is not None:
+            wake()
 
     # ------------------------------------------------------------------- writes
 

@@ -31,6 +31,9 @@ class TierEvents:
         # What came before a clear no longer matters to a follower.
         self._runs = [None]
 
+    def __bool__(self) -> bool:
+        return bool(self._runs)
+
     def take(self) -> list[KvEvent]:
         runs, self._runs = self._runs, []
         return [self._event(run) for run in runs]

@@ -22,19 +22,27 @@ MODEL = "tiny-llama"
 _END = object()
 
 
-def stored(hashes: list[int], parent: int | None = None) -> engine_pb2.KvEvent:
+# Tiers by the names the engine's events use; none (an engine older than the tiers) is the pool.
+TIERS = {
+    "engine": engine_pb2.KV_TIER_ENGINE,
+    "host": engine_pb2.KV_TIER_HOST,
+    "shared": engine_pb2.KV_TIER_SHARED,
+}
+
+
+def stored(hashes: list[int], parent: int | None = None, tier: str = "engine") -> engine_pb2.KvEvent:
     event = engine_pb2.BlocksStored(block_hashes=hashes)
     if parent is not None:
         event.parent_block_hash = parent
-    return engine_pb2.KvEvent(stored=event)
+    return engine_pb2.KvEvent(stored=event, tier=TIERS[tier])
 
 
-def removed(hashes: list[int]) -> engine_pb2.KvEvent:
-    return engine_pb2.KvEvent(removed=engine_pb2.BlocksRemoved(block_hashes=hashes))
+def removed(hashes: list[int], tier: str = "engine") -> engine_pb2.KvEvent:
+    return engine_pb2.KvEvent(removed=engine_pb2.BlocksRemoved(block_hashes=hashes), tier=TIERS[tier])
 
 
-def cleared() -> engine_pb2.KvEvent:
-    return engine_pb2.KvEvent(cleared=engine_pb2.AllBlocksCleared())
+def cleared(tier: str = "engine") -> engine_pb2.KvEvent:
+    return engine_pb2.KvEvent(cleared=engine_pb2.AllBlocksCleared(), tier=TIERS[tier])
 
 
 def batch(

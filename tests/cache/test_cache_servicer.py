@@ -12,7 +12,7 @@ import urllib.request
 
 import grpc
 import pytest
-from scripted_kv_events import MODEL, batch, eventually, stored
+from scripted_kv_events import MODEL, batch, eventually, removed, stored
 
 from cachet.block_hash import block_hashes
 from cachet.cache.main import start
@@ -102,7 +102,7 @@ async def test_watch_list_and_match_a_followed_replica(cache, scripted) -> None:
         ]
     )
     reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(model=MODEL, block_hashes=CHAIN))
-    assert [(m.address, m.matched_blocks) for m in reply.matches] == [(engine.address, 4)]
+    assert [(m.address, m.matched_blocks, m.engine_blocks) for m in reply.matches] == [(engine.address, 4, 4)]
     other_model = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(model="other", block_hashes=CHAIN))
     assert list(other_model.matches) == []
 
@@ -136,9 +136,29 @@ async def test_metrics_report_the_index_figures(cache, scripted) -> None:
     await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(model=MODEL, block_hashes=CHAIN[:2]))
 
     figures = await asyncio.to_thread(_scrape, running.metrics_port)
-    assert figures["cachet_cache_index_blocks"] == 3
+    assert figures['cachet_cache_index_blocks{tier="engine"}'] == 3
+    assert figures['cachet_cache_index_blocks{tier="host"}'] == 0
     assert figures["cachet_cache_index_lookups_total"] == 2
-    assert figures["cachet_cache_index_hit_blocks_total"] == 3 + 2
+    assert figures['cachet_cache_index_hit_blocks_total{tier="engine"}'] == 3 + 2
+    # The pool loses blocks 1 and 2 and the host tier keeps them; the shared tier holds block 3.
+    servicer.send(
+        batch(1, removed(CHAIN[1:3]), stored(CHAIN[1:3], tier="host"), stored([CHAIN[3]], tier="shared"))
+    )
+    await eventually(lambda: running.index.replica_blocks(engine.address, "host") == 2)
+    reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(model=MODEL, block_hashes=CHAIN))
+    assert [(m.matched_blocks, m.engine_blocks, m.host_blocks, m.shared_blocks) for m in reply.matches] == [
+        (4, 1, 2, 1)
+    ]
+    figures = await asyncio.to_thread(_scrape, running.metrics_port)
+    assert figures['cachet_cache_index_blocks{tier="engine"}'] == 1
+    assert figures['cachet_cache_index_blocks{tier="host"}'] == 2
+    assert figures['cachet_cache_index_blocks{tier="shared"}'] == 1
+    assert figures['cachet_cache_index_hit_blocks_total{tier="engine"}'] == 3 + 2 + 1
+    assert figures['cachet_cache_index_hit_blocks_total{tier="host"}'] == 2
+    assert figures['cachet_cache_index_hit_blocks_total{tier="shared"}'] == 1
+    listed = await stub.ListReplicas(cache_pb2.ListReplicasRequest())
+    state = listed.replicas[0]
+    assert (state.cached_blocks, state.host_blocks, state.shared_blocks) == (1, 2, 1)
     assert figures["cachet_cache_index_replicas_connected"] == 1
 
 

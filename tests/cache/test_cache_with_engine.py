@@ -18,10 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from cachet.block_hash import block_hashes
 from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.common.v1 import common_pb2
+from cachet.engine.model_runner import ModelRunner
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.loopback_port import free_loopback_port
@@ -138,3 +140,82 @@ async def test_the_index_mirrors_a_real_engine_and_forgets_it_when_killed(engine
     await _until(forgotten, 5, "the killed engine to be forgotten")
     assert time.monotonic() - killed_at < 2.0
     assert await engine_match() == []
+
+
+async def test_the_index_follows_blocks_into_the_host_and_shared_tiers(tmp_path) -> None:
+    """A pool of 5 blocks: a second prompt evicts the first one's blocks, the host tier keeps
+    them, and every block reaches the shared folder; the index says so, tier by tier."""
+    model_dir = write_tiny_model(tmp_path / "model")
+    per_block = ModelRunner(
+        model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=64 << 20
+    )._kv_cache_bytes_per_block()
+    gib = 1024**3
+    engine_port, cache_port = free_loopback_port(), free_loopback_port()
+    engine_address = f"127.0.0.1:{engine_port}"
+    engine = _spawn(
+        "cachet.engine",
+        {
+            "CACHET_MODEL": str(model_dir),
+            "CACHET_ENGINE_PORT": str(engine_port),
+            "CACHET_DTYPE": "float32",
+            "CACHET_KV_CACHE_GB": str(5 * per_block / gib),
+            "CACHET_KV_HOST_GB": str(16 * per_block / gib),
+            "CACHET_KV_SHARED_DIR": str(tmp_path / "shared"),
+        },
+        tmp_path / "engine.log",
+    )
+    cache = _spawn(
+        "cachet.cache",
+        {"CACHET_CACHE_PORT": str(cache_port), "CACHET_CACHE_ENGINE_ADDRESSES": json.dumps([engine_address])},
+        tmp_path / "cache.log",
+    )
+    engine_channel = create_channel(engine_address)
+    cache_channel = create_channel(f"127.0.0.1:{cache_port}")
+    try:
+        engine_stub = engine_pb2_grpc.EngineServiceStub(engine_channel)
+        cache_stub = cache_pb2_grpc.CacheIndexServiceStub(cache_channel)
+        info = await engine_stub.GetEngineInfo(
+            engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120
+        )
+        assert info.total_kv_blocks == 5
+        first, second = PROMPT, list(range(2000, 2064))
+        chains = [block_hashes(p, info.model, block_size=info.block_size) for p in (first, second)]
+
+        async def generate(request_id: str, prompt: list[int]) -> None:
+            request = engine_pb2.GenerateRequest(
+                request_id=request_id,
+                model=info.model,
+                prompt_token_ids=prompt,
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4),
+            )
+            responses = [r async for r in engine_stub.Generate(request, timeout=120)]
+            assert responses and responses[-1].finish_reason
+
+        await generate("tiers-1", first)
+        await generate("tiers-2", second)
+
+        async def tiers() -> list[list[tuple[int, int, int]]]:
+            found = []
+            for chain in chains:
+                query = cache_pb2.MatchPrefixRequest(model=info.model, block_hashes=chain)
+                reply = await cache_stub.MatchPrefix(query, wait_for_ready=True, timeout=30)
+                found.append([(m.engine_blocks, m.host_blocks, m.shared_blocks) for m in reply.matches])
+            return found
+
+        async def settled() -> list[list[tuple[int, int, int]]] | None:
+            found = await tiers()
+            listed = await cache_stub.ListReplicas(cache_pb2.ListReplicasRequest())
+            shared = [r.shared_blocks for r in listed.replicas]
+            return found if found == [[(0, 4, 0)], [(4, 0, 0)]] and shared == [8] else None
+
+        # The second prompt took the whole pool: the first one's blocks are in host memory only.
+        await _until(settled, 20, "the first prompt in the host tier, every block in the shared one")
+        [state] = (await cache_stub.ListReplicas(cache_pb2.ListReplicasRequest())).replicas
+        assert (state.cached_blocks, state.host_blocks, state.shared_blocks) == (4, 4, 8)
+    finally:
+        await engine_channel.close()
+        await cache_channel.close()
+        _stop(cache)
+        _stop(engine)
+        for name in ("engine.log", "cache.log"):
+            print(f"--- {name} ---\n{(tmp_path / name).read_text(errors='replace')[-4000:]}")

@@ -19,16 +19,16 @@ CHAIN = block_hashes(list(range(8 * 16)), MODEL)
 class CheckedIndex(PrefixIndex):
     """Runs the invariant checker after every mutation, so no test can forget to."""
 
-    def apply_stored(self, address, model, hashes):
-        super().apply_stored(address, model, hashes)
+    def apply_stored(self, address, model, hashes, tier="engine"):
+        super().apply_stored(address, model, hashes, tier)
         self.check_invariants()
 
-    def apply_removed(self, address, hashes):
-        super().apply_removed(address, hashes)
+    def apply_removed(self, address, hashes, tier="engine"):
+        super().apply_removed(address, hashes, tier)
         self.check_invariants()
 
-    def clear(self, address):
-        super().clear(address)
+    def clear(self, address, tier=None):
+        super().clear(address, tier)
         self.check_invariants()
 
     def forget_replica(self, address):
@@ -179,7 +179,7 @@ def test_figures_count_lookups_and_best_match(index) -> None:
 
 def test_invariant_checker_catches_a_broken_inverse(index) -> None:
     index.apply_stored(A, MODEL, CHAIN[:2])
-    del index._holders[CHAIN[1]]  # A broken inverse, whatever the holders representation
+    del index._holders["engine"][CHAIN[1]]  # A broken inverse, whatever the holders representation
     with pytest.raises(AssertionError, match="inverse"):
         index.check_invariants()
 
@@ -255,3 +255,101 @@ def test_match_stops_early_when_no_replica_holds_block_zero() -> None:
     assert index.match(MODEL, query) == []
     # Only block 0 was looked at: the walk stops as soon as no candidate is left.
     assert CountingList.reads == 1
+
+
+# ---------------------------------------------------------------------------- tiers
+
+
+def tiered(index: PrefixIndex, chain=CHAIN) -> list[tuple[str, int, int, int]]:
+    return [(m.address, m.engine_blocks, m.host_blocks, m.shared_blocks) for m in index.match(MODEL, chain)]
+
+
+def test_a_match_runs_through_the_pool_then_the_host_tier_then_the_shared_tier(index) -> None:
+    index.apply_stored(A, MODEL, CHAIN[:2])
+    index.apply_stored(A, MODEL, CHAIN[1:5], "host")
+    index.apply_stored(A, MODEL, CHAIN[:7], "shared")
+    # B holds the prefix only in its host tier, C only in the shared tier.
+    index.apply_stored(B, MODEL, CHAIN[:3], "host")
+    index.apply_stored(C, MODEL, CHAIN[:4], "shared")
+    assert tiered(index) == [(A, 2, 3, 2), (C, 0, 0, 4), (B, 0, 3, 0)]
+    assert [m.matched_blocks for m in index.match(MODEL, CHAIN)] == [7, 4, 3]
+
+
+def test_a_lower_tier_run_ends_where_that_tier_has_a_hole(index) -> None:
+    # A's host run starts after its pool run and stops at the host tier's hole at block 3, though
+    # the pool holds block 3 again: the engine copies back only a run that continues.
+    index.apply_stored(A, MODEL, [CHAIN[0], CHAIN[3]])
+    index.apply_stored(A, MODEL, [CHAIN[1], CHAIN[2], CHAIN[4]], "host")
+    assert tiered(index) == [(A, 1, 2, 0)]
+    # A host run drops to the shared tier, and a shared run never climbs back.
+    index.apply_stored(A, MODEL, [CHAIN[3], CHAIN[5]], "shared")
+    assert tiered(index) == [(A, 1, 2, 1)]
+
+
+def test_tiers_are_stored_removed_and_cleared_apart(index) -> None:
+    index.apply_stored(A, MODEL, CHAIN[:4])
+    index.apply_stored(A, MODEL, CHAIN[:4], "host")
+    index.apply_removed(A, CHAIN[2:4])
+    assert tiered(index) == [(A, 2, 2, 0)]
+    assert [index.replica_blocks(A, t) for t in ("engine", "host", "shared")] == [2, 4, 0]
+    assert index.total_blocks("host") == 4 and index.distinct_blocks("host") == 4
+    index.clear(A, "engine")
+    assert tiered(index) == [(A, 0, 4, 0)]
+    index.clear(A)
+    assert tiered(index) == []
+    assert index.replica_model(A) == MODEL
+
+
+def test_a_model_change_needs_every_tier_empty(index) -> None:
+    index.apply_stored(A, MODEL, CHAIN[:1], "shared")
+    with pytest.raises(ValueError, match="holds blocks"):
+        index.apply_stored(A, "other", CHAIN[:1])
+
+
+def test_figures_split_the_best_match_by_tier(index) -> None:
+    index.apply_stored(A, MODEL, CHAIN[:1])
+    index.apply_stored(A, MODEL, CHAIN[1:3], "host")
+    index.apply_stored(B, MODEL, CHAIN[:2])
+    index.match(MODEL, CHAIN)
+    assert index.figures.hit_blocks == 3
+    assert index.figures.hit_blocks_by_tier == {"engine": 1, "host": 2, "shared": 0}
+
+
+def test_randomised_tiered_operations_agree_with_a_naive_model() -> None:
+    """Random per-tier stored/removed/clear on 3 replicas against the engine's own lookup rule."""
+    rng = random.Random(11)
+    replicas = [A, B, C]
+    tiers = ("engine", "host", "shared")
+    chains = [block_hashes([rng.randrange(40) for _ in range(16 * 10)], MODEL) for _ in range(2)]
+    all_hashes = [h for chain in chains for h in chain]
+    index = CheckedIndex()
+    reference = {(r, t): set() for r in replicas for t in tiers}
+    for _ in range(800):
+        address, tier, op = rng.choice(replicas), rng.choice(tiers), rng.random()
+        if op < 0.5:
+            chain = rng.choice(chains)
+            start = rng.randrange(len(chain))
+            stored = chain[start : start + rng.randrange(1, 6)]
+            index.apply_stored(address, MODEL, stored, tier)
+            reference[address, tier].update(stored)
+        elif op < 0.95:
+            removed = rng.sample(all_hashes, 3)
+            index.apply_removed(address, removed, tier)
+            reference[address, tier].difference_update(removed)
+        else:
+            index.clear(address, tier)
+            reference[address, tier] = set()
+        query = rng.choice(chains)[: rng.randrange(1, 11)]
+        expected = []
+        for name in replicas:
+            position, runs = 0, []
+            for tier_name in tiers:
+                held = reference[name, tier_name]
+                start = position
+                while position < len(query) and query[position] in held:
+                    position += 1
+                runs.append(position - start)
+            if position:
+                expected.append(ReplicaMatch(name, *runs))
+        expected.sort(key=lambda m: (-m.matched_blocks, m.address))
+        assert index.match(MODEL, query) == expected

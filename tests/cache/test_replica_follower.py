@@ -51,6 +51,37 @@ async def test_snapshot_then_live_events_are_mirrored_in_order(follow) -> None:
     index.check_invariants()
 
 
+def tiers(index: PrefixIndex, chain: list[int] = CHAIN) -> list[tuple[int, int, int]]:
+    return [(m.engine_blocks, m.host_blocks, m.shared_blocks) for m in index.match(MODEL, chain)]
+
+
+async def test_each_tiers_events_are_mirrored_in_that_tier(follow) -> None:
+    """The engine's sequences (test_kv_tier_events) as the follower sees them."""
+    servicer, running, index, follower = follow
+    # Snapshot: the pool holds blocks 0-3, the host tier 2-5 (inclusive of promoted ones).
+    servicer.send(batch(0, stored(CHAIN[:4]), stored(CHAIN[2:6], tier="host")))
+    await eventually(lambda: tiers(index) == [(4, 2, 0)])
+    # The pool evicts its tail (blocks 2, 3) and the host tier keeps them: still 6 blocks, 4 by copy.
+    servicer.send(batch(1, removed([CHAIN[3], CHAIN[2]]), stored([CHAIN[3], CHAIN[2]], tier="host")))
+    await eventually(lambda: follower.status.last_sequence_number == 1)
+    assert tiers(index) == [(2, 4, 0)]
+    # The host tier evicts block 4; the shared tier has it (written when it was named).
+    servicer.send(batch(2, removed([CHAIN[4]], tier="host"), stored(CHAIN[4:], tier="shared")))
+    await eventually(lambda: follower.status.last_sequence_number == 2)
+    assert tiers(index) == [(2, 2, 2)]
+    assert [index.replica_blocks(running.address, t) for t in ("engine", "host", "shared")] == [2, 3, 2]
+    # A host-tier clear leaves the pool and the shared tier; a tier the follower does not know is
+    # skipped rather than mirrored into another tier.
+    unknown = stored(CHAIN[2:4])
+    unknown.tier = 7
+    servicer.send(batch(3, cleared(tier="host"), unknown))
+    await eventually(lambda: follower.status.last_sequence_number == 3)
+    assert tiers(index) == [(2, 0, 0)]
+    assert index.replica_blocks(running.address, "shared") == 2
+    assert index.holds(running.address, CHAIN[5], "shared") and not index.holds(running.address, CHAIN[5])
+    index.check_invariants()
+
+
 async def test_a_gap_forgets_the_replica_and_resubscribes(follow) -> None:
     servicer, running, index, follower = follow
     servicer.send(batch(0, stored(CHAIN)))
