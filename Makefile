@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup protos check-protos model run-local test test-fast bench bench-serving lint clean
 
-setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops
+setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops-venv
 
 $(STAMPS)/setup: pyproject.toml
 	@mkdir -p $(STAMPS)
@@ -27,11 +27,14 @@ $(STAMPS)/setup: pyproject.toml
 	@touch $@
 
 # DeepSpeed's shared-memory all-reduce (tensor-parallel replicas on CPU) is a C++ op that
-# DeepSpeed compiles at a replica's first start (1-3 min on 2 cores) into TORCH_EXTENSIONS_DIR
-# (~/.cache/torch_extensions); building it here keeps that wait out of tests and serving.
-# On a CUDA machine the accelerator has no such op and this does nothing.
-$(STAMPS)/ds-ops: $(STAMPS)/setup
-	$(PY) -c "from deepspeed.accelerator import get_accelerator; \
+# DeepSpeed compiles at a replica's first start (1-3 min on 2 cores) into this environment's
+# own folder (.venv/torch_extensions, see services/engine/deepspeed_ops.py; not the user's
+# cache, which other checkouts share); building it here keeps that wait out of tests and
+# serving. On a CUDA machine the accelerator has no such op and this does nothing.
+$(STAMPS)/ds-ops-venv: $(STAMPS)/setup
+	$(PY) -c "from cachet.engine.deepspeed_ops import use_own_extensions_dir; \
+	use_own_extensions_dir(); \
+	from deepspeed.accelerator import get_accelerator; \
 	builder = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
 	builder is None or builder.load()"
 	@touch $@

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from cachet.engine.deepspeed_ops import use_own_extensions_dir, wait_for_build_locks
 from cachet.engine.step_plan import StepPlan, StepResult
 from cachet.engine.tensor_parallel import TensorParallelRank
 from cachet.logs import get_logger
@@ -154,13 +155,15 @@ def init_distributed(device: torch.device) -> RankInfo:
     """Join the process group (env:// from the launcher or ``prepare_local_group``) through DeepSpeed.
 
     gloo on CPU, NCCL on CUDA; DeepSpeed picks its accelerator by itself. On CPU it also
-    loads its shared-memory all-reduce (compiled on first use, cached in TORCH_EXTENSIONS_DIR;
-    ``make setup`` builds it ahead).
+    loads its shared-memory all-reduce (compiled on first use into this environment's own
+    folder, ``deepspeed_ops``; ``make setup`` builds it ahead).
     """
     import deepspeed
 
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        wait_for_build_locks(use_own_extensions_dir())
     backend = "nccl" if device.type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT, verbose=False)
     if backend == "gloo":
