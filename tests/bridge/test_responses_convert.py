@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachet.bridge import convert, responses_convert, schemas
+from cachet.bridge.errors import BridgeError
 from cachet.bridge.responses_schemas import ResponseObject, ResponsesBody
 from cachet.bridge.responses_store import ResponseStore, StoredResponse
 from cachet.bridge.responses_stream import ResponseStream
@@ -238,3 +239,66 @@ def test_whole_response_matches_the_streamed_shape_and_a_cut_one_is_incomplete()
     assert response["status"] == "incomplete"
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [item["type"] for item in response["output"]] == ["reasoning", "message"]
+
+
+FULL = {
+    "model": "m",
+    "instructions": "Be brief.",
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "sun"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+    ],
+    "tools": [TOOL],
+    "tool_choice": "auto",
+    "text": {"format": {"type": "json_schema", "name": "o", "schema": {"type": "object"}}},
+    "max_output_tokens": 5,
+    "temperature": 0.5,
+    "top_p": 0.5,
+    "store": True,
+    "stream": False,
+    "metadata": {"k": "v"},
+    "previous_response_id": None,
+}
+ODD_VALUES = [None, 0, -1, 1e308, "", "x\x00", [], [{}], {}, {"type": None}, True]
+
+
+async def test_odd_values_anywhere_are_never_a_server_error(make_client, tmp_path: Path) -> None:
+    """Every top-level field and every field of every input item, replaced by each odd value:
+    a 400 (or the absent router's 503 for a body that happens to be valid), never a 500."""
+    bodies = [FULL | {name: value} for name in FULL for value in ODD_VALUES]
+    for index, item in enumerate(FULL["input"]):
+        for name in item:
+            for value in ODD_VALUES:
+                items = list(FULL["input"])
+                items[index] = item | {name: value}
+                bodies.append(FULL | {"input": items})
+    async with make_client(data_dir=tmp_path) as client:
+        for sent in bodies:
+            reply = await client.post("/v1/responses", json=sent)
+            assert reply.status_code in (400, 503), (sent, reply.text)
+            assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_input_items_page_newest_first_by_default() -> None:
+    items = [{"id": f"msg_{n}"} for n in range(5)]
+    page = responses_convert.input_items_to_json(items, 2, "desc", None)
+    assert [i["id"] for i in page["data"]] == ["msg_4", "msg_3"] and page["has_more"]
+    page = responses_convert.input_items_to_json(items, 2, "desc", page["last_id"])
+    assert [i["id"] for i in page["data"]] == ["msg_2", "msg_1"]
+    last = responses_convert.input_items_to_json(items, 10, "asc", "msg_3")
+    assert (last["first_id"], last["last_id"], last["has_more"]) == ("msg_4", "msg_4", False)
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event() -> None:
+    stream = ResponseStream(responses_convert.skeleton(body(), "resp_1", 5), lambda _: None)
+    events = stream(router_pb2.ChatCompletionChunk(id="r", content_delta="Hi"))
+    error = stream.error_event(BridgeError(503, "engine gone", "service_unavailable"))
+    assert error == {
+        "type": "error",
+        "sequence_number": len(events),
+        "code": "service_unavailable",
+        "message": "engine gone",
+        "param": None,
+    }

@@ -199,19 +199,25 @@ def test_forced_tool_call_then_its_output_as_a_follow_up(platform: Platform) -> 
 
 
 def test_json_schema_text_format_is_enforced(platform: Platform) -> None:
-    response = platform.client().responses.create(
-        model=TINY_MODEL_ID,
-        input=QUESTION,
-        text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}},
-        max_output_tokens=120,
-        temperature=1.0,
-        store=False,
-    )
+    client = platform.client()
+    constrained = {
+        "model": TINY_MODEL_ID,
+        "input": QUESTION,
+        "text": {"format": {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}},
+        "max_output_tokens": 120,
+        "temperature": 1.0,
+        "store": False,
+    }
+    response = client.responses.create(**constrained)
     assert response.status == "completed", response
     answer = json.loads(response.output_text)
     assert set(answer) == {"city", "days"} and isinstance(answer["days"], int)
     with pytest.raises(openai.NotFoundError):
-        platform.client().responses.retrieve(response.id)
+        client.responses.retrieve(response.id)
+    # The SDK's stream helper accumulates the events into the same shape.
+    with client.responses.stream(**constrained) as stream:
+        final = stream.get_final_response()
+    assert set(json.loads(final.output_text)) == {"city", "days"}
 
 
 def test_delete_and_errors_through_the_sdk(platform: Platform) -> None:
