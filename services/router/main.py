@@ -158,6 +158,8 @@ def _policy(options: RouterServiceSettings) -> PlacementPolicy:
         load_penalty_tokens=options.load_penalty_tokens,
         session_slack_tokens=options.session_slack_tokens,
         new_session_slack_tokens=options.new_session_slack_tokens,
+        host_tier_weight=options.host_tier_weight,
+        shared_tier_weight=options.shared_tier_weight,
     )
 
 

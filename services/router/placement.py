@@ -1,6 +1,9 @@
 """Which engine replica serves a request: pure functions over a snapshot of the replicas.
 
-Every request is scored: cached prefix tokens − ``load_penalty_tokens`` × load.
+Every request is scored: cached prefix tokens − ``load_penalty_tokens`` × load. A token
+cached in a lower KV tier (host memory, the shared file tier) counts for less than one in the
+engine's pool, by the share of the prefill each saves (``prefix_value``): at equal length
+the pool beats the host tier, which beats the shared tier, and anything beats nothing.
 The penalty is what moving costs against what it saves: a replica holding 3 more
 requests must hold 3 × the penalty more cached tokens to win, so a request leaves
 the replica that holds its prefix only when the queue it would wait in there costs
@@ -99,6 +102,13 @@ class PlacementPolicy:
     # to land where the sessions' KV is smallest. Without it every new session follows the
     # shared prefix to the first replica that cached it.
     new_session_slack_tokens: float = 32_768.0
+    # What a cached token is worth in a lower tier, against one in the engine's pool (1.0): the
+    # prefill time it saves over the time a pool hit saves. docs/ARCHITECTURE.md's `make bench`
+    # kv_tiers figures (2,000-token prompt, CPU, bf16) put a prompt's TTFT at ~0.02x of cold from
+    # a pool hit, 0.02-0.04x from the host tier and ~0.05x from the shared tier: a token saves
+    # 0.98, 0.96 (the slower end) and 0.95 of its cost, so 0.96/0.98 and 0.95/0.98.
+    host_tier_weight: float = 0.98
+    shared_tier_weight: float = 0.97
     # What a refused caller is told to wait before retrying.
     retry_after_seconds: int = 1
 
@@ -111,6 +121,12 @@ class Placement:
     # "score" (no session); "session" (its home), "session_new" (no home: by load and KV),
     # "session_move" (its home lost on score, or is gone).
     reason: str
+
+
+def prefix_value(engine_tokens: int, host_tokens: int, shared_tokens: int, policy: PlacementPolicy) -> float:
+    """A replica's cached prefix in pool tokens: its pool run, then the host and shared runs that
+    continue it (``cache.PrefixIndex.match``), each token weighted by what its tier saves."""
+    return engine_tokens + policy.host_tier_weight * host_tokens + policy.shared_tier_weight * shared_tokens
 
 
 def rendezvous_weight(session_id: str, address: str) -> int:
@@ -126,7 +142,7 @@ def rendezvous_order(session_id: str, addresses: Collection[str]) -> list[str]:
 
 def choose_replica(
     replicas: Sequence[ReplicaLoad],
-    cached_tokens: Mapping[str, int],
+    cached_tokens: Mapping[str, float],
     *,
     session_id: str = "",
     session_home: str = "",
@@ -137,7 +153,7 @@ def choose_replica(
     """Pick the replica for one request.
 
     ``replicas`` are the available ones (healthy, reporting). ``cached_tokens`` maps
-    an address to the prompt tokens it holds cached. ``exclude`` names replicas
+    an address to the prompt tokens it holds cached (``prefix_value``: tier-weighted). ``exclude`` names replicas
     already tried. For a session: ``session_home`` is where its last request went
     ("" if none) and ``footprints`` the KV tokens of the live sessions on each
     replica (``SessionDirectory``).
@@ -158,7 +174,7 @@ def choose_replica(
     return Placement(_best_scored(open_replicas, cached_tokens, policy).address, "score")
 
 
-def _score(replica: ReplicaLoad, cached_tokens: Mapping[str, int], policy: PlacementPolicy) -> float:
+def _score(replica: ReplicaLoad, cached_tokens: Mapping[str, float], policy: PlacementPolicy) -> float:
     return cached_tokens.get(replica.address, 0) - policy.load_penalty_tokens * replica.load
 
 
@@ -166,7 +182,7 @@ def _place_session(
     session_id: str,
     home: str,
     open_replicas: Sequence[ReplicaLoad],
-    cached_tokens: Mapping[str, int],
+    cached_tokens: Mapping[str, float],
     footprints: Mapping[str, int],
     policy: PlacementPolicy,
 ) -> Placement:
@@ -186,7 +202,7 @@ def _place_session(
 
 
 def _best_scored(
-    replicas: Sequence[ReplicaLoad], cached_tokens: Mapping[str, int], policy: PlacementPolicy
+    replicas: Sequence[ReplicaLoad], cached_tokens: Mapping[str, float], policy: PlacementPolicy
 ) -> ReplicaLoad:
     def rank(replica: ReplicaLoad) -> tuple[float, int, str]:
         # min() over (−score, load, address): best score, then least loaded, then lowest address.

@@ -40,7 +40,7 @@ from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import Caller
 from cachet.router.detokenizer import Detokenizers
 from cachet.router.output_parser import OutputDelta, merge_deltas
-from cachet.router.placement import Placement, PlacementPolicy, choose_replica
+from cachet.router.placement import Placement, PlacementPolicy, choose_replica, prefix_value
 from cachet.router.prompt import PromptBuilder, check_context_window, validate_chat, validate_completion
 from cachet.router.replica_set import Replica, ReplicaSet
 from cachet.router.session_directory import SessionDirectory
@@ -274,7 +274,9 @@ class RequestPipeline:
                 )
             return generation
 
-    def _place(self, request: GenerationRequest, cached: dict[str, int], refused: Sequence[str]) -> Placement:
+    def _place(
+        self, request: GenerationRequest, cached: dict[str, float], refused: Sequence[str]
+    ) -> Placement:
         available = [replica.load() for replica in self._replicas.available(request.model)]
         now = time.monotonic()
         session = request.caller.session_id
@@ -319,7 +321,7 @@ class RequestPipeline:
 
     async def _cached_prefix_tokens(
         self, engine: engine_pb2.EngineInfo, prompt: Sequence[int], cache_salt: str
-    ) -> dict[str, int]:
+    ) -> dict[str, float]:
         block_size = engine.block_size or DEFAULT_BLOCK_SIZE
         # The engine names its blocks with the same salt, so the index holds these very hashes.
         hashes = block_hashes(prompt, engine.model, block_size=block_size, cache_salt=cache_salt)
@@ -332,7 +334,14 @@ class RequestPipeline:
             # The index only improves placement: without it, requests are placed by load.
             log.warning("cache index unavailable; placing by load", code=error.code().name)
             return {}
-        return {match.address: match.matched_blocks * block_size for match in reply.matches}
+        return {match.address: self._prefix_value(match, block_size) for match in reply.matches}
+
+    def _prefix_value(self, match: cache_pb2.ReplicaMatch, block_size: int) -> float:
+        engine, host, shared = match.engine_blocks, match.host_blocks, match.shared_blocks
+        if not engine + host + shared:
+            # A cache index older than the tiers names only matched_blocks: the pool's.
+            engine = match.matched_blocks
+        return prefix_value(engine * block_size, host * block_size, shared * block_size, self._policy)
 
     async def _open(
         self,

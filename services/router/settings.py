@@ -25,6 +25,12 @@ class RouterServiceSettings(RouterSettings):
     session_idle_seconds: float = Field(default=600.0, gt=0)
     # Cached prompt tokens one queued or running request is worth when scoring replicas.
     load_penalty_tokens: float = Field(default=512.0, ge=0)
+    # A token cached in the host tier / the shared file tier, worth this share of one in the
+    # engine's pool: the prefill time each saves against a pool hit's, from the measured TTFTs
+    # in docs/ARCHITECTURE.md (pool ~0.02x of cold, host 0.02-0.04x, shared ~0.05x on CPU). See
+    # placement.PlacementPolicy.
+    host_tier_weight: float = Field(default=0.98, ge=0, le=1)
+    shared_tier_weight: float = Field(default=0.97, ge=0, le=1)
     # A replica whose last load report is older than this is treated as down. Generous, because
     # a CPU engine busy with a long prefill may report late, and a dropped stream is caught at once.
     report_stale_seconds: float = Field(default=5.0, gt=0)

@@ -6,9 +6,11 @@ import pytest
 
 from cachet.errors import ResourceExhausted, Unavailable
 from cachet.router.placement import (
+    Placement,
     PlacementPolicy,
     ReplicaLoad,
     choose_replica,
+    prefix_value,
     rendezvous_order,
     rendezvous_weight,
 )
@@ -230,3 +232,45 @@ def test_no_available_replica_is_unavailable() -> None:
         choose_replica([], {})
     with pytest.raises(Unavailable):
         choose_replica([idle(A)], {}, exclude={A})
+
+
+# --- KV tiers --------------------------------------------------------------------------------
+
+
+def tiered(holdings: dict[str, tuple[int, int, int]]) -> dict[str, float]:
+    """Cached tokens per replica from (engine, host, shared) tokens, as the router weighs the index's
+    answer."""
+    return {address: prefix_value(*tokens, PlacementPolicy()) for address, tokens in holdings.items()}
+
+
+def test_a_prefix_in_the_host_tier_beats_no_prefix_and_loses_to_the_pool() -> None:
+    replicas = [idle(A), idle(B), idle(C)]
+    # A holds nothing; B holds the prompt's 2,048 tokens in host memory only.
+    assert choose_replica(replicas, tiered({B: (0, 2048, 0)})).address == B
+    # C holds the same tokens in its pool: the copy back B needs makes C the better choice.
+    assert choose_replica(replicas, tiered({B: (0, 2048, 0), C: (2048, 0, 0)})).address == C
+    # The shared tier ranks below the host tier, and above nothing.
+    assert choose_replica(replicas, tiered({A: (0, 0, 2048), B: (0, 2048, 0)})).address == B
+    assert choose_replica([idle(A), idle(B)], tiered({B: (0, 0, 2048)})).address == B
+    # A longer prefix in a lower tier still beats a shorter one in the pool.
+    assert choose_replica(replicas, tiered({B: (1024, 1024, 0), C: (1536, 0, 0)})).address == B
+
+
+def test_a_session_follows_its_prefix_into_the_host_tier() -> None:
+    # The session's home lost its prefix from every tier; another replica kept it in host memory.
+    session = session_homed_on(A)
+    chosen = choose_replica(
+        [idle(A), idle(B), idle(C)], tiered({B: (0, 4096, 0)}), session_id=session, session_home=A
+    )
+    assert chosen == Placement(B, "session_move")
+
+
+def test_tier_weights_come_from_the_policy() -> None:
+    policy = PlacementPolicy(host_tier_weight=0.5, shared_tier_weight=0.25)
+    assert prefix_value(100, 100, 100, policy) == 100 + 50 + 25
+    assert prefix_value(100, 100, 100, PlacementPolicy()) == pytest.approx(100 + 98 + 97)
+    # With the host tier worth half, one request of load (512 tokens) outweighs 1,000 host tokens.
+    replicas = [idle(A), idle(B, running=1)]
+    cached = {B: prefix_value(0, 1000, 0, policy)}
+    assert choose_replica(replicas, cached, policy=policy).address == A
+    assert choose_replica(replicas, {B: prefix_value(0, 1000, 0, PlacementPolicy())}).address == B
