@@ -234,8 +234,9 @@ def finished(
     """The Response object once the router's answer is whole."""
     cut = finish_reason == common_pb2.FINISH_REASON_LENGTH
     status = "incomplete" if cut else "completed"
-    for item in output:
-        item["status"] = status
+    if output:
+        # Only the last item can be cut short; the ones before it were finished.
+        output[-1]["status"] = status
     return start | {
         "status": status,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,

@@ -64,7 +64,8 @@ class ResponseStream:
         for call in chunk.tool_call_deltas:
             events += self._tool_call(call)
         if chunk.finish_reason:
-            events += self._close()
+            cut = chunk.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            events += self._close("incomplete" if cut else "completed")
             events.append(self._finish(chunk))
         return events
 
@@ -107,12 +108,13 @@ class ResponseStream:
         index = {} if kind == "response.function_call_arguments.delta" else {"content_index": 0}
         return self._item_event(kind, **index, delta=delta, **extra)
 
-    def _close(self) -> list[Json]:
-        """The events that finish the open item (none is open: none)."""
+    def _close(self, status: str = "completed") -> list[Json]:
+        """The events that finish the open item (none is open: none). Only the last item can be
+        cut short by max_output_tokens: the others were closed by the next one's start."""
         if self._open is None:
             return []
         item, text = self._output[-1], self._text
-        item["status"] = "completed"
+        item["status"] = status
         if self._open == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             item["content"] = [part]

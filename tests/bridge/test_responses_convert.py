@@ -238,7 +238,21 @@ def test_whole_response_matches_the_streamed_shape_and_a_cut_one_is_incomplete()
     ResponseObject.model_validate(response)
     assert response["status"] == "incomplete"
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert [item["type"] for item in response["output"]] == ["reasoning", "message"]
+    assert [(item["type"], item["status"]) for item in response["output"]] == [
+        ("reasoning", "completed"),
+        ("message", "incomplete"),
+    ]
+    # Streamed, the cut item's done event says so too, and the stream ends response.incomplete.
+    stream = ResponseStream(start, lambda _: None)
+    events = stream(router_pb2.ChatCompletionChunk(id="r", content_delta="Hi"))
+    events += stream(
+        router_pb2.ChatCompletionChunk(
+            id="r", finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=completion.usage
+        )
+    )
+    assert events[-2]["item"]["status"] == "incomplete"
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
 FULL = {
