@@ -240,3 +240,20 @@ def test_delete_and_errors_through_the_sdk(platform: Platform) -> None:
     # The router's own refusal (over the context window), OpenAI-shaped.
     with pytest.raises(openai.BadRequestError, match="context window"):
         client.responses.create(model=TINY_MODEL_ID, input="Hi", max_output_tokens=10_000_000)
+
+
+def test_a_chain_keeps_the_session_it_started_under(platform: Platform) -> None:
+    session = f"s-{uuid.uuid4().hex}"
+    pinned = openai.OpenAI(
+        base_url=f"{platform.url}/v1",
+        api_key="dev",
+        max_retries=0,
+        timeout=TIMEOUT,
+        default_headers={"x-session-affinity": session},
+    )
+    first = pinned.responses.create(model=TINY_MODEL_ID, input=QUESTION, max_output_tokens=1)
+    # The follow-up names no session: it runs, and is billed, under the one its chain began with.
+    platform.client().responses.create(
+        model=TINY_MODEL_ID, previous_response_id=first.id, input="And tomorrow?", max_output_tokens=1
+    )
+    assert ledger(platform, session)["requests"] == 2
