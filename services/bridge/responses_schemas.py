@@ -303,7 +303,8 @@ class ResponsesBody(BaseModel):
     @field_validator(*_UNSUPPORTED)
     @classmethod
     def _unsupported(cls, value: Any) -> Any:
-        if value not in (None, False):
+        # `is`, not `in`: 0 equals False, and max_tool_calls: 0 would change the answer.
+        if value is not None and value is not False:
             raise ValueError("not supported by Cachet")
         return value
 

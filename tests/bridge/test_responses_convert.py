@@ -100,6 +100,7 @@ def test_text_format_and_tool_choice_take_the_chat_path() -> None:
     [
         ({"background": True}, "background"),
         ({"conversation": "conv_1"}, "conversation"),
+        ({"max_tool_calls": 0}, "max_tool_calls"),
         ({"tools": [{"type": "web_search"}]}, "web_search"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
