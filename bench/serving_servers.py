@@ -2,9 +2,8 @@
 
 A server runs in a session of its own (its own process group), its output in a log
 file. Stopping sends SIGTERM to that group and then kills every process that was
-its descendant when the stop began: ``cachet run-local`` starts its services under
-honcho, which puts each in yet another session of its own, so the group alone would
-not reach them; vLLM forks an engine-core process. Nothing outlives the ``with``, also
+its descendant when the stop began: ``cachet run-local``'s supervisor puts each of its
+services in yet another session of its own, so the group alone would not reach them; vLLM forks an engine-core process. Nothing outlives the ``with``, also
 when the run is interrupted (Ctrl-C, or SIGTERM once ``stopping_servers_on_sigterm`` is on),
 and only one run at a time starts servers (``one_run_at_a_time``).
 """

@@ -1,7 +1,8 @@
 """`cachet run-local`: every service on this machine, the default model, SQLite.
 
-Processes are supervised by honcho (output multiplexed with a name prefix; if
-one dies, the rest are stopped; Ctrl-C or SIGTERM stops all). A watcher thread
+Processes are supervised by ``supervisor.Supervisor`` (output multiplexed with a name
+prefix; one that crashes is restarted with backoff, and one that keeps crashing stops
+everything with the reason; Ctrl-C or SIGTERM stops all). A watcher thread
 polls each service's health and prints the REST URL once everything is up (the
 router once it has heard from an engine).
 Services are started by module name, so this file knows their names and ports,
@@ -11,9 +12,7 @@ never their code.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import shlex
 import sys
 import threading
 import time
@@ -23,11 +22,11 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from honcho.manager import Manager
 
 from cachet.config import LOOPBACK
 from cachet.engine_layout import EngineLayout, available_cores, plan_engine_layout
 from cachet.router.v1 import router_pb2, router_pb2_grpc
+from cachet.supervisor import Supervisor
 
 TOKENIZER_PORT = 50051
 ENGINE_BASE_PORT = 50061
@@ -56,7 +55,7 @@ def plan_services(rest_port: int, layout: EngineLayout, model_dir: Path) -> list
     model_env = {"CACHET_MODEL": str(model_dir)}
     # CACHET_TP=N: each engine replica is N ranks; its `python -m cachet.engine` spawns ranks
     # 1..N-1 itself, so the supervisor still sees one process per replica (if a rank dies, the
-    # replica exits and honcho stops the rest). CACHET_EP (1 or N, MoE models) rides along and
+    # replica exits and the supervisor restarts it, ranks and all). CACHET_EP (1 or N, MoE models) rides along and
     # every replica checks it at start.
     engine_env = {
         **model_env,
@@ -164,7 +163,7 @@ def entry_url(services: list[PlannedService]) -> str:
     return f"Cachet REST API on http://{LOOPBACK}:{bridge.http_port}"
 
 
-def _announce_when_healthy(manager: Manager, services: list[PlannedService]) -> None:
+def _announce_when_healthy(supervisor: Supervisor, services: list[PlannedService]) -> None:
     deadline = time.monotonic() + HEALTH_TIMEOUT_SECONDS
     pending = list(services)
     while pending and time.monotonic() < deadline:
@@ -174,7 +173,7 @@ def _announce_when_healthy(manager: Manager, services: list[PlannedService]) -> 
     if pending:
         names = ", ".join(s.name for s in pending)
         print(f"run-local: not healthy after {HEALTH_TIMEOUT_SECONDS} s: {names}; stopping", flush=True)
-        manager.terminate()
+        supervisor.terminate()
         return
     print(entry_url(services), flush=True)
 
@@ -208,18 +207,9 @@ def run_local(rest_port: int, replicas: int | None, model_dir: Path) -> int:
         flush=True,
     )
     services = plan_services(rest_port, layout, model_dir)
-    # Honcho runs each service from a multiprocessing child. Forked while the health
-    # watcher's thread is inside gRPC, such a child inherits gRPC's poller mid-call and can
-    # abort ("Check failed: next_worker->state == KICKED"), taking a service down at start.
-    # Spawned children start from a clean interpreter.
-    multiprocessing.set_start_method("spawn", force=True)
-    manager = Manager()
-    python = shlex.quote(sys.executable)
+    supervisor = Supervisor()
     for service in services:
-        manager.add_process(
-            service.name, f"exec {python} -m {service.module}", env={**os.environ, **service.env}
-        )
-    watcher = threading.Thread(target=_announce_when_healthy, args=(manager, services), daemon=True)
+        supervisor.add(service.name, [sys.executable, "-m", service.module], {**os.environ, **service.env})
+    watcher = threading.Thread(target=_announce_when_healthy, args=(supervisor, services), daemon=True)
     watcher.start()
-    manager.loop()
-    return manager.returncode or 0
+    return supervisor.run()

@@ -164,7 +164,7 @@ async def _go_down(running: RunningServer, engine: AsyncEngine, reason: str) -> 
 
     ``os._exit``: the engine thread may be blocked in a collective with the dead rank
     (the shared-memory all-reduce never times out), so a normal exit could wait forever.
-    The non-zero status lets the supervisor (honcho, Kubernetes) see and restart it.
+    The non-zero status lets the supervisor (run-local's, Kubernetes) see and restart it.
     """
     log.error("replica lost its engine loop or a rank; going down", reason=reason)
     await running.set_serving(False)

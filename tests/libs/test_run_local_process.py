@@ -1,4 +1,5 @@
-"""`cachet run-local` as a user starts it: every service up, the URL printed, a request served, a clean stop.
+"""`cachet run-local` as a user starts it: every service up, the URL printed, a request served,
+every service killed with SIGKILL in turn and back, a clean stop.
 
 run-local listens on its fixed internal ports (README), so this test needs them free.
 """
@@ -25,9 +26,11 @@ from cachet.run_local import PlannedService, is_healthy, plan_services
 
 CACHET = str(Path(sys.executable).with_name("cachet"))
 START_TIMEOUT_SECONDS = 240
+SERVICES = [b"tokenizer", b"usage", b"engine0", b"engine1", b"cache", b"router", b"bridge"]
 
 
-def test_run_local_announces_its_url_serves_a_chat_and_stops_cleanly(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+def test_run_local_announces_its_url_serves_a_chat_survives_kills_and_stops_cleanly(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "tiny-llama")
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
@@ -58,10 +61,25 @@ def test_run_local_announces_its_url_serves_a_chat_and_stops_cleanly(tmp_path: P
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == 3
         # Every service started once: none crashed at start and was left out.
-        started = re.findall(rb"(\w+) started \(pid=", _read(log))
-        assert sorted(started) == sorted(
-            [b"tokenizer", b"usage", b"engine0", b"engine1", b"cache", b"router", b"bridge"]
-        )
+        started = re.findall(rb"(\w+) +\| started \(pid=", _read(log))
+        assert sorted(started) == sorted(SERVICES)
+        # Each service killed outright comes back, and a request after it is served.
+        planned = {s.name: s for s in plan_services(port, EngineLayout(2, 1, 1), model)}
+        for name in SERVICES:
+            pids = re.findall(rb"%s +\| started \(pid=(\d+)\)" % name, _read(log))
+            os.kill(int(pids[-1]), signal.SIGKILL)
+            _wait_restarted(process, log, name, len(pids) + 1, planned[name.decode()])
+            answer = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={
+                    "model": "tiny-llama",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                },
+                timeout=60,
+            )
+            assert answer.status_code == 200, (name, answer.text)
+            assert f"{name.decode()} exited (rc=-9); restarting it".encode() in _read(log)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -70,9 +88,24 @@ def test_run_local_announces_its_url_serves_a_chat_and_stops_cleanly(tmp_path: P
             os.killpg(process.pid, signal.SIGKILL)
             raise
     assert b"Check failed" not in _read(log), _read(log)[-4000:].decode(errors="replace")
-    # Honcho answers a TERM with 128 + 15 once every service has stopped.
-    assert returncode in (0, 128 + signal.SIGTERM), _read(log)[-4000:].decode(errors="replace")
-    assert _read(log).count(b" stopped (rc=") == 7
+    assert returncode == 0, _read(log)[-4000:].decode(errors="replace")
+    # Seven stops at the end, and one for each kill.
+    assert _read(log).count(b"| stopped (rc=") == 2 * len(SERVICES)
+
+
+def _wait_restarted(
+    process: subprocess.Popen[bytes], log, name: bytes, starts: int, service: PlannedService
+) -> None:
+    """Until ``name`` has started ``starts`` times and answers its health check again."""
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"run-local exited:\n{_read(log)[-4000:].decode(errors='replace')}")
+        restarted = len(re.findall(rb"%s +\| started \(pid=" % name, _read(log))) >= starts
+        if restarted and is_healthy(service):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{name.decode()} not back after {START_TIMEOUT_SECONDS} s")
 
 
 def _wait_until_free(ports: list[int], timeout: float = 30.0) -> None:
