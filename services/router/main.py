@@ -108,6 +108,7 @@ async def start(settings: RouterSettings) -> RunningServer:
         cache_timeout_seconds=options.cache_timeout_seconds,
         cache_scopes=CacheScopes(isolate=options.cache_isolation, groups=options.cache_groups),
         sessions=SessionDirectory(idle_seconds=options.session_idle_seconds),
+        clamp_max_tokens=options.clamp_max_tokens,
     )
     try:
         clients.queue = await open_queue_store(options)

@@ -65,9 +65,19 @@ def validate_sampling(sampling: common_pb2.SamplingParams) -> None:
 
 
 def check_context_window(
-    prompt_tokens: int, sampling: common_pb2.SamplingParams, engine: engine_pb2.EngineInfo, prompt_param: str
+    prompt_tokens: int,
+    sampling: common_pb2.SamplingParams,
+    engine: engine_pb2.EngineInfo,
+    prompt_param: str,
+    *,
+    clamp_max_tokens: bool,
 ) -> None:
-    """Refuse prompts the model cannot take, before any replica spends time on them."""
+    """Refuse prompts the model cannot take, before any replica spends time on them.
+
+    A ``max_tokens`` past what the window leaves is cut to fit (``clamp_max_tokens``, and the
+    answer ends with finish_reason ``length`` if it gets there), as llama.cpp's server does:
+    agents send their own model's output limit (OpenCode: 32,000) whatever model serves them,
+    and a refusal fails their very first request. Off, it is OpenAI's 400."""
     window = engine.context_window
     if window and prompt_tokens >= window:
         raise InvalidArgument(
@@ -75,6 +85,9 @@ def check_context_window(
             param=prompt_param,
         )
     if window and sampling.HasField("max_tokens") and prompt_tokens + sampling.max_tokens > window:
+        if clamp_max_tokens:
+            sampling.max_tokens = window - prompt_tokens
+            return
         raise InvalidArgument(
             f"prompt ({prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) exceeds "
             f"{engine.model}'s context window of {window}",

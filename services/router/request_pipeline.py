@@ -117,8 +117,10 @@ class RequestPipeline:
         cache_timeout_seconds: float,
         cache_scopes: CacheScopes | None = None,
         sessions: SessionDirectory | None = None,
+        clamp_max_tokens: bool = True,
     ) -> None:
         self._replicas = replicas
+        self._clamp_max_tokens = clamp_max_tokens
         self._sessions = sessions or SessionDirectory()
         self._cache_scopes = cache_scopes or CacheScopes()
         self._prompts = prompts
@@ -226,7 +228,13 @@ class RequestPipeline:
 
     async def _start(self, request: GenerationRequest, engine: engine_pb2.EngineInfo) -> Generation:
         prompt_param = "messages" if request.role else "prompt"
-        check_context_window(len(request.prompt_token_ids), request.sampling, engine, prompt_param)
+        check_context_window(
+            len(request.prompt_token_ids),
+            request.sampling,
+            engine,
+            prompt_param,
+            clamp_max_tokens=self._clamp_max_tokens,
+        )
         cached = (
             await self._cached_prefix_tokens(engine, request.prompt_token_ids, request.cache_salt)
             if len(self._replicas.addresses_serving(request.model)) > 1

@@ -51,6 +51,9 @@ class RouterServiceSettings(RouterSettings):
     # learns from cached-token counts and timing what another sent. false: one cache for all
     # accounts, for a single-tenant deployment.
     cache_isolation: bool = True
+    # A max_tokens past what the context window leaves is cut to fit (the answer may end with
+    # finish_reason "length"); false: refused with OpenAI's 400 (prompt.check_context_window).
+    clamp_max_tokens: bool = True
     # Account id -> cache group: the accounts of one group (an organisation) share cached
     # prefixes, e.g. CACHET_ROUTER_CACHE_GROUPS='{"acct-1": "org-a", "acct-2": "org-a"}'.
     cache_groups: dict[str, str] = Field(default_factory=dict)

@@ -239,9 +239,11 @@ def test_errors_through_the_sdk(platform: Platform) -> None:
             max_tokens=4,
             thinking={"type": "enabled", "budget_tokens": 1024},
         )
-    # The router's own refusal (over the context window), in Anthropic's shape.
+    # The router's own refusal (a prompt over the context window), in Anthropic's shape.
     with pytest.raises(anthropic.BadRequestError, match="context window") as window:
-        sdk.messages.create(model=TINY_MODEL_ID, messages=QUESTION, max_tokens=10_000_000)
+        sdk.messages.create(
+            model=TINY_MODEL_ID, messages=[{"role": "user", "content": "hi " * 2500}], max_tokens=4
+        )
     assert window.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         sdk.messages.count_tokens(model="no-such-model", messages=QUESTION)

@@ -213,11 +213,23 @@ def test_client_disconnect_cancels_the_request(platform: Platform) -> None:
 
 
 def test_refusal_before_the_first_token_is_a_real_status(platform: Platform) -> None:
-    # The router refuses (prompt + max_tokens over the window) before any chunk: a 400, not a 200 stream.
+    # The router refuses (a prompt over the 2,048-token window) before any chunk: a 400, not a 200 stream.
     with pytest.raises(openai.BadRequestError) as refused:
         list(
             platform.client().chat.completions.create(
-                model=TINY_MODEL_ID, messages=messages(), stream=True, max_tokens=100_000
+                model=TINY_MODEL_ID, messages=[{"role": "user", "content": "hi " * 2500}], stream=True
             )
         )
-    assert refused.value.param == "max_tokens"
+    assert refused.value.param == "messages"
+
+
+def test_a_max_tokens_past_the_window_is_cut_to_fit(platform: Platform) -> None:
+    # Agents send their own output limit (OpenCode: 32,000) whatever the model's window.
+    answer = platform.client().chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=[{"role": "user", "content": "hi " * 1900}],
+        max_tokens=32_000,
+        extra_body={"ignore_eos": True},
+    )
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 2048

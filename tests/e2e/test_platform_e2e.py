@@ -417,7 +417,10 @@ BAD_INPUT = {
         "response_format.json_schema",
     ),
     "prompt over the context window": _case(
-        GOOD | {"max_tokens": 100_000}, 400, "invalid_request_error", "max_tokens"
+        GOOD | {"messages": [{"role": "user", "content": "hi " * 2500}]},
+        400,
+        "invalid_request_error",
+        "messages",
     ),
     "oversized body": (
         json.dumps(GOOD | {"messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}).encode(),
