@@ -31,16 +31,15 @@ from cachet.durable_postgres import connection_lost, describe, open_pool, pooled
 from cachet.logs import get_logger
 from cachet.router.completion_groups import CompletionGroups, PendingCompletion
 from cachet.router.queue_records import (
-    BatchState,
     BatchView,
     Cancellation,
     Completion,
     DueWebhook,
     FileBatchRecord,
     Job,
-    JobState,
     StoredFile,
     WebhookAttempt,
+    batch_state,
 )
 
 log = get_logger(__name__)
@@ -274,7 +273,7 @@ class PostgresQueueStore:
             batch_id,
             account_id,
             row["model"],
-            _batch_state(row, states),
+            batch_state(row["finished_at_ms"], row["cancelled_at_ms"], row["expired_at_ms"], states),
             [job[1] for job in jobs] if with_results else [],
             row["webhook_url"],
             row["webhook_state"],
@@ -596,15 +595,7 @@ class PostgresQueueStore:
             )
         if row is None:
             return None
-        input_file_id, endpoint, window, metadata, custom_ids, rejected = row
-        return FileBatchRecord(
-            input_file_id,
-            endpoint,
-            window,
-            json.loads(metadata),
-            json.loads(custom_ids),
-            [tuple(line) for line in json.loads(rejected)],
-        )
+        return FileBatchRecord.from_stored(*row)
 
     async def file_batch_ids(self, account_id: str, after: str, limit: int) -> tuple[list[str], bool]:
         """Up to ``limit`` OpenAI batch ids of the account, newest first, older than ``after``; and whether more follow."""
@@ -630,18 +621,6 @@ class PostgresQueueStore:
         """A pooled connection in a transaction, committed when the block ends without an error."""
         async with self._connection() as connection, connection.transaction():
             yield connection
-
-
-def _batch_state(row: asyncpg.Record, job_states: list[str]) -> BatchState:
-    if row["expired_at_ms"] is not None:
-        return BatchState.EXPIRED if row["finished_at_ms"] is not None else BatchState.EXPIRING
-    if row["cancelled_at_ms"] is not None:
-        return BatchState.CANCELLED if row["finished_at_ms"] is not None else BatchState.CANCELLING
-    if row["finished_at_ms"] is not None:
-        return BatchState.DONE
-    if any(state != JobState.QUEUED for state in job_states):
-        return BatchState.RUNNING
-    return BatchState.QUEUED
 
 
 async def _end_unstarted_jobs(db: asyncpg.Connection, batch_id: str, result: bytes, now: int) -> int:

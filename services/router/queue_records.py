@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -72,6 +74,20 @@ class FileBatchRecord:
     # (custom_id, code, message, line) of each line refused before running.
     rejected: list[tuple[str, str, str, int]]
 
+    @classmethod
+    def from_stored(
+        cls, input_file_id: str, endpoint: str, window: str, metadata: str, custom_ids: str, rejected: str
+    ) -> FileBatchRecord:
+        """From a store's row, whose last three columns are JSON text (both stores keep them so)."""
+        return cls(
+            input_file_id,
+            endpoint,
+            window,
+            json.loads(metadata),
+            json.loads(custom_ids),
+            [tuple(line) for line in json.loads(rejected)],
+        )
+
 
 @dataclass(frozen=True)
 class StoredFile:
@@ -114,3 +130,21 @@ class WebhookAttempt:
     at_ms: int
     http_status: int
     error: str
+
+
+def batch_state(
+    finished_at_ms: int | None,
+    cancelled_at_ms: int | None,
+    expired_at_ms: int | None,
+    job_states: Iterable[str],
+) -> BatchState:
+    """A batch's state from its end times and its jobs' states (both stores derive it so)."""
+    if expired_at_ms is not None:
+        return BatchState.EXPIRED if finished_at_ms is not None else BatchState.EXPIRING
+    if cancelled_at_ms is not None:
+        return BatchState.CANCELLED if finished_at_ms is not None else BatchState.CANCELLING
+    if finished_at_ms is not None:
+        return BatchState.DONE
+    if any(state != JobState.QUEUED for state in job_states):
+        return BatchState.RUNNING
+    return BatchState.QUEUED

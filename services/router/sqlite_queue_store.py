@@ -23,7 +23,6 @@ from typing import TypeVar
 from cachet.durable_sqlite import open_durable_sqlite
 from cachet.router.completion_groups import CompletionGroups, PendingCompletion
 from cachet.router.queue_records import (
-    BatchState,
     BatchView,
     Cancellation,
     Completion,
@@ -33,6 +32,7 @@ from cachet.router.queue_records import (
     JobState,
     StoredFile,
     WebhookAttempt,
+    batch_state,
 )
 
 T = TypeVar("T")
@@ -262,21 +262,11 @@ class SqliteQueueStore:
         jobs = self._db.execute(
             f"SELECT state, {result_column} FROM jobs WHERE batch_id = ? ORDER BY position", (batch_id,)
         ).fetchall()
-        if expired_at_ms is not None:
-            state = BatchState.EXPIRED if finished_at_ms is not None else BatchState.EXPIRING
-        elif cancelled_at_ms is not None:
-            state = BatchState.CANCELLED if finished_at_ms is not None else BatchState.CANCELLING
-        elif finished_at_ms is not None:
-            state = BatchState.DONE
-        elif any(job_state != JobState.QUEUED for job_state, _ in jobs):
-            state = BatchState.RUNNING
-        else:
-            state = BatchState.QUEUED
         return BatchView(
             batch_id,
             account_id,
             model,
-            state,
+            batch_state(finished_at_ms, cancelled_at_ms, expired_at_ms, (job_state for job_state, _ in jobs)),
             [] if result_column == "NULL" else [result for _, result in jobs],
             webhook_url,
             webhook_state,
@@ -611,15 +601,7 @@ class SqliteQueueStore:
         )
         if row is None:
             return None
-        input_file_id, endpoint, window, metadata, custom_ids, rejected = row
-        return FileBatchRecord(
-            input_file_id,
-            endpoint,
-            window,
-            json.loads(metadata),
-            json.loads(custom_ids),
-            [tuple(line) for line in json.loads(rejected)],
-        )
+        return FileBatchRecord.from_stored(*row)
 
     async def file_batch_ids(self, account_id: str, after: str, limit: int) -> tuple[list[str], bool]:
         """Up to ``limit`` OpenAI batch ids of the account, newest first, older than ``after``; and whether more follow."""
