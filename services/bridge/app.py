@@ -371,6 +371,27 @@ async def health(request: Request, backends: BackendsDep) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+@api.get("/ready", response_model=schemas.HealthResponse)
+async def ready(request: Request, backends: BackendsDep) -> Response:
+    """200 when a request can be served now: the router is SERVING and some engine replica
+    serves a model (what ``/v1/models`` lists); else 503. ``/health`` says only that the bridge
+    and the router are up: before the first engine reports, ``/v1/models`` answers an empty
+    list and a chat request is refused."""
+    await health(request, backends)
+    timeout = request.app.state.settings.health_timeout_seconds
+    try:
+        models = await backends.inference.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)
+    except grpc.aio.AioRpcError as error:
+        raise BridgeError(
+            503, f"router unreachable: {error.code().name}", "service_unavailable", retry_after_seconds=1
+        ) from None
+    if not models.models:
+        raise BridgeError(
+            503, "no engine replica serves a model yet", "service_unavailable", retry_after_seconds=1
+        )
+    return JSONResponse({"status": "ok"})
+
+
 @api.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""

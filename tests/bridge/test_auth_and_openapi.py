@@ -113,6 +113,7 @@ async def test_openapi_declares_models_errors_and_streams() -> None:
         "/client/v4/accounts/{account_id}/ai/run/{model}",
         "/v1/usage",
         "/health",
+        "/ready",
         "/metrics",
         "/v1/files",
         "/v1/files/{file_id}",

@@ -157,6 +157,9 @@ def test_sse_framing_on_the_wire(platform: Platform) -> None:
 def test_completions_and_models(platform: Platform) -> None:
     client = platform.client()
     assert TINY_MODEL_ID in [m.id for m in client.models.list().data]
+    # A model is listed, so a request can be served: ready.
+    ready = httpx.get(f"{platform.url}/ready", timeout=5)
+    assert (ready.status_code, ready.json()) == (200, {"status": "ok"})
     text = client.completions.create(model=TINY_MODEL_ID, prompt="Once upon a time", **GREEDY)
     assert text.object == "text_completion"
     assert text.usage.completion_tokens == 6 and text.choices[0].finish_reason == "length"

@@ -172,7 +172,8 @@ async def test_unreachable_router_is_503_with_retry_after() -> None:
         stream = await client.post("/v1/chat/completions", json=CHAT | {"stream": True})
         models = await client.get("/v1/models")
         health = await client.get("/health")
-    for response in (plain, stream, models, health):
+        ready = await client.get("/ready")
+    for response in (plain, stream, models, health, ready):
         assert response.status_code == 503, response.text
         assert response.headers["retry-after"] == "1"
         assert response.headers["content-type"] == "application/json"

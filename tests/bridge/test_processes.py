@@ -89,6 +89,15 @@ def test_health_follows_the_router(stack: Stack) -> None:
     assert (response.status_code, response.json()) == (200, {"status": "ok"})
 
 
+def test_not_ready_until_an_engine_serves_a_model(stack: Stack) -> None:
+    # Up (/health), but with no engine a chat request would be refused: /ready says so.
+    response = httpx.get(f"{stack.url}/ready", timeout=5)
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["message"] == "no engine replica serves a model yet"
+    assert httpx.get(f"{stack.url}/v1/models", timeout=5).json()["data"] == []
+
+
 def test_queue_request_is_accepted_with_no_engine_and_polled_by_id(stack: Stack) -> None:
     # The queue never answers "out of capacity": with no engine at all the batch waits, queued.
     body = {"requests": [{"prompt": "Tell me a joke"}, {"messages": [{"role": "user", "content": "hi"}]}]}
