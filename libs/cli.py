@@ -76,14 +76,23 @@ def run_local_command(
         int | None,
         typer.Option(envvar="CACHET_REPLICAS", min=1, help="Engine replicas; default: as the machine suits."),
     ] = None,
+    routers: Annotated[
+        int,
+        typer.Option(
+            envvar="CACHET_ROUTERS",
+            min=1,
+            help="Routers; more than one share the queue and ledger in CACHET_STORE_URL (PostgreSQL).",
+        ),
+    ] = 1,
 ) -> None:
     """Every service on this machine with the default model (converted on first use)."""
     from cachet.models.catalog import ensure_model
-    from cachet.run_local import run_local
+    from cachet.run_local import check_routers, run_local
 
+    check_routers(routers)
     # Converts the default model on first use (with progress), reuses it afterwards.
     model = ensure_model(os.environ.get("CACHET_MODEL") or None, _data_dir())
-    raise typer.Exit(run_local(port, replicas, model.path))
+    raise typer.Exit(run_local(port, replicas, model.path, routers))
 
 
 @model_app.command("convert")

@@ -17,4 +17,9 @@ def create_channel(address: str, max_message_bytes: int = _DEFAULT_MAX_MESSAGE_B
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2000),
     ]
+    if "," in address:
+        # An ``ipv4:a,b`` target (several routers behind one bridge): spread calls over the
+        # addresses that are up. Not for one address: round robin fails a call at once while
+        # its only connection waits out a reconnect backoff, where pick-first tries again.
+        options.append(("grpc.lb_policy_name", "round_robin"))
     return grpc.aio.insecure_channel(address, options=options, interceptors=client_interceptors())

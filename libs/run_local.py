@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cachet.config import LOOPBACK
+from cachet.durable_postgres import is_postgres_url
 from cachet.engine_layout import EngineLayout, available_cores, plan_engine_layout
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 from cachet.supervisor import Supervisor
@@ -48,8 +49,24 @@ class PlannedService:
     ready_when_it_lists_a_model: bool = False
 
 
-def plan_services(rest_port: int, layout: EngineLayout, model_dir: Path) -> list[PlannedService]:
-    """The processes to start, with the addresses each needs; the REST bridge is the last."""
+def check_routers(routers: int) -> None:
+    """Several routers must share their queue and ledger: a PostgreSQL store, not the SQLite
+    files each would otherwise keep apart (a job queued through one would be invisible to the
+    other, and a router's death would strand its jobs)."""
+    if routers > 1 and not is_postgres_url(os.environ.get("CACHET_STORE_URL", "")):
+        raise SystemExit(
+            f"run-local: CACHET_ROUTERS={routers} needs the routers to share one store: set "
+            "CACHET_STORE_URL=postgresql://user@host:port/database"
+        )
+
+
+def plan_services(
+    rest_port: int, layout: EngineLayout, model_dir: Path, routers: int = 1
+) -> list[PlannedService]:
+    """The processes to start, with the addresses each needs; the REST bridge is the last.
+
+    Several routers listen on consecutive ports and share one store (``check_routers``), one
+    cache index and the engines; the bridge spreads its calls over them (round robin)."""
     replicas = layout.replicas
     engines = [f"{LOOPBACK}:{ENGINE_BASE_PORT + i}" for i in range(replicas)]
     model_env = {"CACHET_MODEL": str(model_dir)}
@@ -94,29 +111,39 @@ def plan_services(rest_port: int, layout: EngineLayout, model_dir: Path) -> list
             {"CACHET_CACHE_PORT": str(CACHE_PORT), "CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(engines)},
             grpc_port=CACHE_PORT,
         ),
+    ]
+    router_ports = [ROUTER_PORT + i for i in range(routers)]
+    plan += [
         PlannedService(
-            "router",
+            "router" if routers == 1 else f"router{i}",
             "cachet.router",
             {
-                "CACHET_ROUTER_PORT": str(ROUTER_PORT),
+                "CACHET_ROUTER_PORT": str(port),
                 "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps(engines),
                 "CACHET_ROUTER_TOKENIZER_ADDRESS": f"{LOOPBACK}:{TOKENIZER_PORT}",
                 "CACHET_ROUTER_CACHE_ADDRESS": f"{LOOPBACK}:{CACHE_PORT}",
                 "CACHET_ROUTER_USAGE_ADDRESS": f"{LOOPBACK}:{USAGE_PORT}",
             },
-            grpc_port=ROUTER_PORT,
+            grpc_port=port,
             ready_when_it_lists_a_model=True,
-        ),
+        )
+        for i, port in enumerate(router_ports)
+    ]
+    # gRPC's ipv4: target names every router; the channel's round-robin policy spreads calls
+    # over those that are up.
+    router_address = (
+        f"{LOOPBACK}:{ROUTER_PORT}"
+        if routers == 1
+        else "ipv4:" + ",".join(f"{LOOPBACK}:{port}" for port in router_ports)
+    )
+    plan.append(
         PlannedService(
             "bridge",
             "cachet.bridge",
-            {
-                "CACHET_PORT": str(rest_port),
-                "CACHET_BRIDGE_ROUTER_ADDRESS": f"{LOOPBACK}:{ROUTER_PORT}",
-            },
+            {"CACHET_PORT": str(rest_port), "CACHET_BRIDGE_ROUTER_ADDRESS": router_address},
             http_port=rest_port,
-        ),
-    ]
+        )
+    )
     return plan
 
 
@@ -197,7 +224,7 @@ def _engine_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_local(rest_port: int, replicas: int | None, model_dir: Path) -> int:
+def run_local(rest_port: int, replicas: int | None, model_dir: Path, routers: int = 1) -> int:
     layout = machine_layout(replicas)
     if layout.warning is not None:
         print(f"run-local: warning: {layout.warning}", flush=True)
@@ -206,7 +233,7 @@ def run_local(rest_port: int, replicas: int | None, model_dir: Path) -> int:
         f"{layout.threads_per_rank} math thread(s)",
         flush=True,
     )
-    services = plan_services(rest_port, layout, model_dir)
+    services = plan_services(rest_port, layout, model_dir, routers)
     supervisor = Supervisor()
     for service in services:
         supervisor.add(service.name, [sys.executable, "-m", service.module], {**os.environ, **service.env})

@@ -93,6 +93,62 @@ def test_run_local_announces_its_url_serves_a_chat_survives_kills_and_stops_clea
     assert _read(log).count(b"| stopped (rc=") == 2 * len(SERVICES)
 
 
+@pytest.mark.timeout(600)
+def test_two_routers_share_one_store_behind_one_bridge(tmp_path: Path, postgres_schemas) -> None:
+    store = postgres_schemas.create_now()
+    model = write_tiny_model(tmp_path / "tiny-llama")
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
+    env = clean | {
+        "CACHET_PORT": str(port),
+        "CACHET_REPLICAS": "1",
+        "CACHET_ROUTERS": "2",
+        "CACHET_STORE_URL": store,
+        "CACHET_MODEL": str(model),
+        "CACHET_DATA_DIR": str(tmp_path / "data"),
+        "OMP_NUM_THREADS": "1",
+    }
+    planned = plan_services(port, EngineLayout(1, 1, 1), model, routers=2)
+    assert [s.name for s in planned if s.module == "cachet.router"] == ["router0", "router1"]
+    _wait_until_free([s.grpc_port for s in planned if s.grpc_port is not None])
+    log = (tmp_path / "run-local.log").open("w+b")
+    process = subprocess.Popen(
+        [CACHET, "run-local"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        url = _announced_url(process, log)
+        for _ in range(6):
+            answer = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={
+                    "model": "tiny-llama",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                },
+                timeout=60,
+            )
+            assert answer.status_code == 200, answer.text
+        # The bridge spread the requests over both routers, which share the store.
+        for router in (b"router0", b"router1"):
+            assert re.search(rb"%s +\| .*request done" % router, _read(log)), router
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+        postgres_schemas.drop_now(store)
+
+
+def test_several_routers_without_a_shared_store_are_refused(tmp_path: Path) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
+    env = clean | {"CACHET_ROUTERS": "2", "CACHET_DATA_DIR": str(tmp_path)}
+    refused = subprocess.run([CACHET, "run-local"], env=env, capture_output=True, timeout=120)
+    assert refused.returncode != 0
+    assert b"CACHET_ROUTERS=2 needs the routers to share one store" in refused.stderr + refused.stdout
+
+
 def _wait_restarted(
     process: subprocess.Popen[bytes], log, name: bytes, starts: int, service: PlannedService
 ) -> None:
