@@ -25,6 +25,7 @@ from cachet.router.file_batches import FileBatches
 from cachet.router.placement import PlacementPolicy
 from cachet.router.prompt import PromptBuilder
 from cachet.router.queue_store import JobState, QueueStore, open_queue_store
+from cachet.router.readiness import ReadinessPublisher
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
@@ -75,8 +76,11 @@ class RunningRouter(RunningServer):
     """A started router: the server plus the clients it must close when it stops."""
 
     clients: RouterClients | None = None
+    readiness: ReadinessPublisher | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
+        if self.readiness is not None:
+            await self.readiness.stop()
         await super().stop(grace)
         if self.clients is not None:
             await self.clients.close(drain_seconds=grace or 0.0)
@@ -151,7 +155,16 @@ async def start(settings: RouterSettings) -> RunningServer:
             metrics.QueueCollector(clients.queue.counts_off_the_loop, [state.value for state in JobState])
         )
         start_http_server(options.metrics_port, addr=options.host)
-    return RunningRouter(running.server, running.port, running.health, running.service_names, clients=clients)
+    readiness = ReadinessPublisher(running.health, lambda: bool(pipeline.list_models()))
+    readiness.start()
+    return RunningRouter(
+        running.server,
+        running.port,
+        running.health,
+        running.service_names,
+        clients=clients,
+        readiness=readiness,
+    )
 
 
 def _policy(options: RouterServiceSettings) -> PlacementPolicy:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from metrics_scrape import growth, scrape
 from service_processes import TINY_MODEL_ID, CachetStack, free_port
 
@@ -25,6 +26,7 @@ from cachet.grpc_channel import create_channel
 from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import ANONYMOUS_ACCOUNT
 from cachet.router.placement import rendezvous_order
+from cachet.router.readiness import READINESS_SERVICE
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
@@ -427,10 +429,19 @@ async def test_concurrent_requests_without_sessions_spread_over_replicas(stack, 
     assert {reply.replica_address for reply in replies} == set(stack.engine_addresses)
 
 
-async def test_list_models_names_the_served_model(inference) -> None:
+async def test_list_models_names_the_served_model(inference, stack: CachetStack) -> None:
     listed = await inference.ListModels(router_pb2.ListModelsRequest(), timeout=TIMEOUT)
     assert [(m.id, m.owned_by) for m in listed.models] == [(TINY_MODEL_ID, "cachet")]
     assert listed.models[0].context_window > 0 and listed.models[0].created > 0
+    # A model is served, so the router says it is ready on gRPC health too (within its poll).
+    async with create_channel(stack.address("router")) as channel:
+        probe = health_pb2_grpc.HealthStub(channel)
+        for _ in range(40):
+            ready = await probe.Check(health_pb2.HealthCheckRequest(service=READINESS_SERVICE), timeout=10)
+            if ready.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+            await asyncio.sleep(0.05)
+    assert ready.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_prompt_longer_than_the_window_is_invalid(inference) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from service_processes import TINY_MODEL_ID, ServiceProcess, free_port, start_service
 
@@ -19,6 +20,7 @@ from cachet.common.v1 import common_pb2
 from cachet.errors import error_info_from_metadata
 from cachet.grpc_channel import create_channel
 from cachet.models.tiny import write_tiny_model
+from cachet.router.readiness import READINESS_SERVICE
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 
@@ -152,3 +154,12 @@ async def test_a_cache_salt_longer_than_allowed_is_invalid_argument(inference) -
 
 async def test_list_models_is_empty_while_no_engine_is_up(inference) -> None:
     assert list((await inference.ListModels(router_pb2.ListModelsRequest(), timeout=10)).models) == []
+
+
+async def test_up_but_not_ready_while_no_engine_is_up(router: ServiceProcess) -> None:
+    async with create_channel(router.address) as channel:
+        probe = health_pb2_grpc.HealthStub(channel)
+        alive = await probe.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        ready = await probe.Check(health_pb2.HealthCheckRequest(service=READINESS_SERVICE), timeout=10)
+    assert alive.status == health_pb2.HealthCheckResponse.SERVING
+    assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
