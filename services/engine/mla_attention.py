@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from cachet.engine.attention import AttentionGroup, AttentionMetadata, scaled_dot_product_attention
+from cachet.engine.cpu_features import cpu_has_native_bf16
 
 
 class PagedLatentAttention(nn.Module):
@@ -66,7 +67,7 @@ class PagedLatentAttention(nn.Module):
         padded = padded.view(batch, max_q, num_heads, width).transpose(1, 2)
         keys = _gather(cache, group.block_table, max_kv)  # [B, 1, max_kv, latent_dim]
         values = keys[..., : self.kv_lora_rank]
-        if padded.device.type == "cpu" and padded.dtype != torch.float32:
+        if padded.device.type == "cpu" and padded.dtype != torch.float32 and not cpu_has_native_bf16():
             # As in PagedAttention: bf16 SDPA is emulated and slower than the casts on AVX2 CPUs.
             padded, keys, values = padded.float(), keys.float(), values.float()
         out = scaled_dot_product_attention(

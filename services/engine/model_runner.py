@@ -30,6 +30,7 @@ from cachet.engine.attention import (
     build_attention_metadata,
     kv_cache_bytes_per_block,
 )
+from cachet.engine.cpu_features import cpu_has_native_bf16
 from cachet.engine.cuda_graphs import DecodeGraphs
 from cachet.engine.host_kv_blocks import HostKvBlocks
 from cachet.engine.kv_cache_budget import KvCacheBudget
@@ -57,15 +58,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     """
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 @dataclass
