@@ -138,6 +138,10 @@ class EngineSettings(ServiceSettings):
     # On a CUDA device, replay decode steps as CUDA graphs (cachet.engine.cuda_graphs); no
     # effect on a CPU, for models that opt out, or in a tensor-parallel replica.
     cuda_graphs: bool = True
+    # Sampling values a request leaves unset come from the model's generation_config.json
+    # (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; false: the API's
+    # own defaults (temperature 1, no top-p/top-k).
+    generation_defaults: bool = True
     # Prometheus /metrics HTTP port; 0 turns the endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
 

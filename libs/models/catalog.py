@@ -27,9 +27,19 @@ class ResolvedModel:
     path: Path
 
 
+# SmolLM2-135M-Instruct's model card samples at temperature 0.2, top_p 0.9; at the API's
+# default of 1.0 the model answered "London" to the README's question about France's capital.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
 def _make_default(path: Path, progress: bool) -> None:
     convert_gguf(
-        find_default_gguf(), path, progress=progress, model_id=DEFAULT_MODEL_ID, overwrite=path.exists()
+        find_default_gguf(),
+        path,
+        progress=progress,
+        model_id=DEFAULT_MODEL_ID,
+        overwrite=path.exists(),
+        sampling=DEFAULT_MODEL_SAMPLING,
     )
 
 
@@ -98,6 +108,17 @@ def resolve_model(model: str | None, data_dir: Path) -> ResolvedModel:
     )
 
 
+def _is_current(resolved: ResolvedModel) -> bool:
+    """Complete, and (the default model) made by a converter that wrote its card's sampling
+    values: one converted before then is converted again, once."""
+    if not is_complete_checkpoint(resolved.path):
+        return False
+    if resolved.model_id != DEFAULT_MODEL_ID:
+        return True
+    generation = read_json(resolved.path / "generation_config.json")
+    return all(generation.get(key) == value for key, value in DEFAULT_MODEL_SAMPLING.items())
+
+
 def ensure_model(model: str | None, data_dir: Path, *, progress: bool = True) -> ResolvedModel:
     """Resolve `model` and, for a catalog id, create its checkpoint if it is missing or incomplete."""
     resolved = resolve_model(model, data_dir)
@@ -106,11 +127,11 @@ def ensure_model(model: str | None, data_dir: Path, *, progress: bool = True) ->
         if not any(resolved.path.glob("*.safetensors")):
             raise ValueError(f"model directory {resolved.path} has no *.safetensors weights")
         return resolved
-    if is_complete_checkpoint(resolved.path):
+    if _is_current(resolved):
         return resolved
     # Services started together would otherwise each spend half a minute and 1 GB converting.
     with file_lock(models_dir(data_dir) / f".{resolved.model_id}.lock"):
-        if not is_complete_checkpoint(resolved.path):
+        if not _is_current(resolved):
             sweep_abandoned_partials(resolved.path)
             if progress:
                 print(f"[models] preparing {resolved.model_id} in {resolved.path}", file=sys.stderr)

@@ -12,7 +12,7 @@ import importlib.util
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -98,8 +98,12 @@ def convert_gguf(
     model_id: str | None = None,
     overwrite: bool = False,
     tokenizer_cache_dir: Path | None = None,
+    sampling: Mapping[str, float] | None = None,
 ) -> Path:
     """Convert a llama-architecture GGUF into a fp32 Hugging Face checkpoint at `out_dir`.
+
+    `sampling`: the model card's recommended sampling values, written into
+    generation_config.json (a GGUF carries none), where the engine takes its defaults.
 
     Writes config.json (with `cachet_model_id`), model.safetensors, tokenizer.json,
     tokenizer_config.json (with the chat template) and generation_config.json (the end-of-turn
@@ -142,7 +146,9 @@ def convert_gguf(
             with bar.phase(_PHASES[3]):
                 specials = copy_tokenizer_files(tokenizer_dir, staging)
             with bar.phase(_PHASES[4]):
-                _finish_configs(staging, model_id=model_id, specials=specials, source=gguf_path.name)
+                _finish_configs(
+                    staging, model_id=model_id, specials=specials, source=gguf_path.name, sampling=sampling
+                )
             with bar.phase(_PHASES[5]):
                 # Flushes, fixes permissions and renames the staging directory into place.
                 commit.close()
@@ -158,7 +164,9 @@ def convert_gguf(
     return out_dir
 
 
-def _finish_configs(model_dir: Path, *, model_id: str, specials: dict, source: str) -> None:
+def _finish_configs(
+    model_dir: Path, *, model_id: str, specials: dict, source: str, sampling: Mapping[str, float] | None
+) -> None:
     """Stamp the model id into config.json and make generation stop at the end-of-turn token."""
     config = read_json(model_dir / "config.json")
     config[MODEL_ID_KEY] = model_id
@@ -174,7 +182,10 @@ def _finish_configs(model_dir: Path, *, model_id: str, specials: dict, source: s
     if eos_ids:
         config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     write_json(model_dir / "config.json", config)
-    write_json(model_dir / "generation_config.json", generation_config(ids, eos_ids, config))
+    generation = generation_config(ids, eos_ids, config)
+    if sampling:
+        generation |= {"do_sample": True, **sampling}
+    write_json(model_dir / "generation_config.json", generation)
 
 
 def generation_config(ids: dict[str, int], eos_ids: list[int], config: dict) -> dict:

@@ -48,7 +48,14 @@ class CoreLoop:
         waits for commands must stop waiting."""
         self.core.wake = wake
 
-    def describe(self, *, expert_parallel_size: int, dtype: str, device: str) -> EngineDescription:
+    def describe(
+        self,
+        *,
+        expert_parallel_size: int,
+        dtype: str,
+        device: str,
+        sampling_defaults: dict[str, float] | None = None,
+    ) -> EngineDescription:
         runner = self.core.runner
         return EngineDescription(
             model=self.core.model,
@@ -61,6 +68,7 @@ class CoreLoop:
             scheduler_config=self.core.scheduler_config,
             structured_output=self.core.grammar_compiler is not None,
             stats=self.stats(),
+            sampling_defaults=dict(sampling_defaults or {}),
         )
 
     def run(self, command_id: int, command: Command) -> Reply:

@@ -28,6 +28,7 @@ from cachet.engine.loop_messages import EngineDescription
 from cachet.engine.model_runner import ModelRunner, default_dtype
 from cachet.engine.models import ModelConfig
 from cachet.engine.rank_environment import externally_launched
+from cachet.engine.sampling_params import model_sampling_defaults
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.structured_output import GrammarCompiler
 from cachet.engine_layout import (
@@ -197,8 +198,14 @@ def build_core_loop(
         ),
     )
     loop = CoreLoop(core)
+    sampling_defaults = model_sampling_defaults(Path(model.path)) if settings.generation_defaults else {}
+    if sampling_defaults:
+        log.info("model sampling defaults", **sampling_defaults)
     description = loop.describe(
-        expert_parallel_size=expert_parallel_size, dtype=str(dtype).removeprefix("torch."), device=device.type
+        expert_parallel_size=expert_parallel_size,
+        dtype=str(dtype).removeprefix("torch."),
+        device=device.type,
+        sampling_defaults=sampling_defaults,
     )
     return loop, description
 

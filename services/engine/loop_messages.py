@@ -102,6 +102,8 @@ class EngineDescription:
     scheduler_config: SchedulerConfig
     structured_output: bool
     stats: EngineStats
+    # What a request leaves unset takes these (sampling_params.model_sampling_defaults).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 Message = Reply | StepReport

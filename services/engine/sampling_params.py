@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cachet.common.v1 import common_pb2
 
@@ -55,15 +58,25 @@ class SamplingParams:
                 raise InvalidSamplingParams(message)
 
     @classmethod
-    def from_proto(cls, proto: common_pb2.SamplingParams) -> SamplingParams:
+    def from_proto(
+        cls, proto: common_pb2.SamplingParams, defaults: Mapping[str, float] | None = None
+    ) -> SamplingParams:
+        """``defaults``: the model's own values for what a request leaves unset
+        (``model_sampling_defaults``), as vLLM applies a model's generation_config.json."""
+        defaults = defaults or {}
         params = cls(
-            temperature=proto.temperature if proto.HasField("temperature") else 1.0,
-            top_p=proto.top_p if proto.HasField("top_p") else 1.0,
-            top_k=proto.top_k,
-            min_p=proto.min_p,
+            temperature=proto.temperature
+            if proto.HasField("temperature")
+            else defaults.get("temperature", 1.0),
+            top_p=proto.top_p if proto.HasField("top_p") else defaults.get("top_p", 1.0),
+            # Plain fields: 0 is unset (off) on the wire.
+            top_k=proto.top_k or int(defaults.get("top_k", 0)),
+            min_p=proto.min_p or defaults.get("min_p", 0.0),
             seed=proto.seed if proto.HasField("seed") else None,
             max_tokens=proto.max_tokens if proto.HasField("max_tokens") else None,
-            repetition_penalty=proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0,
+            repetition_penalty=proto.repetition_penalty
+            if proto.HasField("repetition_penalty")
+            else defaults.get("repetition_penalty", 1.0),
             presence_penalty=proto.presence_penalty,
             frequency_penalty=proto.frequency_penalty,
             stop=tuple(proto.stop),
@@ -74,3 +87,21 @@ class SamplingParams:
         )
         params.validate()
         return params
+
+
+# generation_config.json keys that set a sampling default (vLLM reads the same ones).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling values a model's generation_config.json recommends; {} when it names none.
+
+    Only where it asks to sample (``do_sample`` not false): a config that says greedy
+    carries transformers' own defaults, not a recommendation."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    config = json.loads(path.read_text())
+    if config.get("do_sample") is False:
+        return {}
+    return {key: float(config[key]) for key in SAMPLING_DEFAULT_KEYS if config.get(key) is not None}

@@ -27,6 +27,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._engine = engine
         self._info = info
         self._default_report_ms = default_report_ms
+        self._sampling_defaults = engine.description.sampling_defaults
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -94,7 +95,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"model {request.model!r} is not served here; this replica serves {self._info.model!r}"
             )
         try:
-            sampling = SamplingParams.from_proto(request.sampling)
+            sampling = SamplingParams.from_proto(request.sampling, self._sampling_defaults)
         except InvalidSamplingParams as error:
             raise InvalidRequest(str(error)) from error
         window = self._info.context_window

@@ -47,6 +47,8 @@ def test_checkpoint_files_and_config(converted_dir: Path) -> None:
     generation = json.loads((converted_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] in (2, [2])  # <|im_end|>
     assert generation["bos_token_id"] == 1
+    # The model card's sampling values, which the engine applies to requests that leave them unset.
+    assert (generation["do_sample"], generation["temperature"], generation["top_p"]) == (True, 0.2, 0.9)
 
     with safe_open(str(converted_dir / "model.safetensors"), framework="pt") as weights:
         names = list(weights.keys())
