@@ -90,6 +90,12 @@ def test_default_model_is_converted_once_under_concurrency(
         calls.append(path)
         gate.wait(timeout=5)
         write_tiny_model(path, overwrite=path.exists())
+        # What the real conversion writes besides: the card's sampling values (else the
+        # checkpoint reads as an older conversion, and is converted again).
+        generation = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(
+            json.dumps(generation | {"do_sample": True, **catalog_module.DEFAULT_MODEL_SAMPLING})
+        )
 
     monkeypatch.setitem(catalog_module._CATALOG, DEFAULT_MODEL_ID, fake_convert)
     results: list[Path] = []
@@ -140,3 +146,26 @@ def test_model_id_from_gguf_name() -> None:
     assert model_id_from_gguf_name(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "smollm2-135m-instruct"
     assert model_id_from_gguf_name(Path("/x/Qwen2.5-0.5B-Instruct-Q8_0.gguf")) == "qwen2.5-0.5b-instruct"
     assert model_id_from_gguf_name(Path("model-f16.gguf")) == "model"
+
+
+def test_a_default_model_converted_before_its_sampling_values_is_converted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+
+    def fake_convert(path: Path, progress: bool) -> None:
+        calls.append(path)
+        write_tiny_model(path, overwrite=path.exists())
+        generation = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(
+            json.dumps(generation | {"do_sample": True, **catalog_module.DEFAULT_MODEL_SAMPLING})
+        )
+
+    monkeypatch.setitem(catalog_module._CATALOG, DEFAULT_MODEL_ID, fake_convert)
+    # An older conversion: complete, but without the card's sampling values.
+    write_tiny_model(tmp_path / "models" / DEFAULT_MODEL_ID)
+    path = ensure_default_model(tmp_path, progress=False)
+    assert len(calls) == 1
+    assert json.loads((path / "generation_config.json").read_text())["temperature"] == 0.2
+    ensure_default_model(tmp_path, progress=False)
+    assert len(calls) == 1
