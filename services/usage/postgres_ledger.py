@@ -10,7 +10,6 @@ cannot rewrite what was billed.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import asyncpg
@@ -19,7 +18,14 @@ from cachet.durable_postgres import describe, open_pool, pooled_connection
 from cachet.logs import get_logger
 from cachet.usage.ledger_query import query_sql, totals
 from cachet.usage.prices import ModelPrice
-from cachet.usage.records import RecordOutcome, UsageEntry, UsageQuery, UsageTotals
+from cachet.usage.records import (
+    LEDGER_COST_COLUMN,
+    RecordOutcome,
+    UsageEntry,
+    UsageQuery,
+    UsageTotals,
+    ledger_row,
+)
 
 log = get_logger(__name__)
 
@@ -113,29 +119,10 @@ class PostgresLedger:
     async def _record(
         self, connection: asyncpg.Connection, entry: UsageEntry, price: ModelPrice
     ) -> RecordOutcome:
-        cost = price.cost_picousd(entry.prompt_tokens, entry.cached_tokens, entry.completion_tokens)
-        savings = price.cache_savings_picousd(entry.cached_tokens)
-        inserted = await connection.fetchval(
-            _INSERT,
-            entry.request_id,
-            entry.account_id,
-            entry.model,
-            entry.session_id,
-            entry.prompt_tokens,
-            entry.cached_tokens,
-            entry.completion_tokens,
-            entry.finished_at_ms,
-            entry.replica_address,
-            entry.priority,
-            price.input_microusd_per_mtok,
-            price.cached_input_microusd_per_mtok,
-            price.output_microusd_per_mtok,
-            cost,
-            savings,
-            int(time.time() * 1000),
-        )
+        row = ledger_row(entry, price)
+        inserted = await connection.fetchval(_INSERT, *row)
         if inserted is not None:
-            return RecordOutcome(duplicate=False, cost_picousd=cost)
+            return RecordOutcome(duplicate=False, cost_picousd=row[LEDGER_COST_COLUMN])
         # Read committed: this statement sees the row whose insert ours waited for.
         stored = await connection.fetchrow(
             "SELECT cost_picousd, account_id, model, prompt_tokens, cached_tokens, completion_tokens"

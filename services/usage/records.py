@@ -8,10 +8,12 @@ batch importer) and the ledger only ever sees valid entries.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cachet.errors import InvalidArgument
+from cachet.usage.prices import ModelPrice
 
 # Request, account and session ids are keys and labels, not payloads: bound them
 # so one bad client cannot bloat the ledger's primary-key index.
@@ -135,3 +137,30 @@ class UsageTotals:
     completion_tokens: int = 0
     cost_picousd: int = 0
     cache_savings_picousd: int = 0
+
+
+# Where ledger_row puts the cost (picodollars).
+LEDGER_COST_COLUMN = 13
+
+
+def ledger_row(entry: UsageEntry, price: ModelPrice) -> tuple:
+    """One ledger row's values in the column order both stores insert: the entry, the prices
+    it was billed at, its cost and savings, and when it was recorded."""
+    return (
+        entry.request_id,
+        entry.account_id,
+        entry.model,
+        entry.session_id,
+        entry.prompt_tokens,
+        entry.cached_tokens,
+        entry.completion_tokens,
+        entry.finished_at_ms,
+        entry.replica_address,
+        entry.priority,
+        price.input_microusd_per_mtok,
+        price.cached_input_microusd_per_mtok,
+        price.output_microusd_per_mtok,
+        price.cost_picousd(entry.prompt_tokens, entry.cached_tokens, entry.completion_tokens),
+        price.cache_savings_picousd(entry.cached_tokens),
+        int(time.time() * 1000),
+    )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +21,14 @@ from cachet.durable_sqlite import open_durable_sqlite
 from cachet.logs import get_logger
 from cachet.usage.ledger_query import query_sql, totals
 from cachet.usage.prices import ModelPrice
-from cachet.usage.records import RecordOutcome, UsageEntry, UsageQuery, UsageTotals
+from cachet.usage.records import (
+    LEDGER_COST_COLUMN,
+    RecordOutcome,
+    UsageEntry,
+    UsageQuery,
+    UsageTotals,
+    ledger_row,
+)
 
 log = get_logger(__name__)
 
@@ -129,31 +135,13 @@ class SqliteLedger:
         return outcomes
 
     def _record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
-        cost = price.cost_picousd(entry.prompt_tokens, entry.cached_tokens, entry.completion_tokens)
-        savings = price.cache_savings_picousd(entry.cached_tokens)
+        row = ledger_row(entry, price)
         cursor = self._connection.execute(
             _INSERT,
-            (
-                entry.request_id,
-                entry.account_id,
-                entry.model,
-                entry.session_id,
-                entry.prompt_tokens,
-                entry.cached_tokens,
-                entry.completion_tokens,
-                entry.finished_at_ms,
-                entry.replica_address,
-                entry.priority,
-                price.input_microusd_per_mtok,
-                price.cached_input_microusd_per_mtok,
-                price.output_microusd_per_mtok,
-                cost,
-                savings,
-                int(time.time() * 1000),
-            ),
+            row,
         )
         if cursor.rowcount == 1:
-            return RecordOutcome(duplicate=False, cost_picousd=cost)
+            return RecordOutcome(duplicate=False, cost_picousd=row[LEDGER_COST_COLUMN])
         return self._stored_outcome(entry)
 
     def _stored_outcome(self, entry: UsageEntry) -> RecordOutcome:
