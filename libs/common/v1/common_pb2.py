@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63\x61\x63het/common/v1/common.proto\x12\x10\x63\x61\x63het.common.v1\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x89\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penalty\"\xdf\x01\n\x0eResponseFormat\x12,\n\x04text\x18\x01 \x01(\x0b\x32\x1c.cachet.common.v1.TextFormatH\x00\x12\x39\n\x0bjson_object\x18\x02 \x01(\x0b\x32\".cachet.common.v1.JsonObjectFormatH\x00\x12\x39\n\x0bjson_schema\x18\x03 \x01(\x0b\x32\".cachet.common.v1.JsonSchemaFormatH\x00\x12\x0f\n\x05regex\x18\x04 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x05 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x0c\n\nTextFormat\"\x12\n\x10JsonObjectFormat\"E\n\x10JsonSchemaFormat\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"Y\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_schema_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"a\n\nToolChoice\x12\x30\n\x04mode\x18\x01 \x01(\x0e\x32 .cachet.common.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\":\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x42\x06\n\x04part\"\xba\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12.\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1d.cachet.common.v1.ContentPart\x12\x0c\n\x04name\x18\x03 \x01(\t\x12.\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1a.cachet.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12)\n\x03top\x18\x03 \x03(\x0b\x32\x1c.cachet.common.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63\x61\x63het/common/v1/common.proto\x12\x10\x63\x61\x63het.common.v1\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x89\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penalty\"\xdf\x01\n\x0eResponseFormat\x12,\n\x04text\x18\x01 \x01(\x0b\x32\x1c.cachet.common.v1.TextFormatH\x00\x12\x39\n\x0bjson_object\x18\x02 \x01(\x0b\x32\".cachet.common.v1.JsonObjectFormatH\x00\x12\x39\n\x0bjson_schema\x18\x03 \x01(\x0b\x32\".cachet.common.v1.JsonSchemaFormatH\x00\x12\x0f\n\x05regex\x18\x04 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x05 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x0c\n\nTextFormat\"\x12\n\x10JsonObjectFormat\"E\n\x10JsonSchemaFormat\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"Y\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_schema_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"a\n\nToolChoice\x12\x30\n\x04mode\x18\x01 \x01(\x0e\x32 .cachet.common.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x84\x01\n\x11ReasoningControls\x12\x0e\n\x06\x65\x66\x66ort\x18\x01 \x01(\t\x12\x15\n\x08thinking\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12;\n\x0ftemplate_kwargs\x18\x03 \x03(\x0b\x32\".cachet.common.v1.TemplateVariableB\x0b\n\t_thinking\"\x84\x01\n\x10TemplateVariable\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\nbool_value\x18\x02 \x01(\x08H\x00\x12\x16\n\x0cstring_value\x18\x03 \x01(\tH\x00\x12\x13\n\tint_value\x18\x04 \x01(\x03H\x00\x12\x16\n\x0cnumber_value\x18\x05 \x01(\x01H\x00\x42\x07\n\x05value\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\":\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x42\x06\n\x04part\"\xba\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12.\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1d.cachet.common.v1.ContentPart\x12\x0c\n\x04name\x18\x03 \x01(\t\x12.\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1a.cachet.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12)\n\x03top\x18\x03 \x03(\x0b\x32\x1c.cachet.common.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachet.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1505
-  _globals['_FINISHREASON']._serialized_end=1680
-  _globals['_TOOLCHOICEMODE']._serialized_start=1683
-  _globals['_TOOLCHOICEMODE']._serialized_end=1818
-  _globals['_PRIORITY']._serialized_start=1820
-  _globals['_PRIORITY']._serialized_end=1902
+  _globals['_FINISHREASON']._serialized_start=1775
+  _globals['_FINISHREASON']._serialized_end=1950
+  _globals['_TOOLCHOICEMODE']._serialized_start=1953
+  _globals['_TOOLCHOICEMODE']._serialized_end=2088
+  _globals['_PRIORITY']._serialized_start=2090
+  _globals['_PRIORITY']._serialized_end=2172
   _globals['_USAGE']._serialized_start=51
   _globals['_USAGE']._serialized_end=131
   _globals['_SAMPLINGPARAMS']._serialized_start=134
@@ -53,14 +53,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOL']._serialized_end=949
   _globals['_TOOLCHOICE']._serialized_start=951
   _globals['_TOOLCHOICE']._serialized_end=1048
-  _globals['_TOOLCALL']._serialized_start=1050
-  _globals['_TOOLCALL']._serialized_end=1110
-  _globals['_CONTENTPART']._serialized_start=1112
-  _globals['_CONTENTPART']._serialized_end=1170
-  _globals['_CHATMESSAGE']._serialized_start=1173
-  _globals['_CHATMESSAGE']._serialized_end=1359
-  _globals['_TOKENLOGPROB']._serialized_start=1361
-  _globals['_TOKENLOGPROB']._serialized_end=1453
-  _globals['_TOPLOGPROB']._serialized_start=1455
-  _globals['_TOPLOGPROB']._serialized_end=1502
+  _globals['_REASONINGCONTROLS']._serialized_start=1051
+  _globals['_REASONINGCONTROLS']._serialized_end=1183
+  _globals['_TEMPLATEVARIABLE']._serialized_start=1186
+  _globals['_TEMPLATEVARIABLE']._serialized_end=1318
+  _globals['_TOOLCALL']._serialized_start=1320
+  _globals['_TOOLCALL']._serialized_end=1380
+  _globals['_CONTENTPART']._serialized_start=1382
+  _globals['_CONTENTPART']._serialized_end=1440
+  _globals['_CHATMESSAGE']._serialized_start=1443
+  _globals['_CHATMESSAGE']._serialized_end=1629
+  _globals['_TOKENLOGPROB']._serialized_start=1631
+  _globals['_TOKENLOGPROB']._serialized_end=1723
+  _globals['_TOPLOGPROB']._serialized_start=1725
+  _globals['_TOPLOGPROB']._serialized_end=1772
 # @@protoc_insertion_point(module_scope)

@@ -411,6 +411,84 @@ class ToolChoice(_message.Message):
 Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
 
 @_typing.final
+class ReasoningControls(_message.Message):
+    """Reasoning controls, handed to the model's chat template. A template that reads none of
+    the variables a control sets refuses the request naming the field: never a silent no-op.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EFFORT_FIELD_NUMBER: _builtins.int
+    THINKING_FIELD_NUMBER: _builtins.int
+    TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    effort: _builtins.str
+    """OpenAI's reasoning_effort ("low", "medium", "high"...): the template variable reasoning_effort."""
+    thinking: _builtins.bool
+    """Thinking on or off (Anthropic's and Moonshot's `thinking`), set through the switch the
+    template declares: enable_thinking (Qwen) or thinking (Kimi).
+    """
+    @_builtins.property
+    def template_kwargs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TemplateVariable]:
+        """vLLM's chat_template_kwargs: more template variables, scalars only; they win over the above."""
+
+    def __init__(
+        self,
+        *,
+        effort: _builtins.str = ...,
+        thinking: _builtins.bool | None = ...,
+        template_kwargs: _abc.Iterable[Global___TemplateVariable] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_thinking", b"_thinking", "thinking", b"thinking"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_thinking", b"_thinking", "effort", b"effort", "template_kwargs", b"template_kwargs", "thinking", b"thinking"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__thinking: _TypeAlias = _typing.Literal["thinking"]  # noqa: Y015
+    _WhichOneofArgType__thinking: _TypeAlias = _typing.Literal["_thinking", b"_thinking"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__thinking) -> _WhichOneofReturnType__thinking | None: ...
+
+Global___ReasoningControls: _TypeAlias = ReasoningControls  # noqa: Y015
+
+@_typing.final
+class TemplateVariable(_message.Message):
+    """One variable handed to a chat template."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BOOL_VALUE_FIELD_NUMBER: _builtins.int
+    STRING_VALUE_FIELD_NUMBER: _builtins.int
+    INT_VALUE_FIELD_NUMBER: _builtins.int
+    NUMBER_VALUE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name in the template, e.g. "enable_thinking"."""
+    bool_value: _builtins.bool
+    """true / false."""
+    string_value: _builtins.str
+    """Text."""
+    int_value: _builtins.int
+    """A whole number."""
+    number_value: _builtins.float
+    """Any other number."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        bool_value: _builtins.bool = ...,
+        string_value: _builtins.str = ...,
+        int_value: _builtins.int = ...,
+        number_value: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bool_value", b"bool_value", "int_value", b"int_value", "number_value", b"number_value", "string_value", b"string_value", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bool_value", b"bool_value", "int_value", b"int_value", "name", b"name", "number_value", b"number_value", "string_value", b"string_value", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_value: _TypeAlias = _typing.Literal["bool_value", "string_value", "int_value", "number_value"]  # noqa: Y015
+    _WhichOneofArgType_value: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_value) -> _WhichOneofReturnType_value | None: ...
+
+Global___TemplateVariable: _TypeAlias = TemplateVariable  # noqa: Y015
+
+@_typing.final
 class ToolCall(_message.Message):
     """One tool call made by the assistant."""
 

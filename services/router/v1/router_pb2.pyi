@@ -123,6 +123,8 @@ class ChatCompletionRequest(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     session_id: _builtins.str
@@ -134,6 +136,10 @@ class ChatCompletionRequest(_message.Message):
     cache_salt: _builtins.str
     """Extra salt of the prefix cache (vLLM's `cache_salt`): only requests of the same
     account (or cache group) with the same salt share cached prefixes. At most 256 chars.
+    """
+    n: _builtins.int
+    """Choices to generate (0 means 1). They run on one replica, the prompt prefilled once;
+    usage counts the prompt once and the completion tokens of every choice.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
@@ -155,6 +161,10 @@ class ChatCompletionRequest(_message.Message):
     def response_format(self) -> _common_pb2.ResponseFormat:
         """Output constraint."""
 
+    @_builtins.property
+    def reasoning(self) -> _common_pb2.ReasoningControls:
+        """Reasoning controls, rendered by the chat template (refused when it reads none of them)."""
+
     def __init__(
         self,
         *,
@@ -168,10 +178,12 @@ class ChatCompletionRequest(_message.Message):
         parallel_tool_calls: _builtins.bool | None = ...,
         request_id: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
+        reasoning: _common_pb2.ReasoningControls | None = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "parallel_tool_calls", b"parallel_tool_calls", "response_format", b"response_format", "sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "response_format", b"response_format", "sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
@@ -193,6 +205,7 @@ class CompletionRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     prompt: _builtins.str
@@ -203,6 +216,8 @@ class CompletionRequest(_message.Message):
     """Caller-chosen request id; generated when empty."""
     cache_salt: _builtins.str
     """Extra salt of the prefix cache, as in ChatCompletionRequest."""
+    n: _builtins.int
+    """Choices to generate (0 means 1), as in ChatCompletionRequest."""
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
@@ -226,10 +241,11 @@ class CompletionRequest(_message.Message):
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         cache_salt: _builtins.str = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "n", b"n", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -251,6 +267,7 @@ class ChatCompletion(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Request id ("chatcmpl-..." or "cmpl-...")."""
     model: _builtins.str
@@ -277,6 +294,12 @@ class ChatCompletion(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """Per-token log-probabilities, when asked for."""
 
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatChoice]:
+        """With n > 1: every choice, in index order (the fields above then repeat choice 0's).
+        Usage above is the whole request's.
+        """
+
     def __init__(
         self,
         *,
@@ -290,14 +313,61 @@ class ChatCompletion(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         replica_address: _builtins.str = ...,
+        choices: _abc.Iterable[Global___ChatChoice] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "created", b"created", "finish_reason", b"finish_reason", "id", b"id", "logprobs", b"logprobs", "model", b"model", "reasoning_content", b"reasoning_content", "replica_address", b"replica_address", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "content", b"content", "created", b"created", "finish_reason", b"finish_reason", "id", b"id", "logprobs", b"logprobs", "model", b"model", "reasoning_content", b"reasoning_content", "replica_address", b"replica_address", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatCompletion: _TypeAlias = ChatCompletion  # noqa: Y015
+
+@_typing.final
+class ChatChoice(_message.Message):
+    """One choice of a completion asked for with n > 1."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Its position among the choices, from 0."""
+    content: _builtins.str
+    """The generated text."""
+    reasoning_content: _builtins.str
+    """Reasoning emitted apart from the answer."""
+    finish_reason: _common_pb2.FinishReason.ValueType
+    """Why it ended."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]:
+        """Tool calls parsed from the output."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """Per-token log-probabilities, when asked for."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        content: _builtins.str = ...,
+        reasoning_content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[_common_pb2.ToolCall] | None = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "reasoning_content", b"reasoning_content", "tool_calls", b"tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatChoice: _TypeAlias = ChatChoice  # noqa: Y015
 
 @_typing.final
 class ChatCompletionChunk(_message.Message):
@@ -315,6 +385,7 @@ class ChatCompletionChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Request id, equal on every chunk."""
     model: _builtins.str
@@ -329,6 +400,10 @@ class ChatCompletionChunk(_message.Message):
     """New reasoning text."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the chunk that ends the choice."""
+    index: _builtins.int
+    """The choice this chunk belongs to (0 unless n > 1). Each choice has its own role chunk and
+    finish_reason; only the request's very last chunk carries usage.
+    """
     @_builtins.property
     def tool_call_deltas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
         """Tool call fragments, OpenAI style."""
@@ -354,10 +429,11 @@ class ChatCompletionChunk(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_delta", b"content_delta", "created", b"created", "finish_reason", b"finish_reason", "id", b"id", "logprobs", b"logprobs", "model", b"model", "reasoning_delta", b"reasoning_delta", "role", b"role", "tool_call_deltas", b"tool_call_deltas", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_delta", b"content_delta", "created", b"created", "finish_reason", b"finish_reason", "id", b"id", "index", b"index", "logprobs", b"logprobs", "model", b"model", "reasoning_delta", b"reasoning_delta", "role", b"role", "tool_call_deltas", b"tool_call_deltas", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -138,6 +138,7 @@ class ApplyChatTemplateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     add_generation_prompt: _builtins.bool
@@ -152,6 +153,10 @@ class ApplyChatTemplateRequest(_message.Message):
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tool]:
         """Tools offered to the model, rendered the way its template declares them."""
 
+    @_builtins.property
+    def reasoning(self) -> _common_pb2.ReasoningControls:
+        """Reasoning controls for the template; refused (naming the field) when it reads none of them."""
+
     def __init__(
         self,
         *,
@@ -160,10 +165,11 @@ class ApplyChatTemplateRequest(_message.Message):
         tools: _abc.Iterable[_common_pb2.Tool] | None = ...,
         add_generation_prompt: _builtins.bool = ...,
         continue_final_message: _builtins.bool = ...,
+        reasoning: _common_pb2.ReasoningControls | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "model", b"model", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "model", b"model", "reasoning", b"reasoning", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
