@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63\x61\x63het/bridge/v1/bridge.proto\x12\x10\x63\x61\x63het.bridge.v1\"S\n\tErrorInfo\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05param\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x1b\n\x13retry_after_seconds\x18\x04 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63\x61\x63het/bridge/v1/bridge.proto\x12\x10\x63\x61\x63het.bridge.v1\"\x86\x01\n\tErrorInfo\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05param\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x1b\n\x13retry_after_seconds\x18\x04 \x01(\r\x12\x31\n\x0brate_limits\x18\x05 \x01(\x0b\x32\x1c.cachet.bridge.v1.RateLimits\"\xa4\x01\n\nRateLimits\x12\x16\n\x0elimit_requests\x18\x01 \x01(\x04\x12\x1a\n\x12remaining_requests\x18\x02 \x01(\x04\x12\x19\n\x11reset_requests_ms\x18\x03 \x01(\x04\x12\x14\n\x0climit_tokens\x18\x04 \x01(\x04\x12\x18\n\x10remaining_tokens\x18\x05 \x01(\x04\x12\x17\n\x0freset_tokens_ms\x18\x06 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachet.bridge.v1.bridge_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORINFO']._serialized_start=51
-  _globals['_ERRORINFO']._serialized_end=134
+  _globals['_ERRORINFO']._serialized_start=52
+  _globals['_ERRORINFO']._serialized_end=186
+  _globals['_RATELIMITS']._serialized_start=189
+  _globals['_RATELIMITS']._serialized_end=353
 # @@protoc_insertion_point(module_scope)

@@ -29,6 +29,7 @@ class ErrorInfo(_message.Message):
     PARAM_FIELD_NUMBER: _builtins.int
     CODE_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    RATE_LIMITS_FIELD_NUMBER: _builtins.int
     type: _builtins.str
     """OpenAI error type, e.g. "invalid_request_error", "rate_limit_exceeded"."""
     param: _builtins.str
@@ -37,6 +38,10 @@ class ErrorInfo(_message.Message):
     """Machine-readable code, e.g. "context_length_exceeded"."""
     retry_after_seconds: _builtins.int
     """Seconds to wait before retrying (RESOURCE_EXHAUSTED, UNAVAILABLE)."""
+    @_builtins.property
+    def rate_limits(self) -> Global___RateLimits:
+        """Set when a key's per-minute limit refused the call: what OpenAI's x-ratelimit-* headers say."""
+
     def __init__(
         self,
         *,
@@ -44,11 +49,54 @@ class ErrorInfo(_message.Message):
         param: _builtins.str = ...,
         code: _builtins.str = ...,
         retry_after_seconds: _builtins.int = ...,
+        rate_limits: Global___RateLimits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rate_limits", b"rate_limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "param", b"param", "retry_after_seconds", b"retry_after_seconds", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "param", b"param", "rate_limits", b"rate_limits", "retry_after_seconds", b"retry_after_seconds", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ErrorInfo: _TypeAlias = ErrorInfo  # noqa: Y015
+
+@_typing.final
+class RateLimits(_message.Message):
+    """A key's per-minute limits and what is left of them; a limit of 0 means none."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_REQUESTS_FIELD_NUMBER: _builtins.int
+    REMAINING_REQUESTS_FIELD_NUMBER: _builtins.int
+    RESET_REQUESTS_MS_FIELD_NUMBER: _builtins.int
+    LIMIT_TOKENS_FIELD_NUMBER: _builtins.int
+    REMAINING_TOKENS_FIELD_NUMBER: _builtins.int
+    RESET_TOKENS_MS_FIELD_NUMBER: _builtins.int
+    limit_requests: _builtins.int
+    """Requests a minute."""
+    remaining_requests: _builtins.int
+    """Requests left in the current minute."""
+    reset_requests_ms: _builtins.int
+    """Milliseconds until a request fits again (0: one fits now)."""
+    limit_tokens: _builtins.int
+    """Tokens (prompt + completion) a minute."""
+    remaining_tokens: _builtins.int
+    """Tokens left in the current minute."""
+    reset_tokens_ms: _builtins.int
+    """Milliseconds until the tokens used fall under the limit again (0: they are under it)."""
+    def __init__(
+        self,
+        *,
+        limit_requests: _builtins.int = ...,
+        remaining_requests: _builtins.int = ...,
+        reset_requests_ms: _builtins.int = ...,
+        limit_tokens: _builtins.int = ...,
+        remaining_tokens: _builtins.int = ...,
+        reset_tokens_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit_requests", b"limit_requests", "limit_tokens", b"limit_tokens", "remaining_requests", b"remaining_requests", "remaining_tokens", b"remaining_tokens", "reset_requests_ms", b"reset_requests_ms", "reset_tokens_ms", b"reset_tokens_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RateLimits: _TypeAlias = RateLimits  # noqa: Y015

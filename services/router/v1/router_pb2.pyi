@@ -108,6 +108,49 @@ OPEN_AI_BATCH_STATUS_CANCELLED: OpenAIBatchStatus.ValueType  # 8
 Global___OpenAIBatchStatus: _TypeAlias = OpenAIBatchStatus  # noqa: Y015
 
 @_typing.final
+class AuthenticateRequest(_message.Message):
+    """Authenticate the call's own credentials (they travel in metadata, not here)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuthenticateRequest: _TypeAlias = AuthenticateRequest  # noqa: Y015
+
+@_typing.final
+class CallerIdentity(_message.Message):
+    """The caller behind a key."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCOUNT_ID_FIELD_NUMBER: _builtins.int
+    API_KEY_ID_FIELD_NUMBER: _builtins.int
+    account_id: _builtins.str
+    """The account billed."""
+    api_key_id: _builtins.str
+    """The managed key's id ("key_..."); empty for a key of CACHET_API_KEYS or in development mode."""
+    def __init__(
+        self,
+        *,
+        account_id: _builtins.str = ...,
+        api_key_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "api_key_id", b"api_key_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallerIdentity: _TypeAlias = CallerIdentity  # noqa: Y015
+
+@_typing.final
 class ChatCompletionRequest(_message.Message):
     """A chat completion request (OpenAI's body, typed)."""
 

@@ -115,6 +115,11 @@ class InferenceServiceStub:
                 request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.SerializeToString,
                 response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.FromString,
                 _registered_method=True)
+        self.Authenticate = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/Authenticate',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.CallerIdentity.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -233,6 +238,14 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Authenticate(self, request, context):
+        """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
+        a front end such as the REST bridge learns a managed key's account as the router does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +328,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ListBatches,
                     request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.FromString,
                     response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.SerializeToString,
+            ),
+            'Authenticate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authenticate,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.AuthenticateRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.CallerIdentity.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -750,6 +768,33 @@ class InferenceService:
             '/cachet.router.v1.InferenceService/ListBatches',
             cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.SerializeToString,
             cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Authenticate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/Authenticate',
+            cachet_dot_router_dot_v1_dot_router__pb2.AuthenticateRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.CallerIdentity.FromString,
             options,
             channel_credentials,
             insecure,

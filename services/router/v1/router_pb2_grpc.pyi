@@ -68,6 +68,10 @@ class InferenceServiceStub:
     """Cancel a batch: cancelling until its running requests end, then cancelled."""
     ListBatches: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListBatchesRequest, _router_pb2.ListBatchesResponse]
     """The caller's batches, newest first."""
+    Authenticate: _grpc.UnaryUnaryMultiCallable[_router_pb2.AuthenticateRequest, _router_pb2.CallerIdentity]
+    """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
+    a front end such as the REST bridge learns a managed key's account as the router does.
+    """
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
@@ -106,6 +110,10 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """Cancel a batch: cancelling until its running requests end, then cancelled."""
     ListBatches: _aio.UnaryUnaryMultiCallable[_router_pb2.ListBatchesRequest, _router_pb2.ListBatchesResponse]  # type: ignore[assignment]
     """The caller's batches, newest first."""
+    Authenticate: _aio.UnaryUnaryMultiCallable[_router_pb2.AuthenticateRequest, _router_pb2.CallerIdentity]  # type: ignore[assignment]
+    """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
+    a front end such as the REST bridge learns a managed key's account as the router does.
+    """
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """Chat and text completions, sync and queued."""
@@ -237,5 +245,15 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_router_pb2.ListBatchesResponse, _abc.Awaitable[_router_pb2.ListBatchesResponse]]:
         """The caller's batches, newest first."""
+
+    @_abc_1.abstractmethod
+    def Authenticate(
+        self,
+        request: _router_pb2.AuthenticateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.CallerIdentity, _abc.Awaitable[_router_pb2.CallerIdentity]]:
+        """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
+        a front end such as the REST bridge learns a managed key's account as the router does.
+        """
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

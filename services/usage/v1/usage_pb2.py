@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x61\x63het/usage/v1/usage.proto\x12\x0f\x63\x61\x63het.usage.v1\"\xf9\x01\n\x0bUsageRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\naccount_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x16\n\x0e\x66inished_at_ms\x18\x08 \x01(\x03\x12\x17\n\x0freplica_address\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\"B\n\x12RecordUsageRequest\x12,\n\x06record\x18\x01 \x01(\x0b\x32\x1c.cachet.usage.v1.UsageRecord\">\n\x13RecordUsageResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x14\n\x0c\x63ost_picousd\x18\x02 \x01(\x03\"H\n\x17RecordUsageBatchRequest\x12-\n\x07records\x18\x01 \x03(\x0b\x32\x1c.cachet.usage.v1.UsageRecord\"Q\n\x18RecordUsageBatchResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.cachet.usage.v1.RecordUsageResponse\"\x86\x01\n\nModelPrice\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1f\n\x17input_microusd_per_mtok\x18\x02 \x01(\x03\x12&\n\x1e\x63\x61\x63hed_input_microusd_per_mtok\x18\x03 \x01(\x03\x12 \n\x18output_microusd_per_mtok\x18\x04 \x01(\x03\"~\n\x11QueryUsageRequest\x12\x12\n\naccount_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x10\n\x08start_ms\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x05 \x01(\x03\x12\x10\n\x08group_by\x18\x06 \x03(\t\"=\n\x12QueryUsageResponse\x12\'\n\x04rows\x18\x01 \x03(\x0b\x32\x19.cachet.usage.v1.UsageRow\"\xde\x01\n\x08UsageRow\x12\x12\n\naccount_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03\x64\x61y\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08requests\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x04\x12\x14\n\x0c\x63ost_picousd\x18\t \x01(\x03\x12\x1d\n\x15\x63\x61\x63he_savings_picousd\x18\n \x01(\x03\"\x13\n\x11ListPricesRequest\"u\n\x12ListPricesResponse\x12+\n\x06prices\x18\x01 \x03(\x0b\x32\x1b.cachet.usage.v1.ModelPrice\x12\x32\n\rdefault_price\x18\x02 \x01(\x0b\x32\x1b.cachet.usage.v1.ModelPrice2\xff\x02\n\x0cUsageService\x12X\n\x0bRecordUsage\x12#.cachet.usage.v1.RecordUsageRequest\x1a$.cachet.usage.v1.RecordUsageResponse\x12g\n\x10RecordUsageBatch\x12(.cachet.usage.v1.RecordUsageBatchRequest\x1a).cachet.usage.v1.RecordUsageBatchResponse\x12U\n\nQueryUsage\x12\".cachet.usage.v1.QueryUsageRequest\x1a#.cachet.usage.v1.QueryUsageResponse\x12U\n\nListPrices\x12\".cachet.usage.v1.ListPricesRequest\x1a#.cachet.usage.v1.ListPricesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x61\x63het/usage/v1/usage.proto\x12\x0f\x63\x61\x63het.usage.v1\"\x8d\x02\n\x0bUsageRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\naccount_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x16\n\x0e\x66inished_at_ms\x18\x08 \x01(\x03\x12\x17\n\x0freplica_address\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x12\n\napi_key_id\x18\x0c \x01(\t\"B\n\x12RecordUsageRequest\x12,\n\x06record\x18\x01 \x01(\x0b\x32\x1c.cachet.usage.v1.UsageRecord\">\n\x13RecordUsageResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x14\n\x0c\x63ost_picousd\x18\x02 \x01(\x03\"H\n\x17RecordUsageBatchRequest\x12-\n\x07records\x18\x01 \x03(\x0b\x32\x1c.cachet.usage.v1.UsageRecord\"Q\n\x18RecordUsageBatchResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.cachet.usage.v1.RecordUsageResponse\"\x86\x01\n\nModelPrice\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1f\n\x17input_microusd_per_mtok\x18\x02 \x01(\x03\x12&\n\x1e\x63\x61\x63hed_input_microusd_per_mtok\x18\x03 \x01(\x03\x12 \n\x18output_microusd_per_mtok\x18\x04 \x01(\x03\"\x92\x01\n\x11QueryUsageRequest\x12\x12\n\naccount_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x10\n\x08start_ms\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x05 \x01(\x03\x12\x10\n\x08group_by\x18\x06 \x03(\t\x12\x12\n\napi_key_id\x18\x07 \x01(\t\"=\n\x12QueryUsageResponse\x12\'\n\x04rows\x18\x01 \x03(\x0b\x32\x19.cachet.usage.v1.UsageRow\"\xde\x01\n\x08UsageRow\x12\x12\n\naccount_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03\x64\x61y\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08requests\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x04\x12\x14\n\x0c\x63ost_picousd\x18\t \x01(\x03\x12\x1d\n\x15\x63\x61\x63he_savings_picousd\x18\n \x01(\x03\"\x13\n\x11ListPricesRequest\"u\n\x12ListPricesResponse\x12+\n\x06prices\x18\x01 \x03(\x0b\x32\x1b.cachet.usage.v1.ModelPrice\x12\x32\n\rdefault_price\x18\x02 \x01(\x0b\x32\x1b.cachet.usage.v1.ModelPrice2\xff\x02\n\x0cUsageService\x12X\n\x0bRecordUsage\x12#.cachet.usage.v1.RecordUsageRequest\x1a$.cachet.usage.v1.RecordUsageResponse\x12g\n\x10RecordUsageBatch\x12(.cachet.usage.v1.RecordUsageBatchRequest\x1a).cachet.usage.v1.RecordUsageBatchResponse\x12U\n\nQueryUsage\x12\".cachet.usage.v1.QueryUsageRequest\x1a#.cachet.usage.v1.QueryUsageResponse\x12U\n\nListPrices\x12\".cachet.usage.v1.ListPricesRequest\x1a#.cachet.usage.v1.ListPricesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachet.usage.v1.usage_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_USAGERECORD']._serialized_start=49
-  _globals['_USAGERECORD']._serialized_end=298
-  _globals['_RECORDUSAGEREQUEST']._serialized_start=300
-  _globals['_RECORDUSAGEREQUEST']._serialized_end=366
-  _globals['_RECORDUSAGERESPONSE']._serialized_start=368
-  _globals['_RECORDUSAGERESPONSE']._serialized_end=430
-  _globals['_RECORDUSAGEBATCHREQUEST']._serialized_start=432
-  _globals['_RECORDUSAGEBATCHREQUEST']._serialized_end=504
-  _globals['_RECORDUSAGEBATCHRESPONSE']._serialized_start=506
-  _globals['_RECORDUSAGEBATCHRESPONSE']._serialized_end=587
-  _globals['_MODELPRICE']._serialized_start=590
-  _globals['_MODELPRICE']._serialized_end=724
-  _globals['_QUERYUSAGEREQUEST']._serialized_start=726
-  _globals['_QUERYUSAGEREQUEST']._serialized_end=852
-  _globals['_QUERYUSAGERESPONSE']._serialized_start=854
-  _globals['_QUERYUSAGERESPONSE']._serialized_end=915
-  _globals['_USAGEROW']._serialized_start=918
-  _globals['_USAGEROW']._serialized_end=1140
-  _globals['_LISTPRICESREQUEST']._serialized_start=1142
-  _globals['_LISTPRICESREQUEST']._serialized_end=1161
-  _globals['_LISTPRICESRESPONSE']._serialized_start=1163
-  _globals['_LISTPRICESRESPONSE']._serialized_end=1280
-  _globals['_USAGESERVICE']._serialized_start=1283
-  _globals['_USAGESERVICE']._serialized_end=1666
+  _globals['_USAGERECORD']._serialized_end=318
+  _globals['_RECORDUSAGEREQUEST']._serialized_start=320
+  _globals['_RECORDUSAGEREQUEST']._serialized_end=386
+  _globals['_RECORDUSAGERESPONSE']._serialized_start=388
+  _globals['_RECORDUSAGERESPONSE']._serialized_end=450
+  _globals['_RECORDUSAGEBATCHREQUEST']._serialized_start=452
+  _globals['_RECORDUSAGEBATCHREQUEST']._serialized_end=524
+  _globals['_RECORDUSAGEBATCHRESPONSE']._serialized_start=526
+  _globals['_RECORDUSAGEBATCHRESPONSE']._serialized_end=607
+  _globals['_MODELPRICE']._serialized_start=610
+  _globals['_MODELPRICE']._serialized_end=744
+  _globals['_QUERYUSAGEREQUEST']._serialized_start=747
+  _globals['_QUERYUSAGEREQUEST']._serialized_end=893
+  _globals['_QUERYUSAGERESPONSE']._serialized_start=895
+  _globals['_QUERYUSAGERESPONSE']._serialized_end=956
+  _globals['_USAGEROW']._serialized_start=959
+  _globals['_USAGEROW']._serialized_end=1181
+  _globals['_LISTPRICESREQUEST']._serialized_start=1183
+  _globals['_LISTPRICESREQUEST']._serialized_end=1202
+  _globals['_LISTPRICESRESPONSE']._serialized_start=1204
+  _globals['_LISTPRICESRESPONSE']._serialized_end=1321
+  _globals['_USAGESERVICE']._serialized_start=1324
+  _globals['_USAGESERVICE']._serialized_end=1707
 # @@protoc_insertion_point(module_scope)

@@ -35,6 +35,7 @@ class UsageRecord(_message.Message):
     REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    API_KEY_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id; the ledger's key."""
     account_id: _builtins.str
@@ -59,6 +60,10 @@ class UsageRecord(_message.Message):
     """W3C traceparent of the request this record closes, if it was traced: the ledger's span
     for the record joins that request's trace, also when the record travels in a batch.
     """
+    api_key_id: _builtins.str
+    """The managed API key the request came with ("key_..."); empty for other keys. A key's
+    monthly spend budget is summed over its records.
+    """
     def __init__(
         self,
         *,
@@ -73,10 +78,11 @@ class UsageRecord(_message.Message):
         replica_address: _builtins.str = ...,
         priority: _builtins.str = ...,
         traceparent: _builtins.str = ...,
+        api_key_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finished_at_ms", b"finished_at_ms", "model", b"model", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "replica_address", b"replica_address", "request_id", b"request_id", "session_id", b"session_id", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "api_key_id", b"api_key_id", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finished_at_ms", b"finished_at_ms", "model", b"model", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "replica_address", b"replica_address", "request_id", b"request_id", "session_id", b"session_id", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -228,6 +234,7 @@ class QueryUsageRequest(_message.Message):
     START_MS_FIELD_NUMBER: _builtins.int
     END_MS_FIELD_NUMBER: _builtins.int
     GROUP_BY_FIELD_NUMBER: _builtins.int
+    API_KEY_ID_FIELD_NUMBER: _builtins.int
     account_id: _builtins.str
     """Only this account; empty means all (operators only)."""
     model: _builtins.str
@@ -238,6 +245,8 @@ class QueryUsageRequest(_message.Message):
     """From this Unix time, milliseconds, inclusive; 0 means the beginning."""
     end_ms: _builtins.int
     """Until this Unix time, milliseconds, exclusive; 0 means now."""
+    api_key_id: _builtins.str
+    """Only this managed API key's records; empty means all."""
     @_builtins.property
     def group_by(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Group by these fields: any of "account", "model", "day", "session"."""
@@ -251,10 +260,11 @@ class QueryUsageRequest(_message.Message):
         start_ms: _builtins.int = ...,
         end_ms: _builtins.int = ...,
         group_by: _abc.Iterable[_builtins.str] | None = ...,
+        api_key_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "end_ms", b"end_ms", "group_by", b"group_by", "model", b"model", "session_id", b"session_id", "start_ms", b"start_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "api_key_id", b"api_key_id", "end_ms", b"end_ms", "group_by", b"group_by", "model", b"model", "session_id", b"session_id", "start_ms", b"start_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
