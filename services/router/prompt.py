@@ -111,6 +111,7 @@ class PromptBuilder:
             messages=request.messages,
             tools=request.tools if tools is None else tools,
             add_generation_prompt=True,
+            reasoning=request.reasoning,
         )
         try:
             rendered = await self._tokenizer.ApplyChatTemplate(template, timeout=self._timeout)

@@ -22,6 +22,7 @@ from cachet.tokenizer.chat_messages import messages_to_dicts, tools_to_dicts
 from cachet.tokenizer.detokenize_session import DetokenizeSession
 from cachet.tokenizer.model_info import ModelInfo
 from cachet.tokenizer.model_registry import ModelRegistry
+from cachet.tokenizer.template_variables import ReasoningControls
 from cachet.tokenizer.tokenizer_model import RenderedChat, TokenizerModel
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -119,6 +120,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             tools_to_dicts(request.tools),
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            reasoning=ReasoningControls.from_proto(request.reasoning),
         )
 
     async def DetokenizeStream(

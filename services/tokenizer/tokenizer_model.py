@@ -26,6 +26,7 @@ from cachet.errors import InvalidArgument
 from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.tokenizer.generic_tool_prompt import rewrite_for_generic_tools, template_supports_tools
 from cachet.tokenizer.model_info import ModelInfo, read_model_info
+from cachet.tokenizer.template_variables import NO_CONTROLS, ReasoningControls
 
 # Any non-empty list makes transformers pick a checkpoint's "tool_use" template
 # when it ships several named ones.
@@ -109,8 +110,11 @@ class TokenizerModel:
         *,
         add_generation_prompt: bool,
         continue_final_message: bool,
+        reasoning: ReasoningControls = NO_CONTROLS,
     ) -> RenderedChat:
-        """Render template dicts (see ``chat_messages``) through the model's template, then tokenize."""
+        """Render template dicts (see ``chat_messages``) through the model's template, then tokenize.
+
+        ``reasoning`` sets template variables; one the template does not read is refused."""
         if add_generation_prompt and continue_final_message:
             raise InvalidArgument(
                 "continue_final_message: cannot be combined with add_generation_prompt",
@@ -119,6 +123,7 @@ class TokenizerModel:
         source = _template_source(self._tokenizer, tools=tools or None)
         if source is None:
             raise InvalidArgument(f"model: {self.model_id} has no chat template; use Encode", param="model")
+        variables = reasoning.variables_for(source, self.model_id)
         # Decided per call: a checkpoint with several named templates may use a
         # different one when no tools are offered.
         if not template_supports_tools(source):
@@ -131,6 +136,7 @@ class TokenizerModel:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
+                **variables,
             )
         except jinja2.TemplateError as error:
             # Templates reject conversations they cannot render with raise_exception().
