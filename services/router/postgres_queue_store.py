@@ -29,6 +29,7 @@ import asyncpg
 
 from cachet.durable_postgres import connection_lost, describe, open_pool, pooled_connection
 from cachet.logs import get_logger
+from cachet.router.api_keys import API_KEY_COLUMNS, ApiKey, api_key_from_row, api_key_row
 from cachet.router.completion_groups import CompletionGroups, PendingCompletion
 from cachet.router.queue_records import (
     BatchView,
@@ -133,6 +134,32 @@ CREATE TABLE file_batches (
 CREATE INDEX file_batches_by_account ON file_batches (account_id, seq);
 """,
     ),
+    (
+        2,
+        """
+-- Managed API keys (api_keys.py): the key's SHA-256, never the key. Times in Unix ms, 0: never.
+CREATE TABLE api_keys (
+    key_id TEXT PRIMARY KEY,
+    key_hash TEXT NOT NULL,
+    account_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    created_at_ms BIGINT NOT NULL,
+    expires_at_ms BIGINT NOT NULL DEFAULT 0,
+    revoked_at_ms BIGINT NOT NULL DEFAULT 0,
+    last_used_at_ms BIGINT NOT NULL DEFAULT 0,
+    -- Limits; 0: none.
+    requests_per_minute BIGINT NOT NULL DEFAULT 0,
+    tokens_per_minute BIGINT NOT NULL DEFAULT 0,
+    monthly_budget_picousd BIGINT NOT NULL DEFAULT 0
+);
+CREATE INDEX api_keys_by_account ON api_keys (account_id, created_at_ms);
+-- The managed key a batch was queued with: its jobs count against that key's limits when they run.
+CREATE TABLE batch_api_keys (
+    batch_id TEXT PRIMARY KEY REFERENCES batches (batch_id),
+    key_id TEXT NOT NULL
+);
+""",
+    ),
 ]
 
 # Jobs that may run: queued, or leased by an owner whose lease has lapsed ($2: now).
@@ -217,6 +244,7 @@ class PostgresQueueStore:
         bodies: Sequence[bytes],
         webhook_url: str = "",
         file_batch: FileBatchRecord | None = None,
+        api_key_id: str = "",
     ) -> str:
         """Store a batch of requests; returns its id. Job ids are ``<batch id>-<position>``."""
         batch_id = f"batch-{uuid.uuid4().hex}"
@@ -237,6 +265,10 @@ class PostgresQueueStore:
             )
             if file_batch is not None:
                 await _insert_file_batch(db, batch_id, account_id, file_batch)
+            if api_key_id:
+                await db.execute(
+                    "INSERT INTO batch_api_keys (batch_id, key_id) VALUES ($1, $2)", batch_id, api_key_id
+                )
             # One statement for the lot; ORDER BY hands out seq in position order.
             await db.execute(
                 "INSERT INTO jobs (request_id, batch_id, position, account_id, body)"
@@ -609,6 +641,54 @@ class PostgresQueueStore:
                 limit + 1,
             )
         return [row[0] for row in rows[:limit]], len(rows) > limit
+
+    # ------------------------------------------------------------------ managed API keys
+
+    async def create_api_key(self, key: ApiKey) -> None:
+        placeholders = ", ".join(f"${n}" for n in range(1, 12))
+        async with self._connection() as db:
+            await db.execute(
+                f"INSERT INTO api_keys ({API_KEY_COLUMNS}) VALUES ({placeholders})", *api_key_row(key)
+            )
+
+    async def api_key(self, key_id: str) -> ApiKey | None:
+        async with self._connection() as db:
+            row = await db.fetchrow(f"SELECT {API_KEY_COLUMNS} FROM api_keys WHERE key_id = $1", key_id)
+        return None if row is None else api_key_from_row(tuple(row))
+
+    async def api_keys(self, account_id: str = "") -> list[ApiKey]:
+        """The account's keys (every key for ""), oldest first, revoked and expired ones included."""
+        async with self._connection() as db:
+            rows = await db.fetch(
+                f"SELECT {API_KEY_COLUMNS} FROM api_keys WHERE $1 = '' OR account_id = $1"
+                " ORDER BY created_at_ms, key_id",
+                account_id,
+            )
+        return [api_key_from_row(tuple(row)) for row in rows]
+
+    async def revoke_api_key(self, key_id: str) -> ApiKey | None:
+        """Revoke the key (a second revoke keeps the first time); None if there is no such key."""
+        async with self._connection() as db:
+            await db.execute(
+                "UPDATE api_keys SET revoked_at_ms = $1 WHERE key_id = $2 AND revoked_at_ms = 0",
+                self._clock_ms(),
+                key_id,
+            )
+        return await self.api_key(key_id)
+
+    async def touch_api_key(self, key_id: str, at_ms: int) -> None:
+        async with self._connection() as db:
+            await db.execute(
+                "UPDATE api_keys SET last_used_at_ms = $1 WHERE key_id = $2 AND last_used_at_ms < $1",
+                at_ms,
+                key_id,
+            )
+
+    async def batch_api_key(self, batch_id: str) -> str:
+        """The managed key a batch was queued with; "" for another key."""
+        async with self._connection() as db:
+            key_id = await db.fetchval("SELECT key_id FROM batch_api_keys WHERE batch_id = $1", batch_id)
+        return key_id or ""
 
     # ------------------------------------------------------------------ plumbing
 

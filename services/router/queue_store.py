@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from cachet.durable_postgres import is_postgres_url
+from cachet.router.api_keys import ApiKey
 from cachet.router.postgres_queue_store import PostgresQueueStore
 from cachet.router.queue_records import (
     BatchState,
@@ -85,6 +86,7 @@ class QueueStore(Protocol):
         bodies: Sequence[bytes],
         webhook_url: str = "",
         file_batch: FileBatchRecord | None = None,
+        api_key_id: str = "",
     ) -> str: ...
 
     async def batch(
@@ -130,6 +132,20 @@ class QueueStore(Protocol):
     async def file_batch(self, batch_id: str, account_id: str) -> FileBatchRecord | None: ...
 
     async def file_batch_ids(self, account_id: str, after: str, limit: int) -> tuple[list[str], bool]: ...
+
+    # Managed API keys (api_keys.py) live in the same store, and so does the key a batch was
+    # queued with, which its jobs count against when they run.
+    async def create_api_key(self, key: ApiKey) -> None: ...
+
+    async def api_key(self, key_id: str) -> ApiKey | None: ...
+
+    async def api_keys(self, account_id: str = "") -> list[ApiKey]: ...
+
+    async def revoke_api_key(self, key_id: str) -> ApiKey | None: ...
+
+    async def touch_api_key(self, key_id: str, at_ms: int) -> None: ...
+
+    async def batch_api_key(self, batch_id: str) -> str: ...
 
 
 async def open_queue_store(options: RouterServiceSettings) -> QueueStore:

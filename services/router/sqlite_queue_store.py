@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cachet.durable_sqlite import open_durable_sqlite
+from cachet.router.api_keys import API_KEY_COLUMNS, ApiKey, api_key_from_row, api_key_row
 from cachet.router.completion_groups import CompletionGroups, PendingCompletion
 from cachet.router.queue_records import (
     BatchView,
@@ -117,6 +118,27 @@ CREATE TABLE IF NOT EXISTS file_batches (
 );
 -- Listing an account's batches newest first, paged by rowid.
 CREATE INDEX IF NOT EXISTS file_batches_by_account ON file_batches (account_id);
+-- Managed API keys (api_keys.py): the key's SHA-256, never the key. Times in Unix ms, 0: never.
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id TEXT PRIMARY KEY,
+    key_hash TEXT NOT NULL,
+    account_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    created_at_ms INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL DEFAULT 0,
+    revoked_at_ms INTEGER NOT NULL DEFAULT 0,
+    last_used_at_ms INTEGER NOT NULL DEFAULT 0,
+    -- Limits; 0: none.
+    requests_per_minute INTEGER NOT NULL DEFAULT 0,
+    tokens_per_minute INTEGER NOT NULL DEFAULT 0,
+    monthly_budget_picousd INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS api_keys_by_account ON api_keys (account_id, created_at_ms);
+-- The managed key a batch was queued with: its jobs count against that key's limits when they run.
+CREATE TABLE IF NOT EXISTS batch_api_keys (
+    batch_id TEXT PRIMARY KEY REFERENCES batches (batch_id),
+    key_id TEXT NOT NULL
+);
 """
 
 # A job may run when it is queued, or leased by an owner whose lease has lapsed.
@@ -195,6 +217,7 @@ class SqliteQueueStore:
         bodies: Sequence[bytes],
         webhook_url: str = "",
         file_batch: FileBatchRecord | None = None,
+        api_key_id: str = "",
     ) -> str:
         """Store a batch of requests; returns its id. Job ids are ``<batch id>-<position>``.
 
@@ -221,6 +244,10 @@ class SqliteQueueStore:
             )
             if file_batch is not None:
                 _insert_file_batch(db, batch_id, account_id, file_batch)
+            if api_key_id:
+                db.execute(
+                    "INSERT INTO batch_api_keys (batch_id, key_id) VALUES (?, ?)", (batch_id, api_key_id)
+                )
             # seq grows with insertion, as rowid does, so the newest row holds the largest:
             # one index step, where MAX(seq) would read every job.
             last = db.execute("SELECT seq FROM jobs ORDER BY rowid DESC LIMIT 1").fetchone()
@@ -616,6 +643,61 @@ class SqliteQueueStore:
             return [row[0] for row in rows[:limit]], len(rows) > limit
 
         return await self._run(page)
+
+    # ------------------------------------------------------------------ managed API keys
+
+    async def create_api_key(self, key: ApiKey) -> None:
+        await self._run(
+            lambda: self._db.execute(
+                f"INSERT INTO api_keys ({API_KEY_COLUMNS}) VALUES ({', '.join('?' * 11)})", api_key_row(key)
+            )
+        )
+
+    async def api_key(self, key_id: str) -> ApiKey | None:
+        row = await self._run(
+            lambda: self._db.execute(
+                f"SELECT {API_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,)
+            ).fetchone()
+        )
+        return None if row is None else api_key_from_row(row)
+
+    async def api_keys(self, account_id: str = "") -> list[ApiKey]:
+        """The account's keys (every key for ""), oldest first, revoked and expired ones included."""
+        rows = await self._run(
+            lambda: self._db.execute(
+                f"SELECT {API_KEY_COLUMNS} FROM api_keys WHERE ? = '' OR account_id = ?"
+                " ORDER BY created_at_ms, key_id",
+                (account_id, account_id),
+            ).fetchall()
+        )
+        return [api_key_from_row(row) for row in rows]
+
+    async def revoke_api_key(self, key_id: str) -> ApiKey | None:
+        """Revoke the key (a second revoke keeps the first time); None if there is no such key."""
+        now = self._clock_ms()
+        await self._run(
+            lambda: self._db.execute(
+                "UPDATE api_keys SET revoked_at_ms = ? WHERE key_id = ? AND revoked_at_ms = 0", (now, key_id)
+            )
+        )
+        return await self.api_key(key_id)
+
+    async def touch_api_key(self, key_id: str, at_ms: int) -> None:
+        await self._run(
+            lambda: self._db.execute(
+                "UPDATE api_keys SET last_used_at_ms = ? WHERE key_id = ? AND last_used_at_ms < ?",
+                (at_ms, key_id, at_ms),
+            )
+        )
+
+    async def batch_api_key(self, batch_id: str) -> str:
+        """The managed key a batch was queued with; "" for another key."""
+        row = await self._run(
+            lambda: self._db.execute(
+                "SELECT key_id FROM batch_api_keys WHERE batch_id = ?", (batch_id,)
+            ).fetchone()
+        )
+        return "" if row is None else row[0]
 
 
 def _insert_file_batch(
