@@ -66,6 +66,7 @@ def count_tokens_request_to_proto(
         messages=chat.messages,
         tools=chat.tools if offered else [],
         add_generation_prompt=True,
+        reasoning=chat.reasoning,
     )
 
 
@@ -78,6 +79,8 @@ def chat_body(body: anthropic.MessagesInput) -> schemas.ChatCompletionBody:
         "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": _parallel_tool_calls(body.tool_choice),
         "response_format": _response_format(body.output_config),
+        "thinking": body.thinking,
+        "reasoning_effort": body.output_config.effort if body.output_config else None,
     }
     if isinstance(body, anthropic.MessagesBody):
         fields |= {

@@ -7,10 +7,11 @@ only from the user), so a bad one is refused before it is converted.
 
 Fields are sorted three ways. Supported ones are converted. Ones that change
 nothing here (``metadata``, ``service_tier``, every ``cache_control``...) are
-accepted and dropped. Ones that would change the answer but that Cachet cannot
-honour (extended ``thinking``, server tools, ``container``, ``mcp_servers``,
-``output_config.effort``, a final assistant turn to continue) are refused with a
-400 naming them, never dropped in silence. Fields this version of the API does
+accepted and dropped. ``thinking`` and ``output_config.effort`` are the chat
+template's reasoning controls (a template without them refuses them). Ones that
+would change the answer but that Cachet cannot honour (server tools, ``container``,
+``mcp_servers``, a final assistant turn to continue) are refused with a 400 naming
+them, never dropped in silence. Fields this version of the API does
 not know are kept in ``model_extra`` for the route to log, then ignored, as the
 OpenAI routes ignore SDKs' newer fields.
 """
@@ -21,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
 
-from cachet.bridge.schemas import UINT32_MAX
+from cachet.bridge.schemas import UINT32_MAX, ThinkingConfig
 
 # Anthropic's and Cachet's tool-name rule (common.proto's Tool.name).
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -196,14 +197,8 @@ class JsonOutputFormat(_Block):
 
 class OutputConfig(_Block):
     format: JsonOutputFormat | None = None
-    effort: str | None = None
-
-    @field_validator("effort")
-    @classmethod
-    def _no_effort(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError("effort is not supported: reasoning controls are not implemented yet")
-        return value
+    # OpenAI's reasoning_effort under Anthropic's name: rendered by the chat template.
+    effort: Literal["low", "medium", "high"] | None = None
 
 
 # ---------------------------------------------------------------- request bodies
@@ -223,8 +218,8 @@ class MessagesInput(BaseModel):
     system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
-    # Only {"type": "disabled"}: budgeted or adaptive thinking is a reasoning control (not yet).
-    thinking: dict[str, Any] | None = None
+    # The chat template's thinking switch, on or off (refused where the template has none).
+    thinking: ThinkingConfig | None = None
     # Structured output: format (a JSON schema, enforced by constrained decoding).
     output_config: OutputConfig | None = None
     # Accepted and ignored (docs/anthropic_api.md says why).
@@ -238,16 +233,6 @@ class MessagesInput(BaseModel):
     def _unsupported(cls, value: Any) -> Any:
         if value is not None:
             raise ValueError("not supported by Cachet")
-        return value
-
-    @field_validator("thinking")
-    @classmethod
-    def _thinking_disabled(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "disabled":
-            raise ValueError(
-                "only {'type': 'disabled'} is supported: extended thinking is not implemented yet "
-                "(reasoning models think as their chat template says)"
-            )
         return value
 
     @model_validator(mode="after")

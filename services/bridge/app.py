@@ -190,6 +190,13 @@ _TEXT_ROUTE = _CompletionRoute(
 )
 
 
+def _log_unknown_fields(body: schemas.ChatCompletionBody | schemas.CompletionBody, request: Request) -> None:
+    # Another vendor's fields (or a newer OpenAI's) are ignored, but never without a word.
+    unknown = sorted(set(body.model_extra or ()) - schemas.QUIET_FIELDS)
+    if unknown:
+        log.info("unknown fields ignored", path=request.url.path, fields=unknown)
+
+
 def _route(request: Request) -> str:
     return getattr(request.scope.get("route"), "path", request.url.path)
 
@@ -220,6 +227,7 @@ async def chat_completions(
     body: schemas.ChatCompletionBody, request: Request, caller: CallerDep, backends: BackendsDep
 ) -> Response:
     """OpenAI chat completions; ``stream: true`` answers Server-Sent Events (``chat.completion.chunk``)."""
+    _log_unknown_fields(body, request)
     message = convert.chat_request_to_proto(body)
     return await _CHAT_ROUTE.answer(request, caller, backends, body, message)
 
@@ -229,6 +237,7 @@ async def completions(
     body: schemas.CompletionBody, request: Request, caller: CallerDep, backends: BackendsDep
 ) -> Response:
     """OpenAI (legacy) text completions; ``stream: true`` answers Server-Sent Events."""
+    _log_unknown_fields(body, request)
     message = convert.completion_request_to_proto(body)
     return await _TEXT_ROUTE.answer(request, caller, backends, body, message)
 

@@ -59,7 +59,12 @@ def chat_request_to_proto(body: schemas.ChatCompletionBody) -> router_pb2.ChatCo
         cache_salt=body.cache_salt or "",
         # The router takes x-session-affinity metadata over this field (caller.py).
         session_id=body.prompt_cache_key or "",
+        # 0 is one choice: a request that asks for one says nothing.
+        n=body.n if body.n > 1 else 0,
     )
+    reasoning = _reasoning(body)
+    if reasoning.ByteSize():
+        request.reasoning.CopyFrom(reasoning)
     if body.tool_choice is not None:
         request.tool_choice.CopyFrom(_tool_choice(body.tool_choice))
     if body.response_format is not None:
@@ -77,6 +82,7 @@ def completion_request_to_proto(body: schemas.CompletionBody) -> router_pb2.Comp
         sampling=_sampling(body, body.max_tokens, wants_logprobs, body.logprobs or 0),
         cache_salt=body.cache_salt or "",
         session_id=body.prompt_cache_key or "",
+        n=body.n if body.n > 1 else 0,
     )
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -147,6 +153,29 @@ def _sampling(
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
     return sampling
+
+
+def _reasoning(body: schemas.ChatCompletionBody) -> common_pb2.ReasoningControls:
+    controls = common_pb2.ReasoningControls(
+        effort=body.reasoning_effort or "",
+        template_kwargs=[
+            _template_variable(name, value) for name, value in (body.chat_template_kwargs or {}).items()
+        ],
+    )
+    if body.thinking is not None:
+        controls.thinking = body.thinking.on
+    return controls
+
+
+def _template_variable(name: str, value: schemas.TemplateValue) -> common_pb2.TemplateVariable:
+    # bool before int: True is an int to Python.
+    if isinstance(value, bool):
+        return common_pb2.TemplateVariable(name=name, bool_value=value)
+    if isinstance(value, int):
+        return common_pb2.TemplateVariable(name=name, int_value=value)
+    if isinstance(value, float):
+        return common_pb2.TemplateVariable(name=name, number_value=value)
+    return common_pb2.TemplateVariable(name=name, string_value=value)
 
 
 def _message(message: schemas.ChatMessage) -> common_pb2.ChatMessage:

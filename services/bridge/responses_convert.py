@@ -75,6 +75,7 @@ def chat_body(body: responses.ResponsesBody, conversation: list[Json]) -> schema
         "temperature": body.temperature,
         "top_p": body.top_p,
         "stream": body.stream,
+        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
     }
     try:
         return schemas.ChatCompletionBody(**fields)
@@ -206,7 +207,7 @@ def skeleton(body: responses.ResponsesBody, response_id: str, created_at: int) -
         "output": [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
         "store": body.store,
         "temperature": body.temperature,
         "text": {

@@ -4,9 +4,9 @@ Kept apart from ``schemas.py`` (chat completions): the same chat request, spelle
 as Responses items. Fields are sorted as the Anthropic API's are
 (``anthropic_schemas``): supported ones are converted; ones that change nothing
 here (``metadata``, ``service_tier``, ``user``...) are accepted and kept or
-dropped; ones that would change the answer but that Cachet cannot honour
-(``background``, ``conversation``, hosted tools, ``reasoning.effort``,
-``truncation: auto``...) are refused with a 400 naming them; fields this version
+dropped; ``reasoning.effort`` is the chat template's reasoning control (refused by
+a template that does not read it); ones that would change the answer but that Cachet cannot honour
+(``background``, ``conversation``, hosted tools, ``truncation: auto``...) are refused with a 400 naming them; fields this version
 of the API does not know are kept in ``model_extra`` for the route to log, then
 ignored.
 """
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cachet.bridge.schemas import UINT32_MAX
+from cachet.bridge.schemas import UINT32_MAX, ReasoningEffort
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -214,14 +214,12 @@ class TextConfig(_Item):
 
 
 class ReasoningConfig(_Item):
-    effort: str | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
     @model_validator(mode="after")
-    def _no_controls(self) -> ReasoningConfig:
-        if self.effort is not None:
-            raise ValueError("reasoning.effort is not supported: reasoning controls are not implemented yet")
+    def _no_summaries(self) -> ReasoningConfig:
         if self.summary not in (None, "auto") or self.generate_summary not in (None, "auto"):
             raise ValueError("reasoning summaries are not supported (the reasoning comes as it is)")
         return self

@@ -1,9 +1,11 @@
 """Pydantic models of the REST bodies the bridge accepts and the JSON it answers.
 
 Request models validate what OpenAI (and Workers AI) validate, so a bad request
-is refused here with the field named, before it costs a gRPC hop. Unknown fields
-are ignored rather than refused: SDKs send newer OpenAI parameters (``store``,
-``metadata``...) that change nothing here. Response models exist so that
+is refused here with the field named, before it costs a gRPC hop. A field of
+OpenAI's that would change the answer but that Cachet cannot honour is refused
+naming it; one that changes nothing here (``store``, ``metadata``...) is accepted,
+and a field OpenAI does not have either (another vendor's) is ignored with a log
+line. Response models exist so that
 ``/openapi.json`` describes what the converters really produce; they forbid
 extra fields so the tests that validate converter output against them fail
 when the two drift apart.
@@ -13,7 +15,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -150,11 +162,49 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ThinkingConfig(_Body):
+    """Anthropic's ``thinking`` (Moonshot and Zhipu take it on chat completions too): the
+    template's thinking switch on or off. The budget is accepted, as Anthropic requires it
+    with ``enabled``, but not enforced beyond ``max_tokens``, which bounds the whole answer."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
+
+
+# vLLM's chat_template_kwargs, as typed template variables: scalars only (Strict, so true stays a
+# bool and 1 an int rather than one turning into the other).
+TemplateValue = StrictBool | StrictInt | StrictFloat | StrictStr
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# Most choices one request may ask for: each holds a seat of one replica while it runs.
+MAX_CHOICES = 16
+
+# Fields of OpenAI's API that would change the answer but that Cachet cannot honour: a 400
+# naming the field, never a silent answer to another question.
+UNSUPPORTED_CHAT_FIELDS = (
+    "audio",
+    "functions",
+    "function_call",
+    "logit_bias",
+    "prediction",
+    "web_search_options",
+)
+# Fields of OpenAI's API that change nothing here (who is billed how, what OpenAI keeps): accepted
+# without a word. Any other field Cachet does not know is a vendor's, ignored with a log line.
+QUIET_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_retention"})
+
+
 # ---------------------------------------------------------------- request bodies
 
 
 class _SamplingBody(_Body):
     """Sampling fields shared by chat and text completions (OpenAI ranges, plus vLLM's extras)."""
+
+    # Fields no model here knows are kept (model_extra) so the route can log them, then ignored.
+    model_config = ConfigDict(extra="allow")
 
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -167,8 +217,8 @@ class _SamplingBody(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     stop: str | list[str] | None = None
-    # Only one choice per request: the engine samples one sequence per request.
-    n: Literal[1] = 1
+    # Choices sharing one prompt (its KV computed once, on one replica).
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -191,6 +241,27 @@ class ChatCompletionBody(_SamplingBody):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # Reasoning controls, rendered by the model's chat template (refused when it reads none).
+    reasoning_effort: ReasoningEffort | None = None
+    thinking: ThinkingConfig | None = None
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
+    # Accepted only at its default: another verbosity would change the answer.
+    verbosity: Literal["medium"] | None = None
+    # Accepted only as text: Cachet answers in text.
+    modalities: list[Literal["text"]] | None = None
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator(*UNSUPPORTED_CHAT_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("not supported by Cachet")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionBody:
@@ -216,6 +287,14 @@ class CompletionBody(_SamplingBody):
     echo: Literal[False] = False
     suffix: None = None
     best_of: Literal[1] | None = None
+    logit_bias: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("not supported by Cachet")
+        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionBody:

@@ -89,7 +89,10 @@ def test_server_errors_hide_details(code: grpc.StatusCode) -> None:
     ("body", "param", "fragment"),
     [
         ({"messages": [{"role": "user", "content": "hi"}]}, "model", "Missing required parameter"),
-        (CHAT | {"n": 2}, "n", "Invalid value"),
+        (CHAT | {"n": 17}, "n", "Invalid value"),
+        (CHAT | {"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        (CHAT | {"chat_template_kwargs": {"x": [1]}}, "chat_template_kwargs.x", "Invalid value"),
+        (CHAT | {"reasoning_effort": "extreme"}, "reasoning_effort", "Invalid value"),
         (CHAT | {"temperature": 3}, "temperature", "less than or equal to 2"),
         (
             {

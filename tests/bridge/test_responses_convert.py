@@ -102,7 +102,7 @@ def test_text_format_and_tool_choice_take_the_chat_path() -> None:
         ({"conversation": "conv_1"}, "conversation"),
         ({"max_tool_calls": 0}, "max_tool_calls"),
         ({"tools": [{"type": "web_search"}]}, "web_search"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),

@@ -393,7 +393,8 @@ BAD_INPUT = {
         "invalid_request_error",
         "messages[0].role",
     ),
-    "n > 1": _case(GOOD | {"n": 2}, 400, "invalid_request_error", "n"),
+    "n past 16": _case(GOOD | {"n": 17}, 400, "invalid_request_error", "n"),
+    "logit_bias": _case(GOOD | {"logit_bias": {"5": 1}}, 400, "invalid_request_error", "logit_bias"),
     "negative max_tokens": _case(GOOD | {"max_tokens": -1}, 400, "invalid_request_error", "max_tokens"),
     "temperature out of range": _case(
         GOOD | {"temperature": 2.5}, 400, "invalid_request_error", "temperature"
