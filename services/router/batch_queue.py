@@ -82,7 +82,9 @@ class BatchQueue:
         self._validate(request)
         webhook = await self.webhook_for(caller, request.webhook_url)
         bodies = [_with_model(queued, request.model).SerializeToString() for queued in request.requests]
-        batch_id = await self._store.create_batch(caller.account_id, request.model, bodies, webhook)
+        batch_id = await self._store.create_batch(
+            caller.account_id, request.model, bodies, webhook, api_key_id=caller.api_key_id
+        )
         return router_pb2.QueuedBatch(request_id=batch_id, status=router_pb2.BATCH_STATUS_QUEUED)
 
     async def webhook_for(self, caller: Caller, requested: str) -> str:

@@ -60,8 +60,9 @@ from cachet.errors import CachetError, ResourceExhausted, Unavailable
 from cachet.logs import get_logger
 from cachet.router import metrics
 from cachet.router.batch_queue import EXPIRED_RESULT
-from cachet.router.caller import Caller
+from cachet.router.caller import AccountDirectory, Caller
 from cachet.router.file_batches import COMPLETION_WINDOW_SECONDS
+from cachet.router.key_limits import KeyLimiter
 from cachet.router.queue_store import Job, QueueStore
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
@@ -162,6 +163,8 @@ class Dispatcher:
         self._on_batch_finished = on_batch_finished
         self._completion_window_ms = int(completion_window_seconds * 1000)
         self._expiry_sweep_seconds = expiry_sweep_seconds
+        self._accounts: AccountDirectory | None = None
+        self._limits: KeyLimiter | None = None
         self._next_expiry_sweep = 0.0
         # Unique per process: a restarted router must not mistake its old leases for its own.
         self.owner = f"router-{uuid.uuid4().hex[:12]}"
@@ -173,6 +176,11 @@ class Dispatcher:
         self._slot_freed = asyncio.Event()
         self._jobs: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+
+    def use_keys(self, accounts: AccountDirectory, limits: KeyLimiter) -> None:
+        """Run each job as the managed key its batch was queued with, under that key's limits."""
+        self._accounts = accounts
+        self._limits = limits
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._loop())
@@ -336,14 +344,24 @@ class Dispatcher:
         if queued.WhichOneof("body") == "chat":
             chat = queued.chat
             chat.request_id = job.request_id
-            caller = Caller(job.account_id, chat.session_id)
+            caller = await self._caller(job, chat.session_id)
             return await self._pipeline.start_chat(chat, caller, common_pb2.PRIORITY_BATCH, stream=False)
         completion = queued.completion
         completion.request_id = job.request_id
-        caller = Caller(job.account_id, completion.session_id)
+        caller = await self._caller(job, completion.session_id)
         return await self._pipeline.start_completion(
             completion, caller, common_pb2.PRIORITY_BATCH, stream=False
         )
+
+    async def _caller(self, job: Job, session_id: str) -> Caller:
+        """The job's caller, admitted under its key's limits now that it runs (RateLimited puts it
+        back in the queue like any refusal; QuotaExceeded ends it)."""
+        if self._accounts is None:
+            return Caller(job.account_id, session_id)
+        caller = await self._accounts.batch_caller(job.account_id, job.batch_id, session_id)
+        if self._limits is not None:
+            await self._limits.admit(caller)
+        return caller
 
     async def _renew(self, job: Job) -> None:
         while True:

@@ -156,6 +156,7 @@ class FileBatches:
             [line.request.SerializeToString() for line in accepted],
             await self._queue.webhook_for(caller, request.webhook_url),
             record,
+            api_key_id=caller.api_key_id,
         )
         return await self._view(batch_id, caller)
 

@@ -22,6 +22,7 @@ from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import AccountDirectory
 from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
 from cachet.router.file_batches import FileBatches
+from cachet.router.key_limits import KeyLimiter
 from cachet.router.placement import PlacementPolicy
 from cachet.router.prompt import PromptBuilder
 from cachet.router.queue_store import JobState, QueueStore, open_queue_store
@@ -121,7 +122,15 @@ async def start(settings: RouterSettings) -> RunningServer:
         raise
     webhook_targets = WebhookTargets(options.webhook_allowed_networks)
     clients.webhooks = _webhook_sender(clients.queue, webhook_targets, options)
+    accounts = AccountDirectory(options.api_keys, clients.queue, cache_seconds=options.api_key_cache_seconds)
+    limits = KeyLimiter(
+        usage_pb2_grpc.UsageServiceStub(usage_channel),
+        budget_cache_seconds=options.budget_cache_seconds,
+        timeout_seconds=options.dependency_timeout_seconds,
+    )
+    usage.on_recorded = limits.recorded
     clients.dispatcher = _dispatcher(clients.queue, pipeline, replicas, clients.webhooks, options)
+    clients.dispatcher.use_keys(accounts, limits)
     replicas.start()
     # Engines started alongside us report within one interval; waiting (bounded) for them
     # keeps the first requests from being refused. Engines that come later join when up.
@@ -140,7 +149,7 @@ async def start(settings: RouterSettings) -> RunningServer:
         webhook_targets=webhook_targets,
     )
     file_batches = FileBatches(clients.queue, queue, options.batch_file_max_lines)
-    servicer = InferenceServicer(pipeline, AccountDirectory(options.api_keys), queue, file_batches)
+    servicer = InferenceServicer(pipeline, accounts, queue, file_batches, limits)
     try:
         running = await create_server(
             options,

@@ -630,6 +630,7 @@ class Generation:
             usage_pb2.UsageRecord(
                 request_id=self.request.request_id,
                 account_id=self.request.caller.account_id,
+                api_key_id=self.request.caller.api_key_id,
                 model=self.request.model,
                 session_id=self.request.caller.session_id,
                 prompt_tokens=usage.prompt_tokens,

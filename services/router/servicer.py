@@ -14,6 +14,7 @@ import grpc
 from cachet.router.batch_queue import BatchQueue
 from cachet.router.caller import AccountDirectory, Caller
 from cachet.router.file_batches import FileBatches
+from cachet.router.key_limits import KeyLimiter
 from cachet.router.request_pipeline import Generation, RequestPipeline
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
@@ -28,31 +29,33 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
         accounts: AccountDirectory,
         queue: BatchQueue,
         file_batches: FileBatches,
+        limits: KeyLimiter | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._accounts = accounts
         self._queue = queue
         self._file_batches = file_batches
+        self._limits = limits
 
     async def CreateChatCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
-        caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
+        caller = await self._admitted(context, request.session_id)
         generation = await self._pipeline.start_chat(request, caller, stream=False)
         return await _owned(generation, context).collect()
 
     async def StreamChatCompletion(self, request, context) -> AsyncIterator[router_pb2.ChatCompletionChunk]:  # noqa: N802
-        caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
+        caller = await self._admitted(context, request.session_id)
         generation = _owned(await self._pipeline.start_chat(request, caller), context)
         await context.send_initial_metadata(((REPLICA_METADATA_KEY, generation.replica_address),))
         async for chunk in generation.chunks():
             yield chunk
 
     async def CreateCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
-        caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
+        caller = await self._admitted(context, request.session_id)
         generation = await self._pipeline.start_completion(request, caller, stream=False)
         return await _owned(generation, context).collect()
 
     async def StreamCompletion(self, request, context) -> AsyncIterator[router_pb2.ChatCompletionChunk]:  # noqa: N802
-        caller = self._accounts.caller(context.invocation_metadata(), request.session_id)
+        caller = await self._admitted(context, request.session_id)
         generation = _owned(await self._pipeline.start_completion(request, caller), context)
         await context.send_initial_metadata(((REPLICA_METADATA_KEY, generation.replica_address),))
         async for chunk in generation.chunks():
@@ -62,40 +65,52 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
         return router_pb2.ListModelsResponse(models=self._pipeline.list_models())
 
     async def QueueRequests(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
-        return await self._queue.submit(request, self._accounts.caller(context.invocation_metadata(), ""))
+        return await self._queue.submit(request, await self._caller(context))
 
     async def GetQueuedBatch(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
-        return await self._queue.get(request, self._accounts.caller(context.invocation_metadata(), ""))
+        return await self._queue.get(request, await self._caller(context))
 
     async def CancelQueuedBatch(self, request, context) -> router_pb2.QueuedBatch:  # noqa: N802
-        return await self._queue.cancel(request, self._caller(context))
+        return await self._queue.cancel(request, await self._caller(context))
 
     async def ListWebhookAttempts(self, request, context) -> router_pb2.ListWebhookAttemptsResponse:  # noqa: N802
-        return await self._queue.webhook_attempts(request, self._caller(context))
+        return await self._queue.webhook_attempts(request, await self._caller(context))
 
     async def UploadFile(self, request, context) -> router_pb2.File:  # noqa: N802
-        return await self._file_batches.upload(request, self._caller(context))
+        return await self._file_batches.upload(request, await self._caller(context))
 
     async def GetFile(self, request, context) -> router_pb2.File:  # noqa: N802
-        return await self._file_batches.get_file(request, self._caller(context))
+        return await self._file_batches.get_file(request, await self._caller(context))
 
     async def GetFileContent(self, request, context) -> router_pb2.FileContent:  # noqa: N802
-        return await self._file_batches.get_file_content(request, self._caller(context))
+        return await self._file_batches.get_file_content(request, await self._caller(context))
 
     async def CreateBatch(self, request, context) -> router_pb2.Batch:  # noqa: N802
-        return await self._file_batches.create(request, self._caller(context))
+        return await self._file_batches.create(request, await self._caller(context))
 
     async def GetBatch(self, request, context) -> router_pb2.Batch:  # noqa: N802
-        return await self._file_batches.get(request, self._caller(context))
+        return await self._file_batches.get(request, await self._caller(context))
 
     async def CancelBatch(self, request, context) -> router_pb2.Batch:  # noqa: N802
-        return await self._file_batches.cancel(request, self._caller(context))
+        return await self._file_batches.cancel(request, await self._caller(context))
 
     async def ListBatches(self, request, context) -> router_pb2.ListBatchesResponse:  # noqa: N802
-        return await self._file_batches.list(request, self._caller(context))
+        return await self._file_batches.list(request, await self._caller(context))
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
-        return self._accounts.caller(context.invocation_metadata(), "")
+    async def Authenticate(self, request, context) -> router_pb2.CallerIdentity:  # noqa: N802
+        caller = await self._caller(context)
+        return router_pb2.CallerIdentity(account_id=caller.account_id, api_key_id=caller.api_key_id)
+
+    async def _caller(self, context: grpc.aio.ServicerContext, session_id: str = "") -> Caller:
+        return await self._accounts.caller(context.invocation_metadata(), session_id)
+
+    async def _admitted(self, context: grpc.aio.ServicerContext, session_id: str) -> Caller:
+        # Only calls that generate count against a key's limits; queueing is free, and the
+        # queued jobs count when they run (the dispatcher admits each).
+        caller = await self._caller(context, session_id)
+        if self._limits is not None:
+            await self._limits.admit(caller)
+        return caller
 
 
 def _owned(generation: Generation, context: grpc.aio.ServicerContext) -> Generation:

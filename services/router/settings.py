@@ -57,6 +57,13 @@ class RouterServiceSettings(RouterSettings):
     # Account id -> cache group: the accounts of one group (an organisation) share cached
     # prefixes, e.g. CACHET_ROUTER_CACHE_GROUPS='{"acct-1": "org-a", "acct-2": "org-a"}'.
     cache_groups: dict[str, str] = Field(default_factory=dict)
+    # How long a managed API key read from the store is trusted (caller.py): a key revoked
+    # with `cachet keys revoke` stops working within this time on every router.
+    api_key_cache_seconds: float = Field(default=5.0, ge=0)
+    # How long a key's monthly spend summed by the ledger is reused (key_limits.py) before it
+    # is asked again; a usage record of the key reaching the ledger through this router
+    # drops it at once, so this bounds what the other routers' calls add unseen.
+    budget_cache_seconds: float = Field(default=10.0, ge=0)
 
     # --- async queue (queue_store.py, dispatcher.py, webhooks.py) ---
     # SQLite file of the queue; defaults to <data_dir>/queue.sqlite3. Unused when store_url is set.

@@ -17,6 +17,7 @@ cancels its handler) cannot cancel its billing.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -38,8 +39,11 @@ class UsageRecorder:
         *,
         flush_seconds: float = 0.02,
         max_batch: int = 512,
+        on_recorded: Callable[[usage_pb2.UsageRecord], None] = lambda record: None,
     ) -> None:
         self._stub = stub
+        # Told of each record once the ledger has it: per-key limits count its tokens and cost.
+        self.on_recorded = on_recorded
         self._timeout = timeout_seconds
         self._flush_seconds = flush_seconds
         self._max_batch = max_batch
@@ -100,6 +104,9 @@ class UsageRecorder:
                     code=failure.name,
                     record=str(record).replace("\n", " "),
                 )
+        else:
+            for record in records:
+                self.on_recorded(record)
         for _, future in batch:
             if not future.done():
                 future.set_result(failure is None)

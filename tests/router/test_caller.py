@@ -1,30 +1,95 @@
-"""Who is calling: API key to account, session from metadata or request."""
+"""Who is calling: API key to account (bootstrap keys and managed keys in a real store), session."""
 
 from __future__ import annotations
+
+import asyncio
+from pathlib import Path
 
 import pytest
 
 from cachet.errors import Unauthenticated
+from cachet.router.api_keys import new_api_key
 from cachet.router.caller import ANONYMOUS_ACCOUNT, AccountDirectory, Caller
+from cachet.router.sqlite_queue_store import SqliteQueueStore
 
 
-def test_no_keys_configured_means_anonymous() -> None:
-    caller = AccountDirectory({}).caller([("authorization", "Bearer whatever")], "")
+async def test_no_keys_configured_means_anonymous() -> None:
+    caller = await AccountDirectory({}).caller([("authorization", "Bearer whatever")], "")
     assert caller == Caller(ANONYMOUS_ACCOUNT, "")
 
 
-def test_bearer_key_maps_to_its_account() -> None:
+async def test_bearer_key_maps_to_its_account() -> None:
     directory = AccountDirectory({"sk-1": "acct-1", "sk-2": "acct-2"})
-    assert directory.caller([("authorization", "Bearer sk-2")], "").account_id == "acct-2"
+    assert (await directory.caller([("authorization", "Bearer sk-2")], "")).account_id == "acct-2"
 
 
 @pytest.mark.parametrize("metadata", [[], [("authorization", "Bearer nope")], [("authorization", "sk-1")]])
-def test_missing_or_unknown_key_is_unauthenticated(metadata: list[tuple[str, str]]) -> None:
+async def test_missing_or_unknown_key_is_unauthenticated(metadata: list[tuple[str, str]]) -> None:
     with pytest.raises(Unauthenticated):
-        AccountDirectory({"sk-1": "acct-1"}).caller(metadata, "")
+        await AccountDirectory({"sk-1": "acct-1"}).caller(metadata, "")
 
 
-def test_session_metadata_wins_over_request_field() -> None:
+async def test_session_metadata_wins_over_request_field() -> None:
     directory = AccountDirectory({})
-    assert directory.caller([("x-session-affinity", "meta")], "field").session_id == "meta"
-    assert directory.caller([], "field").session_id == "field"
+    assert (await directory.caller([("x-session-affinity", "meta")], "field")).session_id == "meta"
+    assert (await directory.caller([], "field")).session_id == "field"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_ms = 1_000_000
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+async def test_a_managed_key_names_its_account_until_revoked_or_expired(tmp_path: Path) -> None:
+    clock = Clock()
+    store = SqliteQueueStore(tmp_path / "queue.sqlite3", clock_ms=clock)
+    try:
+        key, record = new_api_key("acct-m", "ci", clock.now_ms, expires_at_ms=clock.now_ms + 3_600_000)
+        await store.create_api_key(record)
+        revoked_key, revoked = new_api_key("acct-m", "old", clock.now_ms)
+        await store.create_api_key(revoked)
+        await store.revoke_api_key(revoked.key_id)
+        directory = AccountDirectory({"sk-boot": "ops"}, store, cache_seconds=1.0, clock_ms=clock)
+
+        caller = await directory.caller([("authorization", f"Bearer {key}")], "s")
+        assert (caller.account_id, caller.api_key_id, caller.session_id) == ("acct-m", record.key_id, "s")
+        assert (await directory.caller([("authorization", "Bearer sk-boot")], "")).api_key is None
+        # The right id with the wrong secret, a revoked key, a key of another shape: all unknown.
+        forged = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+        for bad in (forged, revoked_key, "sk-cachet-nothing"):
+            with pytest.raises(Unauthenticated):
+                await directory.caller([("authorization", f"Bearer {bad}")], "")
+
+        await store.revoke_api_key(record.key_id)
+        assert (
+            await directory.caller([("authorization", f"Bearer {key}")], "")
+        ).account_id == "acct-m"  # cached
+        clock.now_ms += 1_000
+        with pytest.raises(Unauthenticated):
+            await directory.caller([("authorization", f"Bearer {key}")], "")
+    finally:
+        await store.close()
+
+
+async def test_an_expired_key_is_refused_and_a_used_one_says_when(tmp_path: Path) -> None:
+    clock = Clock()
+    store = SqliteQueueStore(tmp_path / "queue.sqlite3", clock_ms=clock)
+    try:
+        key, record = new_api_key("acct-m", "", clock.now_ms, expires_at_ms=clock.now_ms + 10_000)
+        await store.create_api_key(record)
+        directory = AccountDirectory({"sk-boot": "ops"}, store, cache_seconds=0, clock_ms=clock)
+        await directory.caller([("authorization", f"Bearer {key}")], "")
+        for _ in range(100):  # the last-use write runs beside the call
+            stored = await store.api_key(record.key_id)
+            if stored is not None and stored.last_used_at_ms:
+                break
+            await asyncio.sleep(0.01)
+        assert stored is not None and stored.last_used_at_ms == clock.now_ms
+        clock.now_ms += 10_000
+        with pytest.raises(Unauthenticated):
+            await directory.caller([("authorization", f"Bearer {key}")], "")
+    finally:
+        await store.close()
