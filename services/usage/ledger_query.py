@@ -71,6 +71,7 @@ def _where(query: UsageQuery, placeholder: Callable[[int], str]) -> tuple[str, l
         ("account_id", query.account_id),
         ("model", query.model),
         ("session_id", query.session_id),
+        ("api_key_id", query.api_key_id),
     ):
         if value:
             compare(f"{column} = {{}}", value)

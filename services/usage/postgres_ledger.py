@@ -66,14 +66,23 @@ CREATE TRIGGER usage_records_no_truncate BEFORE TRUNCATE ON usage_records
     FOR EACH STATEMENT EXECUTE FUNCTION usage_records_append_only();
 """,
     ),
+    (
+        2,
+        """
+-- The managed API key the request came with; '' for others. A key's monthly budget asks
+-- for its spend since the month began.
+ALTER TABLE usage_records ADD COLUMN api_key_id TEXT NOT NULL DEFAULT '';
+CREATE INDEX usage_records_key_time ON usage_records (api_key_id, finished_at_ms);
+""",
+    ),
 ]
 
 _INSERT = """
 INSERT INTO usage_records (
     request_id, account_id, model, session_id, prompt_tokens, cached_tokens, completion_tokens,
     finished_at_ms, replica_address, priority, input_microusd_per_mtok, cached_input_microusd_per_mtok,
-    output_microusd_per_mtok, cost_picousd, cache_savings_picousd, recorded_at_ms
-) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+    output_microusd_per_mtok, cost_picousd, cache_savings_picousd, recorded_at_ms, api_key_id
+) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
 ON CONFLICT (request_id) DO NOTHING
 RETURNING cost_picousd
 """

@@ -45,9 +45,12 @@ class UsageEntry:
     finished_at_ms: int
     replica_address: str = ""
     priority: str = ""
+    # The managed API key the request came with (a key's monthly budget sums its entries).
+    api_key_id: str = ""
 
     def __post_init__(self) -> None:
         _require_id("request_id", self.request_id)
+        _require_id("api_key_id", self.api_key_id, required=False)
         _require_id("account_id", self.account_id)
         _require_id("model", self.model)
         _require_id("session_id", self.session_id, required=False)
@@ -113,6 +116,7 @@ class UsageQuery:
     start_ms: int = 0
     end_ms: int = 0
     group_by: tuple[GroupField, ...] = ()
+    api_key_id: str = ""
 
     def __post_init__(self) -> None:
         if self.start_ms < 0:
@@ -145,7 +149,8 @@ LEDGER_COST_COLUMN = 13
 
 def ledger_row(entry: UsageEntry, price: ModelPrice) -> tuple:
     """One ledger row's values in the column order both stores insert: the entry, the prices
-    it was billed at, its cost and savings, and when it was recorded."""
+    it was billed at, its cost and savings, when it was recorded, and its API key (a column
+    added later, so last)."""
     return (
         entry.request_id,
         entry.account_id,
@@ -163,4 +168,5 @@ def ledger_row(entry: UsageEntry, price: ModelPrice) -> tuple:
         price.cost_picousd(entry.prompt_tokens, entry.cached_tokens, entry.completion_tokens),
         price.cache_savings_picousd(entry.cached_tokens),
         int(time.time() * 1000),
+        entry.api_key_id,
     )

@@ -39,6 +39,7 @@ def entry_from_proto(record: usage_pb2.UsageRecord, now_ms: int) -> UsageEntry:
         finished_at_ms=record.finished_at_ms or now_ms,
         replica_address=record.replica_address,
         priority=record.priority,
+        api_key_id=record.api_key_id,
     )
 
 
@@ -50,6 +51,7 @@ def query_from_proto(request: usage_pb2.QueryUsageRequest) -> UsageQuery:
         start_ms=request.start_ms,
         end_ms=request.end_ms,
         group_by=parse_group_by(request.group_by),
+        api_key_id=request.api_key_id,
     )
 
 

@@ -54,7 +54,9 @@ CREATE TABLE IF NOT EXISTS usage_records (
     output_microusd_per_mtok INTEGER NOT NULL,
     cost_picousd INTEGER NOT NULL,
     cache_savings_picousd INTEGER NOT NULL,
-    recorded_at_ms INTEGER NOT NULL
+    recorded_at_ms INTEGER NOT NULL,
+    -- The managed API key the request came with; '' for others.
+    api_key_id TEXT NOT NULL DEFAULT ''
 );
 -- Per-account reports over time are the common query; the time index serves the rest.
 CREATE INDEX IF NOT EXISTS usage_records_account_time ON usage_records (account_id, finished_at_ms);
@@ -69,8 +71,8 @@ _INSERT = """
 INSERT INTO usage_records (
     request_id, account_id, model, session_id, prompt_tokens, cached_tokens, completion_tokens,
     finished_at_ms, replica_address, priority, input_microusd_per_mtok, cached_input_microusd_per_mtok,
-    output_microusd_per_mtok, cost_picousd, cache_savings_picousd, recorded_at_ms
-) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    output_microusd_per_mtok, cost_picousd, cache_savings_picousd, recorded_at_ms, api_key_id
+) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (request_id) DO NOTHING
 """
 
@@ -79,7 +81,28 @@ _DAY = "strftime('%Y-%m-%d', finished_at_ms / 1000, 'unixepoch')"
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    return open_durable_sqlite(path, _SCHEMA, SCHEMA_VERSION, what="ledger", check_same_thread=True)
+    connection = open_durable_sqlite(path, _SCHEMA, SCHEMA_VERSION, what="ledger", check_same_thread=True)
+    _add_api_key_column(connection)
+    return connection
+
+
+def _add_api_key_column(connection: sqlite3.Connection) -> None:
+    # A file made before managed API keys lacks the column. Adding it with its default is the
+    # whole upgrade, and an older build still writes to an upgraded file (its INSERT names its
+    # columns, leaving the key ''), so the schema version stays.
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(usage_records)")}
+        if "api_key_id" not in columns:
+            connection.execute("ALTER TABLE usage_records ADD COLUMN api_key_id TEXT NOT NULL DEFAULT ''")
+        # A key's monthly budget asks for its spend since the month began.
+        connection.execute(
+            "CREATE INDEX IF NOT EXISTS usage_records_key_time ON usage_records (api_key_id, finished_at_ms)"
+        )
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise
+    connection.execute("COMMIT")
 
 
 class SqliteLedger:
