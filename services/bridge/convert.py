@@ -259,36 +259,54 @@ def usage_to_json(usage: common_pb2.Usage) -> Json:
 
 
 def chat_completion_to_json(completion: router_pb2.ChatCompletion) -> Json:
+    return {
+        "id": completion.id,
+        "object": "chat.completion",
+        "created": completion.created,
+        "model": completion.model,
+        "choices": [_chat_choice(choice) for choice in _choices(completion)],
+        "usage": usage_to_json(completion.usage),
+    }
+
+
+def _choices(completion: router_pb2.ChatCompletion) -> list[router_pb2.ChatChoice]:
+    """Every choice; a completion of one choice carries it in its own fields only."""
+    if completion.choices:
+        return list(completion.choices)
+    return [
+        router_pb2.ChatChoice(
+            index=0,
+            content=completion.content,
+            reasoning_content=completion.reasoning_content,
+            tool_calls=completion.tool_calls,
+            finish_reason=completion.finish_reason,
+            logprobs=completion.logprobs,
+        )
+    ]
+
+
+def _chat_choice(choice: router_pb2.ChatChoice) -> Json:
     message: Json = {
         "role": "assistant",
         # OpenAI sends null content for a turn that is only tool calls.
-        "content": completion.content if completion.content or not completion.tool_calls else None,
+        "content": choice.content if choice.content or not choice.tool_calls else None,
     }
-    if completion.reasoning_content:
-        message["reasoning_content"] = completion.reasoning_content
-    if completion.tool_calls:
+    if choice.reasoning_content:
+        message["reasoning_content"] = choice.reasoning_content
+    if choice.tool_calls:
         message["tool_calls"] = [
             {
                 "id": call.id,
                 "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments_json},
             }
-            for call in completion.tool_calls
+            for call in choice.tool_calls
         ]
     return {
-        "id": completion.id,
-        "object": "chat.completion",
-        "created": completion.created,
-        "model": completion.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": _chat_logprobs(completion.logprobs),
-                "finish_reason": FINISH_REASONS[completion.finish_reason],
-            }
-        ],
-        "usage": usage_to_json(completion.usage),
+        "index": choice.index,
+        "message": message,
+        "logprobs": _chat_logprobs(choice.logprobs),
+        "finish_reason": FINISH_REASONS[choice.finish_reason],
     }
 
 
@@ -301,7 +319,7 @@ def chat_chunk_to_json(chunk: router_pb2.ChatCompletionChunk, include_usage: boo
         for number, delta in enumerate(deltas):
             last = number == len(deltas) - 1
             choice = {
-                "index": 0,
+                "index": chunk.index,
                 "delta": delta,
                 "logprobs": _chat_logprobs(chunk.logprobs) if number == 0 else None,
                 "finish_reason": FINISH_REASONS[chunk.finish_reason] if last else None,
@@ -323,11 +341,12 @@ def text_completion_to_json(completion: router_pb2.ChatCompletion) -> Json:
         "model": completion.model,
         "choices": [
             {
-                "index": 0,
-                "text": completion.content,
-                "logprobs": _text_logprobs(completion.logprobs),
-                "finish_reason": FINISH_REASONS[completion.finish_reason],
+                "index": choice.index,
+                "text": choice.content,
+                "logprobs": _text_logprobs(choice.logprobs),
+                "finish_reason": FINISH_REASONS[choice.finish_reason],
             }
+            for choice in _choices(completion)
         ],
         "usage": usage_to_json(completion.usage),
     }
@@ -340,7 +359,7 @@ def text_chunk_to_json(chunk: router_pb2.ChatCompletionChunk, include_usage: boo
     # Every router chunk makes an event, even an empty one: the router sends one only as a
     # stream's first, with its first token, so the client sees the answer begin.
     choice = {
-        "index": 0,
+        "index": chunk.index,
         "text": chunk.content_delta,
         "logprobs": _text_logprobs(chunk.logprobs),
         "finish_reason": FINISH_REASONS[chunk.finish_reason],

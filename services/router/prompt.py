@@ -22,6 +22,8 @@ from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
+# Choices of one request: each holds a seat of the one replica that serves them all.
+MAX_CHOICES = 16
 
 
 def validate_model(model: str) -> None:
@@ -41,6 +43,7 @@ def validate_chat(request: router_pb2.ChatCompletionRequest) -> None:
             )
     validate_sampling(request.sampling)
     validate_cache_salt(request.cache_salt)
+    validate_choices(request.n)
 
 
 def validate_completion(request: router_pb2.CompletionRequest) -> None:
@@ -49,6 +52,12 @@ def validate_completion(request: router_pb2.CompletionRequest) -> None:
         raise InvalidArgument("give exactly one of prompt and prompt_token_ids", param="prompt")
     validate_sampling(request.sampling)
     validate_cache_salt(request.cache_salt)
+    validate_choices(request.n)
+
+
+def validate_choices(n: int) -> None:
+    if n > MAX_CHOICES:
+        raise InvalidArgument(f"n must be at most {MAX_CHOICES}", param="n")
 
 
 def validate_sampling(sampling: common_pb2.SamplingParams) -> None:

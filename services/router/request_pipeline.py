@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
@@ -38,6 +39,7 @@ from cachet.logs import get_logger
 from cachet.router import metrics
 from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import Caller
+from cachet.router.choices import ChoiceGroup
 from cachet.router.detokenizer import Detokenizers
 from cachet.router.output_parser import OutputDelta, merge_deltas
 from cachet.router.placement import Placement, PlacementPolicy, choose_replica, prefix_value
@@ -88,6 +90,23 @@ class GenerationRequest:
     # Seeds the prefix block hashes here and in the engine (cache_scope.py): only requests
     # with the same salt share cached prefixes.
     cache_salt: str = ""
+    # Choices asked for (n), and which of them this one is: each choice is an engine request
+    # of its own, billed with the others as one (choices.py).
+    choices: int = 1
+    choice: int = 0
+
+    @property
+    def engine_request_id(self) -> str:
+        """The engine's name for this choice: choice 0 keeps the request's own id."""
+        return self.request_id if self.choice == 0 else f"{self.request_id}/{self.choice}"
+
+    def for_choice(self, choice: int) -> GenerationRequest:
+        """Choice ``choice`` of the same request; a seeded one draws from its own seed (vLLM's seed + i)."""
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(self.sampling)
+        if sampling.HasField("seed"):
+            sampling.seed = (sampling.seed + choice) % 2**64
+        return dataclasses.replace(self, sampling=sampling, choice=choice)
 
 
 def _session_key(caller: Caller) -> str:
@@ -162,8 +181,9 @@ class RequestPipeline:
                 output_setup_for(family, tools),
                 stream,
                 self._cache_scopes.salt_for(caller.account_id, request.cache_salt),
+                choices=max(request.n, 1),
             )
-            return await self._start(generation, engine)
+            return await self._start_choices(generation, engine)
 
     async def start_completion(
         self,
@@ -190,8 +210,9 @@ class RequestPipeline:
                 priority,
                 stream=stream,
                 cache_salt=self._cache_scopes.salt_for(caller.account_id, request.cache_salt),
+                choices=max(request.n, 1),
             )
-            return await self._start(generation, engine)
+            return await self._start_choices(generation, engine)
 
     def list_models(self) -> list[router_pb2.ModelCard]:
         return [
@@ -200,6 +221,30 @@ class RequestPipeline:
             )
             for info, loaded_at in self._replicas.models()
         ]
+
+    def record_usage(
+        self, request: GenerationRequest, usage: common_pb2.Usage, replica_address: str
+    ) -> asyncio.Future[bool]:
+        """Send ``request``'s one usage record (the ledger's key is its id) in the recorder's next batch."""
+        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
+        metrics.CACHED_TOKENS.inc(usage.cached_tokens)
+        metrics.COMPLETION_TOKENS.inc(usage.completion_tokens)
+        batch = request.priority == common_pb2.PRIORITY_BATCH
+        return self.usage.submit(
+            usage_pb2.UsageRecord(
+                request_id=request.request_id,
+                account_id=request.caller.account_id,
+                api_key_id=request.caller.api_key_id,
+                model=request.model,
+                session_id=request.caller.session_id,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+                completion_tokens=usage.completion_tokens,
+                finished_at_ms=int(time.time() * 1000),
+                replica_address=replica_address,
+                priority="batch" if batch else "interactive",
+            ),
+        )
 
     def abort_in_background(self, replica: Replica, request_id: str) -> None:
         self.in_background(self._abort(replica, request_id))
@@ -225,6 +270,47 @@ class RequestPipeline:
         if not any(self._replicas.get(a).info for a in self._replicas.addresses):
             raise Unavailable("no engine replica is reachable yet; retry shortly")
         raise NotFound(f"model {model!r} is not served here; see ListModels", param="model")
+
+    async def _start_choices(
+        self, request: GenerationRequest, engine: engine_pb2.EngineInfo
+    ) -> Generation | ChoiceGroup:
+        """One generation, or with n > 1 a group of them sharing the prompt's KV on one replica.
+
+        Choice 0 is placed and started as any request; its first token means its prompt is
+        computed, and the engine's prefix cache names every full block of it. The other
+        choices then go to that same replica, where the prompt is a cache hit up to its last
+        partial block: the prompt is prefilled once, not n times.
+        """
+        first = await self._start(request, engine)
+        if request.choices == 1:
+            return first
+        replica = self._replicas.get(first.replica_address)
+        opened = await asyncio.gather(
+            *(
+                self._open_choice(request.for_choice(i), replica, first.placement)
+                for i in range(1, request.choices)
+            ),
+            return_exceptions=True,
+        )
+        others = [g for g in opened if isinstance(g, Generation)]
+        failure = next((e for e in opened if isinstance(e, BaseException)), None)
+        if failure is not None:
+            for generation in [first, *others]:
+                generation.close(failure)
+            if isinstance(failure, _Refused):
+                raise self._final_refusal(failure.error) from failure
+            raise failure
+        return ChoiceGroup(self, [first, *others])
+
+    async def _open_choice(
+        self, request: GenerationRequest, replica: Replica, placement: Placement
+    ) -> Generation:
+        detokenizer = await self._detokenizers.new(
+            request.model,
+            request.prompt_token_ids,
+            skip_special_tokens=not request.output.keep_special_tokens,
+        )
+        return await self._open(request, replica, placement, detokenizer)
 
     async def _start(self, request: GenerationRequest, engine: engine_pb2.EngineInfo) -> Generation:
         prompt_param = "messages" if request.role else "prompt"
@@ -361,7 +447,7 @@ class RequestPipeline:
         """Send the request to ``replica`` and wait for its first message (or its refusal)."""
         call = replica.stub.Generate(
             engine_pb2.GenerateRequest(
-                request_id=request.request_id,
+                request_id=request.engine_request_id,
                 model=request.model,
                 prompt_token_ids=request.prompt_token_ids,
                 sampling=request.sampling,
@@ -385,7 +471,7 @@ class RequestPipeline:
             # Cancelled while the engine was prefilling: stop the work we asked for.
             replica.leave(request.priority)
             call.cancel()
-            self.abort_in_background(replica, request.request_id)
+            self.abort_in_background(replica, request.engine_request_id)
             raise
         if first is grpc.aio.EOF:
             replica.leave(request.priority)
@@ -481,7 +567,7 @@ class Generation:
         self._replica.leave(self.request.priority)
         if not self._engine_done:
             self._call.cancel()
-            self._pipeline.abort_in_background(self._replica, self.request.request_id)
+            self._pipeline.abort_in_background(self._replica, self.request.engine_request_id)
         # A queued job cut short runs again under the same id (the ledger key): only the
         # attempt that finishes is billed, so the ledger agrees with the stored result.
         if not self._finished and self.request.priority != common_pb2.PRIORITY_BATCH:
@@ -491,6 +577,7 @@ class Generation:
         log.info(
             "request done",
             request_id=self.request.request_id,
+            choice=self.request.choice,
             outcome=outcome,
             replica=self.replica_address,
             placement=self.placement.reason,
@@ -606,12 +693,18 @@ class Generation:
             tool_call_deltas=delta.tool_calls,
             logprobs=logprobs,
             finish_reason=finish,
+            index=self.request.choice,
         )
         if not self._first_chunk_built:
             chunk.role = self.request.role
             self._first_chunk_built = True
             metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - self.request.arrived_at)
         return chunk
+
+    @property
+    def finished(self) -> bool:
+        """The last chunk was built: the choice ran to its end."""
+        return self._finished
 
     def _usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(
@@ -620,27 +713,14 @@ class Generation:
             completion_tokens=self._completion_tokens,
         )
 
+    def usage(self) -> common_pb2.Usage:
+        """What this choice has cost so far (its prompt, as if alone, and its own tokens)."""
+        return self._usage()
+
     def _submit_usage(self) -> None:
-        usage = self._usage()
-        batch = self.request.priority == common_pb2.PRIORITY_BATCH
-        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
-        metrics.CACHED_TOKENS.inc(usage.cached_tokens)
-        metrics.COMPLETION_TOKENS.inc(usage.completion_tokens)
-        self.usage_recorded = self._pipeline.usage.submit(
-            usage_pb2.UsageRecord(
-                request_id=self.request.request_id,
-                account_id=self.request.caller.account_id,
-                api_key_id=self.request.caller.api_key_id,
-                model=self.request.model,
-                session_id=self.request.caller.session_id,
-                prompt_tokens=usage.prompt_tokens,
-                cached_tokens=usage.cached_tokens,
-                completion_tokens=usage.completion_tokens,
-                finished_at_ms=int(time.time() * 1000),
-                replica_address=self.replica_address,
-                priority="batch" if batch else "interactive",
-            ),
-        )
+        if self.request.choices > 1:
+            return  # one of several choices: the group records the request once (choices.py)
+        self.usage_recorded = self._pipeline.record_usage(self.request, self._usage(), self.replica_address)
 
 
 def _usage_fields(usage: common_pb2.Usage) -> dict[str, int]:

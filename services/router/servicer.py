@@ -13,6 +13,7 @@ import grpc
 
 from cachet.router.batch_queue import BatchQueue
 from cachet.router.caller import AccountDirectory, Caller
+from cachet.router.choices import ChoiceGroup
 from cachet.router.file_batches import FileBatches
 from cachet.router.key_limits import KeyLimiter
 from cachet.router.request_pipeline import Generation, RequestPipeline
@@ -113,7 +114,9 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
         return caller
 
 
-def _owned(generation: Generation, context: grpc.aio.ServicerContext) -> Generation:
+def _owned(
+    generation: Generation | ChoiceGroup, context: grpc.aio.ServicerContext
+) -> Generation | ChoiceGroup:
     # Whatever way the call ends (finished, failed, client gone while we were idle),
     # the generation is closed: the engine request aborted if still running, usage recorded.
     context.add_done_callback(lambda _context: generation.close())
