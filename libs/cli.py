@@ -210,5 +210,103 @@ def claude_code_trace_command(
     typer.echo(f"from {describe(shapes)}: {written} requests written to {out}")
 
 
+# ---------------------------------------------------------------- managed API keys
+
+keys_app = typer.Typer(
+    help="Managed API keys, kept hashed in the router's store (CACHET_STORE_URL or CACHET_DATA_DIR).",
+    no_args_is_help=True,
+)
+app.add_typer(keys_app, name="keys")
+
+
+def _keys_command(action: str, *args: object) -> object:
+    # By module name, as `serve` reaches a service: the command sits above the router.
+    keys = importlib.import_module("cachet.router.keys_command")
+    errors = importlib.import_module("cachet.errors")
+    store_errors = importlib.import_module("cachet.durable_postgres")
+    try:
+        return getattr(keys, action)(*args)
+    except errors.InvalidArgument as bad:
+        raise typer.BadParameter(bad.message, param_hint=f"--{bad.param.replace('_', '-')}") from None
+    except (store_errors.StoreNotOpened, errors.Unavailable) as unreachable:
+        typer.echo(f"cachet keys: {unreachable}", err=True)
+        raise typer.Exit(1) from None
+
+
+@keys_app.command("create")
+def keys_create(
+    account: Annotated[str, typer.Option(help="Account billed for the key's calls.")],
+    name: Annotated[str, typer.Option(help="A label for people (what or who uses the key).")] = "",
+    expires_in_days: Annotated[
+        float | None, typer.Option(min=0, help="Refused after this many days; default: never.")
+    ] = None,
+    rpm: Annotated[int, typer.Option(min=0, help="Requests a minute; 0: no limit.")] = 0,
+    tpm: Annotated[int, typer.Option(min=0, help="Tokens (prompt + completion) a minute; 0: no limit.")] = 0,
+    monthly_budget_usd: Annotated[
+        str | None, typer.Option(help="Spend a UTC calendar month, from the usage ledger; default: none.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """Make a key. It is printed this once: only its hash is stored."""
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        budget = Decimal(monthly_budget_usd) if monthly_budget_usd is not None else None
+    except InvalidOperation:
+        raise typer.BadParameter("not a number of dollars", param_hint="--monthly-budget-usd") from None
+    if budget is not None and (not budget.is_finite() or budget < 0):
+        raise typer.BadParameter(
+            "must be a non-negative number of dollars", param_hint="--monthly-budget-usd"
+        )
+    made = _keys_command("create", account, name, expires_in_days, rpm, tpm, budget)
+    assert isinstance(made, dict)
+    if json_output:
+        typer.echo(json.dumps(made))
+        return
+    typer.echo(made["key"])
+    typer.echo(f"{made['key_id']} for {made['account']}: shown once, store it now.", err=True)
+
+
+@keys_app.command("list")
+def keys_list(
+    account: Annotated[str, typer.Option(help="Only this account's keys; default: every key.")] = "",
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """Keys with their account, name, state, times and limits (never the key or its hash)."""
+    described = _keys_command("list_keys", account)
+    assert isinstance(described, list)
+    for key in described:
+        if json_output:
+            typer.echo(json.dumps(key))
+            continue
+        limits = ", ".join(
+            f"{label} {key[field]}"
+            for field, label in (
+                ("requests_per_minute", "rpm"),
+                ("tokens_per_minute", "tpm"),
+                ("monthly_budget_usd", "budget $"),
+            )
+            if key[field] is not None
+        )
+        typer.echo(
+            f"{key['key_id']}  {key['account']}  {key['name'] or '-'}  {key['state']}"
+            f"  created {key['created_at']}  last used {key['last_used_at'] or 'never'}"
+            f"  expires {key['expires_at'] or 'never'}  {limits or 'no limits'}"
+        )
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key's id (key_...), as `keys list` shows.")],
+) -> None:
+    """Revoke a key: routers refuse it within CACHET_ROUTER_API_KEY_CACHE_SECONDS."""
+    revoked = _keys_command("revoke", key_id)
+    if revoked is None:
+        typer.echo(f"cachet keys: no key {key_id!r}", err=True)
+        raise typer.Exit(1)
+    assert isinstance(revoked, dict)
+    typer.echo(f"{revoked['key_id']} revoked at {revoked['revoked_at']}")
+
+
 if __name__ == "__main__":
     app()
