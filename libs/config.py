@@ -73,6 +73,8 @@ class TokenizerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CACHET_TOKENIZER_")
 
     port: int = Field(default=50051, ge=0, le=65535)
+    # Prometheus /metrics over HTTP on this port (docs/ARCHITECTURE.md, "Ports"); 0: none.
+    metrics_port: int = Field(default=9051, ge=0, le=65535)
     # Model ids or checkpoint directories to serve; the default model when empty.
     models: list[str] = Field(default_factory=list)
     default_model: str = Field(default="", validation_alias=_shared("CACHET_MODEL"))
@@ -142,8 +144,8 @@ class EngineSettings(ServiceSettings):
     # (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; false: the API's
     # own defaults (temperature 1, no top-p/top-k).
     generation_defaults: bool = True
-    # Prometheus /metrics HTTP port; 0 turns the endpoint off.
-    metrics_port: int = Field(default=0, ge=0, le=65535)
+    # Prometheus /metrics over HTTP on this port (docs/ARCHITECTURE.md, "Ports"); 0: none.
+    metrics_port: int = Field(default=9061, ge=0, le=65535)
 
     @property
     def max_batch_running(self) -> int:
@@ -155,6 +157,8 @@ class CacheSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CACHET_CACHE_")
 
     port: int = Field(default=50071, ge=0, le=65535)
+    # Prometheus /metrics over HTTP on this port (docs/ARCHITECTURE.md, "Ports"); 0: none.
+    metrics_port: int = Field(default=9071, ge=0, le=65535)
     # Engines to follow from the start (more can be added with WatchReplica).
     engine_addresses: list[str] = Field(default_factory=list)
 
@@ -163,6 +167,8 @@ class UsageSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CACHET_USAGE_")
 
     port: int = Field(default=50081, ge=0, le=65535)
+    # Prometheus /metrics over HTTP on this port (docs/ARCHITECTURE.md, "Ports"); 0: none.
+    metrics_port: int = Field(default=9081, ge=0, le=65535)
     # SQLite file; defaults to <data_dir>/usage.sqlite3. Unused when store_url is set.
     database: Path | None = None
     store_url: StoreUrl = Field(default="", validation_alias=STORE_URL_ALIASES["usage"])
@@ -172,6 +178,8 @@ class RouterSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CACHET_ROUTER_")
 
     port: int = Field(default=50091, ge=0, le=65535)
+    # Prometheus /metrics over HTTP on this port (docs/ARCHITECTURE.md, "Ports"); 0: none.
+    metrics_port: int = Field(default=9091, ge=0, le=65535)
     tokenizer_address: str = f"{LOOPBACK}:50051"
     cache_address: str = f"{LOOPBACK}:50071"
     usage_address: str = f"{LOOPBACK}:50081"

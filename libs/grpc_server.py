@@ -2,8 +2,9 @@
 
 What it adds around a service's servicers: the standard health service,
 server reflection (so grpcurl works without .proto files), bounded message
-sizes, OpenTelemetry spans with W3C context from metadata, one interceptor that
-turns domain errors into status codes, and a graceful drain on SIGTERM/SIGINT.
+sizes, OpenTelemetry spans with W3C context from metadata, Prometheus figures of every
+call (``grpc_metrics``), one interceptor that turns domain errors into status codes, and a
+graceful drain on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
+from prometheus_client.registry import Collector
 
 from cachet.config import ServiceSettings
 from cachet.errors import ERROR_INFO_METADATA_KEY, CachetError
+from cachet.grpc_metrics import MetricsInterceptor
 from cachet.logs import get_logger
+from cachet.metrics_endpoint import MetricsEndpoint, serve_default_metrics, serve_metrics
 from cachet.startup_heap import freeze_startup_heap
 from cachet.tracing import server_interceptors
 
@@ -111,16 +115,21 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
 @dataclass
 class RunningServer:
-    """A started server, its bound port and its health servicer."""
+    """A started server, its bound port, its health servicer and its /metrics endpoint (if any)."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
     service_names: list[str] = field(default_factory=list)
+    metrics: MetricsEndpoint | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics.port if self.metrics is not None else None
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -132,14 +141,24 @@ class RunningServer:
     async def stop(self, grace: float | None = 5.0) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
+        if self.metrics is not None:
+            await self.metrics.stop()
 
 
 async def create_server(
     settings: ServiceSettings,
     registrars: Iterable[Registrar],
     service_names: Iterable[str],
+    *,
+    metrics_port: int | None = None,
+    metrics_collectors: Iterable[Collector] = (),
 ) -> RunningServer:
     """Build, bind and start a server; ``settings.port`` 0 picks a free port (tests).
+
+    ``metrics_port`` (None: none; 0: a free port) serves Prometheus /metrics beside it: the
+    process-wide registry and ``metrics_collectors``. A service's default port (its settings'
+    ``metrics_port`` left unset) that another process holds is skipped with a warning; a
+    port someone chose must bind.
 
     Also freezes the process's startup heap (``startup_heap``), once per process: every
     gRPC service calls this when what it serves with is built; and shortens the interpreter
@@ -151,7 +170,9 @@ async def create_server(
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[*server_interceptors(), DomainErrorInterceptor()], options=options)
+    # Outside the domain-error interceptor, so the metrics count the status that one chose.
+    interceptors = [MetricsInterceptor(), *server_interceptors(), DomainErrorInterceptor()]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     for register in registrars:
         register(server)
     health_servicer = health.aio.HealthServicer()
@@ -164,9 +185,27 @@ async def create_server(
     # Every service builds what it serves with before its server: modules, model, clients.
     freeze_startup_heap()
     await server.start()
-    running = RunningServer(server=server, port=port, health=health_servicer, service_names=names)
+    metrics = None
+    if metrics_port is not None:
+        defaulted = "metrics_port" not in settings.model_fields_set and metrics_port == getattr(
+            settings, "metrics_port", None
+        )
+        serve = serve_default_metrics if defaulted else serve_metrics
+        try:
+            metrics = serve(metrics_port, settings.host, metrics_collectors)
+        except BaseException:
+            await server.stop(None)
+            raise
+    running = RunningServer(
+        server=server, port=port, health=health_servicer, service_names=names, metrics=metrics
+    )
     await running.set_serving(True)
-    log.info("grpc server started", address=f"{settings.host}:{port}", services=names)
+    log.info(
+        "grpc server started",
+        address=f"{settings.host}:{port}",
+        services=names,
+        metrics_port=running.metrics_port,
+    )
     return running
 
 

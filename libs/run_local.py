@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cachet.config import LOOPBACK
 from cachet.durable_postgres import is_postgres_url
 from cachet.engine_layout import EngineLayout, available_cores, plan_engine_layout
+from cachet.loopback_port import free_loopback_port
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 from cachet.supervisor import Supervisor
 
@@ -44,6 +45,8 @@ class PlannedService:
     env: dict[str, str] = field(default_factory=dict)
     grpc_port: int | None = None
     http_port: int | None = None
+    # Where its Prometheus /metrics is served (the bridge's: on its REST port).
+    metrics_port: int | None = None
     # Ready only once it lists a model: the router serves before slow engines have
     # reported, and refuses what it takes meanwhile.
     ready_when_it_lists_a_model: bool = False
@@ -144,7 +147,27 @@ def plan_services(
             http_port=rest_port,
         )
     )
-    return plan
+    return [_with_metrics_port(service) for service in plan]
+
+
+def _with_metrics_port(service: PlannedService) -> PlannedService:
+    """The service with a free loopback port for its /metrics: the services' default ports are
+    one per service, and a machine's replicas (or another checkout's run-local) would share them.
+    The bridge serves /metrics on its REST port."""
+    if service.http_port is not None:
+        return replace(service, metrics_port=service.http_port)
+    port = free_loopback_port()
+    variable = f"CACHET_{service.module.removeprefix('cachet.').upper()}_METRICS_PORT"
+    return replace(service, env={**service.env, variable: str(port)}, metrics_port=port)
+
+
+def metrics_urls(services: list[PlannedService]) -> str:
+    """One line per service: where Prometheus scrapes it."""
+    return "\n".join(
+        f"  {service.name:<10} http://{LOOPBACK}:{service.metrics_port}/metrics"
+        for service in services
+        if service.metrics_port is not None
+    )
 
 
 def _grpc_healthy(port: int) -> bool:
@@ -203,6 +226,7 @@ def _announce_when_healthy(supervisor: Supervisor, services: list[PlannedService
         supervisor.terminate()
         return
     print(entry_url(services), flush=True)
+    print(f"Prometheus metrics:\n{metrics_urls(services)}", flush=True)
 
 
 def machine_layout(replicas: int | None) -> EngineLayout:

@@ -49,7 +49,7 @@ class ServiceProcess:
     process: subprocess.Popen[bytes]
     address: str
     log_path: Path
-    # Prometheus HTTP port, for services started with one.
+    # Where its Prometheus /metrics is (the bridge's: its REST port).
     metrics_port: int = 0
 
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 15.0) -> int:
@@ -74,19 +74,26 @@ def launch_service(
     """Spawn ``python -m cachet.<service>`` with ``env`` on ``port`` (a free one by default); no waiting.
 
     The inherited environment loses every ``CACHET_*`` variable (the test decides them
-    all) and gets one thread per math library: the test box has two shared cores.
+    all) and gets one thread per math library: the test box has two shared cores. A gRPC
+    service's /metrics goes on a free port too (``env`` may choose another, or 0: none),
+    not its default one that a neighbour may hold.
     """
     name = name or service
     port = port or free_port()
     base = {key: value for key, value in os.environ.items() if not key.startswith("CACHET_")}
     base |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CACHET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
-    full_env = base | {f"CACHET_{service.upper()}_PORT": str(port)} | env
+    own = {f"CACHET_{service.upper()}_PORT": str(port)}
+    metrics_variable = f"CACHET_{service.upper()}_METRICS_PORT"
+    if service != "bridge":
+        own[metrics_variable] = str(free_port())
+    full_env = base | own | env
+    metrics_port = port if service == "bridge" else int(full_env[metrics_variable])
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", f"cachet.{service}"], env=full_env, stdout=sink, stderr=subprocess.STDOUT
         )
-    return ServiceProcess(name, process, f"127.0.0.1:{port}", log_path)
+    return ServiceProcess(name, process, f"127.0.0.1:{port}", log_path, metrics_port)
 
 
 def start_service(
@@ -202,13 +209,10 @@ class CachetStack:
             "CACHET_ROUTER_USAGE_ADDRESS": self.processes["usage"].address,
             "CACHET_ROUTER_CACHE_ADDRESS": self.processes["cache"].address,
             "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps(self.engine_addresses),
-            "CACHET_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
             # The router's durable queue: one file per stack, kept across router restarts.
             "CACHET_DATA_DIR": str(self.log_dir / "router-data"),
         } | overrides
-        router = start_service("router", env, self.log_dir, name=name)
-        router.metrics_port = metrics_port
-        return router
+        return start_service("router", env, self.log_dir, name=name)
 
     def start_bridge(self, **env: str) -> ServiceProcess:
         """The REST bridge in front of this stack's router, returned once the router answers behind it;

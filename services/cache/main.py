@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
 
 from cachet.cache.followers import Followers
-from cachet.cache.metrics import serve_metrics
+from cachet.cache.metrics import IndexCollector
 from cachet.cache.prefix_index import PrefixIndex
 from cachet.cache.servicer import CacheIndexServicer, registrar
 from cachet.cache.v1 import cache_pb2
@@ -23,23 +22,14 @@ SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheIndexService"].full_n
 
 @dataclass(kw_only=True)
 class CacheServer(RunningServer):
-    """The running server plus what must stop with it: the followers and the metrics endpoint."""
+    """The running server plus what must stop with it: the followers."""
 
     index: PrefixIndex
     followers: Followers
-    metrics_server: WSGIServer | None = None
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self.metrics_server.server_port if self.metrics_server is not None else None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         await super().stop(grace)
         await self.followers.stop_all()
-        if self.metrics_server is not None:
-            # shutdown() blocks until the serving thread notices; keep it off the event loop.
-            await asyncio.to_thread(self.metrics_server.shutdown)
-            self.metrics_server.server_close()
 
 
 async def start(settings: CacheSettings, *, metrics_port: int | None = None) -> CacheServer:
@@ -49,31 +39,34 @@ async def start(settings: CacheSettings, *, metrics_port: int | None = None) -> 
     """
     index = PrefixIndex()
     followers = Followers(index)
-    running = await create_server(settings, [registrar(CacheIndexServicer(index, followers))], [SERVICE_NAME])
+    running = await create_server(
+        settings,
+        [registrar(CacheIndexServicer(index, followers))],
+        [SERVICE_NAME],
+        metrics_port=metrics_port,
+        metrics_collectors=[IndexCollector(index, followers)],
+    )
     for address in settings.engine_addresses:
         followers.watch(address)
-    metrics_server = None
-    if metrics_port is not None:
-        metrics_server = serve_metrics(index, followers, metrics_port, settings.host)
     return CacheServer(
         server=running.server,
         port=running.port,
         health=running.health,
         service_names=running.service_names,
+        metrics=running.metrics,
         index=index,
         followers=followers,
-        metrics_server=metrics_server,
     )
 
 
-async def _serve(settings: CacheSettings, metrics_port: int | None) -> None:
-    running = await start(settings, metrics_port=metrics_port)
+async def _serve(settings: CacheSettings) -> None:
+    running = await start(settings, metrics_port=settings.metrics_port or None)
     log.info("cache index serving", engines=settings.engine_addresses, metrics_port=running.metrics_port)
     await serve_until_signalled(running, settings.drain_seconds)
 
 
-def main(port: int | None = None, metrics_port: int | None = None) -> None:
+def main(port: int | None = None) -> None:
     settings = CacheSettings() if port is None else CacheSettings(port=port)
     configure_logging("cache", settings.log_level)
     configure_tracing("cache")
-    asyncio.run(_serve(settings, metrics_port))
+    asyncio.run(_serve(settings))

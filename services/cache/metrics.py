@@ -7,15 +7,12 @@ class that tests build many times, and so a scrape sees one consistent reading.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cachet.cache.followers import Followers
 from cachet.cache.prefix_index import TIERS, PrefixIndex
-from cachet.config import LOOPBACK
 
 
 class IndexCollector(Collector):
@@ -48,14 +45,3 @@ class IndexCollector(Collector):
             "Engines whose KV event stream is up.",
             value=self._followers.connected_count(),
         )
-
-
-def serve_metrics(index: PrefixIndex, followers: Followers, port: int, host: str = LOOPBACK) -> WSGIServer:
-    """Serve /metrics on ``host:port`` (0: a free port) from a registry of its own, in a thread.
-
-    The caller owns the returned server: ``shutdown()`` then ``server_close()`` it.
-    """
-    registry = CollectorRegistry()
-    registry.register(IndexCollector(index, followers))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server

@@ -45,9 +45,14 @@ def engine_info(engine: AsyncEngine, group: RankGroup | None) -> engine_pb2.Engi
 
 
 async def start(
-    settings: EngineSettings, group: RankGroup | None = None, host: CoreHost | None = None
+    settings: EngineSettings,
+    group: RankGroup | None = None,
+    host: CoreHost | None = None,
+    *,
+    metrics_port: int | None = None,
 ) -> tuple[RunningServer, AsyncEngine]:
-    """Serve; the loop runs on ``host`` if given (a loop process), else on a thread built here."""
+    """Serve; the loop runs on ``host`` if given (a loop process), else on a thread built here;
+    ``metrics_port`` (0: a free one) also serves Prometheus /metrics."""
     if host is None:
         from cachet.engine.core_thread import ThreadHost
         from cachet.engine.loop_builder import build_core_loop
@@ -57,10 +62,6 @@ async def start(
         host, replica_id=uuid.uuid4().hex[:12], stream_interval=settings.stream_interval_ms / 1000
     )
     metrics = EngineMetrics(engine)
-    if settings.metrics_port:
-        # Lives as long as the process, as the router's does.
-        metrics.serve(settings.metrics_port, settings.host)
-        log.info("metrics serving", metrics_port=settings.metrics_port)
     engine.start()
     metrics.loop_lag.start()
     servicer = EngineServicer(engine, engine_info(engine, group), settings.load_report_interval_ms)
@@ -68,6 +69,8 @@ async def start(
         settings,
         [lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)],
         [SERVICE_NAME],
+        metrics_port=metrics_port,
+        metrics_collectors=[metrics.registry],
     )
     return running, engine
 
@@ -115,7 +118,7 @@ def main(port: int | None = None, loop_process: ProcessHost | None = None) -> No
 
 
 async def _serve(settings: EngineSettings, group: RankGroup | None, host: CoreHost | None) -> None:
-    running, engine = await start(settings, group, host)
+    running, engine = await start(settings, group, host, metrics_port=settings.metrics_port or None)
 
     async def on_stop() -> None:
         await engine.stop()

@@ -1,4 +1,4 @@
-"""Prometheus figures of one engine replica (served on ``metrics_port`` when set).
+"""Prometheus figures of one engine replica (served on its ``metrics_port``, 9061 by default).
 
 What the scheduler counts (tokens by priority and phase, preemptions by reason, finished
 requests) and its queues come with each of the engine loop's step reports
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TypeVar
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cachet.config import LOOPBACK
 from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.scheduler import PRIORITIES
 from cachet.event_loop_lag import LAG_BUCKETS, EventLoopLagMonitor
@@ -167,8 +165,3 @@ class EngineMetrics:
                 registry=self.registry,
             )
         )
-
-    def serve(self, port: int, host: str = LOOPBACK) -> WSGIServer:
-        """Serve /metrics on ``host:port`` (0: a free port) in a thread; the caller shuts it down."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import grpc
-from prometheus_client import REGISTRY, start_http_server
 
 from cachet.cache.v1 import cache_pb2_grpc
 from cachet.config import RouterSettings
@@ -87,8 +86,9 @@ class RunningRouter(RunningServer):
             await self.clients.close(drain_seconds=grace or 0.0)
 
 
-async def start(settings: RouterSettings) -> RunningServer:
-    """Connect to the dependencies, follow the engines and serve; ``port`` 0 picks a free port."""
+async def start(settings: RouterSettings, *, metrics_port: int | None = None) -> RunningServer:
+    """Connect to the dependencies, follow the engines and serve; ``port`` 0 picks a free port;
+    ``metrics_port`` (0: a free one) also serves Prometheus /metrics."""
     options = router_service_settings(settings)
     tokenizer_channel = create_channel(options.tokenizer_address, options.max_message_bytes)
     cache_channel = create_channel(options.cache_address)
@@ -155,15 +155,14 @@ async def start(settings: RouterSettings) -> RunningServer:
             options,
             [partial(router_pb2_grpc.add_InferenceServiceServicer_to_server, servicer)],
             [SERVICE_NAME],
+            metrics_port=metrics_port,
+            metrics_collectors=[
+                metrics.QueueCollector(clients.queue.counts_off_the_loop, [state.value for state in JobState])
+            ],
         )
     except BaseException:
         await clients.close(drain_seconds=0)
         raise
-    if options.metrics_port:
-        REGISTRY.register(
-            metrics.QueueCollector(clients.queue.counts_off_the_loop, [state.value for state in JobState])
-        )
-        start_http_server(options.metrics_port, addr=options.host)
     readiness = ReadinessPublisher(running.health, lambda: bool(pipeline.list_models()))
     readiness.start()
     return RunningRouter(
@@ -171,6 +170,7 @@ async def start(settings: RouterSettings) -> RunningServer:
         running.port,
         running.health,
         running.service_names,
+        running.metrics,
         clients=clients,
         readiness=readiness,
     )
@@ -224,7 +224,8 @@ def _dispatcher(
 
 async def _serve(settings: RouterServiceSettings) -> None:
     # RunningRouter.stop (called by serve_until_signalled) also closes the clients.
-    await serve_until_signalled(await start(settings), settings.drain_seconds)
+    running = await start(settings, metrics_port=settings.metrics_port or None)
+    await serve_until_signalled(running, settings.drain_seconds)
 
 
 def main(port: int | None = None) -> None:

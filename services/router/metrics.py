@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (served on ``metrics_port`` when set)."""
+"""The router's Prometheus metrics (served on its ``metrics_port``, 9091 by default)."""
 
 from __future__ import annotations
 

@@ -38,8 +38,6 @@ class RouterServiceSettings(RouterSettings):
     load_report_interval_ms: int = Field(default=0, ge=0)
     # At start, wait at most this long for every engine to report before serving.
     startup_wait_seconds: float = Field(default=10.0, ge=0)
-    # Prometheus /metrics HTTP port; 0 turns the endpoint off (metrics still count).
-    metrics_port: int = Field(default=0, ge=0, le=65535)
     # Deadline of each call to the tokenizer, cache index and usage services.
     dependency_timeout_seconds: float = Field(default=10.0, gt=0)
     # A finished request's usage record waits at most this long for others to share its

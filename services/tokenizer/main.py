@@ -59,15 +59,16 @@ def load_registry(settings: TokenizerSettings) -> ModelRegistry:
     return ModelRegistry(models, default_model_id=default)
 
 
-async def start(settings: TokenizerSettings) -> RunningServer:
-    """Load the models and start serving; ``settings.port`` 0 picks a free port."""
+async def start(settings: TokenizerSettings, *, metrics_port: int | None = None) -> RunningServer:
+    """Load the models and start serving; ``settings.port`` 0 picks a free port; ``metrics_port``
+    (0: a free one) also serves Prometheus /metrics."""
     registry = await asyncio.to_thread(load_registry, settings)
     servicer = TokenizerServicer(registry, max_input_chars=settings.max_input_chars)
-    return await create_server(settings, [servicer.register], [SERVICE_NAME])
+    return await create_server(settings, [servicer.register], [SERVICE_NAME], metrics_port=metrics_port)
 
 
 async def _serve(settings: TokenizerSettings) -> None:
-    running = await start(settings)
+    running = await start(settings, metrics_port=settings.metrics_port or None)
     await serve_until_signalled(running, settings.drain_seconds)
 
 

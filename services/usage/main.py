@@ -29,13 +29,16 @@ async def _close_after_termination(running: RunningServer, ledger: Ledger) -> No
     log.info("usage ledger closed", location=ledger.location)
 
 
-async def _start(settings: UsageSettings) -> tuple[RunningServer, asyncio.Task[None]]:
+async def _start(
+    settings: UsageSettings, metrics_port: int | None
+) -> tuple[RunningServer, asyncio.Task[None]]:
     prices = load_price_table(settings.data_dir)
     ledger = await open_ledger(settings)
     servicer = UsageServicer(ledger, prices)
     try:
         registrar = partial(usage_pb2_grpc.add_UsageServiceServicer_to_server, servicer)
-        running = await create_server(settings, [registrar], [SERVICE_NAME])
+        # The ledger's counters (metrics.py) are in the process-wide registry the endpoint serves.
+        running = await create_server(settings, [registrar], [SERVICE_NAME], metrics_port=metrics_port)
     except BaseException:
         await ledger.close()
         raise
@@ -45,14 +48,16 @@ async def _start(settings: UsageSettings) -> tuple[RunningServer, asyncio.Task[N
     return running, closer
 
 
-async def start(settings: UsageSettings) -> RunningServer:
-    """Load prices, open the ledger and serve; the ledger closes after the server stops."""
-    running, _ = await _start(settings)
+async def start(settings: UsageSettings, *, metrics_port: int | None = None) -> RunningServer:
+    """Load prices, open the ledger and serve; the ledger closes after the server stops.
+
+    ``metrics_port`` (0: a free one) also serves Prometheus /metrics."""
+    running, _ = await _start(settings, metrics_port)
     return running
 
 
 async def _serve(settings: UsageSettings) -> None:
-    running, closed = await _start(settings)
+    running, closed = await _start(settings, settings.metrics_port or None)
 
     async def wait_closed() -> None:
         await closed

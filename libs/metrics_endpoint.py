@@ -1,0 +1,79 @@
+"""A service's Prometheus /metrics endpoint: an HTTP server on a port of its own, in a thread.
+
+Every gRPC service serves one by default (``CACHET_<SERVICE>_METRICS_PORT``, 0 turns it off);
+the bridge serves /metrics on its REST port instead. What it serves is the process-wide
+registry (the gRPC server's figures, process CPU and memory, the service's own module-level
+metrics) plus the collectors a service passes in: figures read from its objects at scrape
+time, kept out of the global registry so tests can build those objects many times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from cachet.config import LOOPBACK
+from cachet.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class _ProcessWide(Collector):
+    """The global registry's figures, inside another registry (no ``describe``: the registry
+    then reads no names from it, so nothing in it can clash with the service's collectors)."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from REGISTRY.collect()
+
+
+@dataclass
+class MetricsEndpoint:
+    """A running /metrics server; the owner stops it (``stop``) when its service stops."""
+
+    server: WSGIServer
+
+    @property
+    def port(self) -> int:
+        return self.server.server_port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server.server_address[0]}:{self.port}/metrics"
+
+    async def stop(self) -> None:
+        # shutdown() blocks until the serving thread notices; keep it off the event loop.
+        await asyncio.to_thread(self.server.shutdown)
+        self.server.server_close()
+
+
+def serve_metrics(port: int, host: str = LOOPBACK, collectors: Iterable[Collector] = ()) -> MetricsEndpoint:
+    """Serve /metrics on ``host:port`` (0: a free port): the process-wide registry and ``collectors``."""
+    registry = CollectorRegistry()
+    registry.register(_ProcessWide())
+    for collector in collectors:
+        registry.register(collector)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsEndpoint(server)
+
+
+def serve_default_metrics(
+    port: int, host: str = LOOPBACK, collectors: Iterable[Collector] = ()
+) -> MetricsEndpoint | None:
+    """``serve_metrics`` on a service's default port, which another process may hold already
+    (a second replica, another checkout's services on a shared box): then the service serves
+    without /metrics and says so, rather than failing to start over a port nobody chose."""
+    try:
+        return serve_metrics(port, host, collectors)
+    except OSError as taken:
+        log.warning(
+            "metrics port in use: serving no /metrics (set the service's METRICS_PORT)",
+            metrics_port=port,
+            error=str(taken),
+        )
+        return None
