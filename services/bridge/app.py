@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Annotated, Any
 
 import grpc
@@ -88,7 +89,7 @@ _api_key = APIKeyHeader(
 )
 
 
-def _caller(
+async def _caller(
     request: Request,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     x_api_key: Annotated[str | None, Depends(_api_key)],
@@ -98,7 +99,7 @@ def _caller(
 ) -> Caller:
     # The security schemes are declared for /openapi.json; the raw headers are what get checked.
     auth: Authenticator = request.app.state.auth
-    return auth.identify(request.headers.get("authorization"), x_session_affinity, x_api_key)
+    return await auth.authenticate(request.headers.get("authorization"), x_session_affinity, x_api_key)
 
 
 CallerDep = Annotated[Caller, Depends(_caller)]
@@ -410,10 +411,30 @@ async def metrics(request: Request) -> Response:
 # ---------------------------------------------------------------- the app
 
 
+async def _managed_key_account(backends: Backends, key: str) -> str | None:
+    """Whose managed key this is, by the router (which holds the keys); None for nobody's."""
+    if backends.inference is None:
+        raise RuntimeError("bridge backends are not open (the app's lifespan has not started)")
+    try:
+        identity = await backends.inference.Authenticate(
+            router_pb2.AuthenticateRequest(),
+            metadata=(("authorization", f"Bearer {key}"),),
+            timeout=backends.settings.health_timeout_seconds,  # a lookup by id, as quick as health
+        )
+    except grpc.aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return None
+        raise from_rpc_error(error, current_trace_id()) from None
+    return identity.account_id
+
+
 def create_app(settings: BridgeSettings) -> FastAPI:
     """The bridge's ASGI app. Refuses open development mode (no API keys) on a non-loopback host."""
     config = BridgeServiceSettings.from_settings(settings)
-    auth = Authenticator(dict(config.api_keys))
+    backends = Backends(config)
+    auth = Authenticator(
+        dict(config.api_keys), partial(_managed_key_account, backends), cache_seconds=config.key_cache_seconds
+    )
     if auth.dev_mode and not is_loopback(config.host):
         raise ValueError(
             f"no API keys configured (CACHET_BRIDGE_API_KEYS): open development mode may only bind loopback, "
@@ -424,7 +445,6 @@ def create_app(settings: BridgeSettings) -> FastAPI:
             "OPEN DEVELOPMENT MODE: no API keys configured, every request is accepted as account 'anonymous'",
             host=config.host,
         )
-    backends = Backends(config)
     responses = ResponseStore(config.responses_path)
 
     @asynccontextmanager

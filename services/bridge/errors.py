@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from cachet.bridge.anthropic_schemas import AnthropicErrorResponse
 from cachet.bridge.schemas import ErrorResponse
+from cachet.bridge.v1 import bridge_pb2
 from cachet.errors import error_info_from_metadata
 
 # gRPC status -> (HTTP status, OpenAI error type used when the service gave none).
@@ -85,6 +86,8 @@ class BridgeError(Exception):
     param: str | None = None
     code: str | None = None
     retry_after_seconds: int = 0
+    # Sent with the error: OpenAI's x-ratelimit-* when a key's limit refused the call.
+    headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -109,7 +112,8 @@ class BridgeError(Exception):
         )
 
     def _headers(self) -> dict[str, str] | None:
-        return {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds else None
+        retry = {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds else {}
+        return (retry | (self.headers or {})) or None
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -150,7 +154,32 @@ def from_rpc_error(error: grpc.aio.AioRpcError, trace_id: str) -> BridgeError:
         param=info.param or None,
         code=info.code or None,
         retry_after_seconds=retry_after,
+        headers=rate_limit_headers(info.rate_limits) if info.HasField("rate_limits") else None,
     )
+
+
+def rate_limit_headers(limits: bridge_pb2.RateLimits) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers for the limits a key has (none for a limit it lacks)."""
+    headers: dict[str, str] = {}
+    for kind, limit, remaining, reset_ms in (
+        ("requests", limits.limit_requests, limits.remaining_requests, limits.reset_requests_ms),
+        ("tokens", limits.limit_tokens, limits.remaining_tokens, limits.reset_tokens_ms),
+    ):
+        if limit:
+            headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
+            headers[f"x-ratelimit-reset-{kind}"] = openai_duration(reset_ms)
+    return headers
+
+
+def openai_duration(ms: int) -> str:
+    """A wait as OpenAI writes its resets: "20ms", "1s", "6m0s", "1h2m3.5s"."""
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    return (f"{hours}h" if hours else "") + (f"{minutes}m" if hours or minutes else "") + f"{seconds}s"
 
 
 def internal_message(trace_id: str) -> str:

@@ -29,6 +29,9 @@ class BridgeServiceSettings(BridgeSettings):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
     # Seconds GET /health waits for the router's gRPC health answer.
     health_timeout_seconds: float = Field(default=1.0, gt=0)
+    # How long the router's answer about a managed API key is trusted (auth.py): a key revoked
+    # with `cachet keys revoke` stops passing the bridge within this time.
+    key_cache_seconds: float = Field(default=5.0, ge=0)
     # Stored responses (POST /v1/responses with store); defaults to <data_dir>/responses.sqlite3.
     responses_database: Path | None = None
 
