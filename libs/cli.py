@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -208,6 +209,66 @@ def claude_code_trace_command(
     )
     written = write_trace(out, claude_code_trace(shapes, shape, seed=seed))
     typer.echo(f"from {describe(shapes)}: {written} requests written to {out}")
+
+
+@app.command()
+def report(
+    account: Annotated[str, typer.Option(help="Only this account; default: every account.")] = "",
+    model: Annotated[str, typer.Option(help="Only this model.")] = "",
+    session: Annotated[str, typer.Option(help="Only this session id.")] = "",
+    since: Annotated[
+        datetime | None, typer.Option(formats=["%Y-%m-%d"], help="First UTC day (YYYY-MM-DD).")
+    ] = None,
+    until: Annotated[
+        datetime | None, typer.Option(formats=["%Y-%m-%d"], help="Last UTC day, included.")
+    ] = None,
+    top_sessions: Annotated[int, typer.Option(min=0, help="Sessions listed, the costliest first.")] = 20,
+    ledger: Annotated[
+        Path | None,
+        typer.Option(
+            help="SQLite ledger file; default: <data dir>/usage.sqlite3, or CACHET_STORE_URL's database."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """Usage and cost per day, model and session, and what the prefix cache saved, from the ledger."""
+    import asyncio
+
+    from cachet.config import UsageSettings
+    from cachet.logs import configure_logging
+    from cachet.tools.usage_report import (
+        LedgerNotFound,
+        ReportScope,
+        build_report,
+        format_report,
+        open_report_ledger,
+        report_json,
+    )
+
+    # Log lines go to stderr (warnings only), so stdout stays the report (or its JSON).
+    configure_logging("report", "warning")
+    settings = UsageSettings(database=ledger, store_url="") if ledger else UsageSettings()
+    scope = ReportScope(
+        account_id=account,
+        model=model,
+        session_id=session,
+        since=since.date() if since else None,
+        until=until.date() if until else None,
+    )
+
+    async def run():
+        opened = await open_report_ledger(settings)
+        try:
+            return await build_report(opened, scope, top_sessions)
+        finally:
+            await opened.close()
+
+    try:
+        built = asyncio.run(run())
+    except LedgerNotFound as missing:
+        typer.echo(f"cachet report: {missing}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps(report_json(built), indent=2) if as_json else format_report(built))
 
 
 # ---------------------------------------------------------------- managed API keys
