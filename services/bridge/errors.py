@@ -57,6 +57,9 @@ _HTTP_TYPES = {
 }
 
 
+# The error types of a key's own limits (cachet.router.key_limits), as OpenAI names them.
+KEY_LIMIT_TYPES = ("requests", "tokens", "insufficient_quota")
+
 # Under this path errors are Anthropic's (its SDKs read nothing else).
 ANTHROPIC_PATH = "/v1/messages"
 
@@ -99,12 +102,22 @@ class BridgeError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self._headers())
 
     def anthropic_status(self) -> int:
+        if self._key_limited:
+            return 429
         return _ANTHROPIC_ERRORS.get(self.status, (self.status, ""))[0]
 
     def anthropic_body(self) -> dict[str, Any]:
         default = "invalid_request_error" if self.status < 500 else "api_error"
         kind = _ANTHROPIC_ERRORS.get(self.status, (self.status, default))[1]
+        if self._key_limited:
+            kind = "rate_limit_error"
         return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    @property
+    def _key_limited(self) -> bool:
+        # A key past its own limits is Anthropic's 429 rate_limit_error, not the 529 "overloaded"
+        # that says the service is short of capacity (which its clients retry at once).
+        return self.status == 429 and self.type in KEY_LIMIT_TYPES
 
     def anthropic_response(self) -> JSONResponse:
         return JSONResponse(
