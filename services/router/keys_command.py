@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from cachet.logs import configure_logging
 from cachet.router.api_keys import ApiKey, KeyLimits, new_api_key
 from cachet.router.key_limits import PICOUSD_PER_USD
 from cachet.router.queue_store import QueueStore, open_queue_store
@@ -89,6 +90,9 @@ def _iso(ms: int) -> str | None:
 
 
 def _with_store(work):  # noqa: ANN001, ANN202 - a coroutine function of the store, and its result
+    # The store's own log lines go to stderr, quietly: stdout is the command's answer.
+    configure_logging("keys", "warning")
+
     async def run() -> Any:
         store = await open_queue_store(RouterServiceSettings())
         try:
