@@ -32,7 +32,14 @@ GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
 
 # Compact separators, no free whitespace: with flexible whitespace a weak (or random) model can
 # spend its whole token budget on spaces and newlines inside a perfectly "valid" object.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# oneOf is decoded as anyOf (llguidance cannot express "exactly one"): real-world schemas use it
+# where their alternatives rarely overlap, and the router checks the finished answer against the
+# whole schema (cachet.router.answer_check), so an answer matching two alternatives is an error
+# the caller sees, never passed off as valid.
+_JSON_OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}
+# The warning llguidance gives for that approximation: no reason to refuse a strict schema, as
+# the answer is checked afterwards.
+_ONE_OF_WARNING = "oneOf not fully supported"
 # "Any JSON object" is the empty object schema: llguidance expands it to the full JSON value grammar.
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
@@ -160,9 +167,10 @@ class GrammarCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise InvalidRequest(f"invalid {_describe(spec)}: {messages[0]}")
-        if spec.strict and messages:
+        unsupported = [message for message in messages if not message.startswith(_ONE_OF_WARNING)]
+        if spec.strict and unsupported:
             # OpenAI's strict mode promises the whole schema is enforced: an ignored keyword breaks that.
-            raise InvalidRequest(f"{_describe(spec)} uses unsupported features: {'; '.join(messages)}")
+            raise InvalidRequest(f"{_describe(spec)} uses unsupported features: {'; '.join(unsupported)}")
         return CompiledGrammar(spec, grammar)
 
     def _matcher(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:

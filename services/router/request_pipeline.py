@@ -37,6 +37,7 @@ from cachet.errors import NotFound, ResourceExhausted, Unavailable
 from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.logs import get_logger
 from cachet.router import metrics
+from cachet.router.answer_check import AnswerCheck
 from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import Caller
 from cachet.router.choices import ChoiceGroup
@@ -503,6 +504,8 @@ class Generation:
         self._detokenizer = detokenizer
         self._stop = StopStringFilter(request.sampling.stop)
         self._parser = request.output.new_parser()
+        # A schema decoding approximates (oneOf) is checked whole once the answer stops.
+        self._answer_check = AnswerCheck.for_format(request.response_format)
         self._made_tool_calls = False
         self._prompt_tokens = len(request.prompt_token_ids)
         self._cached_tokens = first.usage.cached_tokens if first.HasField("usage") else 0
@@ -669,6 +672,9 @@ class Generation:
         chunk = self._chunk(delta, last.logprobs if last is not None else (), finish)
         assert chunk is not None  # a finish reason always makes a chunk
         chunk.usage.CopyFrom(usage)
+        if self._answer_check is not None and finish == common_pb2.FINISH_REASON_STOP:
+            # A cut-short answer (length) says so itself; a stopped one must be what was asked for.
+            self._answer_check.verify()
         return chunk
 
     def _chunk(
@@ -684,6 +690,8 @@ class Generation:
             # vLLM's first chunk do. Later chunks wait for something to carry.
             return None
         self._made_tool_calls |= bool(delta.tool_calls)
+        if self._answer_check is not None:
+            self._answer_check.feed(delta.content)
         chunk = router_pb2.ChatCompletionChunk(
             id=self.request.request_id,
             model=self.request.model,

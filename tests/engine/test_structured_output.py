@@ -348,3 +348,41 @@ def test_compiles_are_cached_by_schema_content(compiler: GrammarCompiler):
 def test_text_format_means_no_grammar():
     assert grammar_spec_from_proto(common_pb2.ResponseFormat()) is None
     assert grammar_spec_from_proto(common_pb2.ResponseFormat(text=common_pb2.TextFormat())) is None
+
+
+# Two alternatives a document can match both of: llguidance decodes oneOf as anyOf.
+ONE_OF_PET = {
+    "type": "object",
+    "properties": {
+        "pet": {
+            "oneOf": [
+                {"type": "object", "properties": {"cat": {"const": 1}}, "required": ["cat"]},
+                {"type": "object", "properties": {"dog": {"const": 2}}, "required": ["dog"]},
+            ]
+        }
+    },
+    "required": ["pet"],
+}
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_one_of_is_decoded_as_any_of_even_under_strict(compiler: GrammarCompiler, strict: bool):
+    # Refused before ("Enable 'coerce_one_of'"); the router checks the finished answer against the
+    # whole schema (cachet.router.answer_check), so strict need not refuse the approximation.
+    fmt = common_pb2.ResponseFormat(
+        json_schema=common_pb2.JsonSchemaFormat(schema_json=json.dumps(ONE_OF_PET), strict=strict)
+    )
+    spec = grammar_spec_from_proto(fmt)
+    assert spec is not None
+    assert compiler.compile(spec).result(timeout=30).grammar
+
+
+def test_strict_still_refuses_keywords_it_would_ignore(compiler: GrammarCompiler):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}
+    fmt = common_pb2.ResponseFormat(
+        json_schema=common_pb2.JsonSchemaFormat(schema_json=json.dumps(schema), strict=True)
+    )
+    spec = grammar_spec_from_proto(fmt)
+    assert spec is not None
+    with pytest.raises(InvalidRequest):
+        compiler.compile(spec).result(timeout=30)

@@ -1,4 +1,6 @@
-"""Reasoning controls and n choices through the whole platform: REST -> bridge -> router -> tokenizer / engines.
+"""Reasoning controls, n choices and oneOf schemas through the whole platform (issue 28).
+
+REST -> bridge -> router -> tokenizer / engines, all real processes.
 
 Real processes on the tiny model, whose tokenizer carries a Qwen3-style template: it reads
 ``enable_thinking`` (thinking off writes an empty think block into the prompt, which the
@@ -262,3 +264,76 @@ def _wait_for_log(platform: Platform, request_id: str, count: int) -> list[dict[
         if len(done) >= count or time.monotonic() > deadline:
             return done
         time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- oneOf
+
+
+PET = {
+    "type": "object",
+    "properties": {
+        "pet": {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {"cat": {"const": 1}},
+                    "required": ["cat"],
+                    "additionalProperties": False,
+                },
+                {
+                    "type": "object",
+                    "properties": {"dog": {"const": 2}},
+                    "required": ["dog"],
+                    "additionalProperties": False,
+                },
+            ]
+        }
+    },
+    "required": ["pet"],
+    "additionalProperties": False,
+}
+# The one answer the grammar allows ([7,7,7], several tokens, so a stream has sent text before the
+# end) matches both alternatives: anyOf's, never oneOf's.
+BOTH = {
+    "oneOf": [
+        {"type": "array", "items": {"const": 7}, "minItems": 3, "maxItems": 3},
+        {"type": "array", "items": {"enum": [7]}, "minItems": 3, "maxItems": 3},
+    ]
+}
+
+
+def _schema_format(schema: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": strict}}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_one_of_is_accepted_and_the_answer_matches_the_whole_schema(platform: Platform, strict: bool) -> None:
+    body = chat(max_tokens=40, response_format=_schema_format(PET, strict)) | {"ignore_eos": False}
+    response = platform.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    document = json.loads(choice["message"]["content"])
+    assert document in ({"pet": {"cat": 1}}, {"pet": {"dog": 2}})
+
+
+def test_an_answer_valid_for_more_than_one_alternative_is_an_error_the_client_sees(
+    platform: Platform,
+) -> None:
+    body = chat(max_tokens=10, response_format=_schema_format(BOTH)) | {"ignore_eos": False}
+    response = platform.post("/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert error["code"] == "answer_schema_mismatch"
+    assert "valid under each of" in error["message"]
+    # Streamed, the text went out already: the stream ends with the error, not with a finish.
+    with httpx.stream(
+        "POST", f"{platform.url}/v1/chat/completions", json=body | {"stream": True}, timeout=TIMEOUT
+    ) as streamed:
+        assert streamed.status_code == 200
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert any(json.loads(e).get("choices") for e in events if e != "[DONE]"), events
+    finishes = [c["finish_reason"] for e in events if e != "[DONE]" for c in json.loads(e).get("choices", [])]
+    assert not any(finishes)
+    assert any("answer_schema_mismatch" in event for event in events), events
