@@ -1,0 +1,181 @@
+"""The Helm chart under deploy/helm/cachet, rendered by Helm's own engine (helm-python-sdk binds
+Helm's Go SDK; no helm binary, no cluster) with the default and the GPU values, every manifest
+validated against the Kubernetes API schemas (kubernetes-validate, offline, strict: an unknown
+field fails), and what the services need checked in what was rendered."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from cachet.cli import SERVICES
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "cachet"
+GPU_VALUES = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
+# The oldest Kubernetes the chart claims (Chart.yaml kubeVersion: gRPC probes are GA from 1.27)
+# and the newest the validator knows.
+KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
+STORE = {"store": {"url": "postgresql://cachet@db:5432/cachet"}}
+
+
+def render(values: dict | None = None) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values or {}, name="cachet", namespace="ai")
+    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
+
+
+def container(workload: dict) -> dict:
+    (only,) = workload["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env(workload: dict) -> dict[str, object]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container(workload)["env"]}
+
+
+@pytest.fixture(scope="module", params=["default", "gpu", "store"])
+def docs(request: pytest.FixtureRequest) -> list[dict]:
+    values = {"default": {}, "gpu": GPU_VALUES, "store": {**STORE, "router": {"replicas": 3}}}
+    return render(values[request.param])
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_manifest_validates_against_the_kubernetes_schemas(docs: list[dict], version: str) -> None:
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_chart_lints_clean() -> None:
+    assert helm.lint(str(CHART))["errors"] == []
+
+
+def test_services_are_deployments_and_engines_a_statefulset_each_with_a_budget(docs: list[dict]) -> None:
+    deployments = by_kind(docs, "Deployment")
+    assert set(deployments) == {
+        f"cachet-{name}" for name in ("tokenizer", "router", "cache", "usage", "bridge")
+    }
+    assert set(by_kind(docs, "StatefulSet")) == {"cachet-engine"}
+    workloads = {**deployments, **by_kind(docs, "StatefulSet")}
+    assert set(by_kind(docs, "PodDisruptionBudget")) == set(workloads)
+    assert set(by_kind(docs, "Service")) == set(workloads)
+    assert by_kind(docs, "Service")["cachet-engine"]["spec"]["clusterIP"] == "None"
+
+
+def test_each_container_runs_a_cachet_command_as_a_non_root_user(docs: list[dict]) -> None:
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+    for name, workload in workloads.items():
+        service = name.removeprefix("cachet-")
+        assert container(workload)["args"] == ["serve", service]
+        assert service in SERVICES
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+
+
+def test_termination_outlasts_the_drain_and_liveness_tolerates_it(docs: list[dict]) -> None:
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+    for name, workload in workloads.items():
+        service = name.removeprefix("cachet-").upper()
+        drain = int(env(workload)[f"CACHET_{service}_DRAIN_SECONDS"])
+        assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
+        liveness = container(workload)["livenessProbe"]
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] > drain, name
+
+
+def test_probes_are_grpc_health_and_the_bridges_health_and_ready(docs: list[dict]) -> None:
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+    for name, workload in workloads.items():
+        probes = container(workload)
+        if name == "cachet-bridge":
+            assert probes["livenessProbe"]["httpGet"]["path"] == "/health"
+            assert probes["readinessProbe"]["httpGet"]["path"] == "/ready"
+            continue
+        port = int(env(workload)[f"CACHET_{name.removeprefix('cachet-').upper()}_PORT"])
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert probes[probe]["grpc"]["port"] == port
+
+
+def test_services_find_each_other_and_every_engine_replica(docs: list[dict]) -> None:
+    deployments = by_kind(docs, "Deployment")
+    engines = by_kind(docs, "StatefulSet")["cachet-engine"]
+    replicas = engines["spec"]["replicas"]
+    expected = [f"cachet-engine-{i}.cachet-engine.ai.svc.cluster.local:50061" for i in range(replicas)]
+    assert json.loads(env(deployments["cachet-router"])["CACHET_ROUTER_ENGINE_ADDRESSES"]) == expected
+    assert json.loads(env(deployments["cachet-cache"])["CACHET_CACHE_ENGINE_ADDRESSES"]) == expected
+    services = {name: doc["spec"]["ports"][0]["port"] for name, doc in by_kind(docs, "Service").items()}
+    router_env = env(deployments["cachet-router"])
+    for variable, service in [
+        ("CACHET_ROUTER_TOKENIZER_ADDRESS", "cachet-tokenizer"),
+        ("CACHET_ROUTER_CACHE_ADDRESS", "cachet-cache"),
+        ("CACHET_ROUTER_USAGE_ADDRESS", "cachet-usage"),
+    ]:
+        assert router_env[variable] == f"{service}:{services[service]}"
+    assert env(deployments["cachet-bridge"])["CACHET_BRIDGE_ROUTER_ADDRESS"] == (
+        f"cachet-router:{services['cachet-router']}"
+    )
+    # The bridge refuses to listen beyond loopback without API keys: they come from a Secret.
+    for name in ("cachet-bridge", "cachet-router"):
+        assert env(deployments[name])["CACHET_API_KEYS"]["secretKeyRef"]["name"] == "cachet-api-keys"
+
+
+def test_metrics_are_annotated_where_each_service_serves_them(docs: list[dict]) -> None:
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+    for name, workload in workloads.items():
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        service = name.removeprefix("cachet-").upper()
+        served = env(workload).get(f"CACHET_{service}_METRICS_PORT") or env(workload).get("CACHET_PORT")
+        assert annotations["prometheus.io/port"] == served
+
+
+def test_gpu_values_put_engines_on_gpus_with_the_cuda_image() -> None:
+    engine = by_kind(render(GPU_VALUES), "StatefulSet")["cachet-engine"]
+    assert container(engine)["image"].endswith(":cuda")
+    assert container(engine)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert env(engine)["CACHET_DEVICE"] == "cuda"
+    assert engine["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    # The CPU default asks for no GPU.
+    default = by_kind(render(), "StatefulSet")["cachet-engine"]
+    assert "nvidia.com/gpu" not in container(default)["resources"].get("limits", {})
+
+
+def test_postgresql_comes_by_url_and_several_routers_need_it() -> None:
+    deployments = by_kind(render({**STORE, "router": {"replicas": 3}}), "Deployment")
+    assert deployments["cachet-router"]["spec"]["replicas"] == 3
+    for name in ("cachet-router", "cachet-usage"):
+        assert env(deployments[name])["CACHET_STORE_URL"] == STORE["store"]["url"]
+    secret = render({"store": {"existingSecret": "db", "secretKey": "dsn"}})
+    usage = by_kind(secret, "Deployment")["cachet-usage"]
+    assert env(usage)["CACHET_STORE_URL"] == {"secretKeyRef": {"name": "db", "key": "dsn"}}
+    # Without a store, SQLite files would keep each router's queue apart: refused.
+    with pytest.raises(Exception, match="needs store"):
+        render({"router": {"replicas": 2}})
+
+
+def test_a_model_claim_is_mounted_read_only_for_the_engines_and_the_tokenizer() -> None:
+    docs = render({"model": {"claim": "models", "name": "/models/kimi-k2.5"}})
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+    for name in ("cachet-engine", "cachet-tokenizer"):
+        assert env(workloads[name])["CACHET_MODEL"] == "/models/kimi-k2.5"
+        mounts = {m["name"]: m for m in container(workloads[name])["volumeMounts"]}
+        assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+
+
+def test_the_scrape_config_keeps_what_the_chart_annotates() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "scrape-config.yaml").read_text())
+    (job,) = config["scrape_configs"]
+    sources = {label for rule in job["relabel_configs"] for label in rule["source_labels"]}
+    for annotation in ("scrape", "port", "path"):
+        assert f"__meta_kubernetes_pod_annotation_prometheus_io_{annotation}" in sources
+    keep = [rule for rule in job["relabel_configs"] if rule.get("action") == "keep"]
+    assert {rule["regex"] for rule in keep} == {"cachet", "true"}
