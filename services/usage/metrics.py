@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
+from cachet.usage.prices import ModelPrice
 from cachet.usage.records import RecordOutcome, UsageEntry
 
 RECORDS = Counter("cachet_usage_records", "Usage records appended to the ledger.", ["model"])
@@ -21,9 +22,19 @@ TOKENS = Counter(
     "cachet_usage_tokens", "Tokens recorded, by kind (prompt includes cached).", ["model", "kind"]
 )
 
+# Dollars as floats, for rates and dashboards; the ledger keeps the exact pico-USD (cachet report).
+COST_USD = Counter("cachet_usage_cost_usd", "Cost of the recorded requests, in US dollars.", ["model"])
+CACHE_SAVINGS_USD = Counter(
+    "cachet_usage_cache_savings_usd",
+    "What cached prompt tokens saved against the uncached input price, in US dollars.",
+    ["model"],
+)
+_PICOUSD_PER_USD = 1e12
 
-def observe_record(entry: UsageEntry, outcome: RecordOutcome) -> None:
-    """Count one RecordUsage call; a duplicate adds no tokens, exactly as in the ledger."""
+
+def observe_record(entry: UsageEntry, outcome: RecordOutcome, price: ModelPrice) -> None:
+    """Count one RecordUsage call; a duplicate adds no tokens or cost, exactly as in the ledger.
+    ``price`` is the one the entry was recorded at (a new entry's: the one in force)."""
     if outcome.duplicate:
         DUPLICATE_RECORDS.labels(entry.model).inc()
         return
@@ -31,3 +42,7 @@ def observe_record(entry: UsageEntry, outcome: RecordOutcome) -> None:
     TOKENS.labels(entry.model, "prompt").inc(entry.prompt_tokens)
     TOKENS.labels(entry.model, "cached").inc(entry.cached_tokens)
     TOKENS.labels(entry.model, "completion").inc(entry.completion_tokens)
+    COST_USD.labels(entry.model).inc(outcome.cost_picousd / _PICOUSD_PER_USD)
+    CACHE_SAVINGS_USD.labels(entry.model).inc(
+        price.cache_savings_picousd(entry.cached_tokens) / _PICOUSD_PER_USD
+    )

@@ -89,8 +89,9 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
         self, request: usage_pb2.RecordUsageRequest, context: grpc.aio.ServicerContext
     ) -> usage_pb2.RecordUsageResponse:
         entry = entry_from_proto(request.record, now_ms=int(time.time() * 1000))
-        outcome = await self._ledger.record(entry, self._prices.price_for(entry.model))
-        metrics.observe_record(entry, outcome)
+        price = self._prices.price_for(entry.model)
+        outcome = await self._ledger.record(entry, price)
+        metrics.observe_record(entry, outcome, price)
         return outcome_to_proto(outcome)
 
     async def RecordUsageBatch(
@@ -123,7 +124,7 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
             for span in spans:
                 span.end()
         for entry, outcome in zip(entries, outcomes, strict=True):
-            metrics.observe_record(entry, outcome)
+            metrics.observe_record(entry, outcome, self._prices.price_for(entry.model))
         return usage_pb2.RecordUsageBatchResponse(results=[outcome_to_proto(outcome) for outcome in outcomes])
 
     async def QueryUsage(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from prometheus_client import REGISTRY
 
 from cachet.config import UsageSettings
@@ -39,4 +40,7 @@ async def test_records_duplicates_and_tokens_are_counted(tmp_path: Path) -> None
     assert sample("cachet_usage_tokens_total", model=model, kind="prompt") == 30
     assert sample("cachet_usage_tokens_total", model=model, kind="cached") == 20
     assert sample("cachet_usage_tokens_total", model=model, kind="completion") == 5
+    # 10 uncached x $0.60/M + 20 cached x $0.10/M + 5 x $3.00/M; 20 x ($0.60 - $0.10)/M saved.
+    assert sample("cachet_usage_cost_usd_total", model=model) == pytest.approx(23e-6)
+    assert sample("cachet_usage_cache_savings_usd_total", model=model) == pytest.approx(10e-6)
     assert (tmp_path / "usage.sqlite3").is_file()
