@@ -25,12 +25,14 @@ error, as waiting for next month's budget would hold its batch open for weeks.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Protocol
 
 import grpc
 
@@ -100,9 +102,59 @@ class SlidingWindow:
 
 
 @dataclass
-class _KeyWindows:
+class KeyUse:
+    """One key's requests and tokens of the last minute."""
+
     requests: SlidingWindow = field(default_factory=SlidingWindow)
     tokens: SlidingWindow = field(default_factory=SlidingWindow)
+
+    def over(self, rpm: int, tpm: int, now_ms: int) -> tuple[bool, bool]:
+        """Whether the requests, and the tokens, are at their limits (0: none)."""
+        return bool(rpm) and self.requests.used(now_ms) >= rpm, bool(tpm) and self.tokens.used(now_ms) >= tpm
+
+    def rate_limits(self, rpm: int, tpm: int, now_ms: int) -> bridge_pb2.RateLimits:
+        """The limits and what is left of them, as the x-ratelimit-* headers say it."""
+        limits = bridge_pb2.RateLimits(limit_requests=rpm, limit_tokens=tpm)
+        if rpm:
+            limits.remaining_requests = max(0, rpm - self.requests.used(now_ms))
+            limits.reset_requests_ms = self.requests.ms_until_under(rpm, now_ms)
+        if tpm:
+            limits.remaining_tokens = max(0, tpm - self.tokens.used(now_ms))
+            limits.reset_tokens_ms = self.tokens.ms_until_under(tpm, now_ms)
+        return limits
+
+
+class KeyWindows(Protocol):
+    """Where keys' last minutes are counted: this router's memory, or a database routers share."""
+
+    async def admit(self, key_id: str, now_ms: int, rpm: int, tpm: int) -> tuple[bool, KeyUse]:
+        """Count one request if the key is under both limits, as one step for every caller;
+        whether it was, and the key's use after."""
+        ...
+
+    async def add_tokens(self, key_id: str, now_ms: int, tokens: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryKeyWindows:
+    """This router's own count: exact with one router (the SQLite store's case)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, KeyUse] = {}
+
+    async def admit(self, key_id: str, now_ms: int, rpm: int, tpm: int) -> tuple[bool, KeyUse]:
+        use = self._keys.setdefault(key_id, KeyUse())
+        admitted = not any(use.over(rpm, tpm, now_ms))
+        if admitted:
+            use.requests.add(now_ms, 1)
+        return admitted, use
+
+    async def add_tokens(self, key_id: str, now_ms: int, tokens: int) -> None:
+        self._keys.setdefault(key_id, KeyUse()).tokens.add(now_ms, tokens)
+
+    async def close(self) -> None:
+        pass
 
 
 def _now_ms() -> int:
@@ -130,15 +182,17 @@ class KeyLimiter:
         *,
         budget_cache_seconds: float,
         timeout_seconds: float,
+        windows: KeyWindows | None = None,
         clock_ms: Callable[[], int] = _now_ms,
     ) -> None:
         self._usage = usage
         self._budget_cache_ms = int(budget_cache_seconds * 1000)
         self._timeout = timeout_seconds
+        self.windows: KeyWindows = windows or MemoryKeyWindows()
         self._clock_ms = clock_ms
-        self._windows: dict[str, _KeyWindows] = {}
         # key id -> (when read, month start it was summed from, cost in pico-USD)
         self._spend: dict[str, tuple[int, int, int]] = {}
+        self._counting: set[asyncio.Task[None]] = set()
 
     async def admit(self, caller: Caller) -> None:
         """Count one call of the caller's key, or raise RateLimited / QuotaExceeded."""
@@ -147,50 +201,49 @@ class KeyLimiter:
             return
         if key.limits.monthly_budget_picousd:
             await self._check_budget(key)
-        # No await from here on: the check and the count are one step for concurrent calls.
-        now = self._clock_ms()
-        windows = self._windows.setdefault(key.key_id, _KeyWindows())
-        limits = self.rate_limits(key, now)
         rpm, tpm = key.limits.requests_per_minute, key.limits.tokens_per_minute
-        over_requests = bool(rpm) and windows.requests.used(now) >= rpm
-        over_tokens = bool(tpm) and windows.tokens.used(now) >= tpm
-        if over_requests or over_tokens:
-            wait_ms = max(
-                limits.reset_requests_ms if over_requests else 0, limits.reset_tokens_ms if over_tokens else 0
-            )
-            what = "requests" if over_requests else "tokens"
-            limit = rpm if over_requests else tpm
-            raise RateLimited(
-                f"Rate limit reached for API key {key.key_id} on {what} per min: limit {limit}. "
-                f"Please try again in {wait_ms / 1000:.3g}s.",
-                retry_after_seconds=max(1, math.ceil(wait_ms / 1000)),
-                error_type=what,
-                rate_limits=limits,
-            )
-        windows.requests.add(now, 1)
+        if not rpm and not tpm:
+            return
+        now = self._clock_ms()
+        admitted, use = await self.windows.admit(key.key_id, now, rpm, tpm)
+        if admitted:
+            return
+        limits = use.rate_limits(rpm, tpm, now)
+        over_requests, over_tokens = use.over(rpm, tpm, now)
+        wait_ms = max(
+            limits.reset_requests_ms if over_requests else 0, limits.reset_tokens_ms if over_tokens else 0
+        )
+        what = "requests" if over_requests else "tokens"
+        raise RateLimited(
+            f"Rate limit reached for API key {key.key_id} on {what} per min: limit "
+            f"{rpm if over_requests else tpm}. Please try again in {wait_ms / 1000:.3g}s.",
+            retry_after_seconds=max(1, math.ceil(wait_ms / 1000)),
+            error_type=what,
+            rate_limits=limits,
+        )
 
     def recorded(self, record: usage_pb2.UsageRecord) -> None:
         """A call's usage reached the ledger: its tokens count now, and its key's monthly spend is
         read again at the next admission rather than taken from the cache."""
         if not record.api_key_id:
             return
-        tokens = record.prompt_tokens + record.completion_tokens
-        self._windows.setdefault(record.api_key_id, _KeyWindows()).tokens.add(self._clock_ms(), tokens)
         self._spend.pop(record.api_key_id, None)
+        tokens = record.prompt_tokens + record.completion_tokens
+        if tokens > 0:
+            task = asyncio.get_running_loop().create_task(self._add_tokens(record.api_key_id, tokens))
+            self._counting.add(task)
+            task.add_done_callback(self._counting.discard)
 
-    def rate_limits(self, key: ApiKey, now_ms: int | None = None) -> bridge_pb2.RateLimits:
-        """The key's per-minute limits and what is left of them now."""
-        now = self._clock_ms() if now_ms is None else now_ms
-        windows = self._windows.setdefault(key.key_id, _KeyWindows())
-        rpm, tpm = key.limits.requests_per_minute, key.limits.tokens_per_minute
-        limits = bridge_pb2.RateLimits(limit_requests=rpm, limit_tokens=tpm)
-        if rpm:
-            limits.remaining_requests = max(0, rpm - windows.requests.used(now))
-            limits.reset_requests_ms = windows.requests.ms_until_under(rpm, now)
-        if tpm:
-            limits.remaining_tokens = max(0, tpm - windows.tokens.used(now))
-            limits.reset_tokens_ms = windows.tokens.ms_until_under(tpm, now)
-        return limits
+    async def close(self) -> None:
+        if self._counting:
+            await asyncio.wait(set(self._counting), timeout=5)
+        await self.windows.close()
+
+    async def _add_tokens(self, key_id: str, tokens: int) -> None:
+        try:
+            await self.windows.add_tokens(key_id, self._clock_ms(), tokens)
+        except Exception as error:  # noqa: BLE001 - a lost count must not fail billing's callback
+            log.warning("key tokens not counted", key_id=key_id, tokens=tokens, error=str(error))
 
     async def _check_budget(self, key: ApiKey) -> None:
         now = self._clock_ms()

@@ -10,7 +10,7 @@ import grpc
 
 from cachet.cache.v1 import cache_pb2_grpc
 from cachet.config import RouterSettings
-from cachet.durable_postgres import StoreNotOpened
+from cachet.durable_postgres import StoreNotOpened, is_postgres_url
 from cachet.event_loop_lag import EventLoopLagMonitor
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
@@ -23,6 +23,7 @@ from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
 from cachet.router.file_batches import FileBatches
 from cachet.router.key_limits import KeyLimiter
 from cachet.router.placement import PlacementPolicy
+from cachet.router.postgres_key_windows import PostgresKeyWindows
 from cachet.router.prompt import PromptBuilder
 from cachet.router.queue_store import JobState, QueueStore, open_queue_store
 from cachet.router.readiness import ReadinessPublisher
@@ -54,6 +55,7 @@ class RouterClients:
     dispatcher: Dispatcher | None = None
     webhooks: WebhookSender | None = None
     loop_lag: EventLoopLagMonitor | None = None
+    limits: KeyLimiter | None = None
 
     async def close(self, drain_seconds: float) -> None:
         if self.loop_lag is not None:
@@ -64,6 +66,8 @@ class RouterClients:
         if self.webhooks is not None:
             await self.webhooks.stop()
         await self.usage.drain(drain_seconds)
+        if self.limits is not None:
+            await self.limits.close()
         if self.queue is not None:
             await self.queue.close()
         await self.replicas.close()
@@ -117,16 +121,21 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
     )
     try:
         clients.queue = await open_queue_store(options)
+        # Routers sharing a PostgreSQL store share each key's per-minute counts there too.
+        windows = (
+            await PostgresKeyWindows.open(options.store_url) if is_postgres_url(options.store_url) else None
+        )
     except BaseException:
         await clients.close(drain_seconds=0)
         raise
     webhook_targets = WebhookTargets(options.webhook_allowed_networks)
     clients.webhooks = _webhook_sender(clients.queue, webhook_targets, options)
     accounts = AccountDirectory(options.api_keys, clients.queue, cache_seconds=options.api_key_cache_seconds)
-    limits = KeyLimiter(
+    limits = clients.limits = KeyLimiter(
         usage_pb2_grpc.UsageServiceStub(usage_channel),
         budget_cache_seconds=options.budget_cache_seconds,
         timeout_seconds=options.dependency_timeout_seconds,
+        windows=windows,
     )
     usage.on_recorded = limits.recorded
     clients.dispatcher = _dispatcher(clients.queue, pipeline, replicas, clients.webhooks, options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -69,6 +71,7 @@ async def test_tokens_count_once_recorded_and_other_keys_are_apart() -> None:
     limits.recorded(
         usage_pb2.UsageRecord(api_key_id=caller.api_key_id, prompt_tokens=90, completion_tokens=10)
     )
+    await asyncio.sleep(0.01)  # the count runs beside the ledger's callback
     with pytest.raises(RateLimited) as refused:
         await limits.admit(caller)
     assert refused.value.error_type == "tokens"
