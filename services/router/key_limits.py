@@ -5,13 +5,14 @@ where a request's tokens are known, and its dispatcher is what runs queued jobs,
 count against their key when they run (a batch of a thousand is one cheap call to
 queue; its jobs are admitted here one by one, as they start).
 
-- Requests and tokens a minute: sliding 60-second windows in this router's memory. A
-  call is admitted while the key's requests of the last minute are under its limit and
-  its tokens under theirs. It counts one request when admitted and its tokens (prompt
-  and completion) when its usage is recorded, as only then are they known; so a key can
-  pass its token limit by the requests it has in flight, and is then refused until the
-  window has room again. Several routers on one store count apart: each allows the key
-  its full limit.
+- Requests and tokens a minute: sliding 60-second windows (``KeyWindows``): in this
+  router's memory with the SQLite store (one router), in the database with PostgreSQL
+  (``postgres_key_windows``), so routers sharing it share each key's count. A call is
+  admitted while the key's requests of the last minute are under its limit and its
+  tokens under theirs. It counts one request when admitted and its tokens (prompt and
+  completion) when its usage is recorded, as only then are they known; so a key can pass
+  its token limit by the requests it has in flight, and is then refused until the window
+  has room again.
 - The monthly budget: the key's cost since the start of this UTC month, summed by the
   usage ledger (``QueryUsage`` by ``api_key_id``) and kept for ``budget_cache_seconds``.
   A key at or over its budget is refused until the month ends; requests in flight, and
