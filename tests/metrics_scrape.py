@@ -75,3 +75,21 @@ def naming_problems(text: str) -> list[str]:
 def exposition(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         return response.read().decode()
+
+
+_SAMPLE_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("_sum", "_count"),
+}
+
+
+def exported_names(text: str) -> set[str]:
+    """Every sample name an exposition declares, whether or not a labelled family has samples yet
+    (``x_total`` for a counter, ``x_bucket``/``x_sum``/``x_count`` for a histogram)."""
+    names = set()
+    for family in text_string_to_metric_families(text):
+        suffixes = _SAMPLE_SUFFIXES.get(family.type, ("",))
+        names |= {family.name + suffix for suffix in suffixes}
+        names |= {sample.name for sample in family.samples}
+    return names

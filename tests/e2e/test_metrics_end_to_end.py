@@ -7,18 +7,22 @@ serves /metrics on its REST port), one engine on the tiny model.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
-from metrics_scrape import exposition, naming_problems, scrape
+from metrics_scrape import exported_names, exposition, naming_problems, scrape
 from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, ServiceProcess
 
 from cachet.models.tiny import write_tiny_model
 
 SERVICES = ("tokenizer", "usage", "engine0", "cache", "router", "bridge")
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "cachet-dashboard.json"
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +97,11 @@ def test_every_service_exports_what_a_request_did_under_conventional_names(stack
     # The process's own figures come with every gRPC service's endpoint.
     for name in SERVICES[:-1]:
         assert "process_resident_memory_bytes" in texts[name], name
+
+    # Every series the Grafana dashboard (deploy/grafana) plots is one some service exports.
+    exported = set().union(*(exported_names(text) for text in texts.values()))
+    queries = [
+        target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel["targets"]
+    ]
+    plotted = {name for query in queries for name in re.findall(r"\bcachet_[a-z0-9_]+", query)}
+    assert plotted and plotted <= exported, plotted - exported
