@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup protos check-protos model run-local test test-fast bench bench-serving lint clean
 
-setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops-venv
+setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops-venv $(STAMPS)/paged-decode-op
 
 $(STAMPS)/setup: pyproject.toml
 	@mkdir -p $(STAMPS)
@@ -37,6 +37,14 @@ $(STAMPS)/ds-ops-venv: $(STAMPS)/setup
 	from deepspeed.accelerator import get_accelerator; \
 	builder = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
 	builder is None or builder.load()"
+	@touch $@
+
+# The CPU decode-attention kernel (services/engine/csrc, ~1 min on 2 cores), built into the
+# same folder so a replica's first start does not wait on it; rebuilt when its source changes.
+$(STAMPS)/paged-decode-op: $(STAMPS)/setup services/engine/csrc/paged_decode_attention.cpp
+	@echo "building the paged decode-attention kernel (once, ~1 min)"
+	$(PY) -c "from cachet.engine.paged_decode_kernel import load_paged_decode_kernel; \
+	load_paged_decode_kernel()"
 	@touch $@
 
 $(STAMPS)/protos: $(STAMPS)/setup $(PROTOS) protos/generate.sh

@@ -140,6 +140,10 @@ class EngineSettings(ServiceSettings):
     # On a CUDA device, replay decode steps as CUDA graphs (cachet.engine.cuda_graphs); no
     # effect on a CPU, for models that opt out, or in a tensor-parallel replica.
     cuda_graphs: bool = True
+    # On a CPU, decodes read the paged KV cache in place through a C++ kernel
+    # (cachet.engine.paged_decode_kernel) rather than gathering it for SDPA; false: the
+    # gather + SDPA reference path.
+    paged_decode_kernel: bool = True
     # Sampling values a request leaves unset come from the model's generation_config.json
     # (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; false: the API's
     # own defaults (temperature 1, no top-p/top-k).

@@ -18,6 +18,11 @@ hold, not ``batch x`` the longest one.
 A decode's query heads are laid out by the KV head they share (``[batch,
 kv_heads, group, head_dim]``), so grouped-query attention reads each KV head once
 rather than repeating it for every query head that uses it.
+
+On a CPU, decodes skip the gather: ``paged_decode_kernel`` reads each request's blocks in
+place, all decodes of a step in one call whatever their lengths (``decode_in_place``). The
+gather + SDPA path stays as the reference, for prefill chunks, and for CUDA (whose decode
+steps are CUDA graphs).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cachet.engine.cpu_features import cpu_has_native_bf16
+from cachet.engine.paged_decode_kernel import paged_decode_attention
 
 # A decode joins a group of longer ones only while padding it to their length costs fewer
 # keys than this; past it a call of its own is cheaper. A call's fixed cost on a CPU (a
@@ -57,8 +63,11 @@ class AttentionGroup:
     padded_index: torch.Tensor
     # [batch, max_kv_len // block_size rounded up] block ids, padded with block 0.
     block_table: torch.Tensor
+    # [batch] keys each request attends: its cached tokens and this step's.
+    seq_lens: torch.Tensor
     # [batch, 1, max_query_len, max_kv_len]: True where a query may see a key; None where
-    # every query sees every key (decodes of one context length).
+    # every query sees every key (decodes of one context length), or where the group's decodes
+    # read the cache in place (their lengths are ``seq_lens``).
     mask: torch.Tensor | None
     batch_size: int
     max_query_len: int
@@ -79,6 +88,8 @@ class AttentionMetadata:
     sample_indices: torch.Tensor
     # True where every shape of the step is fixed in advance (a captured CUDA graph's).
     fixed_shapes: bool = False
+    # Decode groups read the KV cache in place (``paged_decode_kernel``), not through a gather.
+    decode_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,9 +103,12 @@ class SequenceSpan:
 
 
 def build_attention_metadata(
-    spans: list[SequenceSpan], block_size: int, device: torch.device
+    spans: list[SequenceSpan], block_size: int, device: torch.device, *, decode_in_place: bool = False
 ) -> AttentionMetadata:
     """Lay out the flat token axis in ``spans`` order and group requests for attention.
+
+    ``decode_in_place``: the step's decodes form one group read through the paged decode
+    kernel (no padding, so no cut by length and no mask).
 
     Index lists are built as Python ints and become one tensor each: a handful of small
     tensor ops per request cost ~70 us apiece, which at 32 decoding requests was a few
@@ -122,9 +136,16 @@ def build_attention_metadata(
             sample.append(offset - 1)
     decode = [i for i, s in enumerate(spans) if s.num_new == 1]
     prefill = [i for i, s in enumerate(spans) if s.num_new > 1]
+    decode_groups = [decode] if decode_in_place else _decode_buckets(spans, decode)
     groups = [
-        _build_group([spans[i] for i in members], [starts[i] for i in members], block_size, device)
-        for members in (*_decode_buckets(spans, decode), prefill)
+        _build_group(
+            [spans[i] for i in members],
+            [starts[i] for i in members],
+            block_size,
+            device,
+            masked=not (decode_in_place and members is not prefill),
+        )
+        for members in (*decode_groups, prefill)
         if members
     ]
     return AttentionMetadata(
@@ -132,6 +153,7 @@ def build_attention_metadata(
         token_seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         groups=groups,
         sample_indices=torch.tensor(sample, dtype=torch.int64, device=device),
+        decode_in_place=decode_in_place,
     )
 
 
@@ -152,7 +174,7 @@ def _decode_buckets(spans: list[SequenceSpan], decode: list[int]) -> list[list[i
 
 
 def _build_group(
-    spans: list[SequenceSpan], starts: list[int], block_size: int, device: torch.device
+    spans: list[SequenceSpan], starts: list[int], block_size: int, device: torch.device, *, masked: bool
 ) -> AttentionGroup:
     batch = len(spans)
     max_q = max(s.num_new for s in spans)
@@ -174,12 +196,13 @@ def _build_group(
     q_pos = computed[:, None] + torch.arange(max_q)[None, :]
     q_pos = torch.minimum(q_pos, (computed + query_lens - 1)[:, None])
     mask = None
-    if max_q > 1 or int(computed.min()) + 1 < max_kv:
+    if masked and (max_q > 1 or int(computed.min()) + 1 < max_kv):
         mask = (torch.arange(max_kv)[None, None, :] <= q_pos[:, :, None])[:, None].to(device)
     return AttentionGroup(
         token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
         padded_index=torch.tensor(padded_index, dtype=torch.int64, device=device),
         block_table=torch.tensor(table, dtype=torch.int64, device=device),
+        seq_lens=(computed + query_lens).to(device),
         mask=mask,
         batch_size=batch,
         max_query_len=max_q,
@@ -236,7 +259,14 @@ class PagedAttention(nn.Module):
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         for group in meta.groups:
-            out[group.token_index] = _attend_group(q, k_cache, v_cache, group, meta.fixed_shapes)
+            if meta.decode_in_place and group.max_query_len == 1:
+                queries = q[group.token_index].to(k_cache.dtype)
+                attended = paged_decode_attention(
+                    queries, k_cache, v_cache, group.block_table, group.seq_lens, head_dim**-0.5
+                )
+                out[group.token_index] = attended.to(q.dtype)
+            else:
+                out[group.token_index] = _attend_group(q, k_cache, v_cache, group, meta.fixed_shapes)
         return out
 
 

@@ -105,6 +105,7 @@ class _StaticDecodeStep:
             token_index=rows,
             padded_index=rows,
             block_table=self.inputs[4 * batch :].view(batch, blocks),
+            seq_lens=self.seq_lens,
             mask=self.mask,
             batch_size=batch,
             max_query_len=1,

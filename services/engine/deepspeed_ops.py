@@ -46,7 +46,7 @@ def wait_for_build_locks(folder: Path, timeout: float = BUILD_LOCK_TIMEOUT_SECON
         if time.monotonic() >= deadline:
             listed = " ".join(str(lock) for lock in locks)
             raise StaleBuildLock(
-                f"DeepSpeed's op build lock is still held after {timeout:.0f} s: a build was killed "
+                f"A compiled op's build lock is still held after {timeout:.0f} s: a build was killed "
                 f"while compiling. Delete it (rm {listed}) and start again, or rebuild with `make setup`."
             )
         time.sleep(1.0)

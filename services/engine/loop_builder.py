@@ -126,6 +126,7 @@ def build_runner(
         tp=tp,
         pack_weights=settings.pack_linear_weights,
         cuda_graphs=settings.cuda_graphs and device.type == "cuda",
+        paged_decode_kernel=settings.paged_decode_kernel,
         max_decode_batch=settings.max_num_seqs,
         host_kv_bytes=int(settings.kv_host_gb * _GIB / settings.tensor_parallel_size),
         shared_kv_dir=settings.kv_shared_dir,

@@ -36,6 +36,7 @@ from cachet.engine.host_kv_blocks import HostKvBlocks
 from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.packed_linear import pack_linear_weights, packs_linear_weights
+from cachet.engine.paged_decode_kernel import load_paged_decode_kernel
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.shared_kv_tier import SharedKvFiles, layout_key
@@ -84,6 +85,7 @@ class ModelRunner:
         tp: TensorParallel | None = None,
         pack_weights: bool = True,
         cuda_graphs: bool = False,
+        paged_decode_kernel: bool = True,
         max_decode_batch: int = 64,
         host_kv_bytes: int = 0,
         shared_kv_dir: Path | None = None,
@@ -94,7 +96,9 @@ class ModelRunner:
         dtype allow it (``packed_linear``). ``cuda_graphs``: replay decode steps of up to
         ``max_decode_batch`` requests from fixed-shape steps (``cuda_graphs``), captured as
         CUDA graphs on a CUDA device and run eagerly elsewhere; ignored for models that opt
-        out and for tensor-parallel replicas. ``host_kv_bytes``: this rank's host tier
+        out and for tensor-parallel replicas. ``paged_decode_kernel``: on a CPU, decodes read
+        the KV cache in place (``paged_decode_kernel``) rather than through a gather, where the
+        kernel builds and the model's cache layout allows. ``host_kv_bytes``: this rank's host tier
         (``host_kv_tier``), 0 for none. ``shared_kv_dir``: the shared file tier's root
         (``shared_kv_tier``), kept under ``shared_kv_bytes``; it loads into the host tier,
         so it needs one, and a tensor-parallel replica has none (its ranks' shards would
@@ -132,6 +136,12 @@ class ModelRunner:
             # Collectives inside a captured step are not wired up (DeepSpeed's all-reduce on CPU,
             # NCCL's capture mode on GPU); a tensor-parallel replica decodes eagerly.
             and (tp is None or tp.size == 1)
+        )
+        self.decode_in_place = (
+            paged_decode_kernel
+            and self.device.type == "cpu"
+            and getattr(self.model, "supports_paged_decode_kernel", True)
+            and load_paged_decode_kernel() is not None
         )
         # The fixed-shape decode steps write padding rows into one block past those reported.
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks + (1 if use_graphs else 0))
@@ -291,7 +301,9 @@ class ModelRunner:
         if shape is not None:
             logits = self.decode_graphs.run(shape, spans, input_ids)
         else:
-            meta = build_attention_metadata(spans, self.block_size, self.device)
+            meta = build_attention_metadata(
+                spans, self.block_size, self.device, decode_in_place=self.decode_in_place
+            )
             with torch.inference_mode():
                 logits = self.model(
                     torch.tensor(input_ids, dtype=torch.int64, device=self.device),

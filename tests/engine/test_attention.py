@@ -70,6 +70,7 @@ def run_step(
     dtype: torch.dtype,
     atol: float,
     layout: list[tuple[int, int, list[int]]] = MIXED_STEP,
+    decode_in_place: bool = False,
 ) -> None:
     torch.manual_seed(0)
     num_blocks = 32
@@ -85,7 +86,7 @@ def run_step(
             slot = blocks[pos // BS] * BS + pos % BS
             flat_k[slot], flat_v[slot] = k[pos], v[pos]
     spans = [SequenceSpan(c, n, blocks, sample=True) for c, n, blocks in layout]
-    meta = build_attention_metadata(spans, BS, device)
+    meta = build_attention_metadata(spans, BS, device, decode_in_place=decode_in_place)
     q = [torch.randn(n, HQ, D, device=device, dtype=dtype) for _, n, _ in layout]
     new_k = torch.cat([k[c:] for (c, _, _), k in zip(layout, full_k, strict=True)])
     new_v = torch.cat([v[c:] for (c, _, _), v in zip(layout, full_v, strict=True)])
@@ -103,12 +104,25 @@ def run_step(
             assert torch.equal(flat_k[blocks[pos // BS] * BS + pos % BS], k[pos])
 
 
-def test_paged_attention_matches_dense_reference_cpu() -> None:
-    run_step(torch.device("cpu"), torch.float32, atol=1e-5)
+@pytest.mark.parametrize("decode_in_place", [False, True], ids=["gather", "in-place"])
+def test_paged_attention_matches_dense_reference_cpu(decode_in_place: bool) -> None:
+    run_step(torch.device("cpu"), torch.float32, atol=1e-5, decode_in_place=decode_in_place)
 
 
-def test_paged_attention_bf16_cpu() -> None:
-    run_step(torch.device("cpu"), torch.bfloat16, atol=3e-2)
+@pytest.mark.parametrize("decode_in_place", [False, True], ids=["gather", "in-place"])
+def test_paged_attention_bf16_cpu(decode_in_place: bool) -> None:
+    run_step(torch.device("cpu"), torch.bfloat16, atol=3e-2, decode_in_place=decode_in_place)
+
+
+def test_decodes_read_in_place_form_one_unmasked_group() -> None:
+    """Read in place, decodes of any lengths share one call: no padding, so no mask."""
+    layout = [(12, 1, [2, 7, 9, 4]), (0, 3, [5]), (4, 1, [16, 0]), (9, 1, [1, 30, 8])]
+    spans = [SequenceSpan(c, n, b, sample=True) for c, n, b in layout]
+    decode, prefill = build_attention_metadata(spans, BS, torch.device("cpu"), decode_in_place=True).groups
+    assert decode.token_index.tolist() == [0, 4, 5] and decode.mask is None
+    assert decode.seq_lens.tolist() == [13, 5, 10]
+    assert prefill.token_index.tolist() == [1, 2, 3] and prefill.mask is not None
+    run_step(torch.device("cpu"), torch.float32, atol=1e-5, layout=layout, decode_in_place=True)
 
 
 def test_decodes_are_grouped_by_context_length(monkeypatch: pytest.MonkeyPatch) -> None:

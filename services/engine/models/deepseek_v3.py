@@ -283,6 +283,9 @@ class DeepseekV3ForCausalLM(CausalLM):
     # Routing reads each expert's token count on the host (``_routed``), which a CUDA graph
     # cannot record; decode steps run eagerly.
     supports_cuda_graphs = False
+    # The MLA cache holds one latent per token, not per-head K and V: the CPU paged decode
+    # kernel does not read that layout, so decodes take the gather path.
+    supports_paged_decode_kernel = False
 
     def __init__(
         self,
