@@ -1,0 +1,155 @@
+"""GET /dashboard after real traffic: the caller's account only, behind the API key, every figure
+equal to the ledger's to the micro-dollar (the ledger read straight from the usage service)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from html.parser import HTMLParser
+
+import grpc
+import httpx
+import pytest
+from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, ServiceProcess
+
+from cachet.models.tiny import write_tiny_model
+from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
+
+KEYS = {"sk-dash-a": "acct-dash-a", "sk-dash-b": "acct-dash-b"}
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CachetStack, ServiceProcess]]:
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    root = tmp_path_factory.mktemp("dashboard-e2e")
+    keys = json.dumps(KEYS)
+    stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID))
+    stack.start(engines=1, router_env={"CACHET_ROUTER_API_KEYS": keys})
+    try:
+        yield stack, stack.start_bridge(CACHET_BRIDGE_API_KEYS=keys, CACHET_BRIDGE_HOST="127.0.0.1")
+    finally:
+        stack.stop()
+
+
+def _chat(bridge: ServiceProcess, key: str, session: str, system: str) -> None:
+    answer = httpx.post(
+        f"http://{bridge.address}/v1/chat/completions",
+        headers={"authorization": f"Bearer {key}", "x-session-affinity": session},
+        json={
+            "model": TINY_MODEL_ID,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi there?"}],
+            "max_tokens": 3,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+
+
+def _ledger(stack: CachetStack, account: str, *group_by: str) -> list[usage_pb2.UsageRow]:
+    with grpc.insecure_channel(stack.address("usage")) as channel:
+        reply = usage_pb2_grpc.UsageServiceStub(channel).QueryUsage(
+            usage_pb2.QueryUsageRequest(account_id=account, group_by=group_by), timeout=10
+        )
+    return list(reply.rows)
+
+
+def _usd(picousd: int) -> str:
+    return str((Decimal(picousd) / 10**12).quantize(Decimal("0.000001")))
+
+
+class _Cells(HTMLParser):
+    """Card values by id, and each table's rows as lists of cell texts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cards: dict[str, str] = {}
+        self.tables: dict[str, list[list[str]]] = {}
+        self._card = self._table = None
+        self._in_bold = self._in_cell = False
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        found = dict(attrs)
+        if tag == "div" and found.get("class") == "card":
+            self._card = found["id"]
+        elif tag == "b" and self._card:
+            self._in_bold = True
+        elif tag == "table":
+            self._table = found["id"]
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table:
+            self.tables[self._table].append([])
+        elif tag in ("td", "th") and self._table:
+            self._in_cell = True
+            self.tables[self._table][-1].append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "b":
+            self._in_bold = False
+            self._card = None
+        elif tag in ("td", "th"):
+            self._in_cell = False
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data: str) -> None:
+        if self._in_bold and self._card:
+            self.cards[self._card] = self.cards.get(self._card, "") + data.strip()
+        elif self._in_cell and self._table:
+            self.tables[self._table][-1][-1] += data.strip()
+
+
+def test_the_dashboard_shows_the_callers_ledger_to_the_micro_dollar(platform) -> None:
+    stack, bridge = platform
+    system = f"[{uuid.uuid4().hex}] You are a terse assistant. Answer in one short sentence, no more."
+    _chat(bridge, "sk-dash-a", "s1", system)
+    _chat(bridge, "sk-dash-a", "s1", system)  # the same prefix: cached
+    _chat(bridge, "sk-dash-a", "s2", "Another conversation altogether.")
+    _chat(bridge, "sk-dash-b", "s9", system)  # another account's: not on A's page
+    deadline = time.monotonic() + 30
+    while sum(row.requests for row in _ledger(stack, "acct-dash-a")) < 3:
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.1)
+
+    assert httpx.get(f"http://{bridge.address}/dashboard", timeout=30).status_code == 401
+    page = httpx.get(
+        f"http://{bridge.address}/dashboard", headers={"authorization": "Bearer sk-dash-a"}, timeout=30
+    )
+    assert page.status_code == 200, page.text
+    assert page.headers["content-type"].startswith("text/html")
+    cells = _Cells()
+    cells.feed(page.text)
+
+    (total,) = _ledger(stack, "acct-dash-a")
+    assert total.requests == 3 and total.cached_tokens > 0
+    assert cells.cards["cost"] == f"${_usd(total.cost_picousd)}"
+    assert cells.cards["saved"] == f"${_usd(total.cache_savings_picousd)}"
+    assert cells.cards["uncached"] == f"${_usd(total.cost_picousd + total.cache_savings_picousd)}"
+    assert cells.cards["ratio"] == f"{total.cached_tokens / total.prompt_tokens:.1%}"
+    assert cells.cards["requests"] == "3"
+
+    def shown(table: str) -> dict[str, list[str]]:
+        return {row[0]: row[1:] for row in cells.tables[table][1:]}
+
+    for table, field in (("by-day", "day"), ("by-model", "model"), ("by-session", "session_id")):
+        rows = _ledger(stack, "acct-dash-a", field.removesuffix("_id"))
+        assert shown(table) == {
+            getattr(row, field): [
+                f"{row.requests:,}",
+                f"{row.prompt_tokens:,}",
+                f"{row.cached_tokens:,}",
+                f"{row.cached_tokens / row.prompt_tokens:.1%}",
+                f"{row.completion_tokens:,}",
+                _usd(row.cost_picousd),
+                _usd(row.cache_savings_picousd),
+            ]
+            for row in rows
+        }, table
+    assert set(shown("by-session")) == {"s1", "s2"}
+    assert "s9" not in page.text
+    assert re.search(r"Batch requests: 0 completed,\s+0 failed, 0 pending", page.text)
