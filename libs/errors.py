@@ -15,6 +15,9 @@ import grpc
 from cachet.bridge.v1 import bridge_pb2
 
 ERROR_INFO_METADATA_KEY = "cachet-error-info-bin"
+# A managed key's per-minute limits and what is left of them (bridge.v1.RateLimits), in the
+# initial metadata of a call the router admitted: the REST bridge's x-ratelimit-* headers.
+RATE_LIMITS_METADATA_KEY = "cachet-rate-limits-bin"
 
 
 @dataclass

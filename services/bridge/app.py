@@ -37,7 +37,13 @@ from cachet.bridge.calls import (
 )
 from cachet.bridge.errors import ERROR_RESPONSES, BridgeError, from_rpc_error, install_error_handlers
 from cachet.bridge.metrics import CONTENT_TYPE, BridgeMetrics
-from cachet.bridge.middleware import BodyLimitMiddleware, TelemetryMiddleware, current_trace_id
+from cachet.bridge.middleware import (
+    BodyLimitMiddleware,
+    RateLimitHeadersMiddleware,
+    TelemetryMiddleware,
+    current_trace_id,
+    keep_rate_limits,
+)
 from cachet.bridge.responses_schemas import ResponseStreamEventOut
 from cachet.bridge.responses_store import ResponseStore
 from cachet.bridge.settings import BridgeServiceSettings, is_loopback
@@ -123,7 +129,10 @@ async def _rpc(awaitable: Awaitable[Any]) -> Any:
 
 
 async def _unary(request: Request, method: Any, message: Any, caller: Caller) -> Any:
-    return await _rpc(unary_until_disconnect(method(message, metadata=caller.metadata()), request))
+    call = method(message, metadata=caller.metadata())
+    answer = await _rpc(unary_until_disconnect(call, request))
+    await keep_rate_limits(request, call)
+    return answer
 
 
 async def _stream(
@@ -138,6 +147,7 @@ async def _stream(
     call = method(message, metadata=caller.metadata())
     try:
         first = await _rpc(read_chunk(call))
+        await keep_rate_limits(request, call)
     except BaseException:
         call.cancel()
         raise
@@ -479,10 +489,8 @@ def create_app(settings: BridgeSettings) -> FastAPI:
     from cachet.bridge.responses_routes import api as responses_api
 
     app.include_router(responses_api)
-    from cachet.bridge.dashboard import api as dashboard_api
-
-    app.include_router(dashboard_api)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(RateLimitHeadersMiddleware)
     # Added last, so outermost: its span and its 500 cover everything inside.
     app.add_middleware(TelemetryMiddleware, metrics=app.state.metrics)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

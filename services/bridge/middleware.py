@@ -1,4 +1,5 @@
-"""ASGI middleware: a server span and metrics per request, and the request body limit.
+"""ASGI middleware: a server span and metrics per request, the request body limit, and a
+managed key's x-ratelimit-* headers on every answer the router admitted.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, so streamed answers pass
 through untouched and the span covers the whole stream, not just its start.
@@ -7,13 +8,22 @@ through untouched and the span covers the whole stream, not just its start.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cachet.bridge.errors import BridgeError, PayloadTooLarge, error_response, internal_message
+from cachet.bridge.errors import (
+    BridgeError,
+    PayloadTooLarge,
+    error_response,
+    internal_message,
+    rate_limit_headers,
+)
 from cachet.bridge.metrics import BridgeMetrics
+from cachet.bridge.v1 import bridge_pb2
+from cachet.errors import RATE_LIMITS_METADATA_KEY
 from cachet.logs import get_logger
 
 log = get_logger(__name__)
@@ -110,3 +120,44 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, receive_limited, send)
+
+
+# Where a handler leaves the x-ratelimit-* headers of its router call (the request's state, which
+# the endpoint's Request and this middleware's scope share).
+_RATE_LIMIT_HEADERS = "rate_limit_headers"
+
+
+async def keep_rate_limits(request: Any, call: Any) -> None:
+    """Keep the key's limits that the router sent with an admitted call, for the answer's headers."""
+    for key, value in await call.initial_metadata() or ():
+        if key == RATE_LIMITS_METADATA_KEY and isinstance(value, bytes):
+            headers = rate_limit_headers(bridge_pb2.RateLimits.FromString(value))
+            setattr(request.state, _RATE_LIMIT_HEADERS, headers)
+
+
+class RateLimitHeadersMiddleware:
+    """Adds OpenAI's x-ratelimit-* headers to an answer whose router call carried a key's limits,
+    whatever route built it (JSON or a stream); a refusal's own headers are left as they are."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+
+        async def send_with_headers(message: Message) -> None:
+            headers = state.get(_RATE_LIMIT_HEADERS)
+            if message["type"] == "http.response.start" and headers:
+                present = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [
+                    (name.encode("latin-1"), value.encode("latin-1"))
+                    for name, value in headers.items()
+                    if name.encode("latin-1") not in present
+                ]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

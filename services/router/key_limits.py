@@ -195,21 +195,22 @@ class KeyLimiter:
         self._spend: dict[str, tuple[int, int, int]] = {}
         self._counting: set[asyncio.Task[None]] = set()
 
-    async def admit(self, caller: Caller) -> None:
-        """Count one call of the caller's key, or raise RateLimited / QuotaExceeded."""
+    async def admit(self, caller: Caller) -> bridge_pb2.RateLimits | None:
+        """Count one call of the caller's key, or raise RateLimited / QuotaExceeded; the key's
+        per-minute limits and what is left of them after this call (None: it has none)."""
         key = caller.api_key
         if key is None or not key.limits.any:
-            return
+            return None
         if key.limits.monthly_budget_picousd:
             await self._check_budget(key)
         rpm, tpm = key.limits.requests_per_minute, key.limits.tokens_per_minute
         if not rpm and not tpm:
-            return
+            return None
         now = self._clock_ms()
         admitted, use = await self.windows.admit(key.key_id, now, rpm, tpm)
-        if admitted:
-            return
         limits = use.rate_limits(rpm, tpm, now)
+        if admitted:
+            return limits
         over_requests, over_tokens = use.over(rpm, tpm, now)
         wait_ms = max(
             limits.reset_requests_ms if over_requests else 0, limits.reset_tokens_ms if over_tokens else 0

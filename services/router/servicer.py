@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cachet.errors import RATE_LIMITS_METADATA_KEY
 from cachet.router.batch_queue import BatchQueue
 from cachet.router.caller import AccountDirectory, Caller
 from cachet.router.choices import ChoiceGroup
@@ -39,26 +40,30 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
         self._limits = limits
 
     async def CreateChatCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
-        caller = await self._admitted(context, request.session_id)
+        caller, limits = await self._admitted(context, request.session_id)
         generation = await self._pipeline.start_chat(request, caller, stream=False)
+        if limits:
+            await context.send_initial_metadata(limits)
         return await _owned(generation, context).collect()
 
     async def StreamChatCompletion(self, request, context) -> AsyncIterator[router_pb2.ChatCompletionChunk]:  # noqa: N802
-        caller = await self._admitted(context, request.session_id)
+        caller, limits = await self._admitted(context, request.session_id)
         generation = _owned(await self._pipeline.start_chat(request, caller), context)
-        await context.send_initial_metadata(((REPLICA_METADATA_KEY, generation.replica_address),))
+        await context.send_initial_metadata(((REPLICA_METADATA_KEY, generation.replica_address), *limits))
         async for chunk in generation.chunks():
             yield chunk
 
     async def CreateCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
-        caller = await self._admitted(context, request.session_id)
+        caller, limits = await self._admitted(context, request.session_id)
         generation = await self._pipeline.start_completion(request, caller, stream=False)
+        if limits:
+            await context.send_initial_metadata(limits)
         return await _owned(generation, context).collect()
 
     async def StreamCompletion(self, request, context) -> AsyncIterator[router_pb2.ChatCompletionChunk]:  # noqa: N802
-        caller = await self._admitted(context, request.session_id)
+        caller, limits = await self._admitted(context, request.session_id)
         generation = _owned(await self._pipeline.start_completion(request, caller), context)
-        await context.send_initial_metadata(((REPLICA_METADATA_KEY, generation.replica_address),))
+        await context.send_initial_metadata(((REPLICA_METADATA_KEY, generation.replica_address), *limits))
         async for chunk in generation.chunks():
             yield chunk
 
@@ -105,13 +110,16 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
     async def _caller(self, context: grpc.aio.ServicerContext, session_id: str = "") -> Caller:
         return await self._accounts.caller(context.invocation_metadata(), session_id)
 
-    async def _admitted(self, context: grpc.aio.ServicerContext, session_id: str) -> Caller:
+    async def _admitted(
+        self, context: grpc.aio.ServicerContext, session_id: str
+    ) -> tuple[Caller, tuple[tuple[str, bytes], ...]]:
+        """The caller, admitted under its key's limits, and the initial metadata that tells it
+        what is left of them (OpenAI sends its x-ratelimit-* headers on every answer)."""
         # Only calls that generate count against a key's limits; queueing is free, and the
         # queued jobs count when they run (the dispatcher admits each).
         caller = await self._caller(context, session_id)
-        if self._limits is not None:
-            await self._limits.admit(caller)
-        return caller
+        limits = await self._limits.admit(caller) if self._limits is not None else None
+        return caller, ((RATE_LIMITS_METADATA_KEY, limits.SerializeToString()),) if limits else ()
 
 
 def _owned(

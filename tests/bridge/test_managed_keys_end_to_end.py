@@ -135,8 +135,14 @@ def test_an_expired_key_is_refused(platform: Platform) -> None:
 
 def test_over_its_requests_a_minute_a_key_gets_429_with_openai_s_headers(platform: Platform) -> None:
     key, _ = platform.create_key("--account", "acct-limited", "--rpm", "2")
-    assert platform.chat(key).status_code == 200
-    assert platform.chat(key, stream=True).status_code == 200
+    # Every admitted answer says what is left, as OpenAI's do; streamed ones too.
+    first, second = platform.chat(key), platform.chat(key, stream=True)
+    assert first.status_code == second.status_code == 200
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert second.headers["x-ratelimit-remaining-requests"] == "0"
+    assert second.headers["x-ratelimit-reset-requests"].endswith("s")
+    assert "x-ratelimit-limit-requests" not in platform.chat("sk-boot").headers  # no limits, no headers
     for stream in (False, True):
         response = platform.chat(key, stream=stream)
         error = refused(response, 429, "requests")
