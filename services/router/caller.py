@@ -100,9 +100,14 @@ class AccountDirectory:
 
     async def batch_caller(self, account_id: str, batch_id: str, session_id: str) -> Caller:
         """The caller a queued job runs as: its batch's account, and the managed key it was queued
-        with (whose limits it counts against when it runs, revoked since or not)."""
+        with, whose limits it counts against when it runs. A key revoked or expired since ends
+        the job (Unauthenticated): a leaked key's revoke must stop the work it queued too."""
         key_id = await self._store.batch_api_key(batch_id) if self._store is not None else ""
         record = await self._record(key_id) if key_id else None
+        if record is not None and not record.usable_at(self._clock_ms()):
+            raise Unauthenticated(
+                f"the API key {key_id} that queued this batch is {record.state_at(self._clock_ms())}"
+            )
         return Caller(account_id, session_id, record)
 
     def _bootstrap_account(self, key: str) -> str | None:

@@ -93,3 +93,22 @@ async def test_an_expired_key_is_refused_and_a_used_one_says_when(tmp_path: Path
             await directory.caller([("authorization", f"Bearer {key}")], "")
     finally:
         await store.close()
+
+
+async def test_a_queued_job_runs_as_its_key_until_the_key_is_revoked(tmp_path: Path) -> None:
+    clock = Clock()
+    store = SqliteQueueStore(tmp_path / "queue.sqlite3", clock_ms=clock)
+    try:
+        _, record = new_api_key("acct-q", "batch", clock.now_ms)
+        await store.create_api_key(record)
+        keyed = await store.create_batch("acct-q", "m", [b"job"], api_key_id=record.key_id)
+        bootstrap = await store.create_batch("acct-q", "m", [b"job"])
+        directory = AccountDirectory({"sk-boot": "ops"}, store, cache_seconds=0, clock_ms=clock)
+        caller = await directory.batch_caller("acct-q", keyed, "s")
+        assert (caller.account_id, caller.api_key_id, caller.session_id) == ("acct-q", record.key_id, "s")
+        assert (await directory.batch_caller("acct-q", bootstrap, "")).api_key is None
+        await store.revoke_api_key(record.key_id)
+        with pytest.raises(Unauthenticated, match="revoked"):
+            await directory.batch_caller("acct-q", keyed, "s")
+    finally:
+        await store.close()
