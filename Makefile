@@ -64,7 +64,14 @@ model: setup
 run-local: setup
 	$(VENV)/bin/cachet run-local
 
-test: setup check-protos
+# The dashboard's browser test drives Debian's chromium through Selenium (issue 30).
+$(STAMPS)/browser:
+	@mkdir -p $(STAMPS)
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver; }
+	@touch $@
+
+test: setup check-protos $(STAMPS)/browser
 	$(PY) -m pytest -q -ra --durations=15
 
 test-fast: setup

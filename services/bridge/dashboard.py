@@ -54,12 +54,14 @@ class Bar:
 
 
 def cost_bars(rows: list[usage_pb2.UsageRow], width: int = 720, height: int = 160) -> list[Bar]:
-    """Per day, the cost and (stacked on it) what the cache saved, scaled to the tallest day."""
+    """Per day (one bar each, days without use included, so the chart is a timeline), the cost
+    and, stacked on it, what the cache saved, scaled to the tallest day; about ten days labelled."""
     tallest = max((row.cost_picousd + row.cache_savings_picousd for row in rows), default=0) or 1
     step = width / max(len(rows), 1)
+    every = max(len(rows) // 10, 1)
     return [
         Bar(
-            label=row.day[5:],
+            label=row.day[5:] if (len(rows) - 1 - index) % every == 0 else "",
             x=index * step,
             cost_height=height * row.cost_picousd / tallest,
             saved_height=height * row.cache_savings_picousd / tallest,
@@ -99,7 +101,7 @@ svg text{font-size:10px;fill:#59636e}.cost{fill:#0969da}.saved{fill:#7ee2a8}
 <rect class="cost" x="{{ '%.1f' % (bar.x + 10) }}" y="{{ '%.1f' % (170 - bar.cost_height) }}" width="{{ '%.1f' % bar_width }}" height="{{ '%.1f' % bar.cost_height }}"/>
 <rect class="saved" x="{{ '%.1f' % (bar.x + 10) }}" y="{{ '%.1f' % (170 - bar.cost_height - bar.saved_height) }}" width="{{ '%.1f' % bar_width }}" height="{{ '%.1f' % bar.saved_height }}"/>
 <text x="{{ '%.1f' % (bar.x + 10) }}" y="184">{{ bar.label }}</text></g>
-{% else %}<text x="10" y="90">No usage in these days.</text>{% endfor %}
+{% endfor %}
 </svg>
 {% for title, key, rows in tables %}
 <h2>{{ title }}</h2>
@@ -175,7 +177,9 @@ async def dashboard(
         _batches(request, backends, caller),
     )
     sessions = sorted(by_session.rows, key=lambda row: (-row.cost_picousd, row.session_id))
-    bars = cost_bars(list(by_day.rows))
+    used = {row.day: row for row in by_day.rows}
+    every_day = [time.strftime("%Y-%m-%d", time.gmtime((start_ms + i * DAY_MS) / 1000)) for i in range(days)]
+    bars = cost_bars([used.get(day) or usage_pb2.UsageRow(day=day) for day in every_day])
     page = _PAGE.render(
         account=caller.account_id,
         since=time.strftime("%Y-%m-%d", time.gmtime(start_ms / 1000)),

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from html.parser import HTMLParser
+from pathlib import Path
 
 import grpc
 import httpx
@@ -20,6 +22,7 @@ from cachet.models.tiny import write_tiny_model
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
 KEYS = {"sk-dash-a": "acct-dash-a", "sk-dash-b": "acct-dash-b"}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +156,53 @@ def test_the_dashboard_shows_the_callers_ledger_to_the_micro_dollar(platform) ->
     assert set(shown("by-session")) == {"s1", "s2"}
     assert "s9" not in page.text
     assert re.search(r"Batch requests: 0 completed,\s+0 failed, 0 pending", page.text)
+
+
+def test_the_dashboard_renders_in_headless_chromium_with_the_ledgers_numbers(platform) -> None:
+    """The page as a browser draws it (Debian's chromium through Selenium): the cards and the
+    chart show the ledger's figures; a screenshot is left in data/screenshots/ for people."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    stack, bridge = platform
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert browser and driver, "needs Debian's chromium and chromium-driver (make setup installs them)"
+    _chat(bridge, "sk-dash-b", "s8", f"[{uuid.uuid4().hex}] Say hello in one short sentence, please.")
+    deadline = time.monotonic() + 30
+    while not _ledger(stack, "acct-dash-b"):
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.1)
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1400"):
+        options.add_argument(flag)
+    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        # The same auth as every route: the API key in the Authorization header.
+        chrome.execute_cdp_cmd("Network.enable", {})
+        chrome.execute_cdp_cmd(
+            "Network.setExtraHTTPHeaders", {"headers": {"authorization": "Bearer sk-dash-b"}}
+        )
+        chrome.get(f"http://{bridge.address}/dashboard")
+        cards = {
+            card.get_attribute("id"): card.find_element(By.TAG_NAME, "b").text
+            for card in chrome.find_elements(By.CSS_SELECTOR, "div.card")
+        }
+        bars = [
+            (bar.location["x"], bar.size["height"])
+            for bar in chrome.find_elements(By.CSS_SELECTOR, "svg rect.cost")
+        ]
+        screenshot = ROOT / "data" / "screenshots" / "dashboard.png"
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        assert chrome.save_screenshot(str(screenshot))
+        print(f"dashboard screenshot: {screenshot}")
+    finally:
+        chrome.quit()
+    (total,) = _ledger(stack, "acct-dash-b")
+    assert cards["cost"] == f"${_usd(total.cost_picousd)}"
+    assert cards["saved"] == f"${_usd(total.cache_savings_picousd)}"
+    assert cards["requests"] == f"{total.requests:,}"
+    # A bar a day for the 30 days shown; today's, the only one with traffic, at full height.
+    assert len(bars) == 30
+    assert max(bars)[1] > 100 and all(height == 0 for _, height in sorted(bars)[:-1])
