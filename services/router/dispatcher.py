@@ -62,7 +62,7 @@ from cachet.router import metrics
 from cachet.router.batch_queue import EXPIRED_RESULT
 from cachet.router.caller import AccountDirectory, Caller
 from cachet.router.file_batches import COMPLETION_WINDOW_SECONDS
-from cachet.router.key_limits import KeyLimiter
+from cachet.router.key_limits import KeyLimiter, RateLimited
 from cachet.router.queue_store import Job, QueueStore
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
@@ -328,6 +328,13 @@ class Dispatcher:
             if generation.usage_recorded is not None:
                 await generation.usage_recorded
             return router_pb2.QueuedResult(completion=completion)
+        except RateLimited as refusal:
+            # The key's minute, not the engines, is full: a pause of one poll, not the half second
+            # a refusal for capacity takes, since other accounts' jobs are waiting behind this one.
+            self._paused_until = asyncio.get_running_loop().time() + self._poll_seconds
+            metrics.QUEUE_JOBS_REQUEUED.inc()
+            log.info("queued job back to the queue", request_id=job.request_id, reason=str(refusal))
+            return None
         except (ResourceExhausted, Unavailable) as refusal:
             # Capacity or an outage, never the request's fault: it waits for the next headroom.
             self._paused_until = asyncio.get_running_loop().time() + _REFUSAL_PAUSE_SECONDS

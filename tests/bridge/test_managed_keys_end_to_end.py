@@ -213,3 +213,38 @@ def test_queued_jobs_count_against_the_budget_when_they_run(platform: Platform) 
         assert "budget" in json.dumps(later), later
     # The key itself is now over its budget for interactive calls too.
     refused(platform.chat(key), 429, "insufficient_quota")
+
+
+def test_a_queued_job_past_its_key_s_minute_waits_while_other_batches_run(platform: Platform) -> None:
+    key, _ = platform.create_key("--account", "acct-rpm-queue", "--rpm", "1")
+    model_path = f"{platform.url}/ai/run/{TINY_MODEL_ID}"
+
+    def queue(api_key: str) -> str:
+        body = {"requests": [{"prompt": f"[{uuid.uuid4().hex}] {n}", "max_tokens": 2} for n in range(2)]}
+        queued = httpx.post(
+            f"{model_path}?queueRequest=true",
+            json=body,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=10,
+        )
+        assert queued.status_code == 200, queued.text
+        return queued.json()["result"]["request_id"]
+
+    def status(batch_id: str, api_key: str) -> str:
+        polled = httpx.post(
+            model_path,
+            json={"request_id": batch_id},
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=10,
+        )
+        assert polled.status_code == 200, polled.text
+        return polled.json()["result"]["status"]
+
+    limited, other = queue(key), queue("sk-boot")
+    deadline = time.monotonic() + TIMEOUT
+    while status(other, "sk-boot") != "done":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    # The limited key's first job ran; its second waits for the key's minute, in the queue.
+    time.sleep(2)
+    assert status(limited, key) == "running"
