@@ -22,6 +22,11 @@ TIME_TO_FIRST_TOKEN = Histogram(
     "From request arrival to the first chunk sent to the client, which goes with the first generated token.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "cachet_router_time_per_output_token_seconds",
+    "Per request, first chunk to last over the tokens generated after the first (TPOT, as vLLM counts it).",
+    buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5),
+)
 EVENT_LOOP_LAG = Histogram(
     "cachet_router_event_loop_lag_seconds",
     "How late the router's event loop ran a callback that was due (every request's messages wait there).",

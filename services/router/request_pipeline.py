@@ -511,6 +511,7 @@ class Generation:
         self._cached_tokens = first.usage.cached_tokens if first.HasField("usage") else 0
         self._completion_tokens = 0
         self._first_chunk_built = False  # it names the role (chat) and goes with the first token
+        self._first_chunk_at: float | None = None
         self._engine_done = False  # the engine sent its last message
         self._finished = False  # the last chunk was built
         self._closed = False
@@ -661,6 +662,9 @@ class Generation:
             self._cached_tokens = last.usage.cached_tokens
             self._completion_tokens = max(self._completion_tokens, last.usage.completion_tokens)
         self._finished = True
+        if self._first_chunk_at is not None and self._completion_tokens > 1:
+            spent = time.monotonic() - self._first_chunk_at
+            metrics.TIME_PER_OUTPUT_TOKEN.observe(spent / (self._completion_tokens - 1))
         usage = self._usage()
         # The record goes out after the last chunk, in the recorder's next batch, not before
         # it: the ledger is idempotent and the recorder retries on its own, so waiting for the
@@ -706,7 +710,8 @@ class Generation:
         if not self._first_chunk_built:
             chunk.role = self.request.role
             self._first_chunk_built = True
-            metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - self.request.arrived_at)
+            self._first_chunk_at = time.monotonic()
+            metrics.TIME_TO_FIRST_TOKEN.observe(self._first_chunk_at - self.request.arrived_at)
         return chunk
 
     @property

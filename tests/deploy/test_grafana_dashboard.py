@@ -30,7 +30,7 @@ def test_the_dashboard_is_well_formed_and_covers_serving_cache_queue_load_and_co
     queries = " ".join(target["expr"] for panel in panels for target in panel["targets"])
     for series in (
         "cachet_router_time_to_first_token_seconds_bucket",  # TTFT percentiles
-        "cachet_engine_step_duration_seconds_bucket",  # time per output token
+        "cachet_router_time_per_output_token_seconds_bucket",  # TPOT percentiles
         "cachet_engine_generated_tokens_total",  # tokens/s
         'kind="cached"',  # cached-token ratio, per model
         "cachet_engine_prefix_cache_hit_tokens_total",  # ...and per tier

@@ -93,6 +93,7 @@ def test_every_service_exports_what_a_request_did_under_conventional_names(stack
     assert _value(figures["cache"], "cachet_cache_index_replicas_connected") == 1
     assert _value(figures["cache"], "cachet_cache_index_blocks", tier="engine") > 0
     assert _value(figures["router"], "cachet_router_cached_tokens_total") > 0
+    assert _value(figures["router"], "cachet_router_time_per_output_token_seconds_count") >= 1
     assert _value(figures["bridge"], "cachet_bridge_requests_total", route="/v1/chat/completions") >= 2
     # The process's own figures come with every gRPC service's endpoint.
     for name in SERVICES[:-1]:
