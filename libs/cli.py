@@ -263,9 +263,11 @@ def report(
         finally:
             await opened.close()
 
+    from cachet.durable_postgres import StoreNotOpened
+
     try:
         built = asyncio.run(run())
-    except LedgerNotFound as missing:
+    except (LedgerNotFound, StoreNotOpened) as missing:
         typer.echo(f"cachet report: {missing}", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps(report_json(built), indent=2) if as_json else format_report(built))

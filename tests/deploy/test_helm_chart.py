@@ -144,9 +144,12 @@ def test_gpu_values_put_engines_on_gpus_with_the_cuda_image() -> None:
     assert container(engine)["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert env(engine)["CACHET_DEVICE"] == "cuda"
     assert engine["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
-    # The CPU default asks for no GPU.
+    assert "CACHET_KV_CACHE_GB" not in env(engine)  # sized from the GPU's own memory
+    # The CPU default asks for no GPU, and sizes threads and KV itself (a container sees every
+    # core and all the memory of its node).
     default = by_kind(render(), "StatefulSet")["cachet-engine"]
     assert "nvidia.com/gpu" not in container(default)["resources"].get("limits", {})
+    assert (env(default)["CACHET_ENGINE_THREADS"], env(default)["CACHET_KV_CACHE_GB"]) == ("2", "4")
 
 
 def test_postgresql_comes_by_url_and_several_routers_need_it() -> None:

@@ -145,3 +145,11 @@ def test_a_missing_ledger_file_is_an_error_not_an_empty_report(tmp_path: Path) -
     assert done.returncode == 1
     assert f"no usage ledger at {tmp_path / 'usage.sqlite3'}" in done.stderr
     assert not (tmp_path / "usage.sqlite3").exists()
+
+
+def test_an_unreachable_database_is_one_line_not_a_traceback() -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("CACHET_")}
+    env["CACHET_STORE_URL"] = "postgresql://nobody@127.0.0.1:9/none"  # nothing listens on port 9
+    done = subprocess.run([CACHET, "report"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.startswith("cachet report: ") and "Traceback" not in done.stderr
