@@ -13,13 +13,29 @@ produces fluent garbage.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from cachet.engine.checkpoint_names import (
+    PACKED_INT,
+    PLAIN,
+    CheckpointNames,
+    StoredTensor,
+    group_checkpoint_names,
+)
 from cachet.engine.models import ModelConfig, model_class
+from cachet.engine.models.config import Fp8BlockQuantization, PackedIntQuantization
+from cachet.engine.quantized_weights import (
+    QuantizedTensorError,
+    dequantize_fp8_block,
+    dequantize_packed_int,
+)
 from cachet.engine.tensor_parallel import (
     SINGLE_RANK,
     TensorParallelRank,
@@ -27,6 +43,9 @@ from cachet.engine.tensor_parallel import (
     checkpoint_slices,
     stacked_checkpoint_parts,
 )
+from cachet.logs import get_logger
+
+log = get_logger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,8 +93,52 @@ def load_model(
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy every checkpoint tensor (or the slice of it this rank holds) into the parameter of the
-    same name, casting to its dtype."""
+    """Fill every parameter from the checkpoint tensor of the same name (or the slice of it this
+    rank holds), casting to its dtype; quantized weights are dequantized first (see
+    ``checkpoint_names`` for how stored names become the model's). A checkpoint that does not
+    match is refused before any weight is read."""
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    params = dict(model.named_parameters())
+    with _StoredTensors(model_dir) as store:
+        names = group_checkpoint_names(store.names(), config)
+        plan = plan_load(model, names)
+        if plan.missing or plan.unexpected:
+            raise CheckpointError(
+                f"checkpoint in {model_dir} does not match the model: "
+                f"missing {_summary(plan.missing)}, unexpected {_summary(plan.unexpected)}"
+            )
+        for fill in plan.fills:
+            target = params[fill.param]
+            if fill.rows is not None:
+                target = target.narrow(0, fill.rows[0], fill.rows[1] - fill.rows[0])
+            _copy(target, store.read(fill.stored, config, fill.part), fill.stored.name)
+    if names.vision:
+        # The text model serves without it; image input is refused until the tower is built.
+        log.info("vision tower not built: its checkpoint tensors are not loaded", tensors=len(names.vision))
+
+
+@dataclass(frozen=True)
+class Fill:
+    """One parameter (or its ``rows`` of a merged parameter) read from one stored tensor."""
+
+    stored: StoredTensor
+    param: str
+    rows: tuple[int, int] | None
+    # The part of the stored tensor this rank holds; None: all of it.
+    part: TensorSlice | None
+
+
+@dataclass
+class LoadPlan:
+    fills: list[Fill] = field(default_factory=list)
+    # Parameters (or checkpoint names of merged parts) no stored tensor fills.
+    missing: list[str] = field(default_factory=list)
+    # Stored names nothing in the model claims (the vision tower's are listed apart).
+    unexpected: list[str] = field(default_factory=list)
+
+
+def plan_load(model: nn.Module, names: CheckpointNames) -> LoadPlan:
+    """Which stored tensor fills which parameter: names only, so it runs on a meta-device model."""
     params = dict(model.named_parameters())  # tied parameters appear once, under their owner
     slices = checkpoint_slices(model)
     # Tensors that fill rows of a merged parameter (q/k/v, gate/up), each read as its own part.
@@ -86,39 +149,90 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     )
     # Tensors the model leaves out on purpose (another rank's experts, extra prediction heads).
     skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    deferred: dict[str, Path] = {}
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                if skip(name):
-                    continue
-                if name in aliases:
-                    # A tied copy: used only if the owner's own name is absent.
-                    deferred[aliases[name]] = path
-                elif name in params:
-                    _copy(params[name], _read(f, name, slices.get(name)), name)
-                    loaded.add(name)
-                elif name in stacked:
-                    param, offset, part = stacked[name]
-                    tensor = _read(f, name, part if part.is_part else None)
-                    _copy(params[param].narrow(0, offset, part.stop - part.start), tensor, name)
-                    loaded.add(name)
-                elif not name.endswith(_IGNORED_SUFFIXES):
-                    unexpected.append(name)
-    for owner, path in deferred.items():
-        if owner not in loaded:
-            alias = next(a for a, o in aliases.items() if o == owner)
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                _copy(params[owner], _read(f, alias, slices.get(owner)), alias)
-            loaded.add(owner)
-    missing = sorted((set(params) - merged - loaded) | (set(stacked) - loaded))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint in {model_dir} does not match the model: "
-            f"missing {_summary(missing)}, unexpected {_summary(sorted(unexpected))}"
-        )
+    plan = LoadPlan(unexpected=list(names.unexpected))
+    filled: set[str] = set()
+    for name, stored in names.tensors.items():
+        if skip(name) or name in aliases:
+            continue  # a tied copy is used below, only when the owner's own name is absent
+        if name in params:
+            plan.fills.append(Fill(stored, name, None, slices.get(name)))
+        elif name in stacked:
+            param, offset, part = stacked[name]
+            rows = (offset, offset + part.stop - part.start)
+            plan.fills.append(Fill(stored, param, rows, part if part.is_part else None))
+        elif not name.endswith(_IGNORED_SUFFIXES):
+            plan.unexpected.extend(stored.parts.values())
+            continue
+        filled.add(name)
+    for alias, owner in aliases.items():
+        if owner not in filled and alias in names.tensors:
+            plan.fills.append(Fill(names.tensors[alias], owner, None, slices.get(owner)))
+            filled.add(owner)
+    plan.missing = sorted((set(params) - merged - filled) | (set(stacked) - filled))
+    plan.unexpected.sort()
+    return plan
+
+
+class _StoredTensors:
+    """Every safetensors file of a checkpoint open at once: a quantized weight's parts may sit in
+    different shards (the index places each tensor on its own)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._files = checkpoint_files(model_dir)
+        self._stack = ExitStack()
+        self._where: dict[str, Any] = {}
+
+    def __enter__(self) -> _StoredTensors:
+        for path in self._files:
+            handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                self._where[name] = handle
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, stored: StoredTensor, config: ModelConfig, part: TensorSlice | None) -> torch.Tensor:
+        if stored.format == PLAIN:
+            return _read(self._where[stored.parts["weight"]], stored.parts["weight"], part)
+        tensors = {role: self._where[name].get_tensor(name) for role, name in stored.parts.items()}
+        try:
+            if stored.format == PACKED_INT:
+                assert isinstance(config.quantization, PackedIntQuantization)
+                full = dequantize_packed_int(
+                    stored.name,
+                    tensors["weight_packed"],
+                    tensors["weight_scale"],
+                    tensors["weight_shape"],
+                    config.quantization,
+                )
+            else:
+                assert isinstance(config.quantization, Fp8BlockQuantization)
+                full = dequantize_fp8_block(
+                    stored.name, tensors["weight"], tensors["weight_scale_inv"], config.quantization
+                )
+        except QuantizedTensorError as error:
+            raise CheckpointError(str(error)) from None
+        return full if part is None else _read(_InMemory(full), stored.name, part)
+
+
+class _InMemory:
+    """A dequantized tensor behind the two calls ``TensorSlice.read`` makes on a safetensors slice."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def get_slice(self, name: str) -> _InMemory:
+        return self
+
+    def get_shape(self) -> list[int]:
+        return list(self._tensor.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._tensor[index]
 
 
 def _read(handle: object, name: str, part: TensorSlice | None) -> torch.Tensor:

@@ -3,16 +3,28 @@
 Both spellings of the RoPE settings are accepted: the older top-level
 ``rope_theta`` + ``rope_scaling`` and the newer ``rope_parameters`` dict that
 carries ``rope_theta`` itself (transformers >= 5 writes the latter).
+
+A multimodal wrapper (Kimi K2.5's ``kimi_k25``) nests the language model's config
+in ``text_config`` beside a ``vision_config``: the text model is parsed from the
+former, and its checkpoint tensors carry the wrapper's prefix (``language_model.``).
+How the checkpoint stores its weights (plain, FP8 blocks, packed INT4) is the
+``quantization_config``, parsed into ``QuantizationConfig``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v3", "kimi_k2")
+# Wrappers whose text_config is one of the types above and whose vision_config is Kimi's MoonViT.
+MULTIMODAL_MODEL_TYPES = ("kimi_k25",)
+# Where a kimi_k25 checkpoint keeps each part: the language model under one prefix, the
+# vision tower and its projector (to the text width) under theirs.
+KIMI_K25_TEXT_PREFIX = "language_model."
+KIMI_K25_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 # Multi-head latent attention + mixture of experts (DeepSeek-V3 architecture; Kimi K2 reuses it).
 MLA_MOE_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -90,6 +102,57 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """Kimi K2.5's vision tower (MoonViT: native-resolution patches, 2x2 patch merging) and the
+    projector into the language model's width. Parsed now so the text model loads from the
+    multimodal config; the engine does not build the tower yet."""
+
+    patch_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    merge_kernel_size: tuple[int, int]
+    # The learned position table's grid (height, width, frames), interpolated to each image.
+    pos_emb_grid: tuple[int, int, int]
+    projector_type: str
+    projector_hidden_act: str
+    projector_ln_eps: float
+    text_hidden_size: int
+    # The token the chat template repeats once per merged patch of an image.
+    media_placeholder_token_id: int | None
+    # Checkpoint name prefixes of the tower and the projector.
+    checkpoint_prefixes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PackedIntQuantization:
+    """compressed-tensors ``pack-quantized``: symmetric intN weights, N-bit values offset by
+    2**(N-1) and packed low bits first into int32 words along the input dimension
+    (``weight_packed`` [out, in*N/32]), one scale per ``group_size`` inputs of each row
+    (``weight_scale`` [out, in/group]), and the unpacked shape (``weight_shape``). Kimi K2
+    Thinking and K2.5 store their routed experts so (INT4, groups of 32)."""
+
+    num_bits: int
+    # None: one scale per output row (strategy "channel").
+    group_size: int | None
+    # Names or "re:" patterns the producer left unquantized; informative, the loader goes by
+    # which tensors each layer has.
+    ignore: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Fp8BlockQuantization:
+    """DeepSeek-V3's FP8: ``weight`` in float8 e4m3 and ``weight_scale_inv`` (fp32), one
+    multiplier per ``block`` tile of the weight (128x128 in V3 and Kimi K2 Instruct)."""
+
+    block: tuple[int, int]
+
+
+QuantizationConfig = PackedIntQuantization | Fp8BlockQuantization
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -111,13 +174,26 @@ class ModelConfig:
     # Set for the DeepSeek-V3 family only; head_dim is then MLA's query/key head width.
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    quantization: QuantizationConfig | None = None
+    vision: VisionConfig | None = None
+    # What the checkpoint puts before the text model's parameter names ("" for a text-only model).
+    checkpoint_prefix: str = ""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        if raw.get("model_type") in MULTIMODAL_MODEL_TYPES:
+            return _multimodal_config(raw)
+        config = cls._text_config(raw)
+        quantization = _parse_quantization(raw.get("quantization_config"))
+        return replace(config, quantization=quantization) if quantization else config
+
+    @classmethod
+    def _text_config(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES + MULTIMODAL_MODEL_TYPES)})"
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
@@ -152,6 +228,116 @@ class ModelConfig:
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def _multimodal_config(raw: dict[str, Any]) -> ModelConfig:
+    """Kimi K2.5: the language model is a DeepSeek-V3-family config under ``text_config``."""
+    wrapper = raw["model_type"]
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(f"model_type {wrapper!r} needs a text_config")
+    if text.get("model_type") not in MLA_MOE_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{wrapper}'s text_config has model_type {text.get('model_type')!r}; "
+            f"supported: {', '.join(MLA_MOE_MODEL_TYPES)}"
+        )
+    # K2.5 repeats the quantization_config at both levels; either one describes the checkpoint.
+    quantization = _parse_quantization(text.get("quantization_config") or raw.get("quantization_config"))
+    config = _deepseek_v3_config(text)
+    return replace(
+        config,
+        quantization=quantization,
+        vision=_vision_config(raw.get("vision_config"), raw.get("media_placeholder_token_id")),
+        checkpoint_prefix=KIMI_K25_TEXT_PREFIX,
+        # The wrapper's ids are the ones the tokenizer and generation settings use.
+        bos_token_id=raw.get("bos_token_id", config.bos_token_id),
+        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")) or config.eos_token_ids,
+    )
+
+
+def _vision_config(raw: dict[str, Any] | None, placeholder: int | None) -> VisionConfig | None:
+    if raw is None:
+        return None
+    merge = tuple(raw.get("merge_kernel_size") or (2, 2))
+    return VisionConfig(
+        patch_size=raw["patch_size"],
+        hidden_size=raw["vt_hidden_size"],
+        intermediate_size=raw["vt_intermediate_size"],
+        num_hidden_layers=raw["vt_num_hidden_layers"],
+        num_attention_heads=raw["vt_num_attention_heads"],
+        merge_kernel_size=(int(merge[0]), int(merge[1])),
+        pos_emb_grid=(
+            raw.get("init_pos_emb_height", 64),
+            raw.get("init_pos_emb_width", 64),
+            raw.get("init_pos_emb_time", 1),
+        ),
+        projector_type=raw.get("mm_projector_type", "patchmerger"),
+        projector_hidden_act=raw.get("projector_hidden_act", "gelu"),
+        projector_ln_eps=float(raw.get("projector_ln_eps", 1e-5)),
+        text_hidden_size=raw["text_hidden_size"],
+        media_placeholder_token_id=placeholder,
+        checkpoint_prefixes=KIMI_K25_VISION_PREFIXES,
+    )
+
+
+def _parse_quantization(raw: dict[str, Any] | None) -> QuantizationConfig | None:
+    """The checkpoint's storage format; anything this engine cannot dequantize is refused here,
+    before a byte of weights is read."""
+    if not raw:
+        return None
+    method = raw.get("quant_method")
+    if method == "fp8":
+        return _fp8_block(raw)
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw)
+    raise UnsupportedModelError(f"quantization_config quant_method {method!r} is not supported")
+
+
+def _fp8_block(raw: dict[str, Any]) -> Fp8BlockQuantization:
+    if raw.get("fmt", "e4m3") != "e4m3":
+        raise UnsupportedModelError(f"fp8 format {raw.get('fmt')!r} is not supported (only e4m3)")
+    block = raw.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise UnsupportedModelError("fp8 checkpoints without a 2-D weight_block_size are not supported")
+    # activation_scheme (dynamic) only matters to FP8 matmuls; dequantized weights run in the
+    # serving dtype.
+    return Fp8BlockQuantization(block=(int(block[0]), int(block[1])))
+
+
+def _compressed_tensors(raw: dict[str, Any]) -> PackedIntQuantization:
+    if raw.get("format") != "pack-quantized":
+        raise UnsupportedModelError(
+            f"compressed-tensors format {raw.get('format')!r} is not supported (only pack-quantized)"
+        )
+    if raw.get("quantization_status", "compressed") != "compressed":
+        raise UnsupportedModelError(
+            f"compressed-tensors status {raw['quantization_status']!r}: not compressed"
+        )
+    groups = list((raw.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise UnsupportedModelError(f"{len(groups)} compressed-tensors config groups; only one is supported")
+    group = groups[0]
+    weights = group.get("weights") or {}
+    if group.get("input_activations") or group.get("output_activations"):
+        raise UnsupportedModelError("compressed-tensors activation quantization is not supported")
+    problems = []
+    if weights.get("type", "int") != "int":
+        problems.append(f"type {weights.get('type')!r}")
+    if weights.get("num_bits") not in (2, 4, 8):
+        problems.append(f"num_bits {weights.get('num_bits')!r}")
+    if not weights.get("symmetric", True):
+        problems.append("asymmetric (zero points)")
+    if weights.get("strategy", "group") not in ("group", "channel"):
+        problems.append(f"strategy {weights.get('strategy')!r}")
+    if weights.get("actorder"):
+        problems.append(f"actorder {weights['actorder']!r}")
+    if problems:
+        raise UnsupportedModelError(f"compressed-tensors weights not supported: {', '.join(problems)}")
+    return PackedIntQuantization(
+        num_bits=int(weights["num_bits"]),
+        group_size=weights.get("group_size") if weights.get("strategy", "group") == "group" else None,
+        ignore=tuple(raw.get("ignore") or ()),
+    )
 
 
 def _deepseek_v3_config(raw: dict[str, Any]) -> ModelConfig:
