@@ -1441,3 +1441,186 @@ class ListBatchesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListBatchesResponse: _TypeAlias = ListBatchesResponse  # noqa: Y015
+
+@_typing.final
+class StoredResponse(_message.Message):
+    """A response of OpenAI's Responses API, stored. The router keeps its JSON as it keeps an uploaded
+    file's content, without reading it: the REST front end renders it and reads it back (the
+    Responses object's shape is OpenAI's and changes with OpenAI's API, not with the router's).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_JSON_FIELD_NUMBER: _builtins.int
+    INPUT_ITEMS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """"resp_..." id, unique within the account."""
+    created_at: _builtins.int
+    """Unix time of creation, seconds."""
+    session_id: _builtins.str
+    """The session that placed it: a follow-up (`previous_response_id`) runs under it, so it lands on
+    the replica that holds the conversation's KV.
+    """
+    response_json: _builtins.bytes
+    """The Response object as answered: OpenAI's JSON, UTF-8."""
+    @_builtins.property
+    def input_items(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredResponseItem]:
+        """The conversation before this response's output, oldest first (every earlier turn of its chain,
+        then its own input). Empty when read without `include_input_items`.
+        """
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        created_at: _builtins.int = ...,
+        session_id: _builtins.str = ...,
+        response_json: _builtins.bytes = ...,
+        input_items: _abc.Iterable[Global___StoredResponseItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "id", b"id", "input_items", b"input_items", "response_json", b"response_json", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredResponse: _TypeAlias = StoredResponse  # noqa: Y015
+
+@_typing.final
+class StoredResponseItem(_message.Message):
+    """One item of a stored conversation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    ITEM_JSON_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The item's id ("msg_...", "fc_..."), what `after` pages by."""
+    item_json: _builtins.bytes
+    """The item: OpenAI's JSON, UTF-8."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        item_json: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "item_json", b"item_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredResponseItem: _TypeAlias = StoredResponseItem  # noqa: Y015
+
+@_typing.final
+class GetStoredResponseRequest(_message.Message):
+    """Name a stored response."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    INCLUDE_INPUT_ITEMS_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    """"resp_..." id."""
+    include_input_items: _builtins.bool
+    """Whether the answer carries the conversation's input items (a follow-up needs them; GET does not)."""
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        include_input_items: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_input_items", b"include_input_items", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStoredResponseRequest: _TypeAlias = GetStoredResponseRequest  # noqa: Y015
+
+@_typing.final
+class StoredResponseRef(_message.Message):
+    """What a put or delete touched."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """"resp_..." id."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredResponseRef: _TypeAlias = StoredResponseRef  # noqa: Y015
+
+@_typing.final
+class ListStoredResponseItemsRequest(_message.Message):
+    """A page of a stored response's input items."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    NEWEST_FIRST_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    """"resp_..." id."""
+    limit: _builtins.int
+    """Page size, 1 to 100 (0: 20)."""
+    newest_first: _builtins.bool
+    """Newest first (OpenAI's default, "desc"); oldest first when false."""
+    after: _builtins.str
+    """Only items after this item id, in the page's order (the last id of the previous page)."""
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        limit: _builtins.int = ...,
+        newest_first: _builtins.bool = ...,
+        after: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "limit", b"limit", "newest_first", b"newest_first", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListStoredResponseItemsRequest: _TypeAlias = ListStoredResponseItemsRequest  # noqa: Y015
+
+@_typing.final
+class StoredResponseItems(_message.Message):
+    """Input items, in the order asked for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    has_more: _builtins.bool
+    """Whether more follow."""
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredResponseItem]:
+        """The page."""
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___StoredResponseItem] | None = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_more", b"has_more", "items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredResponseItems: _TypeAlias = StoredResponseItems  # noqa: Y015

@@ -115,6 +115,26 @@ class InferenceServiceStub:
                 request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.SerializeToString,
                 response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.FromString,
                 _registered_method=True)
+        self.PutStoredResponse = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/PutStoredResponse',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponse.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseRef.FromString,
+                _registered_method=True)
+        self.GetStoredResponse = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/GetStoredResponse',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.GetStoredResponseRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponse.FromString,
+                _registered_method=True)
+        self.DeleteStoredResponse = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/DeleteStoredResponse',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.GetStoredResponseRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseRef.FromString,
+                _registered_method=True)
+        self.ListStoredResponseItems = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/ListStoredResponseItems',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListStoredResponseItemsRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseItems.FromString,
+                _registered_method=True)
         self.Authenticate = channel.unary_unary(
                 '/cachet.router.v1.InferenceService/Authenticate',
                 request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.AuthenticateRequest.SerializeToString,
@@ -238,6 +258,35 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutStoredResponse(self, request, context):
+        """OpenAI Responses' stored responses (`store: true`), kept per account in the queue's store so that
+        every router sharing it finds them. Put replaces a response of the same id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStoredResponse(self, request, context):
+        """A stored response of the caller's account (NOT_FOUND for any other account's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteStoredResponse(self, request, context):
+        """Forget a stored response and its input items (NOT_FOUND if the account has none of that id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListStoredResponseItems(self, request, context):
+        """A page of a stored response's input items.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Authenticate(self, request, context):
         """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
         a front end such as the REST bridge learns a managed key's account as the router does.
@@ -328,6 +377,26 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ListBatches,
                     request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.FromString,
                     response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.SerializeToString,
+            ),
+            'PutStoredResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutStoredResponse,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponse.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseRef.SerializeToString,
+            ),
+            'GetStoredResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStoredResponse,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.GetStoredResponseRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponse.SerializeToString,
+            ),
+            'DeleteStoredResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStoredResponse,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.GetStoredResponseRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseRef.SerializeToString,
+            ),
+            'ListStoredResponseItems': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStoredResponseItems,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListStoredResponseItemsRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseItems.SerializeToString,
             ),
             'Authenticate': grpc.unary_unary_rpc_method_handler(
                     servicer.Authenticate,
@@ -768,6 +837,114 @@ class InferenceService:
             '/cachet.router.v1.InferenceService/ListBatches',
             cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesRequest.SerializeToString,
             cachet_dot_router_dot_v1_dot_router__pb2.ListBatchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStoredResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/PutStoredResponse',
+            cachet_dot_router_dot_v1_dot_router__pb2.StoredResponse.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStoredResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/GetStoredResponse',
+            cachet_dot_router_dot_v1_dot_router__pb2.GetStoredResponseRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.StoredResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStoredResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/DeleteStoredResponse',
+            cachet_dot_router_dot_v1_dot_router__pb2.GetStoredResponseRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStoredResponseItems(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/ListStoredResponseItems',
+            cachet_dot_router_dot_v1_dot_router__pb2.ListStoredResponseItemsRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.StoredResponseItems.FromString,
             options,
             channel_credentials,
             insecure,

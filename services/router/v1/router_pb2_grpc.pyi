@@ -68,6 +68,16 @@ class InferenceServiceStub:
     """Cancel a batch: cancelling until its running requests end, then cancelled."""
     ListBatches: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListBatchesRequest, _router_pb2.ListBatchesResponse]
     """The caller's batches, newest first."""
+    PutStoredResponse: _grpc.UnaryUnaryMultiCallable[_router_pb2.StoredResponse, _router_pb2.StoredResponseRef]
+    """OpenAI Responses' stored responses (`store: true`), kept per account in the queue's store so that
+    every router sharing it finds them. Put replaces a response of the same id.
+    """
+    GetStoredResponse: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetStoredResponseRequest, _router_pb2.StoredResponse]
+    """A stored response of the caller's account (NOT_FOUND for any other account's)."""
+    DeleteStoredResponse: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetStoredResponseRequest, _router_pb2.StoredResponseRef]
+    """Forget a stored response and its input items (NOT_FOUND if the account has none of that id)."""
+    ListStoredResponseItems: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListStoredResponseItemsRequest, _router_pb2.StoredResponseItems]
+    """A page of a stored response's input items."""
     Authenticate: _grpc.UnaryUnaryMultiCallable[_router_pb2.AuthenticateRequest, _router_pb2.CallerIdentity]
     """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
     a front end such as the REST bridge learns a managed key's account as the router does.
@@ -110,6 +120,16 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """Cancel a batch: cancelling until its running requests end, then cancelled."""
     ListBatches: _aio.UnaryUnaryMultiCallable[_router_pb2.ListBatchesRequest, _router_pb2.ListBatchesResponse]  # type: ignore[assignment]
     """The caller's batches, newest first."""
+    PutStoredResponse: _aio.UnaryUnaryMultiCallable[_router_pb2.StoredResponse, _router_pb2.StoredResponseRef]  # type: ignore[assignment]
+    """OpenAI Responses' stored responses (`store: true`), kept per account in the queue's store so that
+    every router sharing it finds them. Put replaces a response of the same id.
+    """
+    GetStoredResponse: _aio.UnaryUnaryMultiCallable[_router_pb2.GetStoredResponseRequest, _router_pb2.StoredResponse]  # type: ignore[assignment]
+    """A stored response of the caller's account (NOT_FOUND for any other account's)."""
+    DeleteStoredResponse: _aio.UnaryUnaryMultiCallable[_router_pb2.GetStoredResponseRequest, _router_pb2.StoredResponseRef]  # type: ignore[assignment]
+    """Forget a stored response and its input items (NOT_FOUND if the account has none of that id)."""
+    ListStoredResponseItems: _aio.UnaryUnaryMultiCallable[_router_pb2.ListStoredResponseItemsRequest, _router_pb2.StoredResponseItems]  # type: ignore[assignment]
+    """A page of a stored response's input items."""
     Authenticate: _aio.UnaryUnaryMultiCallable[_router_pb2.AuthenticateRequest, _router_pb2.CallerIdentity]  # type: ignore[assignment]
     """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
     a front end such as the REST bridge learns a managed key's account as the router does.
@@ -245,6 +265,40 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_router_pb2.ListBatchesResponse, _abc.Awaitable[_router_pb2.ListBatchesResponse]]:
         """The caller's batches, newest first."""
+
+    @_abc_1.abstractmethod
+    def PutStoredResponse(
+        self,
+        request: _router_pb2.StoredResponse,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.StoredResponseRef, _abc.Awaitable[_router_pb2.StoredResponseRef]]:
+        """OpenAI Responses' stored responses (`store: true`), kept per account in the queue's store so that
+        every router sharing it finds them. Put replaces a response of the same id.
+        """
+
+    @_abc_1.abstractmethod
+    def GetStoredResponse(
+        self,
+        request: _router_pb2.GetStoredResponseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.StoredResponse, _abc.Awaitable[_router_pb2.StoredResponse]]:
+        """A stored response of the caller's account (NOT_FOUND for any other account's)."""
+
+    @_abc_1.abstractmethod
+    def DeleteStoredResponse(
+        self,
+        request: _router_pb2.GetStoredResponseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.StoredResponseRef, _abc.Awaitable[_router_pb2.StoredResponseRef]]:
+        """Forget a stored response and its input items (NOT_FOUND if the account has none of that id)."""
+
+    @_abc_1.abstractmethod
+    def ListStoredResponseItems(
+        self,
+        request: _router_pb2.ListStoredResponseItemsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.StoredResponseItems, _abc.Awaitable[_router_pb2.StoredResponseItems]]:
+        """A page of a stored response's input items."""
 
     @_abc_1.abstractmethod
     def Authenticate(
