@@ -182,3 +182,43 @@ def test_the_scrape_config_keeps_what_the_chart_annotates() -> None:
         assert f"__meta_kubernetes_pod_annotation_prometheus_io_{annotation}" in sources
     keep = [rule for rule in job["relabel_configs"] if rule.get("action") == "keep"]
     assert {rule["regex"] for rule in keep} == {"cachet", "true"}
+
+
+def test_a_replica_across_hosts_is_a_leaderworkerset_group_under_torchrun() -> None:
+    """LeaderWorkerSet is a custom resource the validator has no schema for: its two pod
+    templates are validated as Kubernetes PodTemplates, its own fields checked here."""
+    values = {
+        **GPU_VALUES,
+        "engine": {**GPU_VALUES["engine"], "gpus": 8, "multiHost": {"nodes": 2, "ranksPerNode": 8}},
+    }
+    docs = render(values)
+    assert "StatefulSet" not in {doc["kind"] for doc in docs}
+    # LeaderWorkerSet makes the headless Service of the leaders (<name>), so the chart does not.
+    assert "cachet-engine" not in by_kind(docs, "Service")
+    (group,) = [doc for doc in docs if doc["kind"] == "LeaderWorkerSet"]
+    assert group["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    spec = group["spec"]
+    assert (spec["replicas"], spec["leaderWorkerTemplate"]["size"]) == (2, 2)
+    templates = {role: spec["leaderWorkerTemplate"][f"{role}Template"] for role in ("leader", "worker")}
+    for version in KUBERNETES_VERSIONS:
+        for template in templates.values():
+            kubernetes_validate.validate(
+                {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
+                version,
+                strict=True,
+            )
+    leader, worker = (only for template in templates.values() for only in template["spec"]["containers"])
+    for pod in (leader, worker):
+        assert pod["command"][0] == "torchrun" and pod["command"][-2:] == ["-m", "cachet.engine"]
+        assert "--nproc-per-node=8" in pod["command"]
+        assert "--master-addr=$(LWS_LEADER_ADDRESS)" in pod["command"]
+        assert {e["name"]: e["value"] for e in pod["env"] if "value" in e}["CACHET_TP"] == "16"
+        assert pod["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # Rank 0, on the leader, serves gRPC: probes and ports there only.
+    assert leader["readinessProbe"]["grpc"]["port"] == 50061 and "ports" in leader
+    assert "readinessProbe" not in worker and "ports" not in worker
+    # The router follows each group's leader, by the name it has as a StatefulSet pod would.
+    router = by_kind(docs, "Deployment")["cachet-router"]
+    assert json.loads(env(router)["CACHET_ROUTER_ENGINE_ADDRESSES"]) == [
+        f"cachet-engine-{i}.cachet-engine.ai.svc.cluster.local:50061" for i in range(2)
+    ]

@@ -171,12 +171,18 @@ readinessProbe:
 - name: {{ .component }}
   image: "{{ .root.Values.image.repository }}:{{ .root.Values.image.tag }}"
   imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  {{- with .command }}
+  command:
+    {{- toYaml . | nindent 4 }}
+  {{- else }}
   args: ["serve", {{ .component | quote }}]
+  {{- end }}
   env:
     {{- include "cachet.commonEnv" . | nindent 4 }}
     {{- with .extraEnv }}
     {{- . | nindent 4 }}
     {{- end }}
+  {{- if not .follower }}
   ports:
     - name: {{ ternary "http" "grpc" (eq .component "bridge") }}
       containerPort: {{ index $ports 0 }}
@@ -185,6 +191,7 @@ readinessProbe:
       containerPort: {{ index $ports 1 }}
     {{- end }}
   {{- include "cachet.probes" . | nindent 2 }}
+  {{- end }}
   resources:
     {{- toYaml .values.resources | nindent 4 }}
   securityContext:
