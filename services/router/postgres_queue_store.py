@@ -38,7 +38,9 @@ from cachet.router.queue_records import (
     DueWebhook,
     FileBatchRecord,
     Job,
+    ResponseItem,
     StoredFile,
+    StoredResponse,
     WebhookAttempt,
     batch_state,
 )
@@ -157,6 +159,31 @@ CREATE INDEX api_keys_by_account ON api_keys (account_id, created_at_ms);
 CREATE TABLE batch_api_keys (
     batch_id TEXT PRIMARY KEY REFERENCES batches (batch_id),
     key_id TEXT NOT NULL
+);
+""",
+    ),
+    (
+        3,
+        """
+-- OpenAI Responses' stored responses: the JSON as answered (the bridge's; kept unread) and
+-- the session a follow-up runs under. Times in Unix seconds, as OpenAI's created_at.
+CREATE TABLE stored_responses (
+    account_id TEXT NOT NULL,
+    response_id TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    session_id TEXT NOT NULL,
+    response BYTEA NOT NULL,
+    PRIMARY KEY (account_id, response_id)
+);
+-- A stored response's input items, one row each in conversation order, so a page of
+-- input_items reads only its rows.
+CREATE TABLE stored_response_items (
+    account_id TEXT NOT NULL,
+    response_id TEXT NOT NULL,
+    position INTEGER NOT NULL,
+    item_id TEXT NOT NULL,
+    item BYTEA NOT NULL,
+    PRIMARY KEY (account_id, response_id, position)
 );
 """,
     ),
@@ -689,6 +716,99 @@ class PostgresQueueStore:
         async with self._connection() as db:
             key_id = await db.fetchval("SELECT key_id FROM batch_api_keys WHERE batch_id = $1", batch_id)
         return key_id or ""
+
+    # ------------------------------------------------------------------ stored responses
+
+    async def put_response(self, account_id: str, response: StoredResponse) -> None:
+        """Store ``response`` with its input items, replacing one of the same id; durable once this returns."""
+        key = (account_id, response.response_id)
+        items = response.input_items
+        async with self._transaction() as db:
+            await db.execute(
+                "DELETE FROM stored_response_items WHERE account_id = $1 AND response_id = $2", *key
+            )
+            await db.execute(
+                "INSERT INTO stored_responses (account_id, response_id, created_at, session_id, response)"
+                " VALUES ($1, $2, $3, $4, $5) ON CONFLICT (account_id, response_id) DO UPDATE SET"
+                " created_at = EXCLUDED.created_at, session_id = EXCLUDED.session_id, response = EXCLUDED.response",
+                *key,
+                response.created_at,
+                response.session_id,
+                response.body,
+            )
+            # One statement for the lot, however long the conversation.
+            await db.execute(
+                "INSERT INTO stored_response_items (account_id, response_id, position, item_id, item)"
+                " SELECT $1, $2, position - 1, item_id, item"
+                " FROM unnest($3::text[], $4::bytea[]) WITH ORDINALITY AS items (item_id, item, position)",
+                *key,
+                [item.item_id for item in items],
+                [item.body for item in items],
+            )
+
+    async def response(
+        self, account_id: str, response_id: str, *, with_items: bool = False
+    ) -> StoredResponse | None:
+        """The account's stored response of that id (None for another account's)."""
+        key = (account_id, response_id)
+        # One snapshot for both selects: a put committing between them is not half seen.
+        async with self._connection() as db, db.transaction(isolation="repeatable_read", readonly=True):
+            row = await db.fetchrow(
+                "SELECT created_at, session_id, response FROM stored_responses"
+                " WHERE account_id = $1 AND response_id = $2",
+                *key,
+            )
+            if row is None:
+                return None
+            items = []
+            if with_items:
+                items = await db.fetch(
+                    "SELECT item_id, item FROM stored_response_items"
+                    " WHERE account_id = $1 AND response_id = $2 ORDER BY position",
+                    *key,
+                )
+        return StoredResponse(response_id, *row, tuple(ResponseItem(*item) for item in items))
+
+    async def delete_response(self, account_id: str, response_id: str) -> bool:
+        """Forget the account's stored response and its items; False if it had none of that id."""
+        async with self._transaction() as db:
+            await db.execute(
+                "DELETE FROM stored_response_items WHERE account_id = $1 AND response_id = $2",
+                account_id,
+                response_id,
+            )
+            status = await db.execute(
+                "DELETE FROM stored_responses WHERE account_id = $1 AND response_id = $2",
+                account_id,
+                response_id,
+            )
+        return _affected(status) > 0
+
+    async def response_items(
+        self, account_id: str, response_id: str, *, newest_first: bool, after: str, limit: int
+    ) -> tuple[list[ResponseItem], bool] | None:
+        """Up to ``limit`` input items in the order asked, past the item ``after`` (none: from the
+        first), and whether more follow; None when ``after`` names no item of that response."""
+        direction, compare, pick = ("DESC", "<", "MAX") if newest_first else ("ASC", ">", "MIN")
+        where = "account_id = $1 AND response_id = $2"
+        async with self._connection() as db, db.transaction(isolation="repeatable_read", readonly=True):
+            bound, args = "", [account_id, response_id]
+            if after:
+                start = await db.fetchval(
+                    f"SELECT {pick}(position) FROM stored_response_items WHERE {where} AND item_id = $3",
+                    *args,
+                    after,
+                )
+                if start is None:
+                    return None
+                bound, args = f" AND position {compare} $3", [*args, start]
+            rows = await db.fetch(
+                f"SELECT item_id, item FROM stored_response_items WHERE {where}{bound}"
+                f" ORDER BY position {direction} LIMIT ${len(args) + 1}",
+                *args,
+                limit + 1,
+            )
+        return [ResponseItem(*row) for row in rows[:limit]], len(rows) > limit
 
     # ------------------------------------------------------------------ plumbing
 

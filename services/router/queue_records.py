@@ -132,6 +132,29 @@ class WebhookAttempt:
     error: str
 
 
+@dataclass(frozen=True)
+class ResponseItem:
+    """One input item of a stored response's conversation."""
+
+    item_id: str
+    # OpenAI's JSON for the item: the bridge's to read, the store's only to keep.
+    body: bytes
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A response of OpenAI's Responses API kept for ``previous_response_id`` and ``GET``."""
+
+    response_id: str
+    created_at: int  # Unix seconds
+    # The session that placed it: its follow-ups run under it, on the replica holding its KV.
+    session_id: str
+    # The Response object as answered (OpenAI's JSON, kept unread).
+    body: bytes
+    # The conversation before its output, oldest first; empty when read without them.
+    input_items: tuple[ResponseItem, ...] = ()
+
+
 def batch_state(
     finished_at_ms: int | None,
     cancelled_at_ms: int | None,

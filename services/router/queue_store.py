@@ -1,4 +1,5 @@
-"""The durable async queue: batches, their jobs, results, webhook attempts, OpenAI files and batches.
+"""The durable async queue: batches, their jobs, results, webhook attempts, OpenAI files and batches
+(and, beside them, managed API keys and the Responses API's stored responses).
 
 Contract (``SqliteQueueStore``, the embedded default, and ``PostgresQueueStore``, for
 routers that share one database, both keep it: the same async methods, the same
@@ -50,7 +51,9 @@ from cachet.router.queue_records import (
     FileBatchRecord,
     Job,
     JobState,
+    ResponseItem,
     StoredFile,
+    StoredResponse,
     WebhookAttempt,
 )
 from cachet.router.settings import RouterServiceSettings
@@ -67,7 +70,9 @@ __all__ = [
     "Job",
     "JobState",
     "QueueStore",
+    "ResponseItem",
     "StoredFile",
+    "StoredResponse",
     "WebhookAttempt",
     "open_queue_store",
 ]
@@ -146,6 +151,19 @@ class QueueStore(Protocol):
     async def touch_api_key(self, key_id: str, at_ms: int) -> None: ...
 
     async def batch_api_key(self, batch_id: str) -> str: ...
+
+    # OpenAI Responses' stored responses, per account, with their conversations' input items.
+    async def put_response(self, account_id: str, response: StoredResponse) -> None: ...
+
+    async def response(
+        self, account_id: str, response_id: str, *, with_items: bool = False
+    ) -> StoredResponse | None: ...
+
+    async def delete_response(self, account_id: str, response_id: str) -> bool: ...
+
+    async def response_items(
+        self, account_id: str, response_id: str, *, newest_first: bool, after: str, limit: int
+    ) -> tuple[list[ResponseItem], bool] | None: ...
 
 
 async def open_queue_store(options: RouterServiceSettings) -> QueueStore:

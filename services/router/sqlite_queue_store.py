@@ -31,7 +31,9 @@ from cachet.router.queue_records import (
     FileBatchRecord,
     Job,
     JobState,
+    ResponseItem,
     StoredFile,
+    StoredResponse,
     WebhookAttempt,
     batch_state,
 )
@@ -138,6 +140,26 @@ CREATE INDEX IF NOT EXISTS api_keys_by_account ON api_keys (account_id, created_
 CREATE TABLE IF NOT EXISTS batch_api_keys (
     batch_id TEXT PRIMARY KEY REFERENCES batches (batch_id),
     key_id TEXT NOT NULL
+);
+-- OpenAI Responses' stored responses: the JSON as answered (the bridge's; kept unread) and
+-- the session a follow-up runs under. Times in Unix seconds, as OpenAI's created_at.
+CREATE TABLE IF NOT EXISTS stored_responses (
+    account_id TEXT NOT NULL,
+    response_id TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    session_id TEXT NOT NULL,
+    response BLOB NOT NULL,
+    PRIMARY KEY (account_id, response_id)
+);
+-- A stored response's input items, one row each in conversation order, so a page of
+-- input_items reads only its rows.
+CREATE TABLE IF NOT EXISTS stored_response_items (
+    account_id TEXT NOT NULL,
+    response_id TEXT NOT NULL,
+    position INTEGER NOT NULL,
+    item_id TEXT NOT NULL,
+    item BLOB NOT NULL,
+    PRIMARY KEY (account_id, response_id, position)
 );
 """
 
@@ -698,6 +720,105 @@ class SqliteQueueStore:
             ).fetchone()
         )
         return "" if row is None else row[0]
+
+    # ------------------------------------------------------------------ stored responses
+
+    async def put_response(self, account_id: str, response: StoredResponse) -> None:
+        """Store ``response`` with its input items, replacing one of the same id; durable once this returns."""
+
+        def put(db: sqlite3.Connection) -> None:
+            key = (account_id, response.response_id)
+            db.execute("DELETE FROM stored_response_items WHERE account_id = ? AND response_id = ?", key)
+            db.execute(
+                "INSERT OR REPLACE INTO stored_responses"
+                " (account_id, response_id, created_at, session_id, response) VALUES (?, ?, ?, ?, ?)",
+                (*key, response.created_at, response.session_id, response.body),
+            )
+            db.executemany(
+                "INSERT INTO stored_response_items (account_id, response_id, position, item_id, item)"
+                " VALUES (?, ?, ?, ?, ?)",
+                [(*key, n, item.item_id, item.body) for n, item in enumerate(response.input_items)],
+            )
+
+        await self._run(partial(self._transaction, put))
+
+    async def response(
+        self, account_id: str, response_id: str, *, with_items: bool = False
+    ) -> StoredResponse | None:
+        """The account's stored response of that id (None for another account's)."""
+
+        def read() -> StoredResponse | None:
+            key = (account_id, response_id)
+            row = self._db.execute(
+                "SELECT created_at, session_id, response FROM stored_responses"
+                " WHERE account_id = ? AND response_id = ?",
+                key,
+            ).fetchone()
+            if row is None:
+                return None
+            items = ()
+            if with_items:
+                items = self._db.execute(
+                    "SELECT item_id, item FROM stored_response_items"
+                    " WHERE account_id = ? AND response_id = ? ORDER BY position",
+                    key,
+                ).fetchall()
+            return StoredResponse(response_id, *row, tuple(ResponseItem(*item) for item in items))
+
+        # One read transaction: a put committing between the two selects is not half seen.
+        return await self._run(partial(self._read, read))
+
+    async def delete_response(self, account_id: str, response_id: str) -> bool:
+        """Forget the account's stored response and its items; False if it had none of that id."""
+
+        def delete(db: sqlite3.Connection) -> bool:
+            key = (account_id, response_id)
+            db.execute("DELETE FROM stored_response_items WHERE account_id = ? AND response_id = ?", key)
+            return (
+                db.execute(
+                    "DELETE FROM stored_responses WHERE account_id = ? AND response_id = ?", key
+                ).rowcount
+                > 0
+            )
+
+        return await self._run(partial(self._transaction, delete))
+
+    async def response_items(
+        self, account_id: str, response_id: str, *, newest_first: bool, after: str, limit: int
+    ) -> tuple[list[ResponseItem], bool] | None:
+        """Up to ``limit`` input items in the order asked, past the item ``after`` (none: from the
+        first), and whether more follow; None when ``after`` names no item of that response."""
+        direction, compare, pick = ("DESC", "<", "MAX") if newest_first else ("ASC", ">", "MIN")
+
+        def page() -> tuple[list[ResponseItem], bool] | None:
+            key = {"account": account_id, "response": response_id, "after": after, "limit": limit + 1}
+            where = "account_id = :account AND response_id = :response"
+            bound = ""
+            if after:
+                start = self._db.execute(
+                    f"SELECT {pick}(position) FROM stored_response_items WHERE {where} AND item_id = :after",
+                    key,
+                ).fetchone()[0]
+                if start is None:
+                    return None
+                key["start"] = start
+                bound = f" AND position {compare} :start"
+            rows = self._db.execute(
+                f"SELECT item_id, item FROM stored_response_items WHERE {where}{bound}"
+                f" ORDER BY position {direction} LIMIT :limit",
+                key,
+            ).fetchall()
+            return [ResponseItem(*row) for row in rows[:limit]], len(rows) > limit
+
+        return await self._run(page)
+
+    def _read(self, function: Callable[[], T]) -> T:
+        """Run ``function`` in one read transaction (on the worker thread): one snapshot for every select."""
+        self._db.execute("BEGIN")
+        try:
+            return function()
+        finally:
+            self._db.execute("COMMIT")
 
 
 def _insert_file_batch(
