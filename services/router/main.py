@@ -32,6 +32,7 @@ from cachet.router.request_pipeline import RequestPipeline
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
 from cachet.router.session_directory import SessionDirectory
 from cachet.router.settings import RouterServiceSettings, router_service_settings
+from cachet.router.stored_responses import StoredResponses
 from cachet.router.usage_recorder import UsageRecorder
 from cachet.router.v1 import router_pb2_grpc
 from cachet.router.webhook_secret import webhook_secret
@@ -158,7 +159,9 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
         webhook_targets=webhook_targets,
     )
     file_batches = FileBatches(clients.queue, queue, options.batch_file_max_lines)
-    servicer = InferenceServicer(pipeline, accounts, queue, file_batches, limits)
+    servicer = InferenceServicer(
+        pipeline, accounts, queue, file_batches, StoredResponses(clients.queue), limits
+    )
     try:
         running = await create_server(
             options,

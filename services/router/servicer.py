@@ -18,6 +18,7 @@ from cachet.router.choices import ChoiceGroup
 from cachet.router.file_batches import FileBatches
 from cachet.router.key_limits import KeyLimiter
 from cachet.router.request_pipeline import Generation, RequestPipeline
+from cachet.router.stored_responses import StoredResponses
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -31,6 +32,7 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
         accounts: AccountDirectory,
         queue: BatchQueue,
         file_batches: FileBatches,
+        responses: StoredResponses,
         limits: KeyLimiter | None = None,
     ) -> None:
         self._pipeline = pipeline
@@ -38,6 +40,7 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
         self._queue = queue
         self._file_batches = file_batches
         self._limits = limits
+        self._responses = responses
 
     async def CreateChatCompletion(self, request, context) -> router_pb2.ChatCompletion:  # noqa: N802
         caller, limits = await self._admitted(context, request.session_id)
@@ -102,6 +105,18 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
 
     async def ListBatches(self, request, context) -> router_pb2.ListBatchesResponse:  # noqa: N802
         return await self._file_batches.list(request, await self._caller(context))
+
+    async def PutStoredResponse(self, request, context) -> router_pb2.StoredResponseRef:  # noqa: N802
+        return await self._responses.put(request, await self._caller(context))
+
+    async def GetStoredResponse(self, request, context) -> router_pb2.StoredResponse:  # noqa: N802
+        return await self._responses.get(request, await self._caller(context))
+
+    async def DeleteStoredResponse(self, request, context) -> router_pb2.StoredResponseRef:  # noqa: N802
+        return await self._responses.delete(request, await self._caller(context))
+
+    async def ListStoredResponseItems(self, request, context) -> router_pb2.StoredResponseItems:  # noqa: N802
+        return await self._responses.items(request, await self._caller(context))
 
     async def Authenticate(self, request, context) -> router_pb2.CallerIdentity:  # noqa: N802
         caller = await self._caller(context)

@@ -4,11 +4,16 @@ account with their input items, replaced by id, deleted with them, paged either 
 from __future__ import annotations
 
 import asyncpg
+import pytest
 from queue_backends import QueueBackend
 
 from cachet.durable_postgres import migrate
+from cachet.errors import InvalidArgument, NotFound
+from cachet.router.caller import Caller
 from cachet.router.postgres_queue_store import MIGRATIONS, STORE, PostgresQueueStore
 from cachet.router.queue_store import QueueStore, ResponseItem, StoredResponse
+from cachet.router.stored_responses import StoredResponses
+from cachet.router.v1 import router_pb2
 
 
 def items(*ids: str) -> tuple[ResponseItem, ...]:
@@ -99,3 +104,41 @@ async def test_a_database_of_the_second_schema_gains_the_response_tables(postgre
         assert await store.response("acct-a", "resp_1", with_items=True) == response("resp_1", "msg_1")
     finally:
         await store.close()
+
+
+async def test_the_rpcs_are_scoped_to_the_caller_s_account(store: QueueStore) -> None:
+    """StoredResponses (the servicer's half): another account's response is NOT_FOUND whatever
+    the call, and bad pages are INVALID_ARGUMENT naming the field."""
+    rpcs = StoredResponses(store)
+    owner, other = Caller("acct-a", ""), Caller("acct-b", "")
+    item = router_pb2.StoredResponseItem(id="msg_1", item_json=b'{"id":"msg_1"}')
+    sent = router_pb2.StoredResponse(
+        id="resp_1", created_at=3, session_id="s", response_json=b"{}", input_items=[item]
+    )
+    assert (await rpcs.put(sent, owner)).id == "resp_1"
+    named = router_pb2.GetStoredResponseRequest(response_id="resp_1", include_input_items=True)
+    assert await rpcs.get(named, owner) == sent
+    without_items = await rpcs.get(router_pb2.GetStoredResponseRequest(response_id="resp_1"), owner)
+    assert not without_items.input_items and without_items.session_id == "s"
+    listed = router_pb2.ListStoredResponseItemsRequest(response_id="resp_1")
+    assert list((await rpcs.items(listed, owner)).items) == [item]
+    for call in (
+        rpcs.get(named, other),
+        rpcs.delete(named, other),
+        rpcs.items(listed, other),
+        rpcs.items(router_pb2.ListStoredResponseItemsRequest(response_id="resp_1", after="msg_x"), owner),
+    ):
+        with pytest.raises(NotFound):
+            await call
+    for bad in (
+        router_pb2.ListStoredResponseItemsRequest(response_id="resp_1", limit=101),
+        router_pb2.ListStoredResponseItemsRequest(response_id=""),
+        router_pb2.ListStoredResponseItemsRequest(response_id="r" * 257),
+    ):
+        with pytest.raises(InvalidArgument):
+            await rpcs.items(bad, owner)
+    with pytest.raises(InvalidArgument):
+        await rpcs.put(router_pb2.StoredResponse(), owner)
+    assert (await rpcs.delete(named, owner)).id == "resp_1"
+    with pytest.raises(NotFound):
+        await rpcs.get(named, owner)
