@@ -25,7 +25,7 @@ from cachet.config import ServiceSettings
 from cachet.errors import ERROR_INFO_METADATA_KEY, CachetError
 from cachet.grpc_metrics import MetricsInterceptor
 from cachet.logs import get_logger
-from cachet.metrics_endpoint import MetricsEndpoint, serve_default_metrics, serve_metrics
+from cachet.metrics_endpoint import MetricsEndpoint, serve_metrics_or_go_without
 from cachet.startup_heap import freeze_startup_heap
 from cachet.tracing import server_interceptors
 
@@ -156,9 +156,9 @@ async def create_server(
     """Build, bind and start a server; ``settings.port`` 0 picks a free port (tests).
 
     ``metrics_port`` (None: none; 0: a free port) serves Prometheus /metrics beside it: the
-    process-wide registry and ``metrics_collectors``. A service's default port (its settings'
-    ``metrics_port`` left unset) that another process holds is skipped with a warning; a
-    port someone chose must bind.
+    process-wide registry and ``metrics_collectors``. A port another process holds leaves the
+    server without /metrics, with a warning for the service's default port (its settings'
+    ``metrics_port`` left unset) and an error for a port someone chose: never a failed start.
 
     Also freezes the process's startup heap (``startup_heap``), once per process: every
     gRPC service calls this when what it serves with is built; and shortens the interpreter
@@ -187,15 +187,10 @@ async def create_server(
     await server.start()
     metrics = None
     if metrics_port is not None:
-        defaulted = "metrics_port" not in settings.model_fields_set and metrics_port == getattr(
+        chosen = "metrics_port" in settings.model_fields_set or metrics_port != getattr(
             settings, "metrics_port", None
         )
-        serve = serve_default_metrics if defaulted else serve_metrics
-        try:
-            metrics = serve(metrics_port, settings.host, metrics_collectors)
-        except BaseException:
-            await server.stop(None)
-            raise
+        metrics = serve_metrics_or_go_without(metrics_port, settings.host, metrics_collectors, chosen=chosen)
     running = RunningServer(
         server=server, port=port, health=health_servicer, service_names=names, metrics=metrics
     )

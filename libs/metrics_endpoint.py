@@ -1,6 +1,7 @@
 """A service's Prometheus /metrics endpoint: an HTTP server on a port of its own, in a thread.
 
-Every gRPC service serves one by default (``CACHET_<SERVICE>_METRICS_PORT``, 0 turns it off);
+Every gRPC service serves one by default (``CACHET_<SERVICE>_METRICS_PORT``, 0 turns it off;
+a port it cannot bind leaves it serving without one, see ``serve_metrics_or_go_without``);
 the bridge serves /metrics on its REST port instead. What it serves is the process-wide
 registry (the gRPC server's figures, process CPU and memory, the service's own module-level
 metrics) plus the collectors a service passes in: figures read from its objects at scrape
@@ -62,17 +63,22 @@ def serve_metrics(port: int, host: str = LOOPBACK, collectors: Iterable[Collecto
     return MetricsEndpoint(server)
 
 
-def serve_default_metrics(
-    port: int, host: str = LOOPBACK, collectors: Iterable[Collector] = ()
+def serve_metrics_or_go_without(
+    port: int, host: str = LOOPBACK, collectors: Iterable[Collector] = (), *, chosen: bool = True
 ) -> MetricsEndpoint | None:
-    """``serve_metrics`` on a service's default port, which another process may hold already
-    (a second replica, another checkout's services on a shared box): then the service serves
-    without /metrics and says so, rather than failing to start over a port nobody chose."""
+    """``serve_metrics``, or, when the port cannot be had, none: a service serves without
+    /metrics rather than failing to start (or, restarted by a supervisor, failing again and
+    again) over the port of its figures. A service's default port may simply be another
+    process's (a second replica, another checkout's services on a shared box): a warning. A
+    port someone ``chosen`` that another process took (run-local's free ports are free when
+    planned, and a slow engine binds its own a minute later): an error, which the scrape's
+    target going down shows too."""
     try:
         return serve_metrics(port, host, collectors)
     except OSError as taken:
-        log.warning(
-            "metrics port in use: serving no /metrics (set the service's METRICS_PORT)",
+        report = log.error if chosen else log.warning
+        report(
+            "metrics port not available: serving without /metrics (set the service's METRICS_PORT)",
             metrics_port=port,
             error=str(taken),
         )
