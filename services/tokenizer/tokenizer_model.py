@@ -1,6 +1,8 @@
 """One model's tokenizer and chat template, loaded from a local checkpoint directory.
 
-Everything goes through transformers' ``AutoTokenizer`` with ``local_files_only``:
+Everything goes through transformers' ``AutoTokenizer`` with ``local_files_only``
+(a tiktoken vocabulary, as Kimi ships, is rebuilt as the same kind of tokenizer:
+``tiktoken_files``):
 the same tokenizer.json, the same Jinja chat template (rendered by
 transformers' own sandboxed renderer, so prompts equal what the model's authors
 tested), never a download. Decoding never applies
@@ -27,6 +29,7 @@ from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.tokenizer.generic_tool_prompt import rewrite_for_generic_tools, template_supports_tools
 from cachet.tokenizer.model_info import ModelInfo, read_model_info
 from cachet.tokenizer.template_variables import NO_CONTROLS, ReasoningControls
+from cachet.tokenizer.tiktoken_files import has_tiktoken_files, load_tiktoken_tokenizer
 
 # Any non-empty list makes transformers pick a checkpoint's "tool_use" template
 # when it ships several named ones.
@@ -50,8 +53,12 @@ class TokenizerModel:
 
     @classmethod
     def load(cls, model_id: str, path: Path) -> TokenizerModel:
-        """Load the tokenizer files of ``path`` (config.json, tokenizer.json, tokenizer_config.json)."""
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        """Load the tokenizer files of ``path`` (config.json, tokenizer.json or tiktoken.model,
+        tokenizer_config.json)."""
+        if has_tiktoken_files(Path(path)):
+            tokenizer = load_tiktoken_tokenizer(Path(path))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if getattr(tokenizer, "backend_tokenizer", None) is None:
             # ExportTokenizer hands the router this Rust tokenizer: a slow one has none to hand.
             raise ValueError(
