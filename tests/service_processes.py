@@ -214,9 +214,9 @@ class CachetStack:
         } | overrides
         return start_service("router", env, self.log_dir, name=name)
 
-    def start_bridge(self, **env: str) -> ServiceProcess:
+    def start_bridge(self, name: str = "bridge", **env: str) -> ServiceProcess:
         """The REST bridge in front of this stack's router, returned once the router answers behind it;
-        ``env`` adds or replaces its variables (API keys, limits)."""
+        ``env`` adds or replaces its variables (API keys, limits, another router's address)."""
         port = free_port()
         bridge = launch_service(
             "bridge",
@@ -227,6 +227,7 @@ class CachetStack:
             }
             | env,
             self.log_dir,
+            name=name,
             port=port,
         )
         self._add(bridge)

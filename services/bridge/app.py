@@ -45,7 +45,6 @@ from cachet.bridge.middleware import (
     keep_rate_limits,
 )
 from cachet.bridge.responses_schemas import ResponseStreamEventOut
-from cachet.bridge.responses_store import ResponseStore
 from cachet.bridge.settings import BridgeServiceSettings, is_loopback
 from cachet.config import BridgeSettings
 from cachet.grpc_channel import create_channel
@@ -455,7 +454,6 @@ def create_app(settings: BridgeSettings) -> FastAPI:
             "OPEN DEVELOPMENT MODE: no API keys configured, every request is accepted as account 'anonymous'",
             host=config.host,
         )
-    responses = ResponseStore(config.responses_path)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -464,7 +462,6 @@ def create_app(settings: BridgeSettings) -> FastAPI:
             yield
         finally:
             await backends.close()
-            responses.close()
 
     app = FastAPI(
         title="Cachet",
@@ -476,7 +473,6 @@ def create_app(settings: BridgeSettings) -> FastAPI:
     app.state.auth = auth
     app.state.backends = backends
     app.state.metrics = BridgeMetrics()
-    app.state.responses = responses
     install_error_handlers(app)
     app.include_router(api)
     # Imported here, not at the top: the batch routes reuse this module's dependencies.

@@ -11,6 +11,7 @@ answer's rendering is the Responses API's: output items (streams:
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -301,18 +302,42 @@ def deleted_to_json(response_id: str) -> Json:
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-def input_items_to_json(items: list[Json], limit: int, order: str, after: str | None) -> Json:
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [item.get("id") for item in ordered]
-        if after not in ids:
-            raise BridgeError(404, f"No input item with id {after!r} in this response.", param="after")
-        ordered = ordered[ids.index(after) + 1 :]
-    page = ordered[:limit]
+# ================================================================ stored responses
+
+
+def stored_to_proto(response: Json, session_id: str, input_items: list[Json]) -> router_pb2.StoredResponse:
+    """What the router keeps of a stored response: its JSON, unread there, and the session it ran under."""
+    return router_pb2.StoredResponse(
+        id=response["id"],
+        created_at=int(response["created_at"]),
+        session_id=session_id,
+        response_json=_json_bytes(response),
+        input_items=[
+            router_pb2.StoredResponseItem(id=str(item.get("id", "")), item_json=_json_bytes(item))
+            for item in input_items
+        ],
+    )
+
+
+def stored_response(stored: router_pb2.StoredResponse) -> Json:
+    return json.loads(stored.response_json)
+
+
+def conversation(stored: router_pb2.StoredResponse) -> list[Json]:
+    """What a follow-up continues: every input item of the stored response, then its output."""
+    return [*(json.loads(item.item_json) for item in stored.input_items), *stored_response(stored)["output"]]
+
+
+def input_items_to_json(page: router_pb2.StoredResponseItems) -> Json:
+    data = [json.loads(item.item_json) for item in page.items]
     return {
         "object": "list",
-        "data": page,
-        "first_id": page[0].get("id") if page else None,
-        "last_id": page[-1].get("id") if page else None,
-        "has_more": len(ordered) > limit,
+        "data": data,
+        "first_id": page.items[0].id if page.items else None,
+        "last_id": page.items[-1].id if page.items else None,
+        "has_more": page.has_more,
     }
+
+
+def _json_bytes(value: Json) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()

@@ -8,7 +8,6 @@ and ``CACHET_BRIDGE_MAX_BODY_BYTES`` read like every other bridge variable.
 from __future__ import annotations
 
 import ipaddress
-from pathlib import Path
 
 from pydantic import Field
 
@@ -32,13 +31,6 @@ class BridgeServiceSettings(BridgeSettings):
     # How long the router's answer about a managed API key is trusted (auth.py): a key revoked
     # with `cachet keys revoke` stops passing the bridge within this time.
     key_cache_seconds: float = Field(default=5.0, ge=0)
-    # Stored responses (POST /v1/responses with store); defaults to <data_dir>/responses.sqlite3.
-    responses_database: Path | None = None
-
-    @property
-    def responses_path(self) -> Path:
-        return self.responses_database or self.data_dir / "responses.sqlite3"
-
     @property
     def dev_mode(self) -> bool:
         """No API keys: every caller is the one development account."""

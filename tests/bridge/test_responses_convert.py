@@ -14,7 +14,6 @@ import pytest
 from cachet.bridge import convert, responses_convert, schemas
 from cachet.bridge.errors import BridgeError
 from cachet.bridge.responses_schemas import ResponseObject, ResponsesBody
-from cachet.bridge.responses_store import ResponseStore, StoredResponse
 from cachet.bridge.responses_stream import ResponseStream
 from cachet.common.v1 import common_pb2
 from cachet.router.v1 import router_pb2
@@ -123,34 +122,32 @@ async def test_what_cannot_be_honoured_is_a_400_naming_it(make_client, tmp_path:
     assert named in error["message"] + str(error["param"])
 
 
-async def test_unknown_ids_are_openai_shaped(make_client, tmp_path: Path) -> None:
+async def test_bad_ids_are_refused_before_the_router(make_client, tmp_path: Path) -> None:
     async with make_client(data_dir=tmp_path) as client:
-        follow_up = await client.post(
-            "/v1/responses", json={"model": "m", "input": "Hi", "previous_response_id": "resp_x"}
-        )
-        got = await client.get("/v1/responses/resp_x")
-        deleted = await client.delete("/v1/responses/resp_x")
         items = await client.get("/v1/responses/resp_x/input_items", params={"limit": 0})
-        # Nothing above reached the (absent) router: a plain request is the 503 that proves it.
-        plain = await client.post("/v1/responses", json={"model": "m", "input": "Hi"})
-    assert (follow_up.status_code, follow_up.json()["error"]["param"]) == (400, "previous_response_id")
-    assert (got.status_code, got.json()["error"]["type"]) == (404, "not_found_error")
-    assert deleted.status_code == 404
-    assert items.status_code == 400
-    assert plain.status_code == 503
+        long_id = await client.get("/v1/responses/" + "r" * 257)
+        long_after = await client.get("/v1/responses/resp_x/input_items", params={"after": "m" * 257})
+        # Stored responses live behind the router (absent here): any well-formed id reaches it.
+        got = await client.get("/v1/responses/resp_x")
+    assert (items.status_code, items.json()["error"]["type"]) == (400, "invalid_request_error")
+    assert long_id.status_code == 400 and long_after.status_code == 400
+    assert got.status_code == 503
 
 
-def test_store_is_per_account(tmp_path: Path) -> None:
-    store = ResponseStore(tmp_path / "r.sqlite3")
-    response = {"id": "resp_1", "created_at": 1, "output": [{"type": "message", "id": "msg_2"}]}
-    store.put("a", StoredResponse("resp_1", "s", response, [{"type": "message", "id": "msg_1"}]))
-    assert store.get("b", "resp_1") is None
-    stored = store.get("a", "resp_1")
-    assert stored is not None and stored.session_id == "s"
-    assert [item["id"] for item in stored.conversation()] == ["msg_1", "msg_2"]
-    assert not store.delete("b", "resp_1") and store.delete("a", "resp_1")
-    assert store.get("a", "resp_1") is None
-    store.close()
+def test_a_stored_response_round_trips_through_its_proto() -> None:
+    response = {"id": "resp_1", "created_at": 7, "output": [{"type": "message", "id": "msg_2"}]}
+    stored = responses_convert.stored_to_proto(response, "s", [{"type": "message", "id": "msg_1"}])
+    assert (stored.id, stored.created_at, stored.session_id) == ("resp_1", 7, "s")
+    assert responses_convert.stored_response(stored) == response
+    assert [item["id"] for item in responses_convert.conversation(stored)] == ["msg_1", "msg_2"]
+    page = router_pb2.StoredResponseItems(items=stored.input_items, has_more=True)
+    assert responses_convert.input_items_to_json(page) == {
+        "object": "list",
+        "data": [{"type": "message", "id": "msg_1"}],
+        "first_id": "msg_1",
+        "last_id": "msg_1",
+        "has_more": True,
+    }
 
 
 def _chunks() -> list[router_pb2.ChatCompletionChunk]:
@@ -294,16 +291,6 @@ async def test_odd_values_anywhere_are_never_a_server_error(make_client, tmp_pat
             reply = await client.post("/v1/responses", json=sent)
             assert reply.status_code in (400, 503), (sent, reply.text)
             assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
-
-
-def test_input_items_page_newest_first_by_default() -> None:
-    items = [{"id": f"msg_{n}"} for n in range(5)]
-    page = responses_convert.input_items_to_json(items, 2, "desc", None)
-    assert [i["id"] for i in page["data"]] == ["msg_4", "msg_3"] and page["has_more"]
-    page = responses_convert.input_items_to_json(items, 2, "desc", page["last_id"])
-    assert [i["id"] for i in page["data"]] == ["msg_2", "msg_1"]
-    last = responses_convert.input_items_to_json(items, 10, "asc", "msg_3")
-    assert (last["first_id"], last["last_id"], last["has_more"]) == ("msg_4", "msg_4", False)
 
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event() -> None:
