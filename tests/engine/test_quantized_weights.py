@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepseek_ep_worker import prefill_logits, prompt, runner_for
 from safetensors.torch import load_file, save_file
 
 from cachet.engine.models import ModelConfig
@@ -278,3 +279,45 @@ def test_unpack_matches_compressed_tensors_own_packer() -> None:
     values = torch.randint(-8, 8, (5, 64), dtype=torch.int8)
     packed = helpers.pack_to_int32(values, 4)
     assert torch.equal(unpack_int32(packed, 4, 64), values.to(torch.int32))
+
+
+def test_kimi_k25_layout_loads_its_language_model(
+    int4_dir: tuple[Path, dict], original: dict, tmp_path: Path
+) -> None:
+    """The released K2.5 shape in miniature: a kimi_k25 wrapper config, the language model under
+    ``language_model.`` with INT4 experts, the vision tower and projector beside it (not loaded)."""
+    source, refs = int4_dir
+    model_dir = tmp_path / "tiny-k25"
+    shutil.copytree(source, model_dir)
+    text_config = json.loads((source / "config.json").read_text())
+    published = json.loads((Path(__file__).parent / "fixtures" / "kimi_k25" / "config.json").read_text())
+    vision = {**published["vision_config"], "vt_hidden_size": 16, "vt_num_hidden_layers": 1}
+    vision["text_hidden_size"] = text_config["hidden_size"]
+    wrapper = {
+        **{k: published[k] for k in ("architectures", "model_type", "media_placeholder_token_id")},
+        "bos_token_id": text_config.get("bos_token_id"),
+        "eos_token_id": text_config.get("eos_token_id"),
+        "quantization_config": INT4_CONFIG,
+        "text_config": text_config,
+        "vision_config": vision,
+    }
+    (model_dir / "config.json").write_text(json.dumps(wrapper))
+    vision_tensors = {
+        "vision_tower.encoder.blocks.0.wqkv.weight": torch.zeros(48, 16),
+        "mm_projector.proj.0.weight": torch.zeros(64, 64),
+    }
+
+    def edit(file: str, tensors: dict) -> None:
+        for name in list(tensors):
+            tensors["language_model." + name] = tensors.pop(name)
+        if file.startswith("model-00002"):
+            tensors.update(vision_tensors)
+
+    _edit_checkpoint(model_dir, edit)
+    config = ModelConfig.from_model_dir(model_dir)
+    assert config.checkpoint_prefix == "language_model." and config.vision is not None
+    _check(_load(model_dir), original, refs, _routed_expert_weight)
+    # The engine's runner serves it as it serves the same weights in K2 Thinking's layout.
+    ids = prompt(1, 24)
+    theirs = prefill_logits(runner_for(source), ids)
+    torch.testing.assert_close(prefill_logits(runner_for(model_dir), ids), theirs, rtol=0, atol=0)
