@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from cachet.bridge import convert, responses_convert, schemas
+from cachet.bridge.calls import SSEDialect
 from cachet.bridge.errors import BridgeError
+from cachet.bridge.responses_routes import _stored_first
 from cachet.bridge.responses_schemas import ResponseObject, ResponsesBody
 from cachet.bridge.responses_stream import ResponseStream
 from cachet.common.v1 import common_pb2
@@ -304,3 +306,29 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event() -> None:
         "message": "engine gone",
         "param": None,
     }
+
+
+async def test_a_stream_is_stored_before_its_last_events_or_ends_with_the_store_s_error() -> None:
+    finished: list[dict] = []
+    sent: list[bytes] = []
+
+    async def events():
+        yield b"created"
+        finished.append({"id": "resp_1"})  # the last chunk rendered: its events follow
+        yield b"completed"
+
+    dialect = SSEDialect(lambda event: b"", lambda error: f"error:{error.status}".encode(), b"")
+
+    async def keep(response: dict) -> None:
+        assert response == {"id": "resp_1"} and sent == [b"created"]
+
+    async for event in _stored_first(events(), finished, keep, dialect):
+        sent.append(event)
+    assert sent == [b"created", b"completed"]
+
+    async def refused(_response: dict) -> None:
+        raise BridgeError(503, "router gone", "service_unavailable")
+
+    finished.clear()
+    out = [event async for event in _stored_first(events(), finished, refused, dialect)]
+    assert out == [b"created", b"error:503"]
