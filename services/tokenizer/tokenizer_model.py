@@ -47,15 +47,21 @@ class RenderedChat:
 class TokenizerModel:
     """Encode, decode, count and chat-template for one model; immutable after ``load``."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, *, sort_tool_keys: bool = False
+    ) -> None:
         self._tokenizer = tokenizer
         self.info = info
+        # Kimi's own tokenizer sorts every key of the tool definitions before rendering them; the
+        # model was trained on that order, and it makes equal tools render to equal prefixes.
+        self._sort_tool_keys = sort_tool_keys
 
     @classmethod
     def load(cls, model_id: str, path: Path) -> TokenizerModel:
         """Load the tokenizer files of ``path`` (config.json, tokenizer.json or tiktoken.model,
         tokenizer_config.json)."""
-        if has_tiktoken_files(Path(path)):
+        tiktoken = has_tiktoken_files(Path(path))
+        if tiktoken:
             tokenizer = load_tiktoken_tokenizer(Path(path))
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -68,7 +74,7 @@ class TokenizerModel:
         source = _template_source(tokenizer, tools=_TOOLS_PROBE)
         supports_tools = source is not None and template_supports_tools(source)
         info = read_model_info(model_id, Path(path), tokenizer, template_supports_tools=supports_tools)
-        return cls(tokenizer, info)
+        return cls(tokenizer, info, sort_tool_keys=tiktoken)
 
     @property
     def model_id(self) -> str:
@@ -127,6 +133,8 @@ class TokenizerModel:
                 "continue_final_message: cannot be combined with add_generation_prompt",
                 param="continue_final_message",
             )
+        if self._sort_tool_keys:
+            tools = [_sorted_keys(tool) for tool in tools]
         source = _template_source(self._tokenizer, tools=tools or None)
         if source is None:
             raise InvalidArgument(f"model: {self.model_id} has no chat template; use Encode", param="model")
@@ -167,3 +175,11 @@ def _template_source(tokenizer: PreTrainedTokenizerBase, *, tools: list[dict[str
         return tokenizer.get_chat_template(None, tools)
     except ValueError:
         return None
+
+
+def _sorted_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _sorted_keys(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(item) for item in value]
+    return value

@@ -200,3 +200,19 @@ def test_a_malformed_rank_file_names_its_line(tmp_path: Path) -> None:
     (tmp_path / "tiktoken.model").write_text("IQ== 0\nnot-base64!! 1\n")
     with pytest.raises(ValueError, match=r"tiktoken.model:2: not a '<base64> <rank>' line"):
         read_ranks(tmp_path / "tiktoken.model")
+
+
+def test_tool_definitions_render_with_sorted_keys_as_kimis_tokenizer_does(model: TokenizerModel) -> None:
+    def tool(order: list[str]) -> dict:
+        function = {"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}
+        return {"type": "function", "function": {key: function[key] for key in order}}
+
+    messages = [{"role": "user", "content": "weather?"}]
+    one, other = (
+        model.apply_chat_template(
+            messages, [tool(order)], add_generation_prompt=True, continue_final_message=False
+        ).prompt
+        for order in (["name", "parameters", "description"], ["parameters", "description", "name"])
+    )
+    assert one == other
+    assert '"function": {"description": "Weather", "name": "get_weather", "parameters"' in one
