@@ -485,6 +485,9 @@ def create_app(settings: BridgeSettings) -> FastAPI:
     from cachet.bridge.responses_routes import api as responses_api
 
     app.include_router(responses_api)
+    from cachet.bridge.dashboard import api as dashboard_api
+
+    app.include_router(dashboard_api)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(RateLimitHeadersMiddleware)
     # Added last, so outermost: its span and its 500 cover everything inside.
