@@ -8,6 +8,11 @@ its own slices' shapes, and the loader reads only those slices (safetensors
 ``get_slice``): no rank ever holds a weight it does not own. Anything the
 checkpoint lacks or has in excess is an error: a silently half-loaded model
 produces fluent garbage.
+
+Released checkpoints store some weights quantized (several stored tensors make one
+weight) and some models under a prefix beside a vision tower: ``checkpoint_names``
+reads the stored names as the model's, and a quantized weight is dequantized whole
+(``quantized_weights``) before this rank's slice of it is kept.
 """
 
 from __future__ import annotations

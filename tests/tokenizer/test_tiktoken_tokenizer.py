@@ -216,3 +216,12 @@ def test_tool_definitions_render_with_sorted_keys_as_kimis_tokenizer_does(model:
     )
     assert one == other
     assert '"function": {"description": "Weather", "name": "get_weather", "parameters"' in one
+
+
+def test_the_exported_rust_tokenizer_decodes_and_encodes_alike(model: TokenizerModel) -> None:
+    """The router rebuilds the tokenizer from ``tokenizer_json`` to detokenize streams."""
+    exported = Tokenizer.from_str(model.tokenizer_json())
+    for text in TEXTS:
+        ids = model.encode(text, add_special_tokens=False)
+        assert exported.encode(text, add_special_tokens=False).ids == ids, text
+        assert exported.decode(ids, skip_special_tokens=False) == text, text
