@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,13 @@ from torch import nn
 
 from cachet.engine.checkpoint_names import (
     PACKED_INT,
+    PACKED_INT_PARTS,
     PLAIN,
     CheckpointNames,
     StoredTensor,
     group_checkpoint_names,
 )
+from cachet.engine.int4_linear import Int4Linear, int4_kernel_available
 from cachet.engine.models import ModelConfig, model_class
 from cachet.engine.models.config import Fp8BlockQuantization, PackedIntQuantization
 from cachet.engine.quantized_weights import (
@@ -86,6 +88,8 @@ def load_model(
     tp: TensorParallelRank = SINGLE_RANK,
 ) -> nn.Module:
     """This rank's part of the model (all of it for a lone rank), filled from the checkpoint."""
+    if isinstance(config.quantization, PackedIntQuantization) and int4_kernel_available(device, dtype):
+        config = replace(config, quantization=replace(config.quantization, keep_packed=True))
     with torch.device("meta"):
         model = model_class(config)(config, tp)
     model = model.to(dtype=dtype)
@@ -94,6 +98,9 @@ def load_model(
     model = model.to_empty(device=device)
     model.tie_weights()
     load_weights(model, model_dir)
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.pack_for_kernel_()
     return model.eval()
 
 
@@ -159,6 +166,15 @@ def plan_load(model: nn.Module, names: CheckpointNames) -> LoadPlan:
     for name, stored in names.tensors.items():
         if skip(name) or name in aliases:
             continue  # a tied copy is used below, only when the owner's own name is absent
+        if stored.format == PACKED_INT and name not in params and _kept_packed(name, params):
+            # The layer keeps the checkpoint's form (``Int4Linear``): each part fills its namesake.
+            base = name.removesuffix("weight")
+            for role, part in stored.parts.items():
+                plan.fills.append(
+                    Fill(StoredTensor(base + role, PLAIN, {"weight": part}), base + role, None, None)
+                )
+                filled.add(base + role)
+            continue
         if name in params:
             plan.fills.append(Fill(stored, name, None, slices.get(name)))
         elif name in stacked:
@@ -176,6 +192,11 @@ def plan_load(model: nn.Module, names: CheckpointNames) -> LoadPlan:
     plan.missing = sorted((set(params) - merged - filled) | (set(stacked) - filled))
     plan.unexpected.sort()
     return plan
+
+
+def _kept_packed(name: str, params: dict[str, nn.Parameter]) -> bool:
+    base = name.removesuffix("weight")
+    return all(base + role in params for role in PACKED_INT_PARTS)
 
 
 class _StoredTensors:

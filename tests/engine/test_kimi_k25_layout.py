@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,21 @@ def test_what_the_engine_cannot_run_is_refused_by_name(change, message: str) -> 
     change(raw)
     with pytest.raises(UnsupportedModelError, match=re.escape(message)):
         ModelConfig.from_dict(raw)
+
+
+def test_kept_packed_experts_take_the_published_parts_by_name(tensors: dict) -> None:
+    """Where the INT4 kernel serves (bf16 on a CPU), each expert part fills its namesake."""
+    config = ModelConfig.from_model_dir(FIXTURE)
+    assert isinstance(config.quantization, PackedIntQuantization)
+    config = replace(config, num_hidden_layers=2, quantization=replace(config.quantization, keep_packed=True))
+    names = {n: v for n, v in tensors.items() if not re.search(r"layers\.([2-9]|\d\d)\.", n)}
+    with pytest.MonkeyPatch.context() as patch, torch.device("meta"):
+        patch.setattr(nn.Linear, "reset_parameters", lambda self: None)
+        model = model_class(config)(config)
+    plan = plan_load(model, group_checkpoint_names(names, config))
+    assert (plan.unexpected, plan.missing) == ([], [])
+    params = dict(model.named_parameters())
+    packed = [fill for fill in plan.fills if ".experts." in fill.param]
+    assert len(packed) == 384 * 3 * 3
+    for fill in packed:
+        assert tensors[fill.stored.parts["weight"]][1] == tuple(params[fill.param].shape), fill.param

@@ -139,6 +139,9 @@ class PackedIntQuantization:
     # Names or "re:" patterns the producer left unquantized; informative, the loader goes by
     # which tensors each layer has.
     ignore: tuple[str, ...]
+    # Set by the loader where the device multiplies by INT4 weights directly (``int4_linear``):
+    # routed experts then stay packed instead of being dequantized.
+    keep_packed: bool = False
 
 
 @dataclass(frozen=True)

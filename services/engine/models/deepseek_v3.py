@@ -26,8 +26,9 @@ from torch import nn
 
 from cachet.engine.attention import AttentionMetadata
 from cachet.engine.expert_parallel import ExpertParallel
+from cachet.engine.int4_linear import Int4Linear, int4_kernel_fits
 from cachet.engine.mla_attention import PagedLatentAttention
-from cachet.engine.models.config import MLAConfig, ModelConfig, MoEConfig
+from cachet.engine.models.config import MLAConfig, ModelConfig, MoEConfig, PackedIntQuantization
 from cachet.engine.models.decoder import CausalLM, DecoderLayer, DecoderModel, RMSNorm
 from cachet.engine.models.rotary import apply_rotary
 from cachet.engine.tensor_parallel import (
@@ -222,7 +223,7 @@ class MoE(nn.Module):
         # Keyed by global expert id, so parameter names equal checkpoint names on every rank.
         self.experts = nn.ModuleDict(
             {
-                str(j): DenseMLP(config.hidden_size, moe.moe_intermediate_size, expert_split, reduce=False)
+                str(j): _routed_expert(config, expert_split)
                 for j in expert_parallel.local_experts(moe.n_routed_experts)
             }
         )
@@ -263,6 +264,36 @@ class MoE(nn.Module):
             y = expert(x[tokens]) * flat_weights[pairs, None].to(x.dtype)
             out.index_add_(0, tokens, y)
         return out
+
+
+class Int4MLP(nn.Module):
+    """A routed expert kept in its checkpoint's INT4 form (whole on this rank)."""
+
+    def __init__(self, hidden: int, inner: int, group_size: int | None) -> None:
+        super().__init__()
+        self.gate_proj = Int4Linear(hidden, inner, group_size or hidden)
+        self.up_proj = Int4Linear(hidden, inner, group_size or hidden)
+        self.down_proj = Int4Linear(inner, hidden, group_size or inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _routed_expert(config: ModelConfig, expert_split: TensorParallelRank) -> nn.Module:
+    moe: MoEConfig = config.moe  # type: ignore[assignment]
+    hidden, inner = config.hidden_size, moe.moe_intermediate_size
+    packed = config.quantization
+    if (
+        isinstance(packed, PackedIntQuantization)
+        and packed.keep_packed
+        and packed.num_bits == 4
+        # Experts cut by channels would cut packed words and scale groups: those dequantize.
+        and expert_split.size == 1
+        and int4_kernel_fits(hidden, inner, packed.group_size or hidden)
+        and int4_kernel_fits(inner, hidden, packed.group_size or inner)
+    ):
+        return Int4MLP(hidden, inner, packed.group_size)
+    return DenseMLP(hidden, inner, expert_split, reduce=False)
 
 
 def _mlp(
@@ -329,4 +360,4 @@ class DeepseekV3ForCausalLM(CausalLM):
         return (self.config.mla.latent_dim,)
 
 
-__all__ = ["DeepseekV3ForCausalLM", "MLAttention", "MoE", "Router", "softmax_scale"]
+__all__ = ["DeepseekV3ForCausalLM", "Int4MLP", "MLAttention", "MoE", "Router", "softmax_scale"]
