@@ -52,6 +52,12 @@ def group_checkpoint_names(names: Iterable[str], config: ModelConfig) -> Checkpo
     grouped = CheckpointNames()
     vision_prefixes = config.vision.checkpoint_prefixes if config.vision else ()
     parts: dict[str, dict[str, str]] = {}
+    # Only the roles of the config's own format are split off: in an unquantized checkpoint a
+    # ``weight_scale_inv`` is just a name no parameter has, and is reported as such.
+    roles = {
+        PackedIntQuantization: PACKED_INT_PARTS,
+        Fp8BlockQuantization: FP8_BLOCK_PARTS,
+    }.get(type(config.quantization), ())
     for stored in names:
         if stored.startswith(vision_prefixes):
             grouped.vision.append(stored)
@@ -59,7 +65,7 @@ def group_checkpoint_names(names: Iterable[str], config: ModelConfig) -> Checkpo
         if not stored.startswith(config.checkpoint_prefix):
             grouped.unexpected.append(stored)
             continue
-        base, role = _split_role(stored[len(config.checkpoint_prefix) :], config)
+        base, role = _split_role(stored[len(config.checkpoint_prefix) :], roles)
         parts.setdefault(base, {})[role] = stored
     for base, roles in parts.items():
         tensor = _stored_tensor(base, roles, config)
@@ -71,15 +77,8 @@ def group_checkpoint_names(names: Iterable[str], config: ModelConfig) -> Checkpo
     return grouped
 
 
-def _split_role(name: str, config: ModelConfig) -> tuple[str, str]:
-    """``x.weight_packed`` -> (``x``, ``weight_packed``); a plain ``x.weight`` -> (``x.weight``, ``""``).
-
-    Only the roles of the config's own format are split off: in an unquantized checkpoint a
-    ``weight_scale_inv`` is just a name no parameter has, and is reported as such."""
-    roles = {
-        PackedIntQuantization: PACKED_INT_PARTS,
-        Fp8BlockQuantization: FP8_BLOCK_PARTS,
-    }.get(type(config.quantization), ())
+def _split_role(name: str, roles: tuple[str, ...]) -> tuple[str, str]:
+    """``x.weight_packed`` -> (``x``, ``weight_packed``); a plain ``x.weight`` -> (``x.weight``, ``""``)."""
     module, _, last = name.rpartition(".")
     if last in roles:
         return module, last
