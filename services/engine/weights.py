@@ -209,10 +209,14 @@ class _StoredTensors:
         self._where: dict[str, Any] = {}
 
     def __enter__(self) -> _StoredTensors:
-        for path in self._files:
-            handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                self._where[name] = handle
+        with ExitStack() as opening:  # a shard that fails to open closes the ones before it
+            for path in self._files:
+                handle = opening.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                    if name in self._where:
+                        raise CheckpointError(f"{name} is stored twice (again in {path.name})")
+                    self._where[name] = handle
+            self._stack = opening.pop_all()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -358,3 +358,17 @@ def test_bf16_on_cpu_keeps_int4_experts_packed_and_matches_dequantizing(
 
 def runner_for_dtype(model_dir: Path, dtype: torch.dtype) -> ModelRunner:
     return ModelRunner(model_dir, dtype=dtype, device=CPU, kv_cache_bytes=1 << 20, block_size=16)
+
+
+def test_a_tensor_stored_in_two_shards_is_an_error_naming_it(
+    int4_dir: tuple[Path, dict], tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "twice"
+    shutil.copytree(int4_dir[0], model_dir)
+    name = "model.norm.weight"
+    second = model_dir / "model-00002-of-00002.safetensors"
+    tensors = load_file(str(second))
+    tensors[name] = load_file(str(model_dir / "model-00001-of-00002.safetensors"))[name]
+    save_file(tensors, str(second))
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight is stored twice \(again in model-00002"):
+        _load(model_dir)
