@@ -31,6 +31,7 @@ class BridgeServiceSettings(BridgeSettings):
     # How long the router's answer about a managed API key is trusted (auth.py): a key revoked
     # with `cachet keys revoke` stops passing the bridge within this time.
     key_cache_seconds: float = Field(default=5.0, ge=0)
+
     @property
     def dev_mode(self) -> bool:
         """No API keys: every caller is the one development account."""
