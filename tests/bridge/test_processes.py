@@ -122,7 +122,7 @@ def test_queue_request_is_accepted_with_no_engine_and_polled_by_id(stack: Stack)
 
 def test_openai_client_sees_openai_errors(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
-        client(stack).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=3)
+        client(stack).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=17)
     assert bad.value.status_code == 400
     assert bad.value.param == "n"
     # Nothing serves a model here: the router's refusal reaches the client as a typed OpenAI error.
