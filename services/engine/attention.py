@@ -137,15 +137,13 @@ def build_attention_metadata(
     decode = [i for i, s in enumerate(spans) if s.num_new == 1]
     prefill = [i for i, s in enumerate(spans) if s.num_new > 1]
     decode_groups = [decode] if decode_in_place else _decode_buckets(spans, decode)
+    # (members, needs a mask): decodes read in place take their lengths from seq_lens instead.
+    layout = [(members, not decode_in_place) for members in decode_groups] + [(prefill, True)]
     groups = [
         _build_group(
-            [spans[i] for i in members],
-            [starts[i] for i in members],
-            block_size,
-            device,
-            masked=not (decode_in_place and members is not prefill),
+            [spans[i] for i in members], [starts[i] for i in members], block_size, device, masked=masked
         )
-        for members in (*decode_groups, prefill)
+        for members, masked in layout
         if members
     ]
     return AttentionMetadata(
