@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from cachet.bridge.v1 import bridge_pb2
+from cachet.common.v1 import common_pb2
 
 ERROR_INFO_METADATA_KEY = "cachet-error-info-bin"
-# A managed key's per-minute limits and what is left of them (bridge.v1.RateLimits), in the
+# A managed key's per-minute limits and what is left of them (common.v1.RateLimits), in the
 # initial metadata of a call the router admitted: the REST bridge's x-ratelimit-* headers.
 RATE_LIMITS_METADATA_KEY = "cachet-rate-limits-bin"
 
@@ -37,8 +37,8 @@ class CachetError(Exception):
     def __str__(self) -> str:
         return self.message
 
-    def error_info(self) -> bridge_pb2.ErrorInfo:
-        return bridge_pb2.ErrorInfo(
+    def error_info(self) -> common_pb2.ErrorInfo:
+        return common_pb2.ErrorInfo(
             type=self.error_type,
             param=self.param,
             code=self.code_name,
@@ -96,9 +96,9 @@ class Aborted(CachetError):
     error_type: str = "request_cancelled"
 
 
-def error_info_from_metadata(metadata: grpc.aio.Metadata | None) -> bridge_pb2.ErrorInfo:
+def error_info_from_metadata(metadata: grpc.aio.Metadata | None) -> common_pb2.ErrorInfo:
     """The ErrorInfo a failed call carried, or an empty one."""
-    info = bridge_pb2.ErrorInfo()
+    info = common_pb2.ErrorInfo()
     for key, value in metadata or ():
         if key == ERROR_INFO_METADATA_KEY and isinstance(value, bytes):
             info.ParseFromString(value)

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from cachet.bridge.anthropic_schemas import AnthropicErrorResponse
 from cachet.bridge.schemas import ErrorResponse
-from cachet.bridge.v1 import bridge_pb2
+from cachet.common.v1 import common_pb2
 from cachet.errors import error_info_from_metadata
 
 # gRPC status -> (HTTP status, OpenAI error type used when the service gave none).
@@ -171,7 +171,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError, trace_id: str) -> BridgeError:
     )
 
 
-def rate_limit_headers(limits: bridge_pb2.RateLimits) -> dict[str, str]:
+def rate_limit_headers(limits: common_pb2.RateLimits) -> dict[str, str]:
     """OpenAI's x-ratelimit-* headers for the limits a key has (none for a limit it lacks)."""
     headers: dict[str, str] = {}
     for kind, limit, remaining, reset_ms in (

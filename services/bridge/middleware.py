@@ -22,7 +22,7 @@ from cachet.bridge.errors import (
     rate_limit_headers,
 )
 from cachet.bridge.metrics import BridgeMetrics
-from cachet.bridge.v1 import bridge_pb2
+from cachet.common.v1 import common_pb2
 from cachet.errors import RATE_LIMITS_METADATA_KEY
 from cachet.logs import get_logger
 
@@ -131,7 +131,7 @@ async def keep_rate_limits(request: Any, call: Any) -> None:
     """Keep the key's limits that the router sent with an admitted call, for the answer's headers."""
     for key, value in await call.initial_metadata() or ():
         if key == RATE_LIMITS_METADATA_KEY and isinstance(value, bytes):
-            headers = rate_limit_headers(bridge_pb2.RateLimits.FromString(value))
+            headers = rate_limit_headers(common_pb2.RateLimits.FromString(value))
             setattr(request.state, _RATE_LIMIT_HEADERS, headers)
 
 

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import grpc
 
-from cachet.bridge.v1 import bridge_pb2
+from cachet.common.v1 import common_pb2
 from cachet.errors import CachetError, ResourceExhausted, Unavailable
 from cachet.logs import get_logger
 from cachet.router.api_keys import ApiKey
@@ -55,9 +55,9 @@ class RateLimited(ResourceExhausted):
     """A key's requests or tokens of the last minute are at its limit."""
 
     code_name: str = "rate_limit_exceeded"
-    rate_limits: bridge_pb2.RateLimits = field(default_factory=bridge_pb2.RateLimits)
+    rate_limits: common_pb2.RateLimits = field(default_factory=common_pb2.RateLimits)
 
-    def error_info(self) -> bridge_pb2.ErrorInfo:
+    def error_info(self) -> common_pb2.ErrorInfo:
         info = super().error_info()
         info.rate_limits.CopyFrom(self.rate_limits)
         return info
@@ -113,9 +113,9 @@ class KeyUse:
         """Whether the requests, and the tokens, are at their limits (0: none)."""
         return bool(rpm) and self.requests.used(now_ms) >= rpm, bool(tpm) and self.tokens.used(now_ms) >= tpm
 
-    def rate_limits(self, rpm: int, tpm: int, now_ms: int) -> bridge_pb2.RateLimits:
+    def rate_limits(self, rpm: int, tpm: int, now_ms: int) -> common_pb2.RateLimits:
         """The limits and what is left of them, as the x-ratelimit-* headers say it."""
-        limits = bridge_pb2.RateLimits(limit_requests=rpm, limit_tokens=tpm)
+        limits = common_pb2.RateLimits(limit_requests=rpm, limit_tokens=tpm)
         if rpm:
             limits.remaining_requests = max(0, rpm - self.requests.used(now_ms))
             limits.reset_requests_ms = self.requests.ms_until_under(rpm, now_ms)
@@ -195,7 +195,7 @@ class KeyLimiter:
         self._spend: dict[str, tuple[int, int, int]] = {}
         self._counting: set[asyncio.Task[None]] = set()
 
-    async def admit(self, caller: Caller) -> bridge_pb2.RateLimits | None:
+    async def admit(self, caller: Caller) -> common_pb2.RateLimits | None:
         """Count one call of the caller's key, or raise RateLimited / QuotaExceeded; the key's
         per-minute limits and what is left of them after this call (None: it has none)."""
         key = caller.api_key

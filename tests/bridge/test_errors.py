@@ -9,7 +9,7 @@ import pytest
 
 from cachet.bridge.app import create_app
 from cachet.bridge.errors import from_rpc_error
-from cachet.bridge.v1 import bridge_pb2
+from cachet.common.v1 import common_pb2
 from cachet.errors import ERROR_INFO_METADATA_KEY
 from cachet.logs import configure_logging
 from cachet.tracing import configure_tracing
@@ -22,7 +22,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def rpc_error(
-    code: grpc.StatusCode, details: str, info: bridge_pb2.ErrorInfo | None = None
+    code: grpc.StatusCode, details: str, info: common_pb2.ErrorInfo | None = None
 ) -> grpc.aio.AioRpcError:
     """The error object grpc.aio raises for a failed call, with the ErrorInfo services attach."""
     trailing = grpc.aio.Metadata()
@@ -56,7 +56,7 @@ def test_status_table(code: grpc.StatusCode, status: int, error_type: str) -> No
 
 
 def test_error_info_fills_type_param_code_and_retry_after() -> None:
-    info = bridge_pb2.ErrorInfo(
+    info = common_pb2.ErrorInfo(
         type="invalid_request_error", param="messages[2].content", code="context_length_exceeded"
     )
     error = from_rpc_error(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long", info), trace_id="t")
@@ -68,7 +68,7 @@ def test_error_info_fills_type_param_code_and_retry_after() -> None:
             "code": "context_length_exceeded",
         }
     }
-    busy = bridge_pb2.ErrorInfo(type="rate_limit_exceeded", retry_after_seconds=7)
+    busy = common_pb2.ErrorInfo(type="rate_limit_exceeded", retry_after_seconds=7)
     response = from_rpc_error(
         rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "saturated", busy), "t"
     ).response()

@@ -6,18 +6,18 @@ from __future__ import annotations
 import grpc
 
 from cachet.bridge.errors import from_rpc_error, openai_duration
-from cachet.bridge.v1 import bridge_pb2
+from cachet.common.v1 import common_pb2
 from cachet.errors import ERROR_INFO_METADATA_KEY
 
 
-def refusal(info: bridge_pb2.ErrorInfo, message: str = "over") -> grpc.aio.AioRpcError:
+def refusal(info: common_pb2.ErrorInfo, message: str = "over") -> grpc.aio.AioRpcError:
     trailing = grpc.aio.Metadata((ERROR_INFO_METADATA_KEY, info.SerializeToString()))
     return grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), trailing, message)
 
 
 def test_a_request_limit_refusal_carries_openai_s_headers() -> None:
-    limits = bridge_pb2.RateLimits(limit_requests=60, remaining_requests=0, reset_requests_ms=1500)
-    info = bridge_pb2.ErrorInfo(
+    limits = common_pb2.RateLimits(limit_requests=60, remaining_requests=0, reset_requests_ms=1500)
+    info = common_pb2.ErrorInfo(
         type="requests", code="rate_limit_exceeded", retry_after_seconds=2, rate_limits=limits
     )
     error = from_rpc_error(refusal(info), "trace")
@@ -34,7 +34,7 @@ def test_a_request_limit_refusal_carries_openai_s_headers() -> None:
 
 
 def test_capacity_refusals_keep_their_shape() -> None:
-    error = from_rpc_error(refusal(bridge_pb2.ErrorInfo(type="rate_limit_exceeded")), "trace")
+    error = from_rpc_error(refusal(common_pb2.ErrorInfo(type="rate_limit_exceeded")), "trace")
     assert error.response().status_code == 429
     assert "x-ratelimit-limit-requests" not in error.response().headers
     assert error.anthropic_response().status_code == 529
