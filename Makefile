@@ -59,7 +59,7 @@ check-protos: $(STAMPS)/setup
 	PYTHON=$(PY) protos/generate.sh --check
 
 model: setup
-	$(PY) -m cachet.cli model convert --out $(DATA_DIR)/models/smollm2-135m-instruct
+	$(PY) -m cachet.tools.cli model convert --out $(DATA_DIR)/models/smollm2-135m-instruct
 
 run-local: setup
 	$(VENV)/bin/cachet run-local

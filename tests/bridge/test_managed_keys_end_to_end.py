@@ -42,7 +42,7 @@ class Platform:
         env = os.environ | {"CACHET_DATA_DIR": str(self.stack.log_dir / "router-data")}
         env.pop("CACHET_STORE_URL", None)
         done = subprocess.run(
-            [sys.executable, "-m", "cachet.cli", "keys", *args],
+            [sys.executable, "-m", "cachet.tools.cli", "keys", *args],
             env=env,
             capture_output=True,
             text=True,

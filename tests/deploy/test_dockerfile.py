@@ -15,7 +15,7 @@ import dockerfile
 import pytest
 import typer
 
-from cachet.cli import SERVICES, app
+from cachet.tools.cli import SERVICES, app
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cachet.cli import SERVICES
+from cachet.tools.cli import SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "cachet"

@@ -10,10 +10,10 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoTokenizer, DeepseekV3Config
 from typer.testing import CliRunner
 
-from cachet.cli import app
 from cachet.engine.models.config import ModelConfig
 from cachet.models import write_tiny_model
 from cachet.models.tiny import KIMI_K2_SPECIAL_TOKENS, KIMI_K2_THINK_TOKENS, kimi_k2_chat_template
+from cachet.tools.cli import app
 
 TOOLS = [
     {

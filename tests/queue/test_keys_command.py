@@ -17,7 +17,7 @@ from cachet.router.api_keys import KeyLimits
 
 def keys(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cachet.cli", "keys", *args],
+        [sys.executable, "-m", "cachet.tools.cli", "keys", *args],
         env=os.environ | env,
         capture_output=True,
         text=True,

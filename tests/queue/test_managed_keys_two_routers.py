@@ -31,7 +31,7 @@ class Deployment:
     def keys(self, *args: str) -> str:
         env = os.environ | {"CACHET_STORE_URL": self.store_url}
         done = subprocess.run(
-            [sys.executable, "-m", "cachet.cli", "keys", *args],
+            [sys.executable, "-m", "cachet.tools.cli", "keys", *args],
             env=env,
             capture_output=True,
             text=True,

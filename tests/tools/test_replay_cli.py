@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cachet.cli import app
+from cachet.tools.cli import app
 from cachet.tools.trace import read_trace
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cachet.engine_layout import EngineLayout
-from cachet.run_local import metrics_urls, plan_services
+from cachet.tools.run_local import metrics_urls, plan_services
 
 
 def test_every_service_gets_its_own_metrics_port_and_is_announced(tmp_path: Path) -> None:

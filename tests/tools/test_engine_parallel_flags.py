@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cachet.models.tiny import write_tiny_model
-from cachet.run_local import machine_layout, plan_services
+from cachet.tools.run_local import machine_layout, plan_services
 
 CACHET = str(Path(sys.executable).with_name("cachet"))
 

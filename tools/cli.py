@@ -1,7 +1,9 @@
 """The `cachet` command: the one place that knows every service.
 
-It reaches each service through its entry module by name
-(``cachet.<service>.main``), so no library imports the services it serves.
+It sits above the services (DESIGN.md, "Layers"), so it may import any of them; it
+imports each lazily, inside its subcommand, so that `cachet --help` or `cachet keys`
+does not pay for torch and the engine. `serve` reaches a service's entry module
+(``cachet.<service>.main``) by the name it was given.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def run_local_command(
 ) -> None:
     """Every service on this machine with the default model (converted on first use)."""
     from cachet.models.catalog import ensure_model
-    from cachet.run_local import check_routers, run_local
+    from cachet.tools.run_local import check_routers, run_local
 
     check_routers(routers)
     # Converts the default model on first use (with progress), reuses it afterwards.
@@ -283,15 +285,15 @@ app.add_typer(keys_app, name="keys")
 
 
 def _keys_command(action: str, *args: object) -> object:
-    # By module name, as `serve` reaches a service: the command sits above the router.
-    keys = importlib.import_module("cachet.router.keys_command")
-    errors = importlib.import_module("cachet.errors")
-    store_errors = importlib.import_module("cachet.durable_postgres")
+    from cachet.durable_postgres import StoreNotOpened
+    from cachet.errors import InvalidArgument, Unavailable
+    from cachet.router import keys_command
+
     try:
-        return getattr(keys, action)(*args)
-    except errors.InvalidArgument as bad:
+        return getattr(keys_command, action)(*args)
+    except InvalidArgument as bad:
         raise typer.BadParameter(bad.message, param_hint=f"--{bad.param.replace('_', '-')}") from None
-    except (store_errors.StoreNotOpened, errors.Unavailable) as unreachable:
+    except (StoreNotOpened, Unavailable) as unreachable:
         typer.echo(f"cachet keys: {unreachable}", err=True)
         raise typer.Exit(1) from None
 

@@ -22,7 +22,7 @@ from service_processes import free_port, start_service
 from cachet.config import LOOPBACK
 from cachet.engine_layout import EngineLayout
 from cachet.models.tiny import write_tiny_model
-from cachet.run_local import PlannedService, is_healthy, plan_services
+from cachet.tools.run_local import PlannedService, is_healthy, plan_services
 
 CACHET = str(Path(sys.executable).with_name("cachet"))
 START_TIMEOUT_SECONDS = 240
