@@ -86,9 +86,12 @@ bench: setup
 bench-serving: setup
 	$(PY) -m bench.serving_bench $(if $(QUICK),--quick)
 
+# The import layers too (DESIGN.md, "Layers"): libs/ imports no service. A test rather than
+# import-linter, which cannot see services mapped into the `cachet` package from other folders.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q -p no:cacheprovider tests/libs/test_import_layers.py
 
 clean:
 	rm -rf $(STAMPS) build *.egg-info
