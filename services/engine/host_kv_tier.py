@@ -18,27 +18,37 @@ a demotion in the same step must not overwrite it before the runner has read it.
 Every hash the tier gains or loses is a KV event of tier ``"host"`` (``take_events``), so the
 cache index goes on finding a block the pool evicted: the pool reports it removed, this
 tier stored, and the router still sends its prefix where the copy back is cheap.
+
+Retention (``kv_retention``) carries on here: a block the pool evicted while it was retained
+keeps its deadline in this tier. A slot is taken from the unretained blocks first (least
+recently used first); an unretained block never pushes out a retained one (it is not kept);
+a retained one pushes out the retained block whose retention ends first, if that ends no later
+than its own. When a retention ends the block goes on as if last used then (the LRU's tail).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cachet.engine.block_pool import KvEvent
+from cachet.engine.kv_retention import RetainedKeys
 from cachet.engine.step_plan import KvBlockMoves
 from cachet.engine.tier_events import TierEvents, snapshot
 
 
 class HostTierIndex:
-    """Which block hashes the host tier holds, in which slot, least recently used first."""
+    """Which block hashes the host tier holds, in which slot, least recently used first (the
+    retained ones apart, earliest retention end first)."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots <= 0:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self._slots: OrderedDict[int, int] = OrderedDict()  # hash -> slot, LRU first
+        self._slots: OrderedDict[int, int] = OrderedDict()  # unretained hash -> slot, LRU first
+        self._retained_slots: dict[int, int] = {}  # retained hash -> slot
+        self._retained = RetainedKeys()  # every retained hash, all evictable (locks aside)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._locked: set[int] = set()
         self._demote: list[tuple[int, int]] = []
@@ -47,45 +57,58 @@ class HostTierIndex:
         self._events = TierEvents("host")
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._slots
+        return block_hash in self._slots or block_hash in self._retained_slots
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._slots) + len(self._retained_slots)
 
-    def demote(self, evicted: Iterable[tuple[int, int]]) -> None:
-        """Order copies of pool blocks being evicted, given as (block id, hash). A hash already
-        held only becomes most recent; with every slot locked, the block is not kept."""
-        for block_id, block_hash in evicted:
-            if block_hash in self._slots:
-                self._slots.move_to_end(block_hash)
+    @property
+    def num_retained(self) -> int:
+        return len(self._retained_slots)
+
+    def retained_until(self, block_hash: int) -> float | None:
+        return self._retained.until(block_hash)
+
+    def demote(self, evicted: Iterable[Sequence[Any]]) -> None:
+        """Order copies of pool blocks being evicted: ``block_pool.EvictedBlock``s, or plain
+        (block id, hash) pairs for blocks without retention. A hash already held only becomes
+        most recent (and takes the longer retention); with no slot to take, the block is not kept."""
+        for block_id, block_hash, *retention in evicted:
+            until = retention[0] if retention else 0.0
+            if block_hash in self:
+                self._refresh(block_hash, until)
                 continue
-            slot = self._take_slot()
+            slot = self._take_slot(until)
             if slot is None:
                 continue
-            self._slots[block_hash] = slot
-            self._events.stored(block_hash)
+            self._hold(block_hash, slot, until)
             self._demote.append((block_id, slot))
 
     def promote(self, block_hashes: Iterable[int], block_ids: Iterable[int]) -> None:
         """Order copies of held blocks into the pool blocks allocated for them."""
         for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
-            slot = self._slots[block_hash]
-            self._slots.move_to_end(block_hash)
+            self._refresh(block_hash, 0.0)
+            slot = self._slot_of(block_hash)
             self._locked.add(slot)
             self._promote.append((slot, block_id))
+
+    def end_retention(self, now: float) -> None:
+        """End the retentions due by ``now``: those blocks join the LRU as if used then, earliest
+        ended first."""
+        for block_hash in self._retained.expire(now):
+            self._slots[block_hash] = self._retained_slots.pop(block_hash)
 
     def fill(self, loaded: Iterable[tuple[int, Any]]) -> None:
         """Order blocks loaded from the shared tier, as (hash, block tensor), into slots; a slot
         filled this step is locked like a promoted one (its promotion follows)."""
         for block_hash, block in loaded:
-            if block_hash in self._slots:
-                self._slots.move_to_end(block_hash)
+            if block_hash in self:
+                self._refresh(block_hash, 0.0)
                 continue
-            slot = self._take_slot()
+            slot = self._take_slot(0.0)
             if slot is None:
                 return
-            self._slots[block_hash] = slot
-            self._events.stored(block_hash)
+            self._hold(block_hash, slot, 0.0)
             self._locked.add(slot)
             self._fill.append((slot, block))
 
@@ -102,6 +125,8 @@ class HostTierIndex:
         if self._demote or self._promote or self._fill:
             raise AssertionError("host tier cleared while a step's copy orders are pending")
         self._slots.clear()
+        self._retained_slots.clear()
+        self._retained.clear()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._events.cleared()
 
@@ -111,9 +136,37 @@ class HostTierIndex:
 
     def snapshot_events(self) -> list[KvEvent]:
         """Every held hash as one stored event, for a new follower."""
-        return snapshot("host", self._slots)
+        return snapshot("host", [*self._slots, *self._retained_slots])
 
-    def _take_slot(self) -> int | None:
+    def _slot_of(self, block_hash: int) -> int:
+        slot = self._slots.get(block_hash)
+        return self._retained_slots[block_hash] if slot is None else slot
+
+    def _hold(self, block_hash: int, slot: int, until: float) -> None:
+        self._events.stored(block_hash)
+        if until:
+            self._retained_slots[block_hash] = slot
+            self._retained.retain(block_hash, until)
+            self._retained.park(block_hash)
+        else:
+            self._slots[block_hash] = slot
+
+    def _refresh(self, block_hash: int, until: float) -> None:
+        """A held block was used again: most recent in the LRU, and retained at least until ``until``."""
+        if block_hash in self._slots:
+            if not until:
+                self._slots.move_to_end(block_hash)
+                return
+            self._retained_slots[block_hash] = self._slots.pop(block_hash)
+            self._retained.retain(block_hash, until)
+            self._retained.park(block_hash)
+        elif until:
+            self._retained.retain(block_hash, until)
+
+    def _take_slot(self, until: float) -> int | None:
+        """A slot for a new block retained until ``until`` (0.0: not retained): a free one, else
+        the least recently used unretained block's, else, for a retained block only, that of the
+        retained block whose retention ends first if it ends no later. Locked slots are never taken."""
         if self._free_slots:
             return self._free_slots.pop()
         for block_hash, slot in self._slots.items():
@@ -121,4 +174,27 @@ class HostTierIndex:
                 del self._slots[block_hash]
                 self._events.removed(block_hash)
                 return slot
-        return None
+        if not until:
+            return None
+        popped = self._retained.pop(
+            until_at_most=until, skip=lambda block_hash: self._retained_slots[block_hash] in self._locked
+        )
+        if popped is None:
+            return None
+        block_hash, _ = popped
+        self._events.removed(block_hash)
+        return self._retained_slots.pop(block_hash)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+        both = set(self._slots) & set(self._retained_slots)
+        assert not both, f"hashes both retained and not: {sorted(both)}"
+        slots = [*self._slots.values(), *self._retained_slots.values(), *self._free_slots]
+        assert sorted(slots) == list(range(self.num_slots)), f"slots held or free: {sorted(slots)}"
+        unretained = [h for h in self._retained_slots if h not in self._retained]
+        assert not unretained, f"retained slots of {unretained} have no retention"
+        assert len(self._retained) == len(self._retained_slots), (
+            f"{len(self._retained)} retentions for {len(self._retained_slots)} retained blocks"
+        )
+        assert self._retained.num_evictable == len(self._retained_slots), "a retained block is not evictable"
+        self._retained.check_invariants()
