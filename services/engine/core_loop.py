@@ -137,4 +137,6 @@ class CoreLoop:
             cached_tokens_by_tier=dict(scheduler.kv.hit_tokens),
             kv_block_copies=dict(scheduler.kv.block_copies),
             kv_block_copy_bytes=scheduler.kv.block_copy_bytes,
+            kv_retained_blocks=scheduler.kv.num_retained_blocks,
+            kv_block_retentions=scheduler.kv.block_retentions,
         )

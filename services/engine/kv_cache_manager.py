@@ -19,6 +19,11 @@ With a shared file tier too (``shared_kv_tier``), every block is written there o
 is named, and a new request's prefix that continues there is loaded into the host tier
 before the request is admitted (``start_prefetch``; the request waits, the steps go on).
 
+Retention (``kv_retention``): when a request that carries one leaves the pool, its retained
+blocks are kept in preference to others (``BlockPool.retain``); the pool evicts them last, the
+host tier takes them in, and the shared tier's clean-up spares their files, until their
+retention ends. Cached tokens count the same whichever tier served them.
+
 The KV events (``take_events``) are every tier's: the pool's (``"engine"``), the host
 tier's and the shared tier's, each in its own order, so the cache index knows where each
 block can still be found, not only whether the pool holds it.
@@ -26,7 +31,9 @@ block can still be found, not only whether the pool holds it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +68,7 @@ class KVCacheManager:
         host_tier: HostTierIndex | None = None,
         shared_tier: SharedKvFiles | None = None,
         block_bytes: int = 0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -87,6 +95,11 @@ class KVCacheManager:
         self.block_copies = {"demote": 0, "promote": 0, "store": 0, "load": 0}
         # Bytes of one block's KV on this rank (0: unknown), which turns copies into bytes moved.
         self.block_bytes = block_bytes
+        # Wall-clock seconds, which retention deadlines are in: the shared tier's files carry
+        # them, for every replica's clean-up to read.
+        self.clock = clock
+        # Blocks put under retention (or kept longer) as their requests left the pool, since start.
+        self.block_retentions = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -97,6 +110,12 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_retained_blocks(self) -> dict[str, int]:
+        """Blocks under a live retention in the pool and in the host tier."""
+        host = self.host_tier.num_retained if self.host_tier is not None else 0
+        return {"engine": self.pool.num_retained_blocks, "host": host}
 
     @property
     def num_host_blocks(self) -> tuple[int, int]:
@@ -175,6 +194,7 @@ class KVCacheManager:
         table = self._tables.get(request.request_id, [])
         if new_computed_blocks and table:
             raise AssertionError(f"{request.request_id}: cache hits after blocks were allocated")
+        self._end_retention()
         host_hits = self._host_hits.pop(request.request_id, []) if not table else []
         num_computed = (
             request.num_computed_tokens + (len(new_computed_blocks) + len(host_hits)) * self.block_size
@@ -230,7 +250,9 @@ class KVCacheManager:
             )
 
     def free(self, request: Request) -> None:
-        """Drop the request's references, tail block first, so its tail is evicted first."""
+        """Drop the request's references, tail block first, so its tail is evicted first; its
+        retained blocks are put under retention first (``_retain``)."""
+        self._retain(request)
         table = self._tables.pop(request.request_id, [])
         self._num_named.pop(request.request_id, None)
         self._host_hits.pop(request.request_id, None)
@@ -318,6 +340,36 @@ class KVCacheManager:
             events += self.shared_tier.take_events()
         return events
 
+    def _retain(self, request: Request) -> None:
+        """Put the full, computed blocks of the request's retention spans under retention from
+        now. A block of its prefix named by another request (the same prefix computed at once)
+        is found by its hash: retention belongs to the prefix, not to one table."""
+        if not request.retention or not self.pool.enable_caching:
+            return
+        num_full = min(len(request.block_hashes), request.num_computed_tokens // self.block_size)
+        now = self.clock()
+        until = [0.0] * num_full
+        for span in request.retention:
+            for i in range(span.num_blocks(num_full, self.block_size)):
+                until[i] = max(until[i], now + span.seconds)
+        by_until: dict[float, list[int]] = defaultdict(list)
+        for block_hash, block_until in zip(request.block_hashes, until, strict=False):
+            if block_until:
+                by_until[block_until].append(block_hash)
+        for block_until, hashes in by_until.items():
+            blocks = [b for h in hashes if (b := self.pool.lookup(h)) is not None]
+            # Tail first, as the blocks are freed: among equal deadlines the tail goes first.
+            self.pool.retain(reversed(blocks), block_until)
+            self.block_retentions += len(blocks)
+            if self.shared_tier is not None:
+                self.shared_tier.retain(hashes, block_until)
+
+    def _end_retention(self) -> None:
+        now = self.clock()
+        self.pool.end_retention(now)
+        if self.host_tier is not None:
+            self.host_tier.end_retention(now)
+
     def _update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its tokens."""
         num_full = request.num_tokens // self.block_size
@@ -333,9 +385,11 @@ class KVCacheManager:
     # -------------------------------------------------------------- invariants
 
     def check_invariants(self, requests: Iterable[Request] = ()) -> None:
-        """Pool invariants, ref count == number of tables holding the block, and per request
-        that its table covers its computed tokens and its named blocks carry its hashes."""
+        """Pool and host tier invariants, ref count == number of tables holding the block, and per
+        request that its table covers its computed tokens and its named blocks carry its hashes."""
         self.pool.check_invariants()
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
         holders = [0] * self.pool.num_blocks
         for request_id, table in self._tables.items():
             assert len(set(table)) == len(table), f"{request_id} holds a block twice: {table}"

@@ -69,6 +69,10 @@ class EngineStats:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     kv_block_copies: dict[str, int] = field(default_factory=dict)
     kv_block_copy_bytes: dict[str, int] = field(default_factory=dict)
+    # Blocks under a live retention now, in the pool and the host tier ("engine", "host"); and
+    # blocks put under retention as their requests ended, since start.
+    kv_retained_blocks: dict[str, int] = field(default_factory=dict)
+    kv_block_retentions: int = 0
 
     @property
     def num_running(self) -> int:

@@ -94,6 +94,20 @@ class SchedulerCollector(Collector):
             ),
             stats.kv_block_copy_bytes,
         )
+        yield _by_label(
+            GaugeMetricFamily(
+                "cachet_engine_kv_retained_blocks",
+                "KV blocks under a live retention (prompt_cache_retention, cache_control, the "
+                "session default): evicted after every other block of their tier.",
+                labels=["tier"],
+            ),
+            stats.kv_retained_blocks,
+        )
+        yield CounterMetricFamily(
+            "cachet_engine_kv_block_retentions",
+            "KV blocks put under retention (or kept longer) as their requests ended.",
+            value=stats.kv_block_retentions,
+        )
         yield CounterMetricFamily(
             "cachet_engine_steps", "Forward passes with work in them.", value=counts.steps
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cachet.common.v1 import common_pb2
+from cachet.engine.kv_retention import KvRetention
 from cachet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class Request:
     grammar: RequestGrammar | None = None
     # Blocks of its prefix being loaded from the shared KV tier ((hash, block) pairs).
     kv_prefetch: Future[list[tuple[int, Any]]] | None = None
+    # How long its KV is kept in preference to other KV once it leaves the pool (kv_retention).
+    retention: tuple[KvRetention, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -13,6 +13,7 @@ from cachet.common.v1 import common_pb2
 from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from cachet.engine.errors import InvalidRequest
+from cachet.engine.kv_retention import MAX_RETENTION_SECONDS, KvRetention
 from cachet.engine.request import Request
 from cachet.engine.request_output import RequestOutput
 from cachet.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -118,6 +119,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             interactive=request.priority != common_pb2.PRIORITY_BATCH,
             cache_salt=request.cache_salt,
             arrival_time=time.monotonic(),
+            retention=_retention(request.kv_retention),
         )
 
     def _load_report(self) -> engine_pb2.LoadReport:
@@ -140,6 +142,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             prefill_tokens_per_second=prefill_rate,
             timestamp_ms=int(time.time() * 1000),
         )
+
+
+def _retention(spans: Sequence[engine_pb2.KvRetention]) -> tuple[KvRetention, ...]:
+    for index, span in enumerate(spans):
+        if not 0 < span.seconds <= MAX_RETENTION_SECONDS:
+            raise InvalidRequest(
+                f"kv_retention[{index}].seconds must be in [1, {MAX_RETENTION_SECONDS}], got {span.seconds}"
+            )
+    return tuple(KvRetention(span.seconds, span.num_tokens) for span in spans)
 
 
 def _to_response(output: RequestOutput, include_usage: bool) -> engine_pb2.GenerateResponse:

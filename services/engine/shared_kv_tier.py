@@ -15,6 +15,14 @@ is kept under a size budget by removing the least recently used files (a read re
 file's modification time); several replicas may clean the same folder, and a file that
 vanishes under a reader is simply a miss.
 
+Retention (``kv_retention``; OpenAI's "24h" is the one that matters here) lives in the files
+themselves, so that every replica's clean-up honours what any replica promised: a retained
+file's modification time is set forward to the end of its retention (never back: a read
+makes it ``max(now, mtime)``). A file whose time is in the future is retained, and the
+clean-up leaves it until the folder cannot be brought within its budget any other way (see
+``clean_up``). Clocks of replicas on different hosts are trusted to agree to well within a
+retention's length.
+
 The tier's KV events (tier ``"shared"``) name the files this replica knows of: those it
 wrote, found already written, or read, less those it removed. The folder may be common to
 many replicas, but each announces only what it saw, so the cache index holds the shared tier
@@ -32,8 +40,9 @@ import os
 import re
 import struct
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -64,7 +73,14 @@ class SharedKvFiles:
     """One layout's folder of block files, and the worker thread that reads and writes it."""
 
     def __init__(
-        self, root: Path, key: str, *, budget_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        root: Path,
+        key: str,
+        *,
+        budget_bytes: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.key = key
         self.folder = Path(root) / key
@@ -75,6 +91,11 @@ class SharedKvFiles:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared-kv")
         self._lock = threading.Lock()
         self._writes_since_clean_up = 0
+        self.clock = clock
+        # Retentions asked for blocks whose files may not be written yet (a block's write is
+        # queued a step after it is named, and its request may end in between): hash -> until.
+        self._retain_lock = threading.Lock()
+        self._pending_retention: dict[int, float] = {}
         # Totals since start, for metrics (fixed keys: read from other threads).
         self.counts = {"written": 0, "loaded": 0, "rejected": 0, "removed": 0}
         # Bytes of block files written and read (payload and header), for metrics.
@@ -138,6 +159,7 @@ class SharedKvFiles:
             final = self.path(block_hash)
             if final.exists():
                 self._knew(block_hash, True)
+                self._apply_retention(block_hash)
                 return
             payload = block.contiguous().view(torch.uint8).numpy().tobytes()
             header = json.dumps(
@@ -154,6 +176,7 @@ class SharedKvFiles:
             with open(temporary, "wb") as file:
                 file.write(_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + payload)
             os.replace(temporary, final)
+            self._apply_retention(block_hash)
             self._knew(block_hash, True)
             self.counts["written"] += 1
             self.bytes["written"] += len(payload) + len(header) + len(_MAGIC) + _HEADER_LENGTH.size
@@ -163,6 +186,38 @@ class SharedKvFiles:
         except OSError as exc:
             # A full or read-only disk costs the tier its blocks, never a request.
             log.warning("shared KV block not written", error=str(exc))
+
+    # ---------------------------------------------------------------- retention
+
+    def retain(self, block_hashes: Iterable[int], until: float) -> None:
+        """Keep these blocks' files until ``until`` (wall-clock seconds) at least: set on the
+        worker, on files written already now and on the others once written."""
+        hashes = list(block_hashes)
+        with self._retain_lock:
+            for block_hash in hashes:
+                self._pending_retention[block_hash] = max(until, self._pending_retention.get(block_hash, 0.0))
+        self._worker.submit(self._retain_written, hashes)
+
+    def _retain_written(self, block_hashes: list[int]) -> None:
+        for block_hash in block_hashes:
+            if self.path(block_hash).exists():
+                self._apply_retention(block_hash)
+
+    def _apply_retention(self, block_hash: int) -> None:
+        with self._retain_lock:
+            until = self._pending_retention.pop(block_hash, None)
+        if until is not None:
+            try:
+                self._hold_until(self.path(block_hash), until)
+            except OSError as exc:
+                log.warning("shared KV block retention not set", error=str(exc))
+
+    @staticmethod
+    def _hold_until(path: Path, until: float) -> None:
+        """Move the file's modification time forward to ``until``, never back."""
+        stat = path.stat()
+        if stat.st_mtime < until:
+            os.utime(path, (stat.st_atime, until))
 
     # -------------------------------------------------------------------- reads
 
@@ -195,7 +250,7 @@ class SharedKvFiles:
             self._knew(block_hash, False)
             return None
         with contextlib.suppress(OSError):
-            os.utime(path)  # least recently used goes first
+            self._hold_until(path, self.clock())  # least recently used goes first
         self._knew(block_hash, True)
         self.counts["loaded"] += 1
         self.bytes["loaded"] += len(data)
@@ -227,7 +282,21 @@ class SharedKvFiles:
     # ----------------------------------------------------------------- clean-up
 
     def clean_up(self) -> None:
-        """Remove least recently used files until the folder is within its budget."""
+        """Remove least recently used files until the folder is within its budget.
+
+        Files go by modification time, oldest first, down to a share of the budget
+        (``_CLEAN_UP_TARGET``), so that the next clean-up is some writes away. Retained files
+        (a time in the future, see the module docstring) sort after every other and are removed
+        only while the folder is still over the budget itself once every unretained file is
+        gone: then the one whose retention ends first goes first, and no more of them than it
+        takes to be within the budget. A retention is a preference, not a reservation: a folder
+        whose budget retained blocks alone exceed keeps the latest promises it can hold.
+        """
+        now = self.clock()
+        with self._retain_lock:
+            # A retention whose file was never written (its block was evicted before the write,
+            # or the write failed) would otherwise stay pending for good.
+            self._pending_retention = {h: u for h, u in self._pending_retention.items() if u > now}
         with self._lock:
             self._writes_since_clean_up = 0
             files = []
@@ -241,8 +310,8 @@ class SharedKvFiles:
             if total <= self.budget_bytes:
                 return
             target = self.budget_bytes * _CLEAN_UP_TARGET
-            for _, size, path in sorted(files):
-                if total <= target:
+            for mtime, size, path in sorted(files):
+                if total <= (self.budget_bytes if mtime > now else target):
                     break
                 try:
                     os.unlink(path)

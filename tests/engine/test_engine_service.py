@@ -174,6 +174,8 @@ async def test_overload_is_refused_at_once(engine: ServiceProcess) -> None:
         ({"sampling": common_pb2.SamplingParams(max_tokens=4000)}, "max_tokens"),
         ({"sampling": common_pb2.SamplingParams(top_p=0)}, "top_p"),
         ({"prompt_token_ids": []}, "empty"),
+        ({"kv_retention": [engine_pb2.KvRetention(seconds=0)]}, "kv_retention[0].seconds"),
+        ({"kv_retention": [engine_pb2.KvRetention(seconds=86401)]}, "kv_retention[0].seconds"),
     ],
 )
 async def test_bad_input_is_invalid_argument(
@@ -193,6 +195,25 @@ async def test_bad_input_is_invalid_argument(
             await _collect(engine_pb2_grpc.EngineServiceStub(channel), request)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in bad.value.details()
+
+
+async def test_a_retained_request_leaves_its_blocks_under_retention(engine: ServiceProcess) -> None:
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        before = await asyncio.to_thread(scrape, engine.metrics_port, "cachet_engine_")
+        await _collect(stub, _request("unretained", list(range(1000, 1050)), max_tokens=3, ignore_eos=True))
+        plain = await asyncio.to_thread(scrape, engine.metrics_port, "cachet_engine_")
+        request = _request("retained", list(range(1100, 1150)), max_tokens=3, ignore_eos=True)
+        # The first 40 tokens for a day (two whole 16-token blocks), all of it for a minute.
+        request.kv_retention.extend(
+            [engine_pb2.KvRetention(seconds=86400, num_tokens=40), engine_pb2.KvRetention(seconds=60)]
+        )
+        await _collect(stub, request)
+        after = await asyncio.to_thread(scrape, engine.metrics_port, "cachet_engine_")
+    assert growth(before, plain)("cachet_engine_kv_block_retentions_total") == 0
+    # 52 tokens computed (the last sampled one never is): three whole blocks.
+    assert growth(plain, after)("cachet_engine_kv_block_retentions_total") == 3
+    assert growth(plain, after)("cachet_engine_kv_retained_blocks", tier="engine") == 3
 
 
 async def test_load_reports_carry_token_rates(engine: ServiceProcess) -> None:

@@ -1,17 +1,27 @@
 """KV retention: retained blocks leave each tier last, earliest retention end first; the pool's
-plain LRU order is untouched without retention. Exact block ids and slots; invariant checkers
-after every operation."""
+plain LRU order is untouched without retention; retained blocks the pool must give up are
+demoted to the host tier; the shared folder's clean-up spares retained files until their
+retention ends. Exact block ids, slots and files; invariant checkers after every operation."""
 
 from __future__ import annotations
 
+import os
 import random
+import time
+from pathlib import Path
 
 import pytest
+import torch
 from test_block_pool import checked, replay
+from test_kv_cache_manager import BS, MODEL, compute, make_request
 
+from cachet.block_hash import block_hashes
 from cachet.engine.block_pool import BlockPool, BlocksRemoved, EvictedBlock
 from cachet.engine.host_kv_tier import HostTierIndex
-from cachet.engine.kv_retention import RetainedKeys
+from cachet.engine.kv_cache_manager import KVCacheManager
+from cachet.engine.kv_retention import KvRetention, RetainedKeys
+from cachet.engine.request import Request
+from cachet.engine.shared_kv_tier import SharedKvFiles
 
 # ---------------------------------------------------------------- RetainedKeys
 
@@ -283,3 +293,227 @@ def test_a_block_held_again_with_retention_becomes_retained():
     assert tier.take_moves().demote == [(2, 0)]
     assert [h in tier for h in (111, 222, 333)] == [False, True, True]
     tier.check_invariants()
+
+
+# ---------------------------------------------------------------- the KV cache manager
+
+# 13 tokens: three full blocks of 4, and a last token that is always computed.
+PROMPT_A = list(range(100, 113))
+PROMPT_B = list(range(200, 213))
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def manager(num_blocks: int, host_slots: int = 0, clock: Clock | None = None) -> KVCacheManager:
+    return KVCacheManager(
+        BlockPool(num_blocks),
+        model=MODEL,
+        block_size=BS,
+        host_tier=HostTierIndex(host_slots) if host_slots else None,
+        clock=clock or Clock(),
+    )
+
+
+def run(kv: KVCacheManager, request: Request) -> tuple[list[int], int]:
+    """Admit a whole prompt, compute it and free it: (its block table, its hit tokens)."""
+    hits, num_hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - num_hit, hits) is not None
+    table = kv.block_ids(request.request_id)
+    request.num_computed_tokens = num_hit
+    compute(kv, request, request.num_tokens - num_hit)
+    kv.check_invariants([request])
+    kv.free(request)
+    kv.check_invariants()
+    return table, num_hit
+
+
+def retained(request_id: str, prompt: list[int], *spans: KvRetention) -> Request:
+    request = make_request(request_id, prompt)
+    request.retention = spans
+    return request
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_the_manager_evicts_unretained_blocks_before_a_retained_prefix(retain: bool):
+    clock = Clock()
+    kv = manager(8, clock=clock)
+    a = retained("a", PROMPT_A, KvRetention(300)) if retain else make_request("a", PROMPT_A)
+    assert run(kv, a) == ([0, 1, 2, 3], 0)
+    assert run(kv, make_request("b", PROMPT_B)) == ([3, 4, 5, 6], 0)
+    hashes_a = block_hashes(PROMPT_A, MODEL, block_size=BS)
+    assert kv.num_retained_blocks == {"engine": 3 if retain else 0, "host": 0}
+    if retain:
+        assert [kv.pool.retained_until(b) for b in (0, 1, 2)] == [1300.0] * 3
+    # c needs 4 blocks: b's unnamed tail and the unused block 7 first, then two named blocks:
+    # a's, tail first (freed first), without retention; b's with a retained.
+    table_c, _ = run(kv, make_request("c", list(range(300, 313))))
+    assert table_c == ([6, 7, 5, 4] if retain else [6, 7, 2, 1])
+    assert kv.get_computed_blocks(make_request("a2", PROMPT_A))[1] == (12 if retain else 4)
+    assert kv.pool.lookup(hashes_a[0]) == 0
+
+
+def test_a_span_retains_only_the_whole_blocks_it_covers_and_the_longest_wins():
+    clock = Clock()
+    kv = manager(8, clock=clock)
+    # 9 tokens cover blocks 0 and 1 (block 2 holds tokens 8..11: cut short, not retained).
+    request = retained("a", PROMPT_A, KvRetention(60, num_tokens=9), KvRetention(3600, num_tokens=4))
+    run(kv, request)
+    assert [kv.pool.retained_until(b) for b in range(4)] == [4600.0, 1060.0, None, None]
+    assert kv.block_retentions == 2
+    # The retention ends 60 s later for block 1, and only when a later allocation looks.
+    clock.now = 1060.0
+    assert kv.pool.retained_until(1) == 1060.0
+    run(kv, make_request("b", PROMPT_B))
+    assert kv.pool.retained_until(1) is None and kv.pool.retained_until(0) == 4600.0
+
+
+def test_retained_blocks_the_pool_gives_up_are_demoted_with_their_retention():
+    clock = Clock()
+    kv = manager(4, host_slots=3, clock=clock)
+    run(kv, retained("a", PROMPT_A, KvRetention(300)))
+    assert kv.take_block_moves().demote == []
+    # b takes the whole pool: a's retained blocks must go, and go to the host tier.
+    assert run(kv, make_request("b", PROMPT_B))[0] == [3, 2, 1, 0]
+    assert kv.take_block_moves().demote == [(2, 0), (1, 1), (0, 2)]
+    hashes_a = block_hashes(PROMPT_A, MODEL, block_size=BS)
+    assert [kv.host_tier.retained_until(h) for h in hashes_a] == [1300.0] * 3
+    assert kv.num_retained_blocks == {"engine": 0, "host": 3}
+    # c pushes b's blocks out of the pool; the host tier keeps a and drops b's.
+    run(kv, make_request("c", list(range(300, 313))))
+    moves = kv.take_block_moves()
+    assert moves.demote == []
+    assert all(h in kv.host_tier for h in hashes_a)
+    # a comes back from the host tier: every full block counts as cached.
+    assert kv.get_computed_blocks(make_request("a2", PROMPT_A)) == ([], 12)
+
+
+def test_cached_tokens_are_the_same_from_the_pool_the_host_tier_and_the_shared_folder(tmp_path: Path):
+    clock = Clock()
+    # Block shape of nothing in particular: the manager never reads the bytes.
+    shared = SharedKvFiles(tmp_path, "tiny", budget_bytes=1 << 20, block_shape=(1,), dtype=torch.float32)
+    kv = KVCacheManager(
+        BlockPool(4), model=MODEL, block_size=BS, host_tier=HostTierIndex(3), shared_tier=shared, clock=clock
+    )
+    hashes_a = block_hashes(PROMPT_A, MODEL, block_size=BS)
+    run(kv, make_request("a", PROMPT_A))
+    assert [h for _, h in kv.take_block_moves().store] == hashes_a
+    for h in hashes_a:  # what the runner does with the store orders
+        shared.write_later(h, torch.zeros(1))
+    shared.drain()
+    assert run(kv, make_request("from-pool", PROMPT_A))[1] == 12
+    run(kv, make_request("b", PROMPT_B))  # a's blocks go down to the host tier
+    assert run(kv, make_request("from-host", PROMPT_A))[1] == 12
+    # A replica with an empty pool and host tier, seeing the same folder.
+    fresh = KVCacheManager(
+        BlockPool(4), model=MODEL, block_size=BS, host_tier=HostTierIndex(3), shared_tier=shared, clock=clock
+    )
+    request = make_request("from-shared", PROMPT_A)
+    assert fresh.start_prefetch(request) is not None
+    request.kv_prefetch.result()
+    assert run(fresh, request)[1] == 12
+    assert fresh.hit_tokens == {"engine": 0, "host": 0, "shared": 12}
+    shared.close()
+
+
+def test_a_retained_request_retains_its_shared_files(tmp_path: Path):
+    clock = Clock(time.time())
+    shared = SharedKvFiles(
+        tmp_path, "tiny", budget_bytes=1 << 20, block_shape=(1,), dtype=torch.float32, clock=clock
+    )
+    kv = KVCacheManager(
+        BlockPool(8), model=MODEL, block_size=BS, host_tier=HostTierIndex(3), shared_tier=shared, clock=clock
+    )
+    hashes_a = block_hashes(PROMPT_A, MODEL, block_size=BS)
+    run(kv, retained("a", PROMPT_A, KvRetention(86400, num_tokens=8)))
+    # The request ended before the runner wrote its blocks: the retention waits for the files.
+    for h in hashes_a:
+        shared.write_later(h, torch.zeros(1))
+    shared.drain()
+    mtimes = [shared.path(h).stat().st_mtime for h in hashes_a]
+    assert mtimes[:2] == [pytest.approx(clock.now + 86400)] * 2
+    assert mtimes[2] <= clock.now + 1
+    shared.close()
+
+
+# ---------------------------------------------------------------- the shared folder
+
+
+def block_files(tmp_path: Path, count: int, budget_files: float, clock: Clock) -> tuple[SharedKvFiles, int]:
+    """A folder of ``count`` files, hash h last used at ``clock.now - 100 + h``."""
+    tier = SharedKvFiles(
+        tmp_path, "tiny", budget_bytes=1, block_shape=(2, 3), dtype=torch.float32, clock=clock
+    )
+    for h in range(count):
+        tier.write_later(h, torch.full((2, 3), float(h)))
+        tier.drain()
+        past = clock.now - 100 + h
+        os.utime(tier.path(h), (past, past))
+    size = tier.path(0).stat().st_size
+    tier.budget_bytes = int(budget_files * size)
+    return tier, size
+
+
+def present(tier: SharedKvFiles, count: int) -> list[int]:
+    return [h for h in range(count) if tier.contains(h)]
+
+
+def test_the_clean_up_spares_retained_files_while_unretained_ones_meet_the_budget(tmp_path: Path):
+    clock = Clock(time.time())
+    tier, _ = block_files(tmp_path, 6, budget_files=4.5, clock=clock)
+    tier.retain([0, 1], clock.now + 3600)
+    tier.drain()
+    tier.clean_up()
+    # Down to 90% of the budget (4 files): the oldest unretained ones go, 0 and 1 stay.
+    assert present(tier, 6) == [0, 1, 4, 5]
+    # Reading a retained file never shortens its retention.
+    assert tier.read(0) is not None
+    assert tier.path(0).stat().st_mtime == pytest.approx(clock.now + 3600)
+    tier.close()
+
+
+def test_retained_files_go_only_past_the_budget_the_earliest_ending_first(tmp_path: Path):
+    clock = Clock(time.time())
+    tier, _ = block_files(tmp_path, 5, budget_files=2.5, clock=clock)
+    tier.retain([0], clock.now + 7200)
+    tier.retain([1, 2], clock.now + 3600)
+    tier.retain([3], clock.now + 60)
+    tier.drain()
+    tier.clean_up()
+    # 4 is the only unretained file; then 3 (ends first), then 1 or 2, down to the budget
+    # itself (2 files), not to 90% of it: 1 and 2 end together, 1 was older.
+    assert present(tier, 5) == [0, 2]
+    tier.close()
+
+
+def test_a_retention_set_by_one_replica_binds_another_ones_clean_up(tmp_path: Path):
+    clock = Clock(time.time())
+    writer, _ = block_files(tmp_path, 4, budget_files=10, clock=clock)
+    writer.retain([0], clock.now + 86400)
+    writer.drain()
+    other = SharedKvFiles(
+        tmp_path, "tiny", budget_bytes=writer.budget_bytes, block_shape=(2, 3), dtype=torch.float32
+    )
+    size = writer.path(0).stat().st_size
+    other.budget_bytes = 3 * size
+    other.clean_up()
+    assert present(other, 4) == [0, 3]
+    # Once the retention has ended (24 h later), the file ages from then, as if used then:
+    # newer than 3, which goes first.
+    later = SharedKvFiles(
+        tmp_path,
+        "tiny",
+        budget_bytes=int(1.5 * size),
+        block_shape=(2, 3),
+        dtype=torch.float32,
+        clock=lambda: clock.now + 86401,
+    )
+    later.clean_up()
+    assert present(later, 4) == [0]
+    for tier in (writer, other, later):
+        tier.close()

@@ -92,6 +92,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     OUTPUT_KIND_FIELD_NUMBER: _builtins.int
+    KV_RETENTION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen unique id; the same id is used for abort and usage."""
     model: _builtins.str
@@ -114,6 +115,13 @@ class GenerateRequest(_message.Message):
     def response_format(self) -> _common_pb2.ResponseFormat:
         """Output constraint, enforced by a grammar mask."""
 
+    @_builtins.property
+    def kv_retention(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvRetention]:
+        """Prefixes of this request to keep in preference to other KV once it ends (OpenAI's
+        prompt_cache_retention, Anthropic's cache_control breakpoints, the router's default for
+        sessions); none: plain LRU. A block under several takes the longest.
+        """
+
     def __init__(
         self,
         *,
@@ -125,14 +133,46 @@ class GenerateRequest(_message.Message):
         priority: _common_pb2.Priority.ValueType = ...,
         cache_salt: _builtins.str = ...,
         output_kind: Global___OutputKind.ValueType = ...,
+        kv_retention: _abc.Iterable[Global___KvRetention] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "output_kind", b"output_kind", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class KvRetention(_message.Message):
+    """Keep a prefix of a request's KV for a while after the request last used it: its blocks are
+    evicted from the pool after every block without retention, demoted to the host tier rather
+    than dropped, and their shared-tier files outlive the folder's LRU clean-up until it ends.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SECONDS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    seconds: _builtins.int
+    """How long, from the request's end; 1 to 86400 (24 hours)."""
+    num_tokens: _builtins.int
+    """Leading tokens covered, whole blocks only (a block cut short is not retained);
+    0: every token of the request, its output too.
+    """
+    def __init__(
+        self,
+        *,
+        seconds: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvRetention: _TypeAlias = KvRetention  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
