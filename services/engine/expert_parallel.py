@@ -25,7 +25,9 @@ Either way each rank's routed and shared outputs are partial sums that meet in
 the layer's one all-reduce over the replica.
 
 This module is the only place in the engine's model code that talks to
-DeepSpeed / torch.distributed for experts.
+DeepSpeed / torch.distributed for experts. It never starts them: the process group
+and DeepSpeed are started once, by ``distributed.init_distributed``, and a replica's
+split reaches the model through ``ExpertParallel.within`` its tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -77,22 +79,6 @@ class ExpertParallel:
             # where gloo takes ~2 ms), NCCL on GPU; one call per MoE layer per step.
             ds_comm.inference_all_reduce(partial, group=self.group)
         return partial
-
-
-def init_expert_parallel(backend: str | None = None) -> ExpertParallel:
-    """Join the launcher's process group (env:// settings) through DeepSpeed and span it with experts.
-
-    ``backend`` None lets DeepSpeed pick its accelerator's (gloo on CPU, NCCL on CUDA).
-    Idempotent: a process group someone else initialised is reused.
-    """
-    import deepspeed
-
-    from cachet.engine.distributed import release_shared_memory_name
-
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    if dist.get_backend() == "gloo":
-        release_shared_memory_name()
-    return ExpertParallel.from_environment()
 
 
 def check_expert_parallel_size(expert_parallel_size: int, tensor_parallel_size: int) -> None:

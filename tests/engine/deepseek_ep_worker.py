@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from cachet.engine.attention import SequenceSpan, build_attention_metadata
-from cachet.engine.distributed import local_group_environment
+from cachet.engine.distributed import TensorParallel, init_distributed, local_group_environment
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.step_plan import NewRequest, RunningRequestDiff, StepPlan
@@ -20,13 +20,16 @@ from cachet.engine.step_plan import NewRequest, RunningRequestDiff, StepPlan
 BLOCK_SIZE = 4
 
 
-def runner_for(model_dir: Path, block_size: int = BLOCK_SIZE) -> ModelRunner:
+def runner_for(
+    model_dir: Path, block_size: int = BLOCK_SIZE, tp: TensorParallel | None = None
+) -> ModelRunner:
     return ModelRunner(
         model_dir,
         dtype=torch.float32,
         device=torch.device("cpu"),
         kv_cache_bytes=1 << 20,
         block_size=block_size,
+        tp=tp,
     )
 
 
@@ -69,14 +72,18 @@ def ep_prompts() -> dict[str, list[int]]:
 
 
 def run_rank(rank: int, port: int, model_dir: str, out_dir: str, new_tokens: int) -> None:
+    """One rank of a CACHET_TP=2, CACHET_EP=2 replica, started as the engine starts its ranks
+    (``loop_builder.run_follower``): DeepSpeed joins the group in ``init_distributed`` and the
+    model takes its expert split from the tensor-parallel group. Both ranks run ``execute``
+    here (in a replica only rank 0 samples and followers take its tokens): decoding greedily,
+    each rank's tokens must equal one whole model's."""
     os.environ.update(local_group_environment(rank, 2, port))
     torch.set_num_threads(1)
-    from cachet.engine.expert_parallel import init_expert_parallel
-
-    ep = init_expert_parallel("gloo")
-    runner = runner_for(Path(model_dir))
+    tp = TensorParallel.create(init_distributed(torch.device("cpu")), expert_parallel_size=2)
+    runner = runner_for(Path(model_dir), tp=tp)
+    ep = runner.model.expert_parallel
     held = sorted(int(k) for k in runner.model.model.layers[1].mlp.experts)
     logits = prefill_logits(runner, prompt(1, 40))
-    tokens = batched_greedy(runner_for(Path(model_dir)), ep_prompts(), new_tokens)
+    tokens = batched_greedy(runner_for(Path(model_dir), tp=tp), ep_prompts(), new_tokens)
     result = {"ep": (ep.rank, ep.size), "held": held, "logits": logits, "tokens": tokens}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
