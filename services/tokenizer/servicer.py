@@ -111,7 +111,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 param="messages",
             )
         rendered = await asyncio.to_thread(self._render, model, request)
-        return tokenizer_pb2.ApplyChatTemplateResponse(prompt=rendered.prompt, token_ids=rendered.token_ids)
+        return tokenizer_pb2.ApplyChatTemplateResponse(
+            prompt=rendered.prompt,
+            token_ids=rendered.token_ids,
+            prefix_token_counts=rendered.prefix_token_counts,
+        )
 
     @staticmethod
     def _render(model: TokenizerModel, request: tokenizer_pb2.ApplyChatTemplateRequest) -> RenderedChat:
@@ -121,6 +125,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             reasoning=ReasoningControls.from_proto(request.reasoning),
+            prefix_messages=request.prefix_message_counts,
         )
 
     async def DetokenizeStream(

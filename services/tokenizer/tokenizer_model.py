@@ -16,8 +16,9 @@ for truncation or padding, which nothing here does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,18 @@ from cachet.tokenizer.tiktoken_files import has_tiktoken_files, load_tiktoken_to
 _TOOLS_PROBE: list[dict[str, Any]] = [{"type": "function", "function": {"name": "probe"}}]
 
 
+# Most cache breakpoints one render locates (Anthropic allows 4 per request).
+MAX_PREFIX_COUNTS = 8
+
+
 @dataclass(frozen=True)
 class RenderedChat:
     """A conversation rendered through the chat template, and its tokens."""
 
     prompt: str
     token_ids: list[int]
+    # Leading tokens that render the tools and the first k messages, for each k asked.
+    prefix_token_counts: list[int] = field(default_factory=list)
 
 
 class TokenizerModel:
@@ -124,14 +131,23 @@ class TokenizerModel:
         add_generation_prompt: bool,
         continue_final_message: bool,
         reasoning: ReasoningControls = NO_CONTROLS,
+        prefix_messages: Sequence[int] = (),
     ) -> RenderedChat:
         """Render template dicts (see ``chat_messages``) through the model's template, then tokenize.
 
-        ``reasoning`` sets template variables; one the template does not read is refused."""
+        ``reasoning`` sets template variables; one the template does not read is refused.
+        ``prefix_messages`` asks where cache breakpoints end: for each k, the leading tokens of
+        this prompt that the tools and the first k messages render to (``_prefix_chars``)."""
         if add_generation_prompt and continue_final_message:
             raise InvalidArgument(
                 "continue_final_message: cannot be combined with add_generation_prompt",
                 param="continue_final_message",
+            )
+        if len(prefix_messages) > MAX_PREFIX_COUNTS or any(k > len(messages) for k in prefix_messages):
+            raise InvalidArgument(
+                f"prefix_message_counts: at most {MAX_PREFIX_COUNTS}, each at most the "
+                f"{len(messages)} messages",
+                param="prefix_message_counts",
             )
         if self._sort_tool_keys:
             tools = [_sorted_keys(tool) for tool in tools]
@@ -141,17 +157,22 @@ class TokenizerModel:
         variables = reasoning.variables_for(source, self.model_id)
         # Decided per call: a checkpoint with several named templates may use a
         # different one when no tools are offered.
-        if not template_supports_tools(source):
-            messages = rewrite_for_generic_tools(messages, tools)
-            tools = []
+        generic_tools = not template_supports_tools(source)
+
+        def render(conversation: list[dict[str, Any]], **flags: bool) -> str:
+            if generic_tools:
+                return self._tokenizer.apply_chat_template(
+                    rewrite_for_generic_tools(conversation, tools), tokenize=False, **flags, **variables
+                )
+            return self._tokenizer.apply_chat_template(
+                conversation, tools=tools or None, tokenize=False, **flags, **variables
+            )
+
         try:
-            prompt = self._tokenizer.apply_chat_template(
+            prompt = render(
                 messages,
-                tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                tokenize=False,
-                **variables,
             )
         except jinja2.TemplateError as error:
             # Templates reject conversations they cannot render with raise_exception().
@@ -164,7 +185,48 @@ class TokenizerModel:
             raise InvalidArgument(f"messages: {error}", param="messages") from None
         # The template wrote the special tokens itself (BOS, turn markers): adding
         # them again would double the BOS. transformers tokenizes the same way.
-        return RenderedChat(prompt=prompt, token_ids=self.encode(prompt, add_special_tokens=False))
+        if not prefix_messages:
+            return RenderedChat(prompt=prompt, token_ids=self.encode(prompt, add_special_tokens=False))
+        # The same encode, with each token's character span: where a prefix of the text ends.
+        encoding = self._tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+        ends = [end for _, end in encoding["offset_mapping"]]
+        counts = []
+        for k in prefix_messages:
+            chars = _prefix_chars(prompt, partial(render, messages[:k], add_generation_prompt=False))
+            counts.append(_tokens_within(ends, chars))
+        return RenderedChat(prompt=prompt, token_ids=list(encoding["input_ids"]), prefix_token_counts=counts)
+
+
+def _prefix_chars(prompt: str, render_prefix: Callable[[], str]) -> int:
+    """How many leading characters of ``prompt`` the template renders for a prefix of its
+    conversation alone: the longest run both agree on (a template may render an earlier turn
+    differently once later ones follow, e.g. dropping old reasoning)."""
+    try:
+        text = render_prefix()
+    # A template may fail in any way on a conversation cut short (no user turn yet): the
+    # breakpoint then covers nothing, and the request goes on.
+    except Exception:  # noqa: BLE001 - see above
+        return 0
+    if prompt.startswith(text):
+        return len(text)
+    low, high = 0, min(len(text), len(prompt))
+    while low < high:  # the longest common prefix, compared in C rather than char by char
+        middle = (low + high + 1) // 2
+        if prompt[:middle] == text[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _tokens_within(ends: list[int], chars: int) -> int:
+    """Leading tokens whose characters all lie in the first ``chars``."""
+    count = 0
+    for end in ends:
+        if end > chars:
+            break
+        count += 1
+    return count
 
 
 def _template_source(tokenizer: PreTrainedTokenizerBase, *, tools: list[dict[str, Any]] | None) -> str | None:

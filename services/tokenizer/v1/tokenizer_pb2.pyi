@@ -139,6 +139,7 @@ class ApplyChatTemplateRequest(_message.Message):
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
+    PREFIX_MESSAGE_COUNTS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     add_generation_prompt: _builtins.bool
@@ -157,6 +158,13 @@ class ApplyChatTemplateRequest(_message.Message):
     def reasoning(self) -> _common_pb2.ReasoningControls:
         """Reasoning controls for the template; refused (naming the field) when it reads none of them."""
 
+    @_builtins.property
+    def prefix_message_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Where cache breakpoints end (Anthropic's cache_control): for each count k, the response
+        says how many leading tokens render the tools and the first k messages (0: the tools
+        alone). At most 8, each at most the number of messages.
+        """
+
     def __init__(
         self,
         *,
@@ -166,10 +174,11 @@ class ApplyChatTemplateRequest(_message.Message):
         add_generation_prompt: _builtins.bool = ...,
         continue_final_message: _builtins.bool = ...,
         reasoning: _common_pb2.ReasoningControls | None = ...,
+        prefix_message_counts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "model", b"model", "reasoning", b"reasoning", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "model", b"model", "prefix_message_counts", b"prefix_message_counts", "reasoning", b"reasoning", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -183,21 +192,31 @@ class ApplyChatTemplateResponse(_message.Message):
 
     PROMPT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PREFIX_TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Its token ids (special tokens written by the template are not added twice)."""
 
+    @_builtins.property
+    def prefix_token_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """For each of the request's prefix_message_counts, in order: the leading tokens of token_ids
+        that the tools and those messages render to, as a prefix of this very prompt (what the
+        template renders for them alone, cut where it stops agreeing with the whole; whole tokens
+        only). 0 where the template renders nothing for them alone.
+        """
+
     def __init__(
         self,
         *,
         prompt: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        prefix_token_counts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefix_token_counts", b"prefix_token_counts", "prompt", b"prompt", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
