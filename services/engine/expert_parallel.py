@@ -10,8 +10,9 @@ DeepSpeed's ``deepspeed.moe`` MOELayer is the other shape: GShard dispatch with
 a fixed per-expert capacity (``[tokens, experts, capacity]`` dispatch tensors)
 and an all-to-all, built for training where each rank owns different tokens.
 With replicated tokens it would compute every expert twice over, drop tokens
-past capacity, and its dense dispatch grows with tokens squared; so the
-collective used here is DeepSpeed's inference all-reduce (``deepspeed.comm``), nothing more.
+past capacity, and its dense dispatch grows with tokens squared; so the only
+collective here is the replica's tensor-parallel all-reduce (DeepSpeed's inference
+all-reduce, reached through ``TensorParallelRank.all_reduce_``).
 
 Inside a tensor-parallel replica the same ranks serve both splits, and
 ``CACHET_EP`` chooses how routed experts are spread over them (the rule lives in
@@ -24,19 +25,14 @@ Inside a tensor-parallel replica the same ranks serve both splits, and
 Either way each rank's routed and shared outputs are partial sums that meet in
 the layer's one all-reduce over the replica.
 
-This module is the only place in the engine's model code that talks to
-DeepSpeed / torch.distributed for experts. It never starts them: the process group
-and DeepSpeed are started once, by ``distributed.init_distributed``, and a replica's
-split reaches the model through ``ExpertParallel.within`` its tensor-parallel group.
+This module talks to neither DeepSpeed nor torch.distributed: the process group and
+DeepSpeed are started once, by ``distributed.init_distributed``, and a replica's split
+reaches the model through ``ExpertParallel.within`` its tensor-parallel group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from cachet.engine.tensor_parallel import TensorParallelRank
 
@@ -47,8 +43,6 @@ class ExpertParallel:
 
     rank: int = 0
     size: int = 1
-    # The torch.distributed process group the partial outputs are summed over; None = the world.
-    group: Any = None
 
     @classmethod
     def within(cls, tp: TensorParallelRank) -> ExpertParallel:
@@ -58,27 +52,10 @@ class ExpertParallel:
             return cls()
         return cls(rank=tp.rank, size=tp.size)
 
-    @classmethod
-    def from_environment(cls) -> ExpertParallel:
-        """Every rank of an initialised process group shares the experts; otherwise one rank holds all."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return cls()
-        return cls(rank=dist.get_rank(), size=dist.get_world_size())
-
     def local_experts(self, num_experts: int) -> range:
         """Global ids of the experts this rank holds: a contiguous run (so loading is a name filter),
         as even as tensor-parallel splits are (8 experts over 3 ranks: 3 + 3 + 2)."""
         return TensorParallelRank(self.rank, self.size).split(num_experts, "routed experts")
-
-    def reduce_(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum every rank's partial expert output in place; all ranks end with the full sum."""
-        if self.size > 1:
-            import deepspeed.comm as ds_comm
-
-            # DeepSpeed's inference all-reduce: its shared-memory op on CPU (~7 us for a small tensor
-            # where gloo takes ~2 ms), NCCL on GPU; one call per MoE layer per step.
-            ds_comm.inference_all_reduce(partial, group=self.group)
-        return partial
 
 
 def check_expert_parallel_size(expert_parallel_size: int, tensor_parallel_size: int) -> None:

@@ -192,8 +192,8 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (this rank's share) plus shared experts that every token passes through.
 
-    The layer's work is split over one group of ranks: a tensor-parallel replica's, or
-    the expert-parallel group when there is no tensor parallelism. Routed experts go whole
+    The layer's work is split over the tensor-parallel replica's ranks (or none, on a
+    single rank), which expert parallelism reuses. Routed experts go whole
     to the ranks (``expert_parallel.size > 1``) or are each cut by channels (size 1);
     shared experts are cut by channels. Every rank's output is then a partial sum, and
     one all-reduce per layer completes it.
@@ -204,7 +204,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         moe: MoEConfig = config.moe  # type: ignore[assignment]
-        if tp.size > 1 and expert_parallel.size not in (1, tp.size):
+        if expert_parallel.size not in (1, tp.size):
             raise ValueError(
                 f"{expert_parallel.size} expert-parallel ranks inside {tp.size} tensor-parallel "
                 "ranks: expert parallelism must span the replica's ranks or none"
@@ -212,11 +212,7 @@ class MoE(nn.Module):
         self.top_k = moe.num_experts_per_tok
         self.num_experts = moe.n_routed_experts
         self.expert_parallel = expert_parallel
-        self.group = (
-            tp
-            if tp.size > 1
-            else TensorParallelRank(expert_parallel.rank, expert_parallel.size, expert_parallel.reduce_)
-        )
+        self.group = tp
         self.gate = Router(config.hidden_size, moe)
         # The sum over the group is the layer's (forward), so no expert's down_proj reduces.
         expert_split = self.group if expert_parallel.size == 1 else SINGLE_RANK
@@ -308,8 +304,7 @@ def _mlp(
 class DeepseekV3ForCausalLM(CausalLM):
     """``expert_parallel`` defaults to what a tensor-parallel replica chose
     (``tp.expert_parallel_size``: whole experts over its ranks, or every expert cut by
-    channels), else to every rank of an initialised process group (expert parallel
-    alone), else one rank."""
+    channels), else to one rank holding every expert."""
 
     # Routing reads each expert's token count on the host (``_routed``), which a CUDA graph
     # cannot record; decode steps run eagerly.
@@ -327,7 +322,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         if config.mla is None or config.moe is None:
             raise ValueError(f"model_type {config.model_type!r} has no MLA/MoE settings")
         if expert_parallel is None:
-            expert_parallel = ExpertParallel.within(tp) if tp.size > 1 else ExpertParallel.from_environment()
+            expert_parallel = ExpertParallel.within(tp) if tp.size > 1 else ExpertParallel()
         layers = (
             DecoderLayer(config, MLAttention(config, tp), _mlp(config, i, tp, expert_parallel))
             for i in range(config.num_hidden_layers)
