@@ -63,7 +63,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -431,6 +431,48 @@ async def fill_queue(
     return {"requests": requests, "seconds": elapsed, "requests_per_s": requests / elapsed}
 
 
+@dataclass
+class _Watch:
+    """What the windows run against, and the engine's figures of each watched window by name."""
+
+    stub: Any
+    engine: Any
+    workload: _Workload
+    window: float
+    engine_metrics_port: int
+    router_metrics_port: int
+    pids: dict[str, int]
+    queue_file: Path
+    engine_windows: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    async def watched(self, name: str, window):
+        result, self.engine_windows[name] = await _engine_window(
+            self.engine_metrics_port, self.router_metrics_port, self.pids, window
+        )
+        return result
+
+    def arrivals(self, rate: float, seconds: float):
+        return interactive_arrivals(self.stub, self.engine, rate, seconds, self.workload)
+
+
+@dataclass(frozen=True)
+class _Capacity:
+    closed_loop: float
+    streaming: float
+
+
+@dataclass(frozen=True)
+class _BacklogWindows:
+    """Windows 3 to 6: interactive arrivals alone, the backlog alone, both, arrivals alone again."""
+
+    alone_before: Arrivals
+    with_backlog: Arrivals
+    alone_after: Arrivals
+    backlog: int
+    drain_alone: float
+    drain_rate: float
+
+
 async def measure(
     router: str,
     engine_address: str,
@@ -442,128 +484,153 @@ async def measure(
     model_id: str,
 ) -> dict[str, Any]:
     """``pids``: each service's process by name ("router" among them); this one is added."""
-    router_pid = pids["router"]
-    pids = pids | {"bench": os.getpid()}
-    workload = _Workload(model_id, random.Random(0))
-    window = scale.window_seconds
     async with (
         grpc.aio.insecure_channel(router) as channel,
         grpc.aio.insecure_channel(engine_address) as engine_channel,
     ):
-        stub = router_pb2_grpc.InferenceServiceStub(channel)
-        engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
+        watch = _Watch(
+            router_pb2_grpc.InferenceServiceStub(channel),
+            engine_pb2_grpc.EngineServiceStub(engine_channel),
+            _Workload(model_id, random.Random(0)),
+            scale.window_seconds,
+            engine_metrics_port,
+            router_metrics_port,
+            pids | {"bench": os.getpid()},
+            queue_file,
+        )
         client_loop_lag = EventLoopLagMonitor(_CLIENT_LOOP_LAG)
         client_loop_lag.start()
-        progress(f"  warm-up: 1 to {MAX_NUM_SEQS} closed-loop clients")
-        # Warm-up: every batch size once (a GPU engine's first step at a new size is slow).
-        for clients in range(1, MAX_NUM_SEQS + 1):
-            await measure_capacity(stub, 0.2, clients, workload)
-        engine_windows: dict[str, dict[str, float]] = {}
-
-        async def watched(name: str, window):
-            result, engine_windows[name] = await _engine_window(
-                engine_metrics_port, router_metrics_port, pids, window
-            )
-            return result
-
-        progress(f"  window 1/6, {window:.0f} s: capacity, {MAX_NUM_SEQS} closed-loop clients")
-        capacity = await watched("capacity", measure_capacity(stub, window, MAX_NUM_SEQS, workload))
-        progress(f"    {capacity:.1f} req/s; window 2/6, {window:.0f} s: the same clients streaming")
-        capacity_streaming = await measure_capacity(stub, window, MAX_NUM_SEQS, workload, stream=True)
-        rate = INTERACTIVE_SHARE * capacity
-        progress(
-            f"    {capacity_streaming:.1f} req/s; window 3/6, {window:.0f} s: interactive arrivals alone,"
-            f" {rate:.1f}/s"
-        )
-        alone_before_run = await watched(
-            "interactive_alone", interactive_arrivals(stub, engine, rate, window, workload)
-        )
-        alone_before = alone_before_run.summary()
-
-        # Enough work that the queue cannot run dry during its windows, even at full capacity.
-        backlog = max(5_000, int(capacity * window * 4))
-        progress(
-            f"    TTFT p50 {alone_before['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests"
-        )
-        backlog_batches: list[str] = []
-        await fill_queue(stub, backlog, workload, backlog_batches)
-        await asyncio.sleep(2.0)  # the dispatcher reaches its steady state
-        progress(f"  window 4/6, {window:.0f} s: the backlog draining alone")
-        drain_alone = await watched("drain_alone", _drain_rate(queue_file, asyncio.sleep(window)))
-        progress(
-            f"    {drain_alone:.1f} req/s; window 5/6, {2 * window:.0f} s: interactive arrivals beside the backlog"
-        )
-        # Twice an alone window: the TTFT baseline pools two of those, and its p99 and this one's
-        # then rest on as many first tokens.
-        with_backlog_run = asyncio.ensure_future(
-            interactive_arrivals(stub, engine, rate, 2 * window, workload)
-        )
-        drain_rate = await watched("interactive_with_backlog", _drain_rate(queue_file, with_backlog_run))
-        with_backlog = with_backlog_run.result().summary()
-        progress(f"    TTFT p50 {with_backlog['ttft_p50_ms']:.1f} ms, drain {drain_rate:.1f} req/s")
-
-        # The same arrivals alone once more, after the backlog: these CPUs' speed drifts over
-        # minutes, and a baseline on both sides of the backlog's window cancels a steady drift.
-        progress("  cancelling the rest of the backlog; waiting for its started jobs")
-        await _cancel_backlog(stub, backlog_batches, queue_file)
-        progress(f"  window 6/6, {window:.0f} s: interactive arrivals alone again")
-        alone_after_run = await watched(
-            "interactive_alone_after", interactive_arrivals(stub, engine, rate, window, workload)
-        )
-        alone_after = alone_after_run.summary()
-        alone_run = alone_before_run.pooled(alone_after_run)
-        alone = alone_run.summary()
-        loaded_run = with_backlog_run.result()
-        intervals = {
-            "ttft_p50_ratio_interval": _ratio_interval(loaded_run.router_ms, alone_run.router_ms, 0.5),
-            "ttft_p99_ratio_interval": _ratio_interval(loaded_run.router_ms, alone_run.router_ms, 0.99),
-            "engine_direct_ttft_p50_ratio_interval": _ratio_interval(
-                loaded_run.engine_ms, alone_run.engine_ms, 0.5
-            ),
-            "engine_direct_ttft_p99_ratio_interval": _ratio_interval(
-                loaded_run.engine_ms, alone_run.engine_ms, 0.99
-            ),
-        }
-        progress(f"    TTFT p50 {alone_after['ttft_p50_ms']:.1f} ms")
-
-        rss_before = _rss_mib(router_pid)
-        progress(f"  submitting {scale.submit_requests} requests through QueueRequests")
-        submission = await fill_queue(stub, scale.submit_requests, workload)
-        rss_after = _rss_mib(router_pid)
-        await asyncio.sleep(2.0)
-        rss_settled = _rss_mib(router_pid)
+        await _warm_up(watch)
+        capacity = await _capacity_windows(watch)
+        rate = INTERACTIVE_SHARE * capacity.closed_loop
+        windows = await _backlog_windows(watch, rate, capacity)
+        submission = await _submission(watch, scale.submit_requests, pids["router"])
         client_loop_lag.stop()
+    return _result(watch, capacity, rate, windows, submission)
 
+
+async def _warm_up(watch: _Watch) -> None:
+    progress(f"  warm-up: 1 to {MAX_NUM_SEQS} closed-loop clients")
+    # Every batch size once (a GPU engine's first step at a new size is slow).
+    for clients in range(1, MAX_NUM_SEQS + 1):
+        await measure_capacity(watch.stub, 0.2, clients, watch.workload)
+
+
+async def _capacity_windows(watch: _Watch) -> _Capacity:
+    """Windows 1 and 2: what the engine completes with every seat taken, whole answers then streams."""
+    window = watch.window
+    progress(f"  window 1/6, {window:.0f} s: capacity, {MAX_NUM_SEQS} closed-loop clients")
+    capacity = await watch.watched(
+        "capacity", measure_capacity(watch.stub, window, MAX_NUM_SEQS, watch.workload)
+    )
+    progress(f"    {capacity:.1f} req/s; window 2/6, {window:.0f} s: the same clients streaming")
+    streaming = await measure_capacity(watch.stub, window, MAX_NUM_SEQS, watch.workload, stream=True)
+    return _Capacity(capacity, streaming)
+
+
+async def _backlog_windows(watch: _Watch, rate: float, capacity: _Capacity) -> _BacklogWindows:
+    window = watch.window
+    progress(
+        f"    {capacity.streaming:.1f} req/s; window 3/6, {window:.0f} s: interactive arrivals alone,"
+        f" {rate:.1f}/s"
+    )
+    alone_before = await watch.watched("interactive_alone", watch.arrivals(rate, window))
+
+    # Enough work that the queue cannot run dry during its windows, even at full capacity.
+    backlog = max(5_000, int(capacity.closed_loop * window * 4))
+    progress(
+        f"    TTFT p50 {alone_before.summary()['ttft_p50_ms']:.1f} ms; queueing a backlog of {backlog} requests"
+    )
+    backlog_batches: list[str] = []
+    await fill_queue(watch.stub, backlog, watch.workload, backlog_batches)
+    await asyncio.sleep(2.0)  # the dispatcher reaches its steady state
+    progress(f"  window 4/6, {window:.0f} s: the backlog draining alone")
+    drain_alone = await watch.watched("drain_alone", _drain_rate(watch.queue_file, asyncio.sleep(window)))
+    progress(
+        f"    {drain_alone:.1f} req/s; window 5/6, {2 * window:.0f} s: interactive arrivals beside the backlog"
+    )
+    # Twice an alone window: the TTFT baseline pools two of those, and its p99 and this one's
+    # then rest on as many first tokens.
+    with_backlog_run = asyncio.ensure_future(watch.arrivals(rate, 2 * window))
+    drain_rate = await watch.watched(
+        "interactive_with_backlog", _drain_rate(watch.queue_file, with_backlog_run)
+    )
+    with_backlog = with_backlog_run.result()
+    progress(f"    TTFT p50 {with_backlog.summary()['ttft_p50_ms']:.1f} ms, drain {drain_rate:.1f} req/s")
+
+    # The same arrivals alone once more, after the backlog: these CPUs' speed drifts over
+    # minutes, and a baseline on both sides of the backlog's window cancels a steady drift.
+    progress("  cancelling the rest of the backlog; waiting for its started jobs")
+    await _cancel_backlog(watch.stub, backlog_batches, watch.queue_file)
+    progress(f"  window 6/6, {window:.0f} s: interactive arrivals alone again")
+    alone_after = await watch.watched("interactive_alone_after", watch.arrivals(rate, window))
+    progress(f"    TTFT p50 {alone_after.summary()['ttft_p50_ms']:.1f} ms")
+    return _BacklogWindows(alone_before, with_backlog, alone_after, backlog, drain_alone, drain_rate)
+
+
+async def _submission(watch: _Watch, requests: int, router_pid: int) -> dict[str, Any]:
+    """Window 7: ``requests`` through QueueRequests, and the router's memory around them."""
+    rss_before = _rss_mib(router_pid)
+    progress(f"  submitting {requests} requests through QueueRequests")
+    submission = await fill_queue(watch.stub, requests, watch.workload)
+    rss_after = _rss_mib(router_pid)
+    await asyncio.sleep(2.0)
+    return {
+        "submission": submission,
+        "router_rss_mib_before": rss_before,
+        "router_rss_mib_after": rss_after,
+        "router_rss_mib_settled": _rss_mib(router_pid),
+    }
+
+
+def _ttft_ratios(loaded_run: Arrivals, alone_run: Arrivals) -> dict[str, Any]:
+    """Loaded over alone at p50 and p99, through the router and straight to the engine, with intervals."""
+    loaded, alone = loaded_run.summary(), alone_run.summary()
+    measures = [
+        (f"{prefix}ttft_{percentile}", samples, share)
+        for prefix, samples in (("", "router_ms"), ("engine_direct_", "engine_ms"))
+        for percentile, share in (("p50", 0.5), ("p99", 0.99))
+    ]
+    ratios = {f"{name}_ratio": loaded[f"{name}_ms"] / alone[f"{name}_ms"] for name, _, _ in measures}
+    intervals = {
+        f"{name}_ratio_interval": _ratio_interval(
+            getattr(loaded_run, samples), getattr(alone_run, samples), share
+        )
+        for name, samples, share in measures
+    }
+    return ratios | intervals
+
+
+def _result(
+    watch: _Watch, capacity: _Capacity, rate: float, windows: _BacklogWindows, submission: dict[str, Any]
+) -> dict[str, Any]:
+    alone_run = windows.alone_before.pooled(windows.alone_after)
+    with_backlog = windows.with_backlog.summary()
     # The larger of two measures of the engine's capacity: the closed loop pays for this
     # process's client work on the shared cores, the queue alone for the headroom rule.
-    capacity_used = max(capacity, drain_alone)
+    capacity_used = max(capacity.closed_loop, windows.drain_alone)
     free_capacity = capacity_used - with_backlog["requests_per_s"]
     # The interactive arrivals stream, and a stream costs the engine and the router more
     # than a whole answer (a message per step): counted at that cost, they leave less free.
-    stream_cost = capacity / capacity_streaming if capacity_streaming else 1.0
+    stream_cost = capacity.closed_loop / capacity.streaming if capacity.streaming else 1.0
     free_at_stream_cost = capacity_used - with_backlog["requests_per_s"] * stream_cost
+    drain_rate = windows.drain_rate
     return {
         "prompt_tokens": PROMPT_TOKENS,
         "max_tokens": MAX_TOKENS,
         "engine_max_num_seqs": MAX_NUM_SEQS,
-        "window_s": window,
-        "capacity_closed_loop_requests_per_s": capacity,
-        "capacity_streaming_requests_per_s": capacity_streaming,
-        "drain_alone_requests_per_s": drain_alone,
+        "window_s": watch.window,
+        "capacity_closed_loop_requests_per_s": capacity.closed_loop,
+        "capacity_streaming_requests_per_s": capacity.streaming,
+        "drain_alone_requests_per_s": windows.drain_alone,
         "capacity_requests_per_s": capacity_used,
         "interactive_rate_per_s": rate,
-        "interactive_alone": alone,
-        "interactive_alone_before": alone_before,
-        "interactive_alone_after": alone_after,
+        "interactive_alone": alone_run.summary(),
+        "interactive_alone_before": windows.alone_before.summary(),
+        "interactive_alone_after": windows.alone_after.summary(),
         "interactive_with_backlog": with_backlog,
-        "backlog_requests": backlog,
-        "ttft_p50_ratio": with_backlog["ttft_p50_ms"] / alone["ttft_p50_ms"],
-        "ttft_p99_ratio": with_backlog["ttft_p99_ms"] / alone["ttft_p99_ms"],
-        "engine_direct_ttft_p50_ratio": with_backlog["engine_direct_ttft_p50_ms"]
-        / alone["engine_direct_ttft_p50_ms"],
-        "engine_direct_ttft_p99_ratio": with_backlog["engine_direct_ttft_p99_ms"]
-        / alone["engine_direct_ttft_p99_ms"],
-        **intervals,
+        "backlog_requests": windows.backlog,
+        **_ttft_ratios(windows.with_backlog, alone_run),
         "drain_requests_per_s": drain_rate,
         "free_capacity_requests_per_s": free_capacity,
         "free_capacity_share": drain_rate / free_capacity if free_capacity > 0 else 0.0,
@@ -571,11 +638,8 @@ async def measure(
         "free_capacity_at_stream_cost_share": drain_rate / free_at_stream_cost
         if free_at_stream_cost > 0
         else 0.0,
-        "submission": submission,
-        "router_rss_mib_before": rss_before,
-        "router_rss_mib_after": rss_after,
-        "router_rss_mib_settled": rss_settled,
-        "engine_windows": engine_windows,
+        **submission,
+        "engine_windows": watch.engine_windows,
     }
 
 
@@ -682,12 +746,22 @@ def _refusal_lines(router_log: Path, limit: int = 20) -> list[str]:
 
 
 def _print(result: dict[str, Any]) -> None:
-    alone, loaded = result["interactive_alone"], result["interactive_with_backlog"]
     print(
         f"\nAsync queue: one engine (max_num_seqs {result['engine_max_num_seqs']}), requests of"
         f" {result['prompt_tokens']} prompt + {result['max_tokens']} generated tokens,"
         f" {result['window_s']:.0f} s windows, {result['model']}"
     )
+    _print_interactive(result)
+    _print_capacity(result)
+    windows = result["engine_windows"]
+    _print_engine_windows(windows)
+    _print_cores(windows)
+    _print_loop_lags(windows)
+
+
+def _print_interactive(result: dict[str, Any]) -> None:
+    """First tokens alone and beside the backlog, their ratios against the targets, and what failed."""
+    alone, loaded = result["interactive_alone"], result["interactive_with_backlog"]
     print(f"{'measure':<50}{'alone':>12}{'w/ backlog':>12}{'ratio':>10}{'90% interval':>16}{'target':>10}")
     print("-" * 110)
     for name, key, ratio in (
@@ -715,6 +789,10 @@ def _print(result: dict[str, Any]) -> None:
             print(f"  failed {window}, {count}x: {failure}")
     for line in result.get("router_refusals", []):
         print(f"  router: {line}")
+
+
+def _print_capacity(result: dict[str, Any]) -> None:
+    """Capacity, the drain's share of what interactive traffic leaves free, submission and memory."""
     print(f"\n{'measure':<50}{'value':>12}{'target':>14}")
     print("-" * 76)
     rows = (
@@ -752,7 +830,9 @@ def _print(result: dict[str, Any]) -> None:
     )
     for name, value, target in rows:
         print(f"{name:<50}{value:>12}{target:>14}")
-    windows = result["engine_windows"]
+
+
+def _print_engine_windows(windows: dict[str, dict[str, float]]) -> None:
     _print_windows(
         "The engine in each window (its /metrics)",
         ("busy", "steps/s", "step ms", "req/step", "int tok/s", "batch tok/s", "seat pre."),
@@ -769,6 +849,9 @@ def _print(result: dict[str, Any]) -> None:
             for name, figures in windows.items()
         },
     )
+
+
+def _print_cores(windows: dict[str, dict[str, float]]) -> None:
     names = [key.removeprefix("cores_") for key in next(iter(windows.values())) if key.startswith("cores_")]
 
     def cores(figures: dict[str, float]) -> tuple[str, ...]:
@@ -780,6 +863,9 @@ def _print(result: dict[str, Any]) -> None:
         (*names, "all"),
         {name: cores(figures) for name, figures in windows.items()},
     )
+
+
+def _print_loop_lags(windows: dict[str, dict[str, float]]) -> None:
     loops = {"router": "router", "engine_server": "engine srv", "client": "client"}
     late = f"> {LATE_TICK_SECONDS * 1000:.0f} ms"
     _print_windows(
