@@ -17,6 +17,7 @@ from cachet.grpc_server import RunningServer, create_server, serve_until_signall
 from cachet.logs import configure_logging, get_logger
 from cachet.router import metrics
 from cachet.router.batch_queue import BatchQueue
+from cachet.router.cache_retention import SETTING_VALUES
 from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import AccountDirectory
 from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
@@ -119,6 +120,7 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
         cache_scopes=CacheScopes(isolate=options.cache_isolation, groups=options.cache_groups),
         sessions=SessionDirectory(idle_seconds=options.session_idle_seconds),
         clamp_max_tokens=options.clamp_max_tokens,
+        session_retention=SETTING_VALUES[options.session_cache_retention],
     )
     try:
         clients.queue = await open_queue_store(options)

@@ -9,12 +9,14 @@ message, as INVALID_ARGUMENT.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
 from cachet.errors import InvalidArgument
+from cachet.router.cache_retention import breakpoint_messages, validate_breakpoints, validate_retention
 from cachet.router.cache_scope import validate_cache_salt
 from cachet.router.upstream_errors import domain_error
 from cachet.router.v1 import router_pb2
@@ -44,6 +46,8 @@ def validate_chat(request: router_pb2.ChatCompletionRequest) -> None:
     validate_sampling(request.sampling)
     validate_cache_salt(request.cache_salt)
     validate_choices(request.n)
+    validate_retention(request.cache_retention)
+    validate_breakpoints(request)
 
 
 def validate_completion(request: router_pb2.CompletionRequest) -> None:
@@ -53,6 +57,7 @@ def validate_completion(request: router_pb2.CompletionRequest) -> None:
     validate_sampling(request.sampling)
     validate_cache_salt(request.cache_salt)
     validate_choices(request.n)
+    validate_retention(request.cache_retention)
 
 
 def validate_choices(n: int) -> None:
@@ -104,6 +109,15 @@ def check_context_window(
         )
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered conversation's tokens, and where each of its cache breakpoints ends: (prompt
+    tokens up to it, its retention), in the request's order."""
+
+    token_ids: list[int]
+    breakpoints: list[tuple[int, router_pb2.CacheRetention.ValueType]]
+
+
 class PromptBuilder:
     """Chat templates and plain prompts, through the tokenizer service."""
 
@@ -113,20 +127,25 @@ class PromptBuilder:
 
     async def chat(
         self, request: router_pb2.ChatCompletionRequest, tools: Sequence[common_pb2.Tool] | None = None
-    ) -> list[int]:
+    ) -> ChatPrompt:
         """``tools`` replaces the request's own (``tool_choice: none`` offers none)."""
+        counts = breakpoint_messages(request.cache_breakpoints)
         template = tokenizer_pb2.ApplyChatTemplateRequest(
             model=request.model,
             messages=request.messages,
             tools=request.tools if tools is None else tools,
             add_generation_prompt=True,
             reasoning=request.reasoning,
+            prefix_message_counts=counts,
         )
         try:
             rendered = await self._tokenizer.ApplyChatTemplate(template, timeout=self._timeout)
         except grpc.aio.AioRpcError as error:
             raise domain_error(error, "tokenizer") from error
-        return list(rendered.token_ids)
+        # A tokenizer older than breakpoints answers no counts: then they retain nothing.
+        ends = dict(zip(counts, rendered.prefix_token_counts, strict=False))
+        breakpoints = [(ends.get(b.messages, 0), b.retention) for b in request.cache_breakpoints]
+        return ChatPrompt(list(rendered.token_ids), breakpoints)
 
     async def completion(self, request: router_pb2.CompletionRequest) -> list[int]:
         if request.prompt_token_ids:

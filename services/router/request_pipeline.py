@@ -38,6 +38,7 @@ from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.logs import get_logger
 from cachet.router import metrics
 from cachet.router.answer_check import AnswerCheck
+from cachet.router.cache_retention import engine_retention
 from cachet.router.cache_scope import CacheScopes
 from cachet.router.caller import Caller
 from cachet.router.choices import ChoiceGroup
@@ -95,6 +96,8 @@ class GenerationRequest:
     # of its own, billed with the others as one (choices.py).
     choices: int = 1
     choice: int = 0
+    # Prefixes the engine keeps in preference to other KV once the request ends (cache_retention.py).
+    kv_retention: tuple[engine_pb2.KvRetention, ...] = ()
 
     @property
     def engine_request_id(self) -> str:
@@ -138,8 +141,11 @@ class RequestPipeline:
         cache_scopes: CacheScopes | None = None,
         sessions: SessionDirectory | None = None,
         clamp_max_tokens: bool = True,
+        session_retention: router_pb2.CacheRetention.ValueType = router_pb2.CACHE_RETENTION_UNSPECIFIED,
     ) -> None:
         self._replicas = replicas
+        # What a request with a session id and no retention of its own is kept for.
+        self._session_retention = session_retention
         self._clamp_max_tokens = clamp_max_tokens
         self._sessions = sessions or SessionDirectory()
         self._cache_scopes = cache_scopes or CacheScopes()
@@ -171,7 +177,7 @@ class RequestPipeline:
             generation = GenerationRequest(
                 request.request_id or f"chatcmpl-{uuid.uuid4().hex}",
                 request.model,
-                prompt,
+                prompt.token_ids,
                 request.sampling,
                 # Forced calls and strict tools under auto are grammars of their own (see tool_choice).
                 tools.constraint_for(family) or request.response_format,
@@ -183,6 +189,7 @@ class RequestPipeline:
                 stream,
                 self._cache_scopes.salt_for(caller.account_id, request.cache_salt),
                 choices=max(request.n, 1),
+                kv_retention=self._retention(request.cache_retention, caller, prompt.breakpoints),
             )
             return await self._start_choices(generation, engine)
 
@@ -212,8 +219,22 @@ class RequestPipeline:
                 stream=stream,
                 cache_salt=self._cache_scopes.salt_for(caller.account_id, request.cache_salt),
                 choices=max(request.n, 1),
+                kv_retention=self._retention(request.cache_retention, caller),
             )
             return await self._start_choices(generation, engine)
+
+    def _retention(
+        self,
+        retention: router_pb2.CacheRetention.ValueType,
+        caller: Caller,
+        breakpoints: Sequence[tuple[int, router_pb2.CacheRetention.ValueType]] = (),
+    ) -> tuple[engine_pb2.KvRetention, ...]:
+        return engine_retention(
+            retention,
+            breakpoints,
+            session_default=self._session_retention,
+            has_session=bool(caller.session_id),
+        )
 
     def list_models(self) -> list[router_pb2.ModelCard]:
         return [
@@ -458,6 +479,7 @@ class RequestPipeline:
                 output_kind=engine_pb2.OUTPUT_KIND_DELTA
                 if request.stream
                 else engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,
+                kv_retention=request.kv_retention,
             )
         )
         replica.enter(request.priority)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, IPvAnyNetwork, field_validator
@@ -23,6 +24,11 @@ class RouterServiceSettings(RouterSettings):
     new_session_slack_tokens: float = Field(default=32_768.0, ge=0)
     # A session is forgotten (its home and KV footprint) after this long without a request.
     session_idle_seconds: float = Field(default=600.0, gt=0)
+    # How long the engines keep the KV of a request with a session id (x-session-affinity or
+    # prompt_cache_key) that asks no retention of its own, in preference to other KV: an agent's
+    # prefix outlasts the pause while its tool runs (cache_retention.py). The APIs' values:
+    # "in_memory" (10 min), "24h", "5m", "1h"; "none" for plain LRU.
+    session_cache_retention: Literal["none", "in_memory", "24h", "5m", "1h"] = "in_memory"
     # Cached prompt tokens one queued or running request is worth when scoring replicas.
     load_penalty_tokens: float = Field(default=512.0, ge=0)
     # A token cached in the host tier / the shared file tier, worth this share of one in the

@@ -23,6 +23,40 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _CacheRetention:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CacheRetentionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CacheRetention.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CACHE_RETENTION_UNSPECIFIED: _CacheRetention.ValueType  # 0
+    """Nothing asked."""
+    CACHE_RETENTION_IN_MEMORY: _CacheRetention.ValueType  # 1
+    """OpenAI's "in_memory": 10 minutes (OpenAI: "5 to 10 minutes of inactivity")."""
+    CACHE_RETENTION_24H: _CacheRetention.ValueType  # 2
+    """OpenAI's "24h": 24 hours, in the shared file tier where there is one."""
+    CACHE_RETENTION_5M: _CacheRetention.ValueType  # 3
+    """Anthropic's "5m" (its default ttl): 5 minutes."""
+    CACHE_RETENTION_1H: _CacheRetention.ValueType  # 4
+    """Anthropic's "1h": 1 hour."""
+
+class CacheRetention(_CacheRetention, metaclass=_CacheRetentionEnumTypeWrapper):
+    """How long a cached prefix is kept in preference to other KV after the request that last used
+    it (see engine.proto's KvRetention for what "kept" means in each KV tier).
+    """
+
+CACHE_RETENTION_UNSPECIFIED: CacheRetention.ValueType  # 0
+"""Nothing asked."""
+CACHE_RETENTION_IN_MEMORY: CacheRetention.ValueType  # 1
+"""OpenAI's "in_memory": 10 minutes (OpenAI: "5 to 10 minutes of inactivity")."""
+CACHE_RETENTION_24H: CacheRetention.ValueType  # 2
+"""OpenAI's "24h": 24 hours, in the shared file tier where there is one."""
+CACHE_RETENTION_5M: CacheRetention.ValueType  # 3
+"""Anthropic's "5m" (its default ttl): 5 minutes."""
+CACHE_RETENTION_1H: CacheRetention.ValueType  # 4
+"""Anthropic's "1h": 1 hour."""
+Global___CacheRetention: _TypeAlias = CacheRetention  # noqa: Y015
+
 class _BatchStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -168,6 +202,8 @@ class ChatCompletionRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    CACHE_RETENTION_FIELD_NUMBER: _builtins.int
+    CACHE_BREAKPOINTS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     session_id: _builtins.str
@@ -183,6 +219,11 @@ class ChatCompletionRequest(_message.Message):
     n: _builtins.int
     """Choices to generate (0 means 1). They run on one replica, the prompt prefilled once;
     usage counts the prompt once and the completion tokens of every choice.
+    """
+    cache_retention: Global___CacheRetention.ValueType
+    """How long the whole prompt's cached prefix (and the answer's) is kept in preference to
+    other KV (OpenAI's prompt_cache_retention; Anthropic's top-level cache_control).
+    Unspecified: the router's default for a request with a session id, else none.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
@@ -208,6 +249,10 @@ class ChatCompletionRequest(_message.Message):
     def reasoning(self) -> _common_pb2.ReasoningControls:
         """Reasoning controls, rendered by the chat template (refused when it reads none of them)."""
 
+    @_builtins.property
+    def cache_breakpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheBreakpoint]:
+        """Anthropic's cache_control breakpoints: each keeps the prefix up to it; at most 4."""
+
     def __init__(
         self,
         *,
@@ -223,16 +268,46 @@ class ChatCompletionRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         reasoning: _common_pb2.ReasoningControls | None = ...,
         n: _builtins.int = ...,
+        cache_retention: Global___CacheRetention.ValueType = ...,
+        cache_breakpoints: _abc.Iterable[Global___CacheBreakpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "response_format", b"response_format", "sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "cache_breakpoints", b"cache_breakpoints", "cache_retention", b"cache_retention", "cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
 
 Global___ChatCompletionRequest: _TypeAlias = ChatCompletionRequest  # noqa: Y015
+
+@_typing.final
+class CacheBreakpoint(_message.Message):
+    """A cache breakpoint: keep the prompt's prefix that ends with the tools and the first
+    `messages` messages, as the chat template renders them (whole KV blocks only).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    RETENTION_FIELD_NUMBER: _builtins.int
+    messages: _builtins.int
+    """Leading messages covered (0: the tools alone); at most the number of messages."""
+    retention: Global___CacheRetention.ValueType
+    """How long; unspecified is refused."""
+    def __init__(
+        self,
+        *,
+        messages: _builtins.int = ...,
+        retention: Global___CacheRetention.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "retention", b"retention"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheBreakpoint: _TypeAlias = CacheBreakpoint  # noqa: Y015
 
 @_typing.final
 class CompletionRequest(_message.Message):
@@ -249,6 +324,7 @@ class CompletionRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    CACHE_RETENTION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     prompt: _builtins.str
@@ -261,6 +337,8 @@ class CompletionRequest(_message.Message):
     """Extra salt of the prefix cache, as in ChatCompletionRequest."""
     n: _builtins.int
     """Choices to generate (0 means 1), as in ChatCompletionRequest."""
+    cache_retention: Global___CacheRetention.ValueType
+    """How long the prompt's cached prefix is kept, as in ChatCompletionRequest."""
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
@@ -285,10 +363,11 @@ class CompletionRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         cache_salt: _builtins.str = ...,
         n: _builtins.int = ...,
+        cache_retention: Global___CacheRetention.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "n", b"n", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_retention", b"cache_retention", "cache_salt", b"cache_salt", "model", b"model", "n", b"n", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
