@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, AliasChoices, Field
+from pydantic import AfterValidator, AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cachet.tls import TlsSettings, check_listener
 
 LOOPBACK = "127.0.0.1"
 
@@ -63,6 +65,15 @@ class ServiceSettings(BaseSettings):
     max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     # Seconds a SIGTERM'd server lets in-flight calls finish before cancelling them.
     drain_seconds: float = Field(default=10.0, ge=0)
+    # The listener's and the outgoing calls' TLS (cachet.tls): CACHET_TLS_*, one set per process.
+    tls: TlsSettings = Field(default_factory=TlsSettings)
+
+    @model_validator(mode="after")
+    def _no_plaintext_beyond_loopback(self) -> ServiceSettings:
+        # Here, not only where the server binds: an engine would load its model first.
+        service = str(self.model_config.get("env_prefix", "")).removeprefix("CACHET_").rstrip("_").lower()
+        check_listener(self.host, self.tls, service or "service")
+        return self
 
     @property
     def address(self) -> str:

@@ -1,15 +1,20 @@
-"""Client channels to other Cachet services: traced, with the same message bounds."""
+"""Client channels to other Cachet services: traced, with the same message bounds, TLS when the
+caller's settings say so (``cachet.tls``)."""
 
 from __future__ import annotations
 
 import grpc
 
+from cachet.tls import TlsSettings, aio_channel
 from cachet.tracing import client_interceptors
 
 _DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def create_channel(address: str, max_message_bytes: int = _DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+def create_channel(
+    address: str, max_message_bytes: int = _DEFAULT_MAX_MESSAGE_BYTES, *, tls: TlsSettings | None = None
+) -> grpc.aio.Channel:
+    """``tls``: the calling service's settings (``settings.tls``); None or no CA file: plaintext."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -22,4 +27,4 @@ def create_channel(address: str, max_message_bytes: int = _DEFAULT_MAX_MESSAGE_B
         # addresses that are up. Not for one address: round robin fails a call at once while
         # its only connection waits out a reconnect backoff, where pick-first tries again.
         options.append(("grpc.lb_policy_name", "round_robin"))
-    return grpc.aio.insecure_channel(address, options=options, interceptors=client_interceptors())
+    return aio_channel(address, tls, options, client_interceptors())

@@ -2,7 +2,8 @@
 
 What it adds around a service's servicers: the standard health service,
 server reflection (so grpcurl works without .proto files), bounded message
-sizes, OpenTelemetry spans with W3C context from metadata, Prometheus figures of every
+sizes, TLS or mutual TLS when the settings have certificates (``cachet.tls``),
+OpenTelemetry spans with W3C context from metadata, Prometheus figures of every
 call (``grpc_metrics``), one interceptor that turns domain errors into status codes, and a
 graceful drain on SIGTERM/SIGINT.
 """
@@ -27,6 +28,7 @@ from cachet.grpc_metrics import MetricsInterceptor
 from cachet.logs import get_logger
 from cachet.metrics_endpoint import MetricsEndpoint, serve_metrics_or_go_without
 from cachet.startup_heap import freeze_startup_heap
+from cachet.tls import add_port
 from cachet.tracing import server_interceptors
 
 log = get_logger(__name__)
@@ -179,7 +181,7 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    port = add_port(server, settings.host, settings.port, settings.tls)
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.port}")
     # Every service builds what it serves with before its server: modules, model, clients.

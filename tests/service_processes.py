@@ -27,6 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cachet.loopback_port import free_loopback_port as free_port
+from cachet.tls import TlsSettings, blocking_channel
 
 TINY_MODEL_ID = "tiny-llama"
 ENGINE_SERVER_BUILT = importlib.util.find_spec("cachet.engine.main") is not None
@@ -51,6 +52,8 @@ class ServiceProcess:
     log_path: Path
     # Where its Prometheus /metrics is (the bridge's: its REST port).
     metrics_port: int = 0
+    # How a client reaches it: the CA and pair of its CACHET_TLS_* variables; None: plaintext.
+    tls: TlsSettings | None = None
 
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         if self.process.poll() is None:
@@ -93,7 +96,17 @@ def launch_service(
         process = subprocess.Popen(
             [sys.executable, "-m", f"cachet.{service}"], env=full_env, stdout=sink, stderr=subprocess.STDOUT
         )
-    return ServiceProcess(name, process, f"127.0.0.1:{port}", log_path, metrics_port)
+    return ServiceProcess(name, process, f"127.0.0.1:{port}", log_path, metrics_port, _client_tls(full_env))
+
+
+def _client_tls(env: dict[str, str]) -> TlsSettings | None:
+    if "CACHET_TLS_CA_FILE" not in env:
+        return None
+    return TlsSettings(
+        ca_file=env["CACHET_TLS_CA_FILE"],
+        client_cert_file=env.get("CACHET_TLS_CERT_FILE"),
+        client_key_file=env.get("CACHET_TLS_KEY_FILE"),
+    )
 
 
 def start_service(
@@ -133,7 +146,7 @@ def wait_http_healthy(running: ServiceProcess, timeout: float = 60.0) -> None:
 def wait_serving(running: ServiceProcess, timeout: float) -> None:
     """Poll the standard gRPC health service until SERVING, failing fast if the process dies."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(running.address) as channel:
+    with blocking_channel(running.address, running.tls) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if running.process.poll() is not None:

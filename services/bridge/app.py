@@ -71,9 +71,10 @@ class Backends:
     tokenizer: Any = None
 
     def open(self) -> None:
-        router = create_channel(self.settings.router_address, self.settings.max_message_bytes)
-        usage = create_channel(self.settings.usage_address, self.settings.max_message_bytes)
-        tokenizer = create_channel(self.settings.tokenizer_address, self.settings.max_message_bytes)
+        limit, tls = self.settings.max_message_bytes, self.settings.tls
+        router = create_channel(self.settings.router_address, limit, tls=tls)
+        usage = create_channel(self.settings.usage_address, limit, tls=tls)
+        tokenizer = create_channel(self.settings.tokenizer_address, limit, tls=tls)
         self.channels = [router, usage, tokenizer]
         self.inference = router_pb2_grpc.InferenceServiceStub(router)
         self.health = health_pb2_grpc.HealthStub(router)

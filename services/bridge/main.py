@@ -8,6 +8,7 @@ from cachet.bridge.app import create_app
 from cachet.bridge.settings import BridgeServiceSettings, is_loopback
 from cachet.logs import configure_logging, get_logger
 from cachet.startup_heap import freeze_startup_heap
+from cachet.tls import check_listener, uvicorn_options
 from cachet.tracing import configure_tracing
 
 log = get_logger(__name__)
@@ -24,6 +25,7 @@ def main(port: int | None = None) -> None:
         # create_app refuses too; saying it here first gives the operator the one line to fix.
         log.error("refusing to serve without API keys on a non-loopback host", host=settings.host)
         raise SystemExit(2)
+    check_listener(settings.host, settings.tls, "bridge")
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -35,7 +37,13 @@ def main(port: int | None = None) -> None:
         # Streams and long generations in flight get this long to finish after SIGTERM.
         timeout_graceful_shutdown=int(settings.drain_seconds),
         lifespan="on",
+        **uvicorn_options(settings.tls),
     )
-    log.info("bridge starting", address=settings.address, router=settings.router_address)
+    log.info(
+        "bridge starting",
+        address=settings.address,
+        router=settings.router_address,
+        tls=settings.tls.serves_tls,
+    )
     freeze_startup_heap()
     uvicorn.Server(config).run()

@@ -38,7 +38,7 @@ async def start(settings: CacheSettings, *, metrics_port: int | None = None) -> 
     ``metrics_port`` (0: a free one) also serves Prometheus figures over HTTP.
     """
     index = PrefixIndex()
-    followers = Followers(index)
+    followers = Followers(index, tls=settings.tls)
     running = await create_server(
         settings,
         [registrar(CacheIndexServicer(index, followers))],

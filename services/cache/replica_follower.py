@@ -27,6 +27,7 @@ from cachet.cache.prefix_index import PrefixIndex, Tier
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.logs import get_logger
+from cachet.tls import TlsSettings
 
 log = get_logger(__name__)
 
@@ -61,8 +62,16 @@ class StreamOutOfSync(Exception):
 class ReplicaFollower:
     """Mirrors one engine's cached blocks into ``index`` under the engine's address."""
 
-    def __init__(self, address: str, index: PrefixIndex, backoff: Backoff | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        index: PrefixIndex,
+        backoff: Backoff | None = None,
+        *,
+        tls: TlsSettings | None = None,
+    ) -> None:
         self.address = address
+        self._tls = tls
         self.status = FollowerStatus(address)
         self._index = index
         self._backoff = backoff or Backoff()
@@ -73,7 +82,7 @@ class ReplicaFollower:
 
     def start(self) -> None:
         if self._task is None:
-            self._channel = create_channel(self.address)
+            self._channel = create_channel(self.address, tls=self._tls)
             self._task = asyncio.create_task(self._run(), name=f"follow-kv-events {self.address}")
 
     async def stop(self) -> None:

@@ -26,6 +26,7 @@ from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.logs import get_logger
 from cachet.router.placement import ReplicaLoad
+from cachet.tls import TlsSettings
 
 log = get_logger(__name__)
 
@@ -88,9 +89,11 @@ class _Latest:
 class Replica:
     """One engine address: its channel, its facts and its latest load."""
 
-    def __init__(self, address: str, stale_seconds: float, report_interval_ms: int) -> None:
+    def __init__(
+        self, address: str, stale_seconds: float, report_interval_ms: int, tls: TlsSettings | None = None
+    ) -> None:
         self.address = address
-        self.channel = create_channel(address)
+        self.channel = create_channel(address, tls=tls)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.info: engine_pb2.EngineInfo | None = None
         # Unix time the current engine process was first seen (ListModels' "created").
@@ -182,9 +185,16 @@ class Replica:
 class ReplicaSet:
     """Every configured engine replica, followed in the background."""
 
-    def __init__(self, addresses: list[str], stale_seconds: float = 5.0, report_interval_ms: int = 0) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        stale_seconds: float = 5.0,
+        report_interval_ms: int = 0,
+        *,
+        tls: TlsSettings | None = None,
+    ) -> None:
         self._replicas = {
-            address: Replica(address, stale_seconds, report_interval_ms) for address in addresses
+            address: Replica(address, stale_seconds, report_interval_ms, tls) for address in addresses
         }
         self._tasks: list[asyncio.Task[None]] = []
 

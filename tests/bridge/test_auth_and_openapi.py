@@ -10,6 +10,7 @@ from cachet.bridge.app import create_app
 from cachet.bridge.auth import Authenticator, Caller
 from cachet.bridge.calls import DONE, sse_event
 from cachet.bridge.errors import BridgeError
+from cachet.tls import TlsSettings
 
 from .conftest import bridge_settings, serve_in_process
 
@@ -60,13 +61,15 @@ async def test_dev_mode_accepts_anyone_as_anonymous_on_loopback_only() -> None:
         )
         nothing = await client.post("/v1/chat/completions", json=CHAT)
     assert anything.status_code == nothing.status_code == 503
+    # Plaintext allowed, so that only the missing keys can refuse (TLS: tests/bridge/test_tls.py).
+    plaintext = TlsSettings(allow_plaintext=True)
     for host in ("0.0.0.0", "10.1.2.3", "example.com"):
-        with pytest.raises(ValueError, match="loopback"):
-            create_app(bridge_settings(host=host))
+        with pytest.raises(ValueError, match="no API keys configured"):
+            create_app(bridge_settings(host=host, tls=plaintext))
     for host in ("127.0.0.1", "::1", "localhost"):
         create_app(bridge_settings(host=host))
     # With keys, any host is fine.
-    create_app(bridge_settings(host="0.0.0.0", api_keys=KEYS))
+    create_app(bridge_settings(host="0.0.0.0", api_keys=KEYS, tls=plaintext))
 
 
 def test_caller_identity_and_metadata() -> None:

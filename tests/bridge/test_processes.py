@@ -213,7 +213,10 @@ def test_sigterm_stops_the_bridge_cleanly(tmp_path: Path) -> None:
 def test_refuses_dev_mode_on_a_public_host(tmp_path: Path) -> None:
     port = free_port()
     bridge = launch_service(
-        "bridge", {"CACHET_PORT": str(port), "CACHET_BRIDGE_HOST": "0.0.0.0"}, tmp_path, port=port
+        "bridge",
+        {"CACHET_PORT": str(port), "CACHET_BRIDGE_HOST": "0.0.0.0", "CACHET_TLS_ALLOW_PLAINTEXT": "true"},
+        tmp_path,
+        port=port,
     )
     assert bridge.process.wait(timeout=30) != 0
     assert "refusing to serve without API keys" in bridge.output()

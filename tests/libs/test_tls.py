@@ -1,0 +1,133 @@
+"""TLS and mutual TLS through the one server and channel factory, and the loopback-only plaintext rule."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
+from tls_certs import TestPki
+
+from cachet.config import BridgeSettings, RouterSettings, ServiceSettings
+from cachet.grpc_channel import create_channel
+from cachet.grpc_server import create_server
+from cachet.tls import PlaintextRefused, TlsSettings, add_port, blocking_channel
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
+    return TestPki.create(tmp_path_factory.mktemp("pki"))
+
+
+async def _serving(address: str, tls: TlsSettings | None) -> int:
+    """The health status a client with ``tls`` gets, or the status code of its failure."""
+    async with create_channel(address, tls=tls) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+    return reply.status
+
+
+@pytest.fixture
+async def tls_server(pki: TestPki):
+    running = await create_server(ServiceSettings(port=0, tls=pki.server()), [], [])
+    yield running
+    await running.stop(grace=None)
+
+
+@pytest.fixture
+async def mtls_server(pki: TestPki):
+    running = await create_server(ServiceSettings(port=0, tls=pki.server(client_auth=True)), [], [])
+    yield running
+    await running.stop(grace=None)
+
+
+async def test_a_tls_server_answers_a_client_with_the_ca_and_refuses_plaintext(
+    tls_server, pki: TestPki
+) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert await _serving(tls_server.address, pki.client(None)) == serving
+    # The name checked is the address's host: the certificate names 127.0.0.1 and localhost.
+    assert await _serving(f"localhost:{tls_server.port}", pki.client(None)) == serving
+    assert await _serving(tls_server.address, None) == grpc.StatusCode.UNAVAILABLE
+    # A client that trusts another CA does not talk to it either.
+    assert await _serving(tls_server.address, TlsSettings(ca_file=pki.path("stranger"))) == (
+        grpc.StatusCode.UNAVAILABLE
+    )
+
+
+async def test_mutual_tls_refuses_a_client_without_a_certificate_from_the_ca(
+    mtls_server, pki: TestPki
+) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert await _serving(mtls_server.address, pki.client("client")) == serving
+    # Services call each other with their own pair (CACHET_TLS_CERT_FILE), good for both ends.
+    assert await _serving(mtls_server.address, pki.server()) == serving
+    assert await _serving(mtls_server.address, pki.client(None)) == grpc.StatusCode.UNAVAILABLE
+    assert await _serving(mtls_server.address, pki.client("stranger")) == grpc.StatusCode.UNAVAILABLE
+    assert await _serving(mtls_server.address, None) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_the_blocking_channel_of_probes_speaks_tls_too(tls_server, pki: TestPki) -> None:
+    # run-local's health probes are synchronous; the server runs on this test's event loop,
+    # so they call from a thread.
+    def check(tls: TlsSettings | None) -> int:
+        with blocking_channel(tls_server.address, tls) as channel:
+            try:
+                stub = health_pb2_grpc.HealthStub(channel)
+                return stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            except grpc.RpcError as error:
+                return error.code()
+
+    assert await asyncio.to_thread(check, pki.client(None)) == health_pb2.HealthCheckResponse.SERVING
+    assert await asyncio.to_thread(check, None) == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "example.com", "::"])
+def test_plaintext_beyond_loopback_is_refused_unless_the_operator_allows_it(host: str, pki: TestPki) -> None:
+    with pytest.raises(ValidationError, match="refuses to listen in plaintext .* CACHET_TLS_CERT_FILE"):
+        RouterSettings(host=host)
+    with pytest.raises(ValidationError, match="the bridge refuses to listen in plaintext"):
+        BridgeSettings(host=host)
+    assert RouterSettings(host=host, tls=pki.server()).tls.serves_tls
+    assert RouterSettings(host=host, tls=TlsSettings(allow_plaintext=True)).host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_plaintext_on_loopback_needs_nothing(host: str) -> None:
+    assert not RouterSettings(host=host).tls.serves_tls
+
+
+async def test_the_server_refuses_plaintext_beyond_loopback_even_from_unvalidated_settings() -> None:
+    # model_copy(update=...) skips validation: the bind checks again.
+    settings = ServiceSettings(port=0).model_copy(update={"host": "0.0.0.0"})
+    server = grpc.aio.server()
+    with pytest.raises(PlaintextRefused):
+        add_port(server, settings.host, settings.port, settings.tls)
+    with pytest.raises(PlaintextRefused):
+        await create_server(settings, [], [])
+
+
+def test_every_service_reads_the_shared_variables(monkeypatch: pytest.MonkeyPatch, pki: TestPki) -> None:
+    for name, value in pki.env(client_auth=True).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CACHET_ROUTER_HOST", "0.0.0.0")
+    router = RouterSettings()
+    assert router.tls == pki.server(client_auth=True)
+    assert BridgeSettings().tls.client_auth
+    # A plain settings object handed on (bridge, tests) keeps its TLS.
+    assert RouterSettings(**router.model_dump()).tls == router.tls
+
+
+def test_half_configured_tls_is_refused_when_read(pki: TestPki) -> None:
+    with pytest.raises(ValidationError, match="set together"):
+        TlsSettings(cert_file=pki.path("server"))
+    with pytest.raises(ValidationError, match="set together"):
+        TlsSettings(client_key_file=pki.path("client", "key"), ca_file=pki.path("ca"))
+    with pytest.raises(ValidationError, match="CACHET_TLS_CLIENT_AUTH needs"):
+        TlsSettings(cert_file=pki.path("server"), key_file=pki.path("server", "key"), client_auth=True)
