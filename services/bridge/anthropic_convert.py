@@ -47,11 +47,63 @@ def new_message_id() -> str:
 
 
 def messages_request_to_proto(body: anthropic.MessagesBody) -> router_pb2.ChatCompletionRequest:
-    """The router request ``/v1/chat/completions`` would send for the same conversation."""
+    """The router request ``/v1/chat/completions`` would send for the same conversation, with
+    its cache_control breakpoints."""
     request = convert.chat_request_to_proto(chat_body(body))
     # The ledger's key, and the id the client sees: Anthropic's "msg_" ids.
     request.request_id = new_message_id()
+    if body.cache_control is not None:
+        request.cache_retention = _retention(body.cache_control)
+    request.cache_breakpoints.extend(cache_breakpoints(body))
     return request
+
+
+# Anthropic's ttl (absent: its default, 5 minutes) as the router's retention.
+_TTLS = {
+    None: router_pb2.CACHE_RETENTION_5M,
+    "5m": router_pb2.CACHE_RETENTION_5M,
+    "1h": router_pb2.CACHE_RETENTION_1H,
+}
+
+
+def _retention(control: anthropic.CacheControl) -> router_pb2.CacheRetention.ValueType:
+    return _TTLS[control.ttl]
+
+
+def cache_breakpoints(body: anthropic.MessagesInput) -> list[router_pb2.CacheBreakpoint]:
+    """Each block's cache_control as a breakpoint after the chat messages its prefix ends in
+    (``chat_body``'s messages): one on a tool covers the tools alone (0 messages), one in the
+    system prompt the system message, one in a turn the turn's chat messages up to and including
+    the one holding the block (a user turn is split into tool and user messages, see ``_user_layout``);
+    the rest of that message's content is kept with it."""
+    breakpoints = [
+        router_pb2.CacheBreakpoint(messages=0, retention=_retention(tool.cache_control))
+        for tool in body.tools or []
+        if tool.cache_control is not None
+    ]
+    done = len(_system(body.system))
+    if isinstance(body.system, list):
+        breakpoints += [
+            router_pb2.CacheBreakpoint(messages=done, retention=_retention(block.cache_control))
+            for block in body.system
+            if block.cache_control is not None
+        ]
+    for message in body.messages:
+        turn, positions = _turn_layout(message)
+        blocks = message.content if isinstance(message.content, list) else []
+        for block, position in zip(blocks, positions, strict=True):
+            breakpoints += [
+                router_pb2.CacheBreakpoint(messages=done + position + 1, retention=_retention(control))
+                for control in _controls(block)
+            ]
+        done += len(turn)
+    return breakpoints
+
+
+def _controls(block: Any) -> list[anthropic.CacheControl]:
+    """A block's own cache_control, and those inside a tool result's content."""
+    inner = block.list_content() if isinstance(block, anthropic.ToolResultBlock) else []
+    return [c for b in [block, *inner] if (c := getattr(b, "cache_control", None)) is not None]
 
 
 def count_tokens_request_to_proto(
@@ -107,33 +159,42 @@ def _system(system: str | list[anthropic.TextBlock] | None) -> list[schemas.Chat
 
 
 def _turn(message: anthropic.MessageParam) -> list[schemas.ChatMessage]:
+    return _turn_layout(message)[0]
+
+
+def _turn_layout(message: anthropic.MessageParam) -> tuple[list[schemas.ChatMessage], list[int]]:
+    """A turn's chat messages, and for each of its content blocks the index of the one holding it."""
     if isinstance(message.content, str):
-        return [schemas.ChatMessage(role=message.role, content=message.content)]
+        return [schemas.ChatMessage(role=message.role, content=message.content)], []
     if message.role == "assistant":
-        return [_assistant(message.content)]
-    return _user(message.content)
+        return [_assistant(message.content)], [0] * len(message.content)
+    return _user_layout(message.content)
 
 
-def _user(blocks: list[Any]) -> list[schemas.ChatMessage]:
+def _user_layout(blocks: list[Any]) -> tuple[list[schemas.ChatMessage], list[int]]:
     """One Anthropic user turn is OpenAI's tool messages (one per tool_result) and user
-    messages (the other blocks), in the order the blocks come."""
+    messages (the other blocks), in the order the blocks come; and for each block, the index
+    of the message it went into."""
     out: list[schemas.ChatMessage] = []
     parts: list[schemas.TextPart | schemas.ImagePart] = []
+    positions: list[int] = []
     for block in blocks:
         if isinstance(block, anthropic.ToolResultBlock):
             if parts:
                 out.append(schemas.ChatMessage(role="user", content=parts))
                 parts = []
+            positions.append(len(out))
             out.append(
                 schemas.ChatMessage(
                     role="tool", tool_call_id=block.tool_use_id, content=_tool_result(block.content)
                 )
             )
         else:
+            positions.append(len(out))
             parts.append(_part(block))
     if parts:
         out.append(schemas.ChatMessage(role="user", content=parts))
-    return out
+    return out, positions
 
 
 def _assistant(blocks: list[Any]) -> schemas.ChatMessage:

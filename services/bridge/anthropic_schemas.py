@@ -5,9 +5,9 @@ Anthropic's way. A request is checked here as Anthropic checks it (``max_tokens`
 required, temperature in [0, 1], tool_use only from the assistant and tool_result
 only from the user), so a bad one is refused before it is converted.
 
-Fields are sorted three ways. Supported ones are converted. Ones that change
-nothing here (``metadata``, ``service_tier``, every ``cache_control``...) are
-accepted and dropped. ``thinking`` and ``output_config.effort`` are the chat
+Fields are sorted three ways. Supported ones are converted (``cache_control``
+breakpoints set the KV retention of the prefix up to them). Ones that change
+nothing here (``metadata``, ``service_tier``...) are accepted and dropped. ``thinking`` and ``output_config.effort`` are the chat
 template's reasoning controls (a template without them refuses them). Ones that
 would change the answer but that Cachet cannot honour (server tools, ``container``,
 ``mcp_servers``, a final assistant turn to continue) are refused with a 400 naming
@@ -18,6 +18,7 @@ OpenAI routes ignore SDKs' newer fields.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
@@ -40,8 +41,9 @@ class _Answer(BaseModel):
 
 
 class CacheControl(_Block):
-    """A prompt-cache breakpoint. Accepted and ignored for now: Cachet caches every prefix
-    by itself; breakpoints will set KV retention (the KV-tiers issue)."""
+    """A prompt-cache breakpoint. Cachet caches every prefix by itself; a breakpoint keeps the
+    prefix up to it for ``ttl`` (default 5 minutes) in preference to other KV
+    (``anthropic_convert.cache_breakpoints``)."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
@@ -102,6 +104,9 @@ class ToolResultBlock(_Block):
     # Chat templates have no slot for it: the model reads the content alone (docs/anthropic_api.md).
     is_error: bool = False
     cache_control: CacheControl | None = None
+
+    def list_content(self) -> list[TextBlock | ImageBlock]:
+        return self.content if isinstance(self.content, list) else []
 
 
 class ThinkingBlock(_Block):
@@ -205,6 +210,8 @@ class OutputConfig(_Block):
 
 # Fields of Anthropic's API that would change the answer but that Cachet cannot honour.
 _UNSUPPORTED = ("container", "mcp_servers", "context_management")
+# Anthropic's limit on blocks carrying cache_control in one request (the top-level one included).
+MAX_CACHE_BREAKPOINTS = 4
 
 
 class MessagesInput(BaseModel):
@@ -222,7 +229,7 @@ class MessagesInput(BaseModel):
     thinking: ThinkingConfig | None = None
     # Structured output: format (a JSON schema, enforced by constrained decoding).
     output_config: OutputConfig | None = None
-    # Accepted and ignored (docs/anthropic_api.md says why).
+    # Automatic caching: a breakpoint at the prompt's end (kept with the answer, for the next turn).
     cache_control: CacheControl | None = None
     container: Any = None
     mcp_servers: Any = None
@@ -246,7 +253,28 @@ class MessagesInput(BaseModel):
             names = {tool.name for tool in self.tools or []}
             if self.tool_choice.name not in names:
                 raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not in tools")
+        breakpoints = sum(1 for _ in self.cache_controls())
+        if breakpoints > MAX_CACHE_BREAKPOINTS:
+            raise ValueError(
+                f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. "
+                f"Found {breakpoints}."
+            )
         return self
+
+    def cache_controls(self) -> Iterator[CacheControl]:
+        """Every cache_control of the request, the top-level one included."""
+        blocks: list[Any] = [*(self.tools or []), *(self.system if isinstance(self.system, list) else [])]
+        for message in self.messages:
+            if isinstance(message.content, list):
+                blocks += message.content
+                blocks += [
+                    c for b in message.content if isinstance(b, ToolResultBlock) for c in b.list_content()
+                ]
+        if self.cache_control is not None:
+            yield self.cache_control
+        for block in blocks:
+            if getattr(block, "cache_control", None) is not None:
+                yield block.cache_control
 
 
 class MessagesBody(MessagesInput):

@@ -45,6 +45,13 @@ BATCH_STATUSES = {
 
 _PICO = Decimal(10) ** -12
 
+# OpenAI's prompt_cache_retention values; unset is the router's to choose (its session default).
+CACHE_RETENTIONS: dict[str | None, router_pb2.CacheRetention.ValueType] = {
+    None: router_pb2.CACHE_RETENTION_UNSPECIFIED,
+    "in_memory": router_pb2.CACHE_RETENTION_IN_MEMORY,
+    "24h": router_pb2.CACHE_RETENTION_24H,
+}
+
 
 # ================================================================ REST -> proto
 
@@ -61,6 +68,7 @@ def chat_request_to_proto(body: schemas.ChatCompletionBody) -> router_pb2.ChatCo
         session_id=body.prompt_cache_key or "",
         # 0 is one choice: a request that asks for one says nothing.
         n=body.n if body.n > 1 else 0,
+        cache_retention=CACHE_RETENTIONS[body.prompt_cache_retention],
     )
     reasoning = _reasoning(body)
     if reasoning.ByteSize():
@@ -83,6 +91,7 @@ def completion_request_to_proto(body: schemas.CompletionBody) -> router_pb2.Comp
         cache_salt=body.cache_salt or "",
         session_id=body.prompt_cache_key or "",
         n=body.n if body.n > 1 else 0,
+        cache_retention=CACHE_RETENTIONS[body.prompt_cache_retention],
     )
     prompt = body.prompt
     if isinstance(prompt, str):

@@ -77,6 +77,7 @@ def chat_body(body: responses.ResponsesBody, conversation: list[Json]) -> schema
         "top_p": body.top_p,
         "stream": body.stream,
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
+        "prompt_cache_retention": body.prompt_cache_retention,
     }
     try:
         return schemas.ChatCompletionBody(**fields)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cachet.bridge.schemas import UINT32_MAX, ReasoningEffort
+from cachet.bridge.schemas import UINT32_MAX, PromptCacheRetention, ReasoningEffort
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -267,6 +267,8 @@ class ResponsesBody(BaseModel):
     include: list[str] | None = None
     # OpenAI's routing key for prefix-cache hits: Cachet's session id (x-session-affinity wins).
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
+    # How long the prompt's cached prefix is kept, as on chat completions.
+    prompt_cache_retention: PromptCacheRetention | None = None
     # Accepted; metadata is kept with the response and answered back.
     metadata: dict[str, str] | None = None
     # Accepted and ignored: they say who asks or how it is billed at OpenAI, not what is answered.
@@ -274,7 +276,6 @@ class ResponsesBody(BaseModel):
     safety_identifier: str | None = None
     service_tier: Any = None
     stream_options: Any = None
-    prompt_cache_retention: Any = None
     background: Any = None
     conversation: Any = None
     prompt: Any = None

@@ -194,7 +194,10 @@ UNSUPPORTED_CHAT_FIELDS = (
 )
 # Fields of OpenAI's API that change nothing here (who is billed how, what OpenAI keeps): accepted
 # without a word. Any other field Cachet does not know is a vendor's, ignored with a log line.
-QUIET_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_retention"})
+QUIET_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier"})
+# OpenAI's prompt_cache_retention: how long the prompt's cached prefix is kept in preference to
+# other KV (docs/ARCHITECTURE.md, "Retention"): "in_memory" 10 minutes, "24h" a day.
+PromptCacheRetention = Literal["in_memory", "24h"]
 
 
 # ---------------------------------------------------------------- request bodies
@@ -227,6 +230,8 @@ class _SamplingBody(_Body):
     # OpenAI's routing key for prefix-cache hits: the same session key as x-session-affinity,
     # which wins when a request carries both.
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
+    # Unset: the router's default for a request with a session key, else none.
+    prompt_cache_retention: PromptCacheRetention | None = None
 
 
 class ChatCompletionBody(_SamplingBody):

@@ -126,6 +126,14 @@ def test_a_message_is_the_router_request_the_chat_path_sends() -> None:
     openai = convert.chat_request_to_proto(schemas.ChatCompletionBody(**the_same_as_openai()))
     assert anthropic.request_id.startswith("msg_")
     anthropic.ClearField("request_id")
+    # Its cache_control blocks, which OpenAI's body has no way to say (test_cache_retention.py):
+    # the tool, the system prompt, and the text after two tool results.
+    assert [(b.messages, b.retention) for b in anthropic.cache_breakpoints] == [
+        (0, router_pb2.CACHE_RETENTION_1H),
+        (1, router_pb2.CACHE_RETENTION_5M),
+        (6, router_pb2.CACHE_RETENTION_5M),
+    ]
+    anthropic.ClearField("cache_breakpoints")
     assert anthropic == openai
 
 

@@ -22,7 +22,7 @@ from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack
 from cachet.bridge.anthropic_schemas import MessageResponse, MessageStreamEventOut
 from cachet.models.tiny import write_tiny_model
 
-from .test_end_to_end import TIMEOUT, Platform
+from .test_end_to_end import TIMEOUT, Platform, block_retentions
 
 WEATHER = {
     "type": "object",
@@ -66,7 +66,7 @@ def client(platform: Platform, session: str | None = None) -> anthropic.Anthropi
 
 
 def system() -> list[dict]:
-    # Long enough to fill whole 16-token blocks; cache_control is accepted (and ignored for now).
+    # Long enough to fill whole 16-token blocks; cache_control keeps the prefix up to it.
     text = f"[{uuid.uuid4().hex}] You are a terse weather assistant. Answer in one short sentence, no more."
     return [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]
 
@@ -125,6 +125,28 @@ def ledger(platform: Platform, session: str) -> dict:
             return row
         time.sleep(0.2)
     return row
+
+
+def test_cache_control_keeps_the_prefix_up_to_the_breakpoint_in_the_engine(platform: Platform) -> None:
+    question = [{"role": "user", "content": "What is the weather in Paris, Rome, Oslo and Lisbon " * 8}]
+    before = block_retentions(platform)
+    # A breakpoint on the system prompt: its blocks, not the long question's after it.
+    at_system = client(platform).messages.create(
+        model=TINY_MODEL_ID, system=system(), messages=question, **GREEDY
+    )
+    prefix = block_retentions(platform) - before
+    computed = prompt_tokens(at_system.usage) + at_system.usage.output_tokens - 1
+    assert 0 < prefix < computed // 16 - 2
+    # Automatic caching (the top-level cache_control): the whole request.
+    before = block_retentions(platform)
+    whole = client(platform).messages.create(
+        model=TINY_MODEL_ID,
+        system=f"[{uuid.uuid4().hex}] You are a terse weather assistant.",
+        messages=question,
+        **GREEDY | {"extra_body": GREEDY["extra_body"] | {"cache_control": {"type": "ephemeral"}}},
+    )
+    computed = prompt_tokens(whole.usage) + whole.usage.output_tokens - 1
+    assert block_retentions(platform) - before == computed // 16
 
 
 def test_stream_adds_up_to_the_plain_answer(platform: Platform) -> None:

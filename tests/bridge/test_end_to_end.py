@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from metrics_scrape import scrape
 
 # The router's tests own the process fixtures; a module path, not a conftest (see its docstring).
 from service_processes import (
@@ -62,6 +63,28 @@ def messages(question: str = "What is the capital of France?") -> list[dict]:
 
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+
+
+def block_retentions(platform: Platform) -> float:
+    """KV blocks the engine has put under retention since it started."""
+    figures = scrape(platform.stack.processes["engine0"].metrics_port, "cachet_engine_kv_block_retentions")
+    return figures.get(("cachet_engine_kv_block_retentions_total", ()), 0.0)
+
+
+def test_prompt_cache_retention_reaches_the_engine(platform: Platform) -> None:
+    before = block_retentions(platform)
+    # No retention asked and no session key (so no router default): nothing is retained.
+    platform.client().chat.completions.create(model=TINY_MODEL_ID, messages=messages(), **GREEDY)
+    assert block_retentions(platform) == before
+    kept = platform.client().chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=messages(),
+        temperature=0,
+        max_tokens=6,
+        extra_body={"ignore_eos": True, "prompt_cache_retention": "24h"},
+    )
+    # Every whole block the request computed: its prompt and its answer but the last token.
+    assert block_retentions(platform) - before == (kept.usage.prompt_tokens + 6 - 1) // 16
 
 
 def test_chat_completion_reports_usage_and_cached_tokens(platform: Platform) -> None:
