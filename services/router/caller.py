@@ -1,10 +1,12 @@
 """Who is calling: the account billed, the managed key whose limits apply, the session kept on one replica.
 
-The account comes from ``authorization: Bearer <key>`` metadata: a key of
+The account comes from ``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as
+the bridge reads the same headers over REST: a key of
 ``CACHET_API_KEYS`` (the bootstrap keys: configured, no limits) or a managed key
 made by ``cachet keys create`` and kept, hashed, in the queue store (api_keys.py).
 With no bootstrap key configured (development on loopback) everyone is
-``anonymous``, managed keys or not. The session comes from ``x-session-affinity``
+``anonymous``, managed keys or not; that open mode listens on loopback only
+(``refuse_open_mode_beyond_loopback``). The session comes from ``x-session-affinity``
 metadata, which wins over the request's own ``session_id`` field.
 
 Managed keys are read through a short cache (``cache_seconds``): a key revoked in
@@ -23,11 +25,13 @@ from typing import Protocol
 from cachet.errors import Unauthenticated
 from cachet.logs import get_logger
 from cachet.router.api_keys import ApiKey, key_id_of
+from cachet.tls import is_loopback
 
 log = get_logger(__name__)
 
 ANONYMOUS_ACCOUNT = "anonymous"
 SESSION_METADATA_KEY = "x-session-affinity"
+API_KEY_METADATA_KEY = "x-api-key"
 _BEARER = "bearer "
 # A key's last use is written at most this often per router: a write per request would
 # cost every call a store round trip for a time nobody needs to the millisecond.
@@ -54,6 +58,27 @@ class KeyRecords(Protocol):
     async def touch_api_key(self, key_id: str, at_ms: int) -> None: ...
 
     async def batch_api_key(self, batch_id: str) -> str: ...
+
+
+def refuse_open_mode_beyond_loopback(api_keys: Mapping[str, str], host: str) -> None:
+    """The router is a public API too: without a bootstrap key everyone is ``anonymous``, which
+    only a developer's own machine may offer (the bridge refuses the same)."""
+    if not api_keys and not is_loopback(host):
+        raise ValueError(
+            f"no API keys configured (CACHET_API_KEYS): open development mode may only listen on "
+            f"loopback, not {host!r}"
+        )
+
+
+def _key_from(headers: Mapping[str, str]) -> str:
+    authorization = headers.get("authorization", "")
+    if authorization.lower().startswith(_BEARER):
+        return authorization[len(_BEARER) :].strip()
+    if key := headers.get(API_KEY_METADATA_KEY, "").strip():
+        return key
+    raise Unauthenticated(
+        f"missing 'authorization: Bearer <key>' or '{API_KEY_METADATA_KEY}: <key>' metadata"
+    )
 
 
 def _now_ms() -> int:
@@ -86,10 +111,7 @@ class AccountDirectory:
         session = headers.get(SESSION_METADATA_KEY, "").strip() or request_session_id
         if not self._accounts:
             return Caller(ANONYMOUS_ACCOUNT, session)
-        authorization = headers.get("authorization", "")
-        if not authorization.lower().startswith(_BEARER):
-            raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
-        key = authorization[len(_BEARER) :].strip()
+        key = _key_from(headers)
         account = self._bootstrap_account(key)
         if account is not None:
             return Caller(account, session)

@@ -19,7 +19,7 @@ from cachet.router import metrics
 from cachet.router.batch_queue import BatchQueue
 from cachet.router.cache_retention import SETTING_VALUES
 from cachet.router.cache_scope import CacheScopes
-from cachet.router.caller import AccountDirectory
+from cachet.router.caller import AccountDirectory, refuse_open_mode_beyond_loopback
 from cachet.router.dispatcher import Dispatcher, HeadroomPolicy
 from cachet.router.file_batches import FileBatches
 from cachet.router.key_limits import KeyLimiter
@@ -96,11 +96,15 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
     """Connect to the dependencies, follow the engines and serve; ``port`` 0 picks a free port;
     ``metrics_port`` (0: a free one) also serves Prometheus /metrics."""
     options = router_service_settings(settings)
-    tokenizer_channel = create_channel(options.tokenizer_address, options.max_message_bytes)
-    cache_channel = create_channel(options.cache_address)
-    usage_channel = create_channel(options.usage_address)
+    refuse_open_mode_beyond_loopback(options.api_keys, options.host)
+    tokenizer_channel = create_channel(options.tokenizer_address, options.max_message_bytes, tls=options.tls)
+    cache_channel = create_channel(options.cache_address, tls=options.tls)
+    usage_channel = create_channel(options.usage_address, tls=options.tls)
     replicas = ReplicaSet(
-        options.engine_addresses, options.report_stale_seconds, options.load_report_interval_ms
+        options.engine_addresses,
+        options.report_stale_seconds,
+        options.load_report_interval_ms,
+        tls=options.tls,
     )
     usage = UsageRecorder(
         usage_pb2_grpc.UsageServiceStub(usage_channel),

@@ -9,7 +9,12 @@ import pytest
 
 from cachet.errors import Unauthenticated
 from cachet.router.api_keys import new_api_key
-from cachet.router.caller import ANONYMOUS_ACCOUNT, AccountDirectory, Caller
+from cachet.router.caller import (
+    ANONYMOUS_ACCOUNT,
+    AccountDirectory,
+    Caller,
+    refuse_open_mode_beyond_loopback,
+)
 from cachet.router.sqlite_queue_store import SqliteQueueStore
 
 
@@ -23,7 +28,27 @@ async def test_bearer_key_maps_to_its_account() -> None:
     assert (await directory.caller([("authorization", "Bearer sk-2")], "")).account_id == "acct-2"
 
 
-@pytest.mark.parametrize("metadata", [[], [("authorization", "Bearer nope")], [("authorization", "sk-1")]])
+async def test_the_key_may_come_as_x_api_key_as_over_rest() -> None:
+    directory = AccountDirectory({"sk-1": "acct-1", "sk-2": "acct-2"})
+    assert (await directory.caller([("x-api-key", "sk-1")], "")).account_id == "acct-1"
+    # Both sent: authorization wins, as the bridge reads them.
+    both = [("x-api-key", "sk-1"), ("authorization", "Bearer sk-2")]
+    assert (await directory.caller(both, "")).account_id == "acct-2"
+
+
+def test_open_development_mode_listens_on_loopback_only() -> None:
+    for host in ("0.0.0.0", "10.1.2.3", "router.example"):
+        with pytest.raises(ValueError, match="open development mode may only listen on loopback"):
+            refuse_open_mode_beyond_loopback({}, host)
+        refuse_open_mode_beyond_loopback({"sk-1": "acct-1"}, host)
+    for host in ("127.0.0.1", "::1", "localhost"):
+        refuse_open_mode_beyond_loopback({}, host)
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [[], [("authorization", "Bearer nope")], [("authorization", "sk-1")], [("x-api-key", "nope")]],
+)
 async def test_missing_or_unknown_key_is_unauthenticated(metadata: list[tuple[str, str]]) -> None:
     with pytest.raises(Unauthenticated):
         await AccountDirectory({"sk-1": "acct-1"}).caller(metadata, "")
