@@ -29,6 +29,7 @@ from cachet.engine_layout import EngineLayout, available_cores, plan_engine_layo
 from cachet.loopback_port import free_loopback_port
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 from cachet.supervisor import Supervisor
+from cachet.tls import TlsSettings, blocking_channel, http_client_context
 
 TOKENIZER_PORT = 50051
 ENGINE_BASE_PORT = 50061
@@ -172,7 +173,7 @@ def metrics_urls(services: list[PlannedService]) -> str:
 
 def _grpc_healthy(port: int) -> bool:
     try:
-        with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+        with blocking_channel(f"{LOOPBACK}:{port}", TlsSettings()) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -181,7 +182,9 @@ def _grpc_healthy(port: int) -> bool:
 
 def _http_healthy(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/health", timeout=1) as response:
+        tls = TlsSettings()
+        url = f"{_scheme(tls)}://{LOOPBACK}:{port}/health"
+        with urllib.request.urlopen(url, timeout=1, context=http_client_context(tls)) as response:
             return response.status == 200
     except OSError:
         return False
@@ -191,7 +194,7 @@ def _lists_a_model(port: int) -> bool:
     """Whether the router has heard from an engine (a request it takes before then is refused:
     "no engine replica is reachable yet"); the URL is announced once it can be used."""
     try:
-        with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+        with blocking_channel(f"{LOOPBACK}:{port}", TlsSettings()) as channel:
             reply = router_pb2_grpc.InferenceServiceStub(channel).ListModels(
                 router_pb2.ListModelsRequest(), timeout=1
             )
@@ -210,7 +213,13 @@ def is_healthy(service: PlannedService) -> bool:
 
 def entry_url(services: list[PlannedService]) -> str:
     bridge = next(s for s in services if s.http_port is not None)
-    return f"Cachet REST API on http://{LOOPBACK}:{bridge.http_port}"
+    return f"Cachet REST API on {_scheme(TlsSettings())}://{LOOPBACK}:{bridge.http_port}"
+
+
+def _scheme(tls: TlsSettings) -> str:
+    # Every service reads the same CACHET_TLS_* from run-local's environment: a certificate
+    # means the bridge serves HTTPS (and the probes need the CA to verify it).
+    return "https" if tls.serves_tls else "http"
 
 
 def _announce_when_healthy(supervisor: Supervisor, services: list[PlannedService]) -> None:

@@ -222,3 +222,42 @@ def test_a_replica_across_hosts_is_a_leaderworkerset_group_under_torchrun() -> N
     assert json.loads(env(router)["CACHET_ROUTER_ENGINE_ADDRESSES"]) == [
         f"cachet-engine-{i}.cachet-engine.ai.svc.cluster.local:50061" for i in range(2)
     ]
+
+
+TLS = {"tls": {"secretName": "cachet-tls", "clientAuth": True}}
+
+
+def test_without_a_tls_secret_plaintext_between_pods_is_chosen_explicitly(docs: list[dict]) -> None:
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+    for workload in workloads.values():
+        variables = env(workload)
+        assert variables["CACHET_TLS_ALLOW_PLAINTEXT"] == "true"
+        assert "CACHET_TLS_CERT_FILE" not in variables
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_a_tls_secret_is_mounted_and_every_service_serves_and_calls_with_it(version: str) -> None:
+    docs = render(TLS)
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+    assert len(workloads) == 6
+    for name, workload in workloads.items():
+        variables = env(workload)
+        assert variables["CACHET_TLS_CERT_FILE"] == "/etc/cachet/tls/tls.crt"
+        assert variables["CACHET_TLS_KEY_FILE"] == "/etc/cachet/tls/tls.key"
+        assert variables["CACHET_TLS_CA_FILE"] == "/etc/cachet/tls/ca.crt"
+        assert "CACHET_TLS_ALLOW_PLAINTEXT" not in variables
+        # Mutual TLS between services; the public REST port asks no certificate.
+        assert variables.get("CACHET_TLS_CLIENT_AUTH") == (None if name == "cachet-bridge" else "true")
+        pod = workload["spec"]["template"]["spec"]
+        assert {"name": "tls", "secret": {"secretName": "cachet-tls"}} in pod["volumes"]
+        mount = {"name": "tls", "mountPath": "/etc/cachet/tls", "readOnly": True}
+        assert mount in container(workload)["volumeMounts"]
+        probes = container(workload)
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if name == "cachet-bridge":
+                assert probes[probe]["httpGet"]["scheme"] == "HTTPS"
+            else:
+                # The kubelet's gRPC probe cannot speak TLS.
+                assert "grpc" not in probes[probe] and "tcpSocket" in probes[probe]

@@ -100,6 +100,27 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ .values.drainSeconds | quote }}
 - name: CACHET_DATA_DIR
   value: /var/lib/cachet
+{{- include "cachet.tlsEnv" . }}
+{{- end -}}
+
+{{/* TLS (cachet.tls): with tls.secretName, every service serves and calls with the Secret's
+pair and CA; without, plaintext beyond loopback is allowed explicitly (the services refuse it otherwise). */}}
+{{- define "cachet.tlsEnv" -}}
+{{- if .root.Values.tls.secretName }}
+- name: CACHET_TLS_CERT_FILE
+  value: /etc/cachet/tls/tls.crt
+- name: CACHET_TLS_KEY_FILE
+  value: /etc/cachet/tls/tls.key
+- name: CACHET_TLS_CA_FILE
+  value: /etc/cachet/tls/ca.crt
+{{- if and .root.Values.tls.clientAuth (ne .component "bridge") }}
+- name: CACHET_TLS_CLIENT_AUTH
+  value: "true"
+{{- end }}
+{{- else }}
+- name: CACHET_TLS_ALLOW_PLAINTEXT
+  value: "true"
+{{- end }}
 {{- end -}}
 
 {{- define "cachet.podAnnotations" -}}
@@ -120,6 +141,11 @@ prometheus.io/path: /metrics
 - name: shm
   emptyDir:
     medium: Memory
+{{- if .Values.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+{{- end }}
 {{- if .Values.model.claim }}
 - name: models
   persistentVolumeClaim:
@@ -135,6 +161,11 @@ prometheus.io/path: /metrics
   mountPath: /tmp
 - name: shm
   mountPath: /dev/shm
+{{- if .Values.tls.secretName }}
+- name: tls
+  mountPath: /etc/cachet/tls
+  readOnly: true
+{{- end }}
 {{- if .Values.model.claim }}
 - name: models
   mountPath: /models
@@ -147,8 +178,11 @@ tolerates a whole drain (a draining server reports NOT_SERVING) before the kubel
 {{- define "cachet.probes" -}}
 {{- $port := index (include "cachet.ports" .component | fromJsonArray) 0 -}}
 {{- $startupSeconds := .values.startupSeconds | default 300 | int -}}
-{{- $check := ternary (dict "httpGet" (dict "path" "/health" "port" "http")) (dict "grpc" (dict "port" $port)) (eq .component "bridge") -}}
-{{- $ready := ternary (dict "httpGet" (dict "path" "/ready" "port" "http")) (dict "grpc" (dict "port" $port)) (eq .component "bridge") -}}
+{{- $scheme := ternary "HTTPS" "HTTP" (not (empty .root.Values.tls.secretName)) -}}
+{{/* The kubelet's gRPC probe speaks plaintext only: under TLS a gRPC service is probed by its port. */}}
+{{- $grpc := ternary (dict "tcpSocket" (dict "port" $port)) (dict "grpc" (dict "port" $port)) (not (empty .root.Values.tls.secretName)) -}}
+{{- $check := ternary (dict "httpGet" (dict "path" "/health" "port" "http" "scheme" $scheme)) $grpc (eq .component "bridge") -}}
+{{- $ready := ternary (dict "httpGet" (dict "path" "/ready" "port" "http" "scheme" $scheme)) $grpc (eq .component "bridge") -}}
 startupProbe:
   {{- toYaml $check | nindent 2 }}
   periodSeconds: 5
