@@ -184,17 +184,19 @@ class BlockPool:
         Callers pass a sequence's blocks tail-first so its tail is evicted first.
         A retained block waits behind the free list instead, until its retention ends.
         """
+        parked = []
         for block_id in block_ids:
             if self._ref_counts[block_id] <= 0:
                 raise AssertionError(f"block {block_id} freed with ref count {self._ref_counts[block_id]}")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 if block_id in self._retained:
-                    self._retained.park(block_id)
+                    parked.append(block_id)
                     continue
                 self._free[block_id] = None
                 if self._hashes[block_id] is None:
                     self._free.move_to_end(block_id, last=False)
+        self._retained.park(parked)
 
     # --------------------------------------------------------------- retention
 
@@ -202,14 +204,15 @@ class BlockPool:
         """Keep these blocks (each must carry a hash) until ``until`` at least (wall-clock
         seconds): free, they go only after every unretained free block. A free block taken
         off the free list for it keeps its place among the retained by the order of calls."""
-        for block_id in block_ids:
-            if self._hashes[block_id] is None:
-                raise AssertionError(f"block {block_id} retained without a hash")
-            retained = block_id in self._retained
-            self._retained.retain(block_id, until)
-            if not retained and self._ref_counts[block_id] == 0:
-                del self._free[block_id]
-                self._retained.park(block_id)
+        block_ids = list(block_ids)
+        unnamed = [b for b in block_ids if self._hashes[b] is None]
+        if unnamed:
+            raise AssertionError(f"blocks {unnamed} retained without a hash")
+        newly_retained_free = [b for b in block_ids if self._ref_counts[b] == 0 and b not in self._retained]
+        self._retained.retain(block_ids, until)
+        for block_id in newly_retained_free:
+            del self._free[block_id]
+        self._retained.park(newly_retained_free)
 
     def end_retention(self, now: float) -> None:
         """End the retentions due by ``now``. The free blocks among them join the free list's

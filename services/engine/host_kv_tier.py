@@ -146,8 +146,8 @@ class HostTierIndex:
         self._events.stored(block_hash)
         if until:
             self._retained_slots[block_hash] = slot
-            self._retained.retain(block_hash, until)
-            self._retained.park(block_hash)
+            self._retained.retain([block_hash], until)
+            self._retained.park([block_hash])
         else:
             self._slots[block_hash] = slot
 
@@ -158,10 +158,10 @@ class HostTierIndex:
                 self._slots.move_to_end(block_hash)
                 return
             self._retained_slots[block_hash] = self._slots.pop(block_hash)
-            self._retained.retain(block_hash, until)
-            self._retained.park(block_hash)
+            self._retained.retain([block_hash], until)
+            self._retained.park([block_hash])
         elif until:
-            self._retained.retain(block_hash, until)
+            self._retained.retain([block_hash], until)
 
     def _take_slot(self, until: float) -> int | None:
         """A slot for a new block retained until ``until`` (0.0: not retained): a free one, else

@@ -32,7 +32,6 @@ block can still be found, not only whether the pool holds it.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -348,21 +347,24 @@ class KVCacheManager:
             return
         num_full = min(len(request.block_hashes), request.num_computed_tokens // self.block_size)
         now = self.clock()
-        until = [0.0] * num_full
-        for span in request.retention:
-            for i in range(span.num_blocks(num_full, self.block_size)):
-                until[i] = max(until[i], now + span.seconds)
-        by_until: dict[float, list[int]] = defaultdict(list)
-        for block_hash, block_until in zip(request.block_hashes, until, strict=False):
-            if block_until:
-                by_until[block_until].append(block_hash)
-        for block_until, hashes in by_until.items():
+        # Spans cover leading blocks: the longest retention takes its blocks, each shorter one
+        # the blocks past those a longer one reached.
+        spans = sorted(
+            ((span.seconds, span.num_blocks(num_full, self.block_size)) for span in request.retention),
+            reverse=True,
+        )
+        start = 0
+        for seconds, end in spans:
+            if end <= start:
+                continue
+            hashes = request.block_hashes[start:end]
             blocks = [b for h in hashes if (b := self.pool.lookup(h)) is not None]
             # Tail first, as the blocks are freed: among equal deadlines the tail goes first.
-            self.pool.retain(reversed(blocks), block_until)
+            self.pool.retain(reversed(blocks), now + seconds)
             self.block_retentions += len(blocks)
             if self.shared_tier is not None:
-                self.shared_tier.retain(hashes, block_until)
+                self.shared_tier.retain(hashes, now + seconds)
+            start = end
 
     def _end_retention(self) -> None:
         now = self.clock()

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 # A caller may ask for at most this (OpenAI's longest, "24h"): a retention is a promise the
@@ -78,21 +79,29 @@ class RetainedKeys:
     def is_evictable(self, key: int) -> bool:
         return key in self._evictable
 
-    def retain(self, key: int, until: float) -> None:
-        """Keep ``key`` until ``until`` at least: a retention only ever grows."""
-        if until <= self._until.get(key, float("-inf")):
-            return
-        self._until[key] = until
-        heapq.heappush(self._deadlines, (until, key))
-        if key in self._evictable:
-            self._enqueue(key)
-        else:
-            self._compact()
+    def retain(self, keys: Iterable[int], until: float) -> None:
+        """Keep each key until ``until`` at least: a retention only ever grows. An evictable key
+        retained longer goes behind the others of its new deadline."""
+        current, deadlines, evictable = self._until, self._deadlines, self._evictable
+        longer = []
+        for key in keys:
+            if until <= current.get(key, -math.inf):
+                continue
+            current[key] = until
+            heapq.heappush(deadlines, (until, key))
+            if key in evictable:
+                longer.append(key)
+        self.park(longer)
 
-    def park(self, key: int) -> None:
-        """``key``, which is retained, became evictable (a freed block, a held host block)."""
-        assert key in self._until, f"{key} parked without a retention"
-        self._enqueue(key)
+    def park(self, keys: Iterable[int]) -> None:
+        """These retained keys became evictable (freed blocks, held host blocks), in this order."""
+        until, evictable, queue, sequence = self._until, self._evictable, self._queue, self._sequence
+        for key in keys:
+            number = next(sequence)
+            evictable[key] = number
+            # A key without a retention fails here: only retained keys are ordered by deadline.
+            heapq.heappush(queue, (until[key], number, key))
+        self._compact()
 
     def unpark(self, key: int) -> None:
         """``key`` is in use again; its retention stays and counts once it is parked again."""
@@ -155,12 +164,6 @@ class RetainedKeys:
             key
             for key, _ in sorted(self._evictable.items(), key=lambda item: (self._until[item[0]], item[1]))
         ]
-
-    def _enqueue(self, key: int) -> None:
-        sequence = next(self._sequence)
-        self._evictable[key] = sequence
-        heapq.heappush(self._queue, (self._until[key], sequence, key))
-        self._compact()
 
     def _compact(self) -> None:
         live = len(self._until)

@@ -29,14 +29,13 @@ from cachet.engine.shared_kv_tier import SharedKvFiles
 def test_retained_keys_go_earliest_deadline_first_then_in_the_order_they_became_evictable():
     keys = RetainedKeys()
     for key, until in [(1, 50.0), (2, 20.0), (3, 50.0), (4, 20.0)]:
-        keys.retain(key, until)
-    for key in (3, 1, 4, 2):
-        keys.park(key)
+        keys.retain([key], until)
+    keys.park([3, 1, 4, 2])
     keys.check_invariants()
     assert keys.eviction_order() == [4, 2, 3, 1]
     # A retention only grows, and a longer one re-queues the key behind the equal deadlines.
-    keys.retain(4, 10.0)
-    keys.retain(4, 50.0)
+    keys.retain([4], 10.0)
+    keys.retain([4, 1], 50.0)
     assert keys.eviction_order() == [2, 3, 1, 4]
     # One that ends after the caller's own deadline is not taken.
     assert keys.pop(until_at_most=10.0) is None
