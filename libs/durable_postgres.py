@@ -137,3 +137,38 @@ async def pooled_connection(pool: asyncpg.Pool, store: str) -> AsyncIterator[asy
 
 def _lock_key(store: str) -> int:
     return zlib.crc32(f"cachet.migrations.{store}".encode())
+
+
+class PostgresPool:
+    """One store's pooled connections, each borrowed for one block: a lost server reads as
+    Unavailable naming the store (``pooled_connection``)."""
+
+    def __init__(self, pool: asyncpg.Pool, store: str) -> None:
+        self._pool = pool
+        self.store = store
+
+    def connection(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
+        return pooled_connection(self._pool, self.store)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection in a transaction, committed when the block ends without an error."""
+        async with self.connection() as connection, connection.transaction():
+            yield connection
+
+    @contextlib.asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection in a read-only transaction whose every select sees one snapshot."""
+        async with (
+            self.connection() as connection,
+            connection.transaction(isolation="repeatable_read", readonly=True),
+        ):
+            yield connection
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
+def rows_affected(status: str) -> int:
+    """Rows a statement changed, from its command tag ("UPDATE 3")."""
+    return int(status.rsplit(" ", 1)[1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -171,3 +172,8 @@ def batch_state(
     if any(state != JobState.QUEUED for state in job_states):
         return BatchState.RUNNING
     return BatchState.QUEUED
+
+
+def wall_clock_ms() -> int:
+    """The stores' default clock (tests pass one they can set)."""
+    return int(time.time() * 1000)

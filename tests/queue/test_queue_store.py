@@ -200,9 +200,9 @@ async def test_sqlite_lease_many_is_one_commit(tmp_path: Path) -> None:
         for account in ("acct-a", "acct-b"):
             await store.create_batch(account, "m", [b"x", b"y"])
         statements: list[str] = []
-        store._db.set_trace_callback(statements.append)
+        store._worker.connection.set_trace_callback(statements.append)
         assert len(await store.lease_many("r", lease_seconds=60, limit=4)) == 4
-        store._db.set_trace_callback(None)
+        store._worker.connection.set_trace_callback(None)
         assert statements.count("COMMIT") == 1
     finally:
         await store.close()

@@ -44,12 +44,12 @@ async def instructions_per_lease(store: SqliteQueueStore, leases: int = 8) -> fl
         return 0  # 0: carry on
 
     # The test reaches the store's one connection to count its work; nothing else touches it.
-    store._db.set_progress_handler(count, 100)
+    store._worker.connection.set_progress_handler(count, 100)
     try:
         for _ in range(leases):
             assert await store.lease("router-1", lease_seconds=30) is not None
     finally:
-        store._db.set_progress_handler(None, 100)
+        store._worker.connection.set_progress_handler(None, 100)
     return steps / leases
 
 
@@ -81,10 +81,10 @@ async def test_submitting_costs_the_same_with_a_backlog_twenty_times_larger(tmp_
         costs = []
         for backlog in (1_000, 19_000):
             await fill(store, backlog)
-            store._db.set_progress_handler(count, 100)
+            store._worker.connection.set_progress_handler(count, 100)
             steps = 0
             await store.create_batch("acct-x", "m", [b"body"] * 10)
-            store._db.set_progress_handler(None, 100)
+            store._worker.connection.set_progress_handler(None, 100)
             costs.append(steps)
     finally:
         await store.close()
