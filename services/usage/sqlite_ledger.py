@@ -1,23 +1,19 @@
 """The usage ledger on SQLite (the embedded default): one file, one worker thread.
 
 The contract is ``cachet.usage.ledger``'s. SQLite is blocking, so every call runs on
-one worker thread that owns the one connection; the event loop only awaits. One
-writer is all SQLite allows anyway, and WAL keeps other processes' readers
-unblocked. A call whose caller is cancelled still finishes on the worker: a
+one ``SqliteWorker`` (as the queue store's do) that owns the one connection; the event
+loop only awaits. A call whose caller is cancelled still finishes on the worker: a
 committed write is then found as a duplicate by the retry, never half-done.
 Triggers in the file itself refuse updates and deletes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
-from cachet.durable_sqlite import open_durable_sqlite
+from cachet.durable_sqlite import SqliteWorker, open_durable_sqlite
 from cachet.logs import get_logger
 from cachet.usage.ledger_query import query_sql, totals
 from cachet.usage.prices import ModelPrice
@@ -32,7 +28,6 @@ from cachet.usage.records import (
 
 log = get_logger(__name__)
 
-T = TypeVar("T")
 
 SCHEMA_VERSION = 1
 
@@ -108,86 +103,62 @@ def _add_api_key_column(connection: sqlite3.Connection) -> None:
 class SqliteLedger:
     """The usage ledger in one SQLite file (WAL); see the module docstring for the contract."""
 
-    def __init__(self, connection: sqlite3.Connection, executor: ThreadPoolExecutor, path: Path) -> None:
-        # Use ``open``: the connection must be made on, and only used from, the executor's thread.
-        self._connection = connection
-        self._executor = executor
+    def __init__(self, worker: SqliteWorker, path: Path) -> None:
+        # Use ``open``: the connection must be made on, and only used from, the worker's thread.
+        self._worker = worker
         self.path = path
         self.location = str(path)
 
     @classmethod
     async def open(cls, path: Path) -> SqliteLedger:
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-ledger")
-        try:
-            connection = await asyncio.get_running_loop().run_in_executor(executor, _connect, path)
-        except BaseException:
-            executor.shutdown(wait=False)
-            raise
+        worker = await SqliteWorker.open(lambda: _connect(path), name="usage-ledger")
         log.info("usage ledger opened", path=str(path))
-        return cls(connection, executor, path)
+        return cls(worker, path)
 
     async def record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
         """Append ``entry`` priced at ``price``, unless its request id is already there."""
-        return await self._run(self._record, entry, price)
+        return await self._worker.run(lambda db: _record(db, entry, price))
 
     async def record_many(self, priced: Sequence[tuple[UsageEntry, ModelPrice]]) -> list[RecordOutcome]:
         """``record`` for each entry, in one transaction: one fsync for the lot."""
-        return await self._run(self._record_many, priced)
+        # All or nothing: a failed batch is retried whole, and the ids make that safe.
+        return await self._worker.write(lambda db: [_record(db, entry, price) for entry, price in priced])
 
     async def query(self, query: UsageQuery) -> list[UsageTotals]:
         """Totals per group, ordered by the group keys."""
-        return await self._run(self._query, query)
+        sql, params = query_sql(query, day_expression=_DAY, placeholder=lambda _: "?")
+        rows = await self._worker.run(lambda db: db.execute(sql, params).fetchall())
+        return [totals(query.group_by, row) for row in rows]
 
     async def close(self) -> None:
         """Close the connection; a WAL checkpoint folds the log back into the main file."""
-        await self._run(self._connection.close)
-        self._executor.shutdown(wait=True)
+        await self._worker.close()
 
-    async def _run(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
-    def _record_many(self, priced: Sequence[tuple[UsageEntry, ModelPrice]]) -> list[RecordOutcome]:
-        # All or nothing: a failed batch is retried whole, and the ids make that safe.
-        self._connection.execute("BEGIN IMMEDIATE")
-        try:
-            outcomes = [self._record(entry, price) for entry, price in priced]
-        except BaseException:
-            self._connection.execute("ROLLBACK")
-            raise
-        self._connection.execute("COMMIT")
-        return outcomes
+def _record(db: sqlite3.Connection, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
+    row = ledger_row(entry, price)
+    cursor = db.execute(_INSERT, row)
+    if cursor.rowcount == 1:
+        return RecordOutcome(duplicate=False, cost_picousd=row[LEDGER_COST_COLUMN])
+    return _stored_outcome(db, entry)
 
-    def _record(self, entry: UsageEntry, price: ModelPrice) -> RecordOutcome:
-        row = ledger_row(entry, price)
-        cursor = self._connection.execute(
-            _INSERT,
-            row,
-        )
-        if cursor.rowcount == 1:
-            return RecordOutcome(duplicate=False, cost_picousd=row[LEDGER_COST_COLUMN])
-        return self._stored_outcome(entry)
 
-    def _stored_outcome(self, entry: UsageEntry) -> RecordOutcome:
-        # Safe outside the INSERT's transaction: a stored row never changes.
-        stored = self._connection.execute(
-            "SELECT cost_picousd, account_id, model, prompt_tokens, cached_tokens, completion_tokens"
-            " FROM usage_records WHERE request_id = ?",
-            (entry.request_id,),
-        ).fetchone()
-        seen = (
-            entry.account_id,
-            entry.model,
-            entry.prompt_tokens,
-            entry.cached_tokens,
-            entry.completion_tokens,
-        )
-        if tuple(stored[1:]) != seen:
-            # Same id, different usage: a caller bug (ids reused), not a retry. The
-            # first record stands; say so loudly instead of billing twice.
-            log.warning("request id reused with different usage; kept the first", request_id=entry.request_id)
-        return RecordOutcome(duplicate=True, cost_picousd=stored[0])
-
-    def _query(self, query: UsageQuery) -> list[UsageTotals]:
-        sql, params = query_sql(query, day_expression=_DAY, placeholder=lambda _: "?")
-        rows = self._connection.execute(sql, params).fetchall()
-        return [totals(query.group_by, row) for row in rows]
+def _stored_outcome(db: sqlite3.Connection, entry: UsageEntry) -> RecordOutcome:
+    # Safe outside the INSERT's transaction: a stored row never changes.
+    stored = db.execute(
+        "SELECT cost_picousd, account_id, model, prompt_tokens, cached_tokens, completion_tokens"
+        " FROM usage_records WHERE request_id = ?",
+        (entry.request_id,),
+    ).fetchone()
+    seen = (
+        entry.account_id,
+        entry.model,
+        entry.prompt_tokens,
+        entry.cached_tokens,
+        entry.completion_tokens,
+    )
+    if tuple(stored[1:]) != seen:
+        # Same id, different usage: a caller bug (ids reused), not a retry. The
+        # first record stands; say so loudly instead of billing twice.
+        log.warning("request id reused with different usage; kept the first", request_id=entry.request_id)
+    return RecordOutcome(duplicate=True, cost_picousd=stored[0])
