@@ -190,7 +190,9 @@ class HostTierIndex:
         both = set(self._slots) & set(self._retained_slots)
         assert not both, f"hashes both retained and not: {sorted(both)}"
         slots = [*self._slots.values(), *self._retained_slots.values(), *self._free_slots]
-        assert sorted(slots) == list(range(self.num_slots)), f"slots held or free: {sorted(slots)}"
+        assert len(slots) == self.num_slots and set(slots) == set(range(self.num_slots)), (
+            f"slots held or free: {sorted(slots)}"
+        )
         unretained = [h for h in self._retained_slots if h not in self._retained]
         assert not unretained, f"retained slots of {unretained} have no retention"
         assert len(self._retained) == len(self._retained_slots), (

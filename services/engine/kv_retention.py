@@ -10,10 +10,11 @@ Anthropic's caches do ("5 minutes of inactivity").
 What retention changes is only the order in which a tier gives blocks up: a block under a live
 retention goes after every evictable block without one, and among retained blocks the one
 whose retention ends first goes first; once a retention ends, the block goes on as if last used
-then. Nothing is ever refused for lack of room: a pool full of retained blocks still evicts them. ``RetainedKeys`` is that order, shared by the block pool
-(keyed by block id: its evictable blocks are the free ones) and the host tier (keyed by block
-hash: every held block not locked by this step's copies). The shared file tier keeps its
-retention in the files themselves (``shared_kv_tier``), where every replica's clean-up sees it.
+then. Nothing is ever refused for lack of room: a pool full of retained blocks still evicts
+them. ``RetainedKeys`` is that order, shared by the block pool (keyed by block id: its
+evictable blocks are the free ones) and the host tier (keyed by block hash: every held block
+not locked by this step's copies). The shared file tier keeps its retention in the files
+themselves (``shared_kv_tier``), where every replica's clean-up sees it.
 """
 
 from __future__ import annotations

@@ -294,6 +294,24 @@ def test_a_block_held_again_with_retention_becomes_retained():
     tier.check_invariants()
 
 
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda t: t._slots.__setitem__(111, 0), "both retained and not"),
+        (lambda t: t._free_slots.append(0), "slots held or free"),
+        (lambda t: t._retained.forget(111), "have no retention"),
+        (lambda t: t._retained._evictable.pop(111), "not evictable"),
+    ],
+)
+def test_the_host_tier_invariant_checker_catches_broken_retention(corrupt, message):
+    tier = HostTierIndex(3)
+    tier.demote([EvictedBlock(0, 111, 100.0), EvictedBlock(1, 222)])
+    tier.check_invariants()
+    corrupt(tier)
+    with pytest.raises(AssertionError, match=message):
+        tier.check_invariants()
+
+
 # ---------------------------------------------------------------- the KV cache manager
 
 # 13 tokens: three full blocks of 4, and a last token that is always computed.
