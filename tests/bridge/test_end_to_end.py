@@ -7,6 +7,7 @@ nonce, so only the tests that mean to share a cached prefix do.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from service_processes import (
 )
 
 from cachet.models.tiny import write_tiny_model
+
+from . import opencode_request
 
 TIMEOUT = 120.0
 
@@ -259,3 +262,42 @@ def test_a_max_tokens_past_the_window_is_cut_to_fit(platform: Platform) -> None:
     )
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 2048
+
+
+def opencode_turn(platform: Platform, session: str, nonce: str, question: str) -> tuple[list[dict], dict]:
+    """One OpenCode turn: the streamed chunks, and the usage its last chunk carries."""
+    request = opencode_request.body(TINY_MODEL_ID, nonce, question)
+    with httpx.stream(
+        "POST",
+        f"{platform.url}/v1/chat/completions",
+        headers=opencode_request.headers(session),
+        json=request,
+        timeout=TIMEOUT,
+    ) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    # include_usage: one last chunk with the usage and no choices, after every choice chunk.
+    assert chunks[-1]["choices"] == [] and all(chunk["choices"] for chunk in chunks[:-1])
+    assert all(chunk.get("usage") is None for chunk in chunks[:-1])
+    return chunks, chunks[-1]["usage"]
+
+
+def test_opencodes_request_streams_to_the_window_and_its_next_turn_is_cached(platform: Platform) -> None:
+    session, nonce = f"ses_{uuid.uuid4().hex[:26]}", uuid.uuid4().hex
+    chunks, usage = opencode_turn(
+        platform, session, nonce, "List the Python files under src/ and explain them."
+    )
+    finishes = [choice["finish_reason"] for chunk in chunks for choice in chunk["choices"]]
+    # max_tokens 32,000 on a 2,048-token window: cut to what the window leaves, then `length`.
+    assert finishes[-1] == "length" and finishes.count("length") == 1
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 2048
+    assert usage["total_tokens"] == 2048
+    # Its answer fills the window, so the next turn cannot carry it on this model; what OpenCode
+    # repeats on every turn of the project (system prompt, environment, tools) is the prefix.
+    _, again = opencode_turn(platform, session, nonce, "Now run the tests.")
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    # All but the new question and the block it starts in.
+    assert again["prompt_tokens"] - 64 < cached < again["prompt_tokens"]
