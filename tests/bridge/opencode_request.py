@@ -134,6 +134,8 @@ def environment(model: str, nonce: str) -> str:
 
 
 def headers(session_id: str, api_key: str = "dev") -> dict[str, str]:
+    # The AI SDK appends its packages' and the runtime's names to OpenCode's user agent; the
+    # versions after OpenCode's are examples (the build bundles several copies of the SDK).
     return {
         "authorization": f"Bearer {api_key}",
         "content-type": "application/json",
