@@ -18,7 +18,7 @@ import concurrent.futures
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from cachet.engine.structured_output import GrammarCompiler, GrammarSpec
@@ -126,7 +126,10 @@ class MaskBuilder:
         self._executor = llguidance.LLExecutor(num_threads)
         # One fill at a time (steps are sequential), so the packed buffer is reused across steps.
         self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        self._packed = llguidance.torch.allocate_token_bitmask(0, vocab_size)
+        # llguidance's numpy helpers, not its torch ones: the same fill, and importing
+        # llguidance.torch runs a torch.compile decorator that loads dynamo, about 3.5 s of every
+        # engine start on a 2-core host. The array is shared with torch without a copy.
+        self._packed = torch.from_numpy(llguidance.numpy.allocate_token_bitmask(0, vocab_size))
         self._bits = torch.tensor([1 << bit for bit in range(32)], dtype=torch.int64).to(torch.int32)
 
     def start(self, grammars: Mapping[str, RequestGrammar]) -> StepMasks:
@@ -149,9 +152,9 @@ class MaskBuilder:
     def _fill(self, matchers: list[tuple[llguidance.LLMatcher, int]]) -> torch.Tensor:
         batch = len(matchers)
         if self._packed.shape[0] < batch:
-            self._packed = llguidance.torch.allocate_token_bitmask(batch, self.vocab_size)
+            self._packed = torch.from_numpy(llguidance.numpy.allocate_token_bitmask(batch, self.vocab_size))
         packed = self._packed[:batch]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, packed)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, packed.numpy())
         # [batch, words, 32] bit tests -> [batch, 32 * words], trimmed to the vocabulary. A fresh
         # tensor each step: callers may keep a step's rows.
         return (packed.unsqueeze(-1) & self._bits).ne(0).view(batch, -1)[:, : self.vocab_size]
