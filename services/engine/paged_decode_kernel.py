@@ -51,7 +51,7 @@ def load_paged_decode_kernel() -> ModuleType | None:
         return load(
             name=name,
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *isa_flags],
+            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,

@@ -11,11 +11,19 @@
 // run sequentially through a block. Items per (request, KV head) that read only their head's
 // slice of each row were 3-4x slower (1 x 7,500 keys, fp32: 6.3 ms against 1.4): memory
 // stalls, not arithmetic.
+//
+// The hot loops are AVX2 where the build targets it (a scalar fallback elsewhere): a score's
+// dot product on two accumulators and the softmax's exponentials eight at a time made the
+// kernel 1.4-1.5x faster (one stream at 1,000-7,500 keys and 16 x 1,000, fp32 and bf16, two
+// threads of a Xeon), over what the compiler made of the plain loops.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -24,6 +32,65 @@
 namespace {
 
 constexpr int64_t kSplitTokens = 256;
+
+#if defined(__AVX2__) && defined(__FMA__)
+// e^x for x <= 0 (a score minus its split's maximum), 8 at a time: the compiler leaves a loop
+// of std::exp scalar. 2^n times a degree-6 polynomial of the remainder (|r| <= ln2 / 2):
+// relative error about 2e-7, expf's order. Inputs below -87 give 2^-126 rather than 0,
+// nothing beside a sum that holds e^0 = 1.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  low = _mm_add_ps(low, _mm_movehl_ps(low, low));
+  low = _mm_add_ss(low, _mm_movehdup_ps(low));
+  return _mm_cvtss_f32(low);
+}
+
+// Eight elements of a K or V row as fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// One query head's score against one key row. Two accumulators: a single one makes every
+// multiply-add wait on the one before it.
+template <typename T>
+inline float dot(const float* query, const T* key, int64_t head_dim) {
+  int64_t d = 0;
+  float total = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  for (; d + 16 <= head_dim; d += 16) {
+    even = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), load8(key + d), even);
+    odd = _mm256_fmadd_ps(_mm256_loadu_ps(query + d + 8), load8(key + d + 8), odd);
+  }
+  total = horizontal_sum(_mm256_add_ps(even, odd));
+#endif
+  for (; d < head_dim; ++d) total += query[d] * static_cast<float>(key[d]);
+  return total;
+}
 
 struct WorkItem {
   int64_t request;
@@ -48,12 +115,7 @@ void attend_split(const WorkItem& item, const float* queries, const T* k_cache, 
     const T* key = k_cache + (blocks[position / block_size] * block_size + offset) * token_stride;
     for (int64_t t = position - item.begin; t < position - item.begin + run; ++t, key += token_stride) {
       for (int64_t h = 0; h < num_heads; ++h) {
-        const float* query = queries + h * head_dim;
-        const T* key_head = key + (h / group) * head_dim;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * static_cast<float>(key_head[d]);
-        scores[h * length + t] = dot;
+        scores[h * length + t] = dot(queries + h * head_dim, key + (h / group) * head_dim, head_dim);
       }
     }
     position += run;
@@ -61,9 +123,21 @@ void attend_split(const WorkItem& item, const float* queries, const T* k_cache, 
   for (int64_t h = 0; h < num_heads; ++h) {
     float* row = scores + h * length;
     float max_score = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_score)
     for (int64_t t = 0; t < length; ++t) max_score = std::max(max_score, row[t]);
     float sum = 0.f;
-    for (int64_t t = 0; t < length; ++t) {
+    int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 max_vector = _mm256_set1_ps(max_score);
+    __m256 sum_vector = _mm256_setzero_ps();
+    for (; t + 8 <= length; t += 8) {
+      const __m256 weights = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), max_vector));
+      _mm256_storeu_ps(row + t, weights);
+      sum_vector = _mm256_add_ps(sum_vector, weights);
+    }
+    sum = horizontal_sum(sum_vector);
+#endif
+    for (; t < length; ++t) {
       row[t] = std::exp(row[t] - max_score);
       sum += row[t];
     }
