@@ -209,10 +209,14 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelRank) -> None:
         vocab_range = tp.split(vocab_size, "vocabulary rows")
-        # An uninitialised table: the checkpoint fills it. nn.Embedding's own random init would
-        # be thrown away, and on the meta device its normal_ loads torch's dynamo (~3 s of every
-        # engine start on a 2-core host).
-        super().__init__(len(vocab_range), hidden_size, _weight=torch.empty(len(vocab_range), hidden_size))
+        table = torch.empty(len(vocab_range), hidden_size)
+        # Built on the meta device (``load_model``) the checkpoint fills it: nn.Embedding's own
+        # init there would be thrown away, and its normal_ loads torch's dynamo (~3 s of every
+        # engine start on a 2-core host). Built for real (a test's random checkpoint), it draws
+        # the values nn.Embedding would.
+        if not table.is_meta:
+            nn.init.normal_(table)
+        super().__init__(len(vocab_range), hidden_size, _weight=table)
         self.vocab_size = vocab_size
         self.vocab_range = vocab_range
         self.tp = tp
