@@ -2,55 +2,19 @@
 
 The engine samples token ids; stop strings are text. A stop string may span
 several tokens ("end" + "ing"), and a token may end in the middle of a
-multi-byte character. So text is decoded incrementally, and each new piece is
-searched together with just enough of the text before it to catch a stop string
-that started earlier. Works with any ``decode(list[int]) -> str``, e.g.
-``tokenizers.Tokenizer.decode``.
+multi-byte character. So text is decoded incrementally (the one incremental
+detokenizer, ``cachet.incremental_detokenizer``, as the router's streams use), and
+each new piece is searched together with just enough of the text before it to catch
+a stop string that started earlier. Works with any ``decode(list[int]) -> str``,
+e.g. ``tokenizers.Tokenizer.decode``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-Decode = Callable[[list[int]], str]
-
-# Shown by decoders for bytes that do not (yet) form a whole UTF-8 character.
-_REPLACEMENT_CHAR = "\ufffd"
-
-
-class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas.
-
-    Decoding one token alone can be wrong (leading-space rules, characters
-    split over byte tokens), so each new token is decoded together with the
-    tokens before it, and only the text beyond that prefix is new::
-
-        tokens:  [ ... | prefix (already read) | unread ]
-                        ^prefix_offset          ^read_offset
-
-    Text ending in U+FFFD is held back until the next token completes it.
-    Only tokens from ``prefix_offset`` on are kept, so memory stays bounded.
-    """
-
-    def __init__(self, decode: Decode, context_token_ids: Sequence[int] = ()) -> None:
-        # Context (e.g. the prompt's last tokens) sets up the decoder's state but is never output.
-        self._decode = decode
-        self._tokens = list(context_token_ids)
-        self._prefix_offset = 0
-        self._read_offset = len(self._tokens)
-
-    def append(self, token_id: int) -> str:
-        """Add one token; return the text it completes (maybe empty)."""
-        self._tokens.append(token_id)
-        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._tokens[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        # Drop what is no longer needed as a prefix; the unread tokens become the new prefix.
-        self._tokens = self._tokens[self._read_offset :]
-        self._prefix_offset, self._read_offset = 0, len(self._tokens)
-        return full_text[len(prefix_text) :]
+from cachet.incremental_detokenizer import Decode, IncrementalDetokenizer
 
 
 @dataclass(frozen=True)
@@ -76,14 +40,14 @@ class StopStringChecker:
         if not stops or not all(stops):
             raise ValueError("stop strings must be non-empty")
         self.stops = tuple(stops)
-        self._decoder = IncrementalDecoder(decode, context_token_ids)
+        self._decoder = IncrementalDetokenizer(decode, context_token_ids)
         self._tail_len = max(map(len, self.stops)) - 1
         self._tail = ""
         self._text_len = 0  # characters of generated text so far (tail included)
 
     def append(self, token_id: int) -> StopMatch | None:
         """Add one generated token; the stop string it completes, if any."""
-        delta = self._decoder.append(token_id)
+        delta = self._decoder.add([token_id])
         if not delta:
             return None
         #   window = [ tail (older text) | delta ]

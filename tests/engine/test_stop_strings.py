@@ -7,7 +7,8 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cachet.engine.stop_strings import IncrementalDecoder, StopMatch, StopStringChecker
+from cachet.engine.stop_strings import StopMatch, StopStringChecker
+from cachet.incremental_detokenizer import IncrementalDetokenizer
 
 CORPUS = ["the end is near, the end is here. hello world! Stop here.", "STOP. héllo wörld"] * 10
 
@@ -59,8 +60,8 @@ def test_no_match_no_report(tokenizer):
 
 def test_split_characters_are_held_back_until_complete(tokenizer):
     ids = tokenizer.encode("héllo 🙂 done").ids
-    decoder = IncrementalDecoder(tokenizer.decode)
-    deltas = [decoder.append(i) for i in ids]
+    decoder = IncrementalDetokenizer(tokenizer.decode)
+    deltas = [decoder.add([i]) for i in ids]
     assert "".join(deltas) == "héllo 🙂 done"
     assert all("\ufffd" not in d for d in deltas)
     assert "" in deltas  # some tokens end mid-character
