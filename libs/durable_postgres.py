@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import AsyncIterator, Sequence
+from typing import cast
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -80,7 +81,7 @@ async def open_pool(url: str, migrations: Migrations, *, store: str, max_size: i
         ) from error
     try:
         async with pool.acquire() as connection:
-            await migrate(connection, migrations, store=store)
+            await migrate(_as_connection(connection), migrations, store=store)
     except BaseException:
         await pool.close()
         raise
@@ -124,7 +125,7 @@ async def pooled_connection(pool: asyncpg.Pool, store: str) -> AsyncIterator[asy
     try:
         async with pool.acquire() as connection:
             try:
-                yield connection
+                yield _as_connection(connection)
             except BaseException as error:
                 if connection_lost(error):
                     connection.terminate()
@@ -133,6 +134,12 @@ async def pooled_connection(pool: asyncpg.Pool, store: str) -> AsyncIterator[asy
         if connection_lost(error):
             raise Unavailable(f"the {store} store (PostgreSQL) is unreachable: {error}") from error
         raise
+
+
+def _as_connection(proxy: asyncpg.pool.PoolConnectionProxy) -> asyncpg.Connection:
+    # A pool lends a proxy that forwards every Connection method to the connection it wraps;
+    # asyncpg-stubs types the two apart, and every caller here wants the Connection's API.
+    return cast(asyncpg.Connection, proxy)
 
 
 def _lock_key(store: str) -> int:

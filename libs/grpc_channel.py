@@ -15,7 +15,7 @@ def create_channel(
     address: str, max_message_bytes: int = _DEFAULT_MAX_MESSAGE_BYTES, *, tls: TlsSettings | None = None
 ) -> grpc.aio.Channel:
     """``tls``: the calling service's settings (``settings.tls``); None or no CA file: plaintext."""
-    options = [
+    options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # Loopback services restart in tests and in run-local: reconnect quickly.

@@ -7,9 +7,10 @@ import sys
 
 import structlog
 from opentelemetry import trace
+from structlog.typing import EventDict, Processor
 
 
-def _add_trace_context(_logger: object, _method: str, event: dict) -> dict:
+def _add_trace_context(_logger: object, _method: str, event: EventDict) -> EventDict:
     span_context = trace.get_current_span().get_span_context()
     if span_context.is_valid:
         event["trace_id"] = format(span_context.trace_id, "032x")
@@ -37,7 +38,7 @@ class _StreamTeardownDetachFilter(logging.Filter):
 
 def configure_logging(service: str, level: str = "info") -> None:
     """JSON lines on stderr; stdlib loggers (grpc, uvicorn) go through the same renderer."""
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

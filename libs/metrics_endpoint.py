@@ -45,7 +45,8 @@ class MetricsEndpoint:
 
     @property
     def url(self) -> str:
-        return f"http://{self.server.server_address[0]}:{self.port}/metrics"
+        # An AF_INET server's host is a str; typeshed's TCPServer also allows bytes.
+        return f"http://{self.server.server_address[0]}:{self.port}/metrics"  # type: ignore[str-bytes-safe]
 
     async def stop(self) -> None:
         # shutdown() blocks until the serving thread notices; keep it off the event loop.

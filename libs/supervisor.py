@@ -20,15 +20,19 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO
+from types import FrameType
+from typing import IO, Any
 
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 MAX_CRASHES = 5
 CRASH_WINDOW_SECONDS = 300.0
 STOP_GRACE_SECONDS = 15.0
 _POLL_SECONDS = 0.2
+
+# What signal.signal takes and returns.
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 @dataclass
@@ -134,16 +138,16 @@ class Supervisor:
             self._say(name, raw.decode(errors="replace").rstrip("\n"))
 
     def _stop_all(self) -> None:
-        running = [c for c in self._children if c.process is not None and c.process.poll() is None]
-        for child in running:
-            _signal_group(child.process, signal.SIGTERM)
+        running = [c.process for c in self._children if c.process is not None and c.process.poll() is None]
+        for process in running:
+            _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for child in running:
+        for process in running:
             try:
-                child.process.wait(max(0.0, deadline - time.monotonic()))
+                process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(child.process, signal.SIGKILL)
-                child.process.wait()
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
         for child in self._children:
             if child.process is not None:
                 self._say(child.name, f"stopped (rc={child.process.returncode})")
@@ -153,16 +157,16 @@ class Supervisor:
         with self._print_lock:
             print(f"{time.strftime('%H:%M:%S')} {name:<10} | {line}", file=self._out, flush=True)
 
-    def _install_signal_handlers(self) -> dict[int, object]:
+    def _install_signal_handlers(self) -> dict[int, _SignalHandler]:
         if threading.current_thread() is not threading.main_thread():
             return {}
-        previous = {}
+        previous: dict[int, _SignalHandler] = {}
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, lambda *_: self.terminate())
         return previous
 
     @staticmethod
-    def _restore_signal_handlers(previous: dict[int, object]) -> None:
+    def _restore_signal_handlers(previous: dict[int, _SignalHandler]) -> None:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

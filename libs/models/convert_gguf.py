@@ -139,7 +139,8 @@ def convert_gguf(
                 )
                 # The weights are plain fp32 tensors by now; left set, the GGUF quantizer would make
                 # save_pretrained record a quantisation config that no loader could honour.
-                model.hf_quantizer = None
+                # nn.Module's __getattr__ types every attribute it does not know as Tensor | Module.
+                model.hf_quantizer = None  # type: ignore[assignment]
             with bar.phase(_PHASES[2]):
                 model.save_pretrained(str(staging), safe_serialization=True)
                 del model

@@ -126,10 +126,10 @@ def read_gguf_metadata(gguf_path: Path) -> dict[str, Any]:
                     item, at = read_value(item_kind, at)
                     items.append(item)
                 return items, at
-            fmt = _SCALAR_FORMATS.get(kind)
-            if fmt is None:
+            scalar = _SCALAR_FORMATS.get(kind)
+            if scalar is None:
                 raise ValueError(f"{gguf_path}: unknown GGUF value type {kind}")
-            return struct.unpack_from(fmt, buf, at)[0], at + struct.calcsize(fmt)
+            return struct.unpack_from(scalar, buf, at)[0], at + struct.calcsize(scalar)
 
         metadata: dict[str, Any] = {}
         for _ in range(kv_count):
@@ -199,7 +199,8 @@ def build_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
     tokenizer = Tokenizer(
         models.BPE(
             vocab=vocab,
-            merges=merges,
+            # Each GGUF merge is "left right", so split(" ", 1) gives the pair.
+            merges=merges,  # type: ignore[arg-type]
             dropout=None,
             unk_token=None,
             continuing_subword_prefix="",
@@ -215,7 +216,9 @@ def build_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
         )
     else:
         tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    # The byte-level decoder's settings are its defaults (add_prefix_space, trim_offsets and
+    # use_regex all true); tokenizers' stubs accept no arguments for it.
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
     # Control tokens (<|im_start|>, ...) must match whole in raw text, or a chat template's markers
     # would be cut into bytes. A control token outside the byte alphabet is a llama.cpp mislabel and
@@ -341,9 +344,9 @@ def special_tokens_from_hf_dir(model_dir: Path) -> dict[str, Any]:
         value = tok_config.get(name)
         if isinstance(value, dict):
             value = value.get("content")
-        if isinstance(value, str) and tokenizer.token_to_id(value) is not None:
+        if isinstance(value, str) and (token_id := tokenizer.token_to_id(value)) is not None:
             named[name] = value
-            ids[name] = tokenizer.token_to_id(value)
+            ids[name] = token_id
     eos_ids = [ids["eos_token"]] if "eos_token" in ids else []
     for token in END_OF_TURN_TOKENS:
         token_id = tokenizer.token_to_id(token)
