@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import AsyncIterator, Sequence
-from typing import cast
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -30,6 +30,10 @@ from cachet.errors import Unavailable
 
 # Each store's migrations, version 1 first; a version, once released, is never edited.
 Migrations = Sequence[tuple[int, str]]
+
+# A row as either store reads it, for the row-to-domain conversions they share: sqlite3 gives
+# tuples; an asyncpg Record indexes and iterates the same but is no Sequence.
+Row = Sequence[Any] | asyncpg.Record
 
 URL_SCHEMES = ("postgresql", "postgres")
 

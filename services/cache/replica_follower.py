@@ -119,7 +119,7 @@ class ReplicaFollower:
             report("kv event stream down", engine=self.address, reason=reason, retry_in_s=round(delay, 3))
             await asyncio.sleep(delay)
 
-    async def _follow_once(self, stub: engine_pb2_grpc.EngineServiceStub) -> None:
+    async def _follow_once(self, stub: engine_pb2_grpc.EngineServiceAsyncStub) -> None:
         """One subscription: returns when the engine ends the stream, raises when it breaks."""
         self.status.subscriptions += 1
         call = stub.StreamKvEvents(engine_pb2.StreamKvEventsRequest())

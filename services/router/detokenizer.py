@@ -26,7 +26,9 @@ from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 class Detokenizers:
     """Makes a model's incremental detokenizers from its tokenizer, fetched once."""
 
-    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub, timeout_seconds: float) -> None:
+    def __init__(
+        self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceAsyncStub, timeout_seconds: float
+    ) -> None:
         self._stub = tokenizer
         self._timeout = timeout_seconds
         self._tokenizers = FetchedOnce(self._fetch)

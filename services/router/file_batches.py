@@ -23,6 +23,7 @@ only what ran.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
 from cachet.common.v1 import common_pb2
 from cachet.errors import CachetError, InvalidArgument, NotFound
@@ -218,7 +219,7 @@ class FileBatches:
             raise InvalidArgument(f"an input file holds 1 to {self._max_lines} lines", param="input_file_id")
 
 
-def _batch_model(lines: list[router_pb2.BatchLine]) -> str:
+def _batch_model(lines: Sequence[router_pb2.BatchLine]) -> str:
     """The model of the first line that names one: a batch runs one model, as OpenAI's do."""
     for line in lines:
         kind = line.request.WhichOneof("body")

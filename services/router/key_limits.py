@@ -179,7 +179,7 @@ class KeyLimiter:
 
     def __init__(
         self,
-        usage: usage_pb2_grpc.UsageServiceStub,
+        usage: usage_pb2_grpc.UsageServiceAsyncStub,
         *,
         budget_cache_seconds: float,
         timeout_seconds: float,

@@ -121,7 +121,9 @@ class ChatPrompt:
 class PromptBuilder:
     """Chat templates and plain prompts, through the tokenizer service."""
 
-    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub, timeout_seconds: float) -> None:
+    def __init__(
+        self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceAsyncStub, timeout_seconds: float
+    ) -> None:
         self._tokenizer = tokenizer
         self._timeout = timeout_seconds
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import asyncpg
 
-from cachet.durable_postgres import PostgresPool, rows_affected
+from cachet.durable_postgres import PostgresPool, Row, rows_affected
 from cachet.durable_sqlite import SqliteWorker, for_sqlite
 from cachet.router.queue_api_keys import INSERT_BATCH_KEY
 from cachet.router.queue_files import INSERT_FILE_BATCH, file_batch_row
@@ -80,7 +80,7 @@ def _batch_row(batch_id: str, account_id: str, model: str, webhook_url: str, job
 
 
 def _batch_view(
-    batch_id: str, account_id: str, row: Sequence, jobs: Sequence[Sequence], with_results: bool
+    batch_id: str, account_id: str, row: Row, jobs: Sequence[Row], with_results: bool
 ) -> BatchView:
     model, webhook_url, webhook_state, created_at_ms, finished_at_ms, cancelled_at_ms, expired_at_ms = row
     states = [job[0] for job in jobs]

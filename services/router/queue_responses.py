@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 
-from cachet.durable_postgres import PostgresPool, rows_affected
+from cachet.durable_postgres import PostgresPool, Row, rows_affected
 from cachet.durable_sqlite import SqliteWorker, for_sqlite
 from cachet.router.queue_records import ResponseItem, StoredResponse
 
@@ -45,11 +45,12 @@ def _page(newest_first: bool, *, bounded: bool) -> str:
     )
 
 
-def _stored(response_id: str, row: Sequence, items: Sequence[Sequence]) -> StoredResponse:
-    return StoredResponse(response_id, *row, tuple(ResponseItem(*item) for item in items))
+def _stored(response_id: str, row: Row, items: Sequence[Row]) -> StoredResponse:
+    # ``row`` holds exactly the fields between the id and the items; mypy cannot count a starred row.
+    return StoredResponse(response_id, *row, input_items=tuple(ResponseItem(*item) for item in items))  # type: ignore[misc]
 
 
-def _items_page(rows: Sequence[Sequence], limit: int) -> tuple[list[ResponseItem], bool]:
+def _items_page(rows: Sequence[Row], limit: int) -> tuple[list[ResponseItem], bool]:
     return [ResponseItem(*row) for row in rows[:limit]], len(rows) > limit
 
 

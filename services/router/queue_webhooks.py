@@ -57,7 +57,8 @@ class SqliteWebhooks:
             if row is None:
                 return None
             db.execute(for_sqlite(_DUE_AT), (now + int(hold_seconds * 1000), row[0]))
-            return DueWebhook(*row, db.execute(for_sqlite(_ATTEMPT_COUNT), (row[0],)).fetchone()[0])
+            attempts = db.execute(for_sqlite(_ATTEMPT_COUNT), (row[0],)).fetchone()[0]
+            return DueWebhook(*row, attempts=attempts)  # type: ignore[misc]  # mypy cannot count a starred _DUE row
 
         return await self._worker.write(claim)
 
@@ -94,7 +95,7 @@ class PostgresWebhooks:
                 return None
             await db.execute(_DUE_AT, now + int(hold_seconds * 1000), row["batch_id"])
             attempts = await db.fetchval(_ATTEMPT_COUNT, row["batch_id"])
-        return DueWebhook(*row, attempts)
+        return DueWebhook(*row, attempts=attempts)  # type: ignore[misc]  # mypy cannot count a starred _DUE row
 
     async def record_webhook_attempt(
         self, batch_id: str, http_status: int, error: str, *, delivered: bool, retry_at_ms: int | None

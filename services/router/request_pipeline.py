@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 
@@ -133,8 +134,8 @@ class RequestPipeline:
         self,
         replicas: ReplicaSet,
         prompts: PromptBuilder,
-        tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub,
-        cache: cache_pb2_grpc.CacheIndexServiceStub,
+        tokenizer: tokenizer_pb2_grpc.TokenizerServiceAsyncStub,
+        cache: cache_pb2_grpc.CacheIndexServiceAsyncStub,
         usage: UsageRecorder,
         policy: PlacementPolicy,
         cache_timeout_seconds: float,
@@ -166,7 +167,7 @@ class RequestPipeline:
         priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE,
         *,
         stream: bool = True,
-    ) -> Generation:
+    ) -> Generation | ChoiceGroup:
         arrived = time.monotonic()
         with _counting_failures():
             validate_chat(request)
@@ -200,7 +201,7 @@ class RequestPipeline:
         priority: common_pb2.Priority.ValueType = common_pb2.PRIORITY_INTERACTIVE,
         *,
         stream: bool = True,
-    ) -> Generation:
+    ) -> Generation | ChoiceGroup:
         arrived = time.monotonic()
         with _counting_failures():
             validate_completion(request)
@@ -499,6 +500,8 @@ class RequestPipeline:
         if first is grpc.aio.EOF:
             replica.leave(request.priority)
             raise Unavailable("the engine ended the request without an answer; retry")
+        # types-grpcio types read() as EOF's type (object) or the response: `is EOF` cannot narrow it.
+        first = cast(engine_pb2.GenerateResponse, first)
         return Generation(self, request, replica, placement, call, first, detokenizer)
 
 
@@ -668,7 +671,7 @@ class Generation:
         if response is grpc.aio.EOF:
             self._engine_done = True
             raise Unavailable("the engine ended the stream before the request finished; retry")
-        return response
+        return cast(engine_pb2.GenerateResponse, response)  # see _open: `is EOF` does not narrow
 
     async def _last_chunk(
         self,

@@ -142,5 +142,6 @@ def _owned(
 ) -> Generation | ChoiceGroup:
     # Whatever way the call ends (finished, failed, client gone while we were idle),
     # the generation is closed: the engine request aborted if still running, usage recorded.
-    context.add_done_callback(lambda _context: generation.close())
+    # types-grpcio declares the callback type a class, not a Protocol, so no function matches it.
+    context.add_done_callback(lambda _context: generation.close())  # type: ignore[arg-type]
     return generation

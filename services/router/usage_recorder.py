@@ -34,7 +34,7 @@ _FIRST_BACKOFF_SECONDS = 0.2
 class UsageRecorder:
     def __init__(
         self,
-        stub: usage_pb2_grpc.UsageServiceStub,
+        stub: usage_pb2_grpc.UsageServiceAsyncStub,
         timeout_seconds: float,
         *,
         flush_seconds: float = 0.02,

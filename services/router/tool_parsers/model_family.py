@@ -59,7 +59,9 @@ def family_of(info: tokenizer_pb2.ModelInfo) -> ModelFamily:
 class ModelFamilies:
     """Each model's family, asked of the tokenizer service once."""
 
-    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub, timeout_seconds: float) -> None:
+    def __init__(
+        self, tokenizer: tokenizer_pb2_grpc.TokenizerServiceAsyncStub, timeout_seconds: float
+    ) -> None:
         self._tokenizer = tokenizer
         self._timeout = timeout_seconds
         self._families = FetchedOnce(self._fetch)
