@@ -174,7 +174,9 @@ def metrics_urls(services: list[PlannedService]) -> str:
 def _grpc_healthy(port: int) -> bool:
     try:
         with blocking_channel(f"{LOOPBACK}:{port}", TlsSettings()) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            # types-grpcio-health-checking declares HealthStub without its methods.
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)  # type: ignore[attr-defined]
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False

@@ -154,7 +154,9 @@ def chat_body(body: anthropic.MessagesInput) -> schemas.ChatCompletionBody:
 def _system(system: str | list[anthropic.TextBlock] | None) -> list[schemas.ChatMessage]:
     if system is None or system == []:
         return []
-    content = system if isinstance(system, str) else [_text(block) for block in system]
+    content: str | list[schemas.TextPart | schemas.ImagePart] = (
+        system if isinstance(system, str) else [_text(block) for block in system]
+    )
     return [schemas.ChatMessage(role="system", content=content)]
 
 
@@ -198,7 +200,9 @@ def _user_layout(blocks: list[Any]) -> tuple[list[schemas.ChatMessage], list[int
 
 
 def _assistant(blocks: list[Any]) -> schemas.ChatMessage:
-    parts = [_text(b) for b in blocks if isinstance(b, anthropic.TextBlock)]
+    parts: list[schemas.TextPart | schemas.ImagePart] = [
+        _text(b) for b in blocks if isinstance(b, anthropic.TextBlock)
+    ]
     calls = [
         schemas.ToolCall(
             id=block.id,

@@ -8,7 +8,7 @@ and usage split its way. It is billed by the same ledger under its ``msg_`` id.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,7 +31,7 @@ log = get_logger(__name__)
 
 api = APIRouter(responses=ANTHROPIC_ERROR_RESPONSES)
 
-_SSE = {
+_SSE: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/MessageStreamEventOut"}}}
     }

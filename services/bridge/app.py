@@ -216,19 +216,19 @@ def _route(request: Request) -> str:
 
 api = APIRouter(responses=ERROR_RESPONSES)
 
-_CHAT_SSE = {
+_CHAT_SSE: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {
             "text/event-stream": {"schema": {"$ref": "#/components/schemas/ChatCompletionChunkResponse"}}
         }
     }
 }
-_TEXT_SSE = {
+_TEXT_SSE: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/TextCompletionResponse"}}}
     }
 }
-_WORKERS_SSE = {
+_WORKERS_SSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/WorkersAIStreamEvent"}}}}
 }
 

@@ -56,7 +56,8 @@ def parse_input_file(
         custom_id = ""
         try:
             parsed = _json_line(raw)
-            custom_id = parsed.get("custom_id") if isinstance(parsed.get("custom_id"), str) else ""
+            named = parsed.get("custom_id")
+            custom_id = named if isinstance(named, str) else ""
             lines.append(_batch_line(parsed, endpoint, number))
         except LineRefused as refusal:
             error = router_pb2.BatchLineError(code=_INVALID, message=f"line {number}: {refusal}", line=number)

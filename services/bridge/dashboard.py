@@ -151,7 +151,7 @@ async def _batches(request: Request, backends: BackendsDep, caller: Caller) -> l
     return found
 
 
-def _status_name(status: int) -> str:
+def _status_name(status: router_pb2.OpenAIBatchStatus.ValueType) -> str:
     return router_pb2.OpenAIBatchStatus.Name(status).removeprefix("OPEN_AI_BATCH_STATUS_").lower()
 
 

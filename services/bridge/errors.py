@@ -11,6 +11,7 @@ picks by path). Nothing else in the bridge builds error JSON.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,7 +216,7 @@ def validation_error(error: RequestValidationError) -> BridgeError:
     return BridgeError(400, text, param=param, code="invalid_value")
 
 
-def field_path(loc: tuple[Any, ...] | list[Any], body: Any = None, missing: bool = False) -> str | None:
+def field_path(loc: Sequence[Any], body: Any = None, missing: bool = False) -> str | None:
     """``("body", "messages", 2, "content", "str")`` -> ``messages[2].content``.
 
     Pydantic puts the name of the union member it tried into ``loc`` ("str",

@@ -14,7 +14,7 @@ id, so it lands on the replica that holds that prefix's KV.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request
@@ -39,7 +39,7 @@ log = get_logger(__name__)
 
 api = APIRouter(responses=ERROR_RESPONSES)
 
-_SSE = {
+_SSE: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/ResponseStreamEventOut"}}}
     }
@@ -146,7 +146,7 @@ async def _call(method: Any, message: Any, caller: Caller) -> Any:
 
 
 async def _stored_first(
-    events: AsyncIterator[Any], finished: list[responses_convert.Json], keep: Keep, dialect: SSEDialect
+    events: AsyncIterable[Any], finished: list[responses_convert.Json], keep: Keep, dialect: SSEDialect
 ) -> AsyncIterator[Any]:
     """The stream's events, with the finished response stored before the first event of its last
     chunk (so before ``response.completed``): a client that reads that event and asks ``GET``

@@ -105,7 +105,9 @@ class ResponseStream:
 
     def _delta(self, kind: str, delta: str, **extra: Any) -> Json:
         self._text += delta
-        index = {} if kind == "response.function_call_arguments.delta" else {"content_index": 0}
+        index: dict[str, Any] = (
+            {} if kind == "response.function_call_arguments.delta" else {"content_index": 0}
+        )
         return self._item_event(kind, **index, delta=delta, **extra)
 
     def _close(self, status: str = "completed") -> list[Json]:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -68,6 +68,7 @@ class TokenizerModel:
         """Load the tokenizer files of ``path`` (config.json, tokenizer.json or tiktoken.model,
         tokenizer_config.json)."""
         tiktoken = has_tiktoken_files(Path(path))
+        tokenizer: PreTrainedTokenizerBase
         if tiktoken:
             tokenizer = load_tiktoken_tokenizer(Path(path))
         else:
@@ -94,7 +95,8 @@ class TokenizerModel:
         return len(self.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
-        return self._tokenizer.decode(
+        # One sequence of ids decodes to one str; transformers types the batch case's list too.
+        return self._tokenizer.decode(  # type: ignore[return-value]
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
@@ -159,14 +161,16 @@ class TokenizerModel:
         # different one when no tools are offered.
         generic_tools = not template_supports_tools(source)
 
+        # With tokenize=False the template renders a str; transformers' overloads cannot tell
+        # through **flags, so the call is typed by what it returns here.
+        apply_template = cast(Callable[..., str], self._tokenizer.apply_chat_template)
+
         def render(conversation: list[dict[str, Any]], **flags: bool) -> str:
             if generic_tools:
-                return self._tokenizer.apply_chat_template(
+                return apply_template(
                     rewrite_for_generic_tools(conversation, tools), tokenize=False, **flags, **variables
                 )
-            return self._tokenizer.apply_chat_template(
-                conversation, tools=tools or None, tokenize=False, **flags, **variables
-            )
+            return apply_template(conversation, tools=tools or None, tokenize=False, **flags, **variables)
 
         try:
             prompt = render(

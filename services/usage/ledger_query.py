@@ -55,7 +55,9 @@ def query_sql(
 def totals(group_by: tuple[GroupField, ...], row: tuple[Any, ...]) -> UsageTotals:
     """One result row as totals; sums come back as ``int`` whatever numeric type the driver chose."""
     keys = {_TOTALS_KEY_FIELD[field]: value for field, value in zip(group_by, row, strict=False)}
-    sums = {name: int(value) for name, value in zip(_SUM_FIELDS, row[len(group_by) :], strict=True)}
+    sums: dict[str, Any] = {
+        name: int(value) for name, value in zip(_SUM_FIELDS, row[len(group_by) :], strict=True)
+    }
     return UsageTotals(**keys, **sums)
 
 

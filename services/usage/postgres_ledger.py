@@ -138,6 +138,7 @@ class PostgresLedger:
             " FROM usage_records WHERE request_id = $1",
             entry.request_id,
         )
+        assert stored is not None, "the insert conflicted with this row, so it is there"
         seen = (
             entry.account_id,
             entry.model,
