@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from cachet.engine.block_pool import KvEvent
@@ -42,7 +42,8 @@ log = get_logger(__name__)
 class CoreHost(Protocol):
     """Where the engine loop runs (``core_thread.ThreadHost``, ``core_process.ProcessHost``)."""
 
-    description: EngineDescription
+    @property
+    def description(self) -> EngineDescription: ...
 
     def start(self, deliver: Callable[[Message], None], failed: Callable[[BaseException], None]) -> None:
         """Run the loop; ``deliver`` gets its messages in order and ``failed`` its death, both
@@ -176,7 +177,7 @@ class AsyncEngine:
 
     async def generate(
         self, request: Request, *, grammar_spec: GrammarSpec | None = None, first_and_final: bool = False
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request until its terminal one; leaving early aborts it.
 
         ``first_and_final``: only the first output and then one with every later token."""

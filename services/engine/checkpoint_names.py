@@ -67,11 +67,11 @@ def group_checkpoint_names(names: Iterable[str], config: ModelConfig) -> Checkpo
             continue
         base, role = _split_role(stored[len(config.checkpoint_prefix) :], roles)
         parts.setdefault(base, {})[role] = stored
-    for base, roles in parts.items():
-        tensor = _stored_tensor(base, roles, config)
+    for base, by_role in parts.items():
+        tensor = _stored_tensor(base, by_role, config)
         if tensor is None or tensor.name in grouped.tensors:
             # A part without its partners, or a weight stored both plain and quantized.
-            grouped.unexpected.extend(sorted(roles.values()))
+            grouped.unexpected.extend(sorted(by_role.values()))
         else:
             grouped.tensors[tensor.name] = tensor
     return grouped

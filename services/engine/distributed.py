@@ -118,7 +118,7 @@ def prepare_local_group(world_size: int) -> None:
 def spawn_followers(world_size: int, target: Callable[..., None], *args: Any) -> list[BaseProcess]:
     """Start ranks 1..world_size-1 as ``target(rank, *args)`` in spawned processes."""
     context = multiprocessing.get_context("spawn")
-    followers = []
+    followers: list[BaseProcess] = []
     for rank in range(1, world_size):
         process = context.Process(
             target=_follower_bootstrap,
@@ -343,7 +343,7 @@ def follow(runner: ModelRunner, tp: TensorParallel) -> None:
             runner.forward_only(message.plan)
 
 
-def watch_followers(followers: list[BaseProcess], on_lost: Callable[[str], None]) -> Callable[[], None]:
+def watch_followers(followers: list[BaseProcess], on_lost: Callable[[str], object]) -> Callable[[], None]:
     """Call ``on_lost(reason)`` (on a watchdog thread) when any follower exits unplanned.
 
     Returns a disarm function for a planned shutdown, when followers exit on purpose.

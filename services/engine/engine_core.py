@@ -7,7 +7,7 @@ the caller serialises ``add_request``, ``abort`` and ``step``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -237,7 +237,7 @@ class EngineCore:
             self.scheduler.check_invariants()
         self._busy = busy
 
-    def _decode(self, token_ids: list[int]) -> str:
+    def _decode(self, token_ids: Sequence[int]) -> str:
         assert self.tokenizer is not None
         return self.tokenizer.decode(token_ids)
 

@@ -74,7 +74,7 @@ class RankGroup:
             self.runner.close()
         distributed.stop_followers(self.followers)
 
-    def watch_followers(self, report: Callable[[str], None]) -> Callable[[], None]:
+    def watch_followers(self, report: Callable[[str], object]) -> Callable[[], None]:
         """``report`` (from a watcher thread) says why, when a follower dies; returns the disarm."""
         return distributed.watch_followers(self.followers, report)
 
@@ -166,11 +166,12 @@ def build_core_loop(
     settings: EngineSettings, group: RankGroup | None = None
 ) -> tuple[CoreLoop, EngineDescription]:
     """Model, KV pool, scheduler: the engine loop (not running), and what the server needs of it."""
-    runner, model, dtype, device = build_runner(settings, group.tp if group else None)
+    local_runner, model, dtype, device = build_runner(settings, group.tp if group else None)
+    runner: ModelRunner | distributed.ShardedRunner = local_runner
     expert_parallel_size = runner.expert_parallel_size
     if group is not None:
         # Same attributes as the local runner; each step also goes out to the followers.
-        runner = group.wrap(runner)
+        runner = group.wrap(local_runner)
     log.info(
         "model loaded",
         kv_blocks=runner.num_kv_blocks,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cachet.config import EngineSettings
 from cachet.engine.async_engine import AsyncEngine, CoreHost
@@ -150,7 +150,8 @@ async def _replica_lost(group: RankGroup | None, engine: AsyncEngine) -> str:
     engine_failed = asyncio.ensure_future(engine.wait_failed())
     lost = False
     try:
-        await asyncio.wait({follower_lost, engine_failed}, return_when=asyncio.FIRST_COMPLETED)
+        watched: set[asyncio.Future[Any]] = {follower_lost, engine_failed}
+        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         lost = True
         if engine_failed.done():
             return f"engine loop failed: {engine_failed.result()}"

@@ -20,13 +20,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import llguidance
 from tokenizers import Tokenizer
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.errors import InvalidRequest
+
+if TYPE_CHECKING:  # a TypedDict of the stubs only; llguidance does not export it
+    from llguidance._lib import JsonCompileOptions
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
 
@@ -36,7 +39,7 @@ GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
 # where their alternatives rarely overlap, and the router checks the finished answer against the
 # whole schema (cachet.router.answer_check), so an answer matching two alternatives is an error
 # the caller sees, never passed off as valid.
-_JSON_OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}
 # The warning llguidance gives for that approximation: no reason to refuse a strict schema, as
 # the answer is checked afterwards.
 _ONE_OF_WARNING = "oneOf not fully supported"
@@ -66,7 +69,7 @@ class GrammarSpec:
 def grammar_spec_from_proto(response_format: common_pb2.ResponseFormat) -> GrammarSpec | None:
     """The proto oneof -> a spec; None for free text. InvalidRequest for what is wrong on its face."""
     which = response_format.WhichOneof("format")
-    if which in (None, "text"):
+    if which is None or which == "text":
         return None
     if which == "json_object":
         return GrammarSpec("json_object", _ANY_OBJECT_SCHEMA)

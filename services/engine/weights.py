@@ -93,10 +93,12 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config)(config, tp)
     model = model.to(dtype=dtype)
+    # The decoders' own methods: nn.Module's __getattr__ types any attribute it does not know as
+    # Tensor | Module, hence the ignores.
     if hasattr(model, "keep_fp32_"):
-        model.keep_fp32_()  # parameters whose precision decides behaviour (MoE routing biases)
+        model.keep_fp32_()  # type: ignore[operator]  # parameters whose precision decides behaviour (MoE routing biases)
     model = model.to_empty(device=device)
-    model.tie_weights()
+    model.tie_weights()  # type: ignore[operator]
     load_weights(model, model_dir)
     for module in model.modules():
         if isinstance(module, Int4Linear):
@@ -120,7 +122,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 f"missing {_summary(plan.missing)}, unexpected {_summary(plan.unexpected)}"
             )
         for fill in plan.fills:
-            target = params[fill.param]
+            target: torch.Tensor = params[fill.param]
             if fill.rows is not None:
                 target = target.narrow(0, fill.rows[0], fill.rows[1] - fill.rows[0])
             _copy(target, store.read(fill.stored, config, fill.part), fill.stored.name)
@@ -157,7 +159,9 @@ def plan_load(model: nn.Module, names: CheckpointNames) -> LoadPlan:
     stacked = stacked_checkpoint_parts(model)
     merged = {param for param, _, _ in stacked.values()}
     aliases: dict[str, str] = (
-        model.tied_parameter_aliases() if hasattr(model, "tied_parameter_aliases") else {}
+        model.tied_parameter_aliases()  # type: ignore[operator]  # see load_model's ignores
+        if hasattr(model, "tied_parameter_aliases")
+        else {}
     )
     # Tensors the model leaves out on purpose (another rank's experts, extra prediction heads).
     skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
@@ -169,9 +173,9 @@ def plan_load(model: nn.Module, names: CheckpointNames) -> LoadPlan:
         if stored.format == PACKED_INT and name not in params and _kept_packed(name, params):
             # The layer keeps the checkpoint's form (``Int4Linear``): each part fills its namesake.
             base = name.removesuffix("weight")
-            for role, part in stored.parts.items():
+            for role, part_name in stored.parts.items():
                 plan.fills.append(
-                    Fill(StoredTensor(base + role, PLAIN, {"weight": part}), base + role, None, None)
+                    Fill(StoredTensor(base + role, PLAIN, {"weight": part_name}), base + role, None, None)
                 )
                 filled.add(base + role)
             continue
