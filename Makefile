@@ -92,6 +92,15 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -p no:cacheprovider tests/libs/test_import_layers.py
+	@# mypy does not run the editable install's import hook, which is what maps `cachet` to
+	@# libs/ and `cachet.<service>` to services/<service>/: the same tree is laid out as
+	@# symlinks under build/mypy (mypy_path in pyproject), anew each run so that new files are
+	@# in it. Its errors name files by that tree: build/mypy/cachet/engine/ is services/engine/.
+	@rm -rf build/mypy && mkdir -p build/mypy/cachet
+	@ln -s $(CURDIR)/libs/* build/mypy/cachet/
+	@for service in services/*/; do ln -s $(CURDIR)/$$service build/mypy/cachet/$$(basename $$service); done
+	@ln -s $(CURDIR)/tools build/mypy/cachet/tools
+	$(PY) -m mypy -p cachet
 
 clean:
 	rm -rf $(STAMPS) build *.egg-info
