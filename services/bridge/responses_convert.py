@@ -106,10 +106,9 @@ def messages(items: list[responses.InputItem]) -> list[schemas.ChatMessage]:
         elif isinstance(item, responses.MessageItem) and item.role == "assistant":
             if turn.text or turn.calls:
                 turn.flush(out)
-            # BUG, left as found: an assistant item whose content is a plain string is extended
-            # character by character, and ChatMessage then refuses the list of characters. The fix
-            # changes behaviour, so it is its owner's call (issue 32, item 6's report).
-            turn.text.extend(_parts(item.content))  # type: ignore[arg-type]
+            parts = _parts(item.content)
+            # A plain string is one text part (extending by it would add it character by character).
+            turn.text.extend([schemas.TextPart(type="text", text=parts)] if isinstance(parts, str) else parts)
         else:
             turn.flush(out)
             out.append(_message(item))

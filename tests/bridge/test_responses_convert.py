@@ -79,6 +79,25 @@ def test_items_become_the_chat_request_the_chat_path_sends() -> None:
     assert message == expected
 
 
+def test_an_assistant_item_of_plain_text_is_one_text_part() -> None:
+    # An easy input message may carry a string as its content; it once went in character by
+    # character, which the chat schema refused.
+    request = body(input=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}])
+    message = responses_convert.responses_request_to_proto(
+        request, responses_convert.input_items(request), "resp_1", "s1"
+    )
+    chat = schemas.ChatCompletionBody(
+        model="m",
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+        ],
+    )
+    expected = convert.chat_request_to_proto(chat)
+    expected.request_id, expected.session_id = "resp_1", "s1"
+    assert message == expected
+
+
 def test_text_format_and_tool_choice_take_the_chat_path() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     request = body(
