@@ -120,11 +120,7 @@ async def test_a_streams_first_chunk_goes_out_with_its_first_token_before_any_te
     async def stream_of(request) -> list[router_pb2.ChatCompletionChunk]:
         return [chunk async for chunk in rpc(request, timeout=TIMEOUT)]
 
-    # Three runs of one prompt, so the two compared both find it cached and compute alike. One
-    # session keeps them on one replica: placed by load, the second run could land cold on the
-    # other one before the cache index heard of the first, and cold and cached prefills of the
-    # random model may pick different first tokens.
-    request.session_id = f"first-chunk-{uuid.uuid4().hex}"
+    # Three runs of one prompt, so the two compared both find it cached and compute alike.
     await stream_of(request)
     # With logprobs every token makes a chunk: the first chunk's text is the first token's.
     request.sampling.logprobs = True
