@@ -45,11 +45,12 @@ from cachet.bridge.middleware import (
     keep_rate_limits,
 )
 from cachet.bridge.responses_schemas import ResponseStreamEventOut
-from cachet.bridge.settings import BridgeServiceSettings, is_loopback
+from cachet.bridge.settings import BridgeServiceSettings
 from cachet.config import BridgeSettings
 from cachet.grpc_channel import create_channel
 from cachet.logs import get_logger
 from cachet.router.v1 import router_pb2, router_pb2_grpc
+from cachet.tls import is_loopback
 from cachet.tokenizer.v1 import tokenizer_pb2_grpc
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 

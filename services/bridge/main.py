@@ -5,10 +5,10 @@ from __future__ import annotations
 import uvicorn
 
 from cachet.bridge.app import create_app
-from cachet.bridge.settings import BridgeServiceSettings, is_loopback
+from cachet.bridge.settings import BridgeServiceSettings
 from cachet.logs import configure_logging, get_logger
 from cachet.startup_heap import freeze_startup_heap
-from cachet.tls import check_listener, uvicorn_options
+from cachet.tls import check_listener, is_loopback, uvicorn_options
 from cachet.tracing import configure_tracing
 
 log = get_logger(__name__)

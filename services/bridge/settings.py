@@ -7,8 +7,6 @@ and ``CACHET_BRIDGE_MAX_BODY_BYTES`` read like every other bridge variable.
 
 from __future__ import annotations
 
-import ipaddress
-
 from pydantic import Field
 
 from cachet.config import LOOPBACK, BridgeSettings
@@ -43,12 +41,3 @@ class BridgeServiceSettings(BridgeSettings):
         if isinstance(settings, cls):
             return settings
         return cls(**settings.model_dump())
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
-
 import grpc
 
 from cachet.cache.followers import Followers
@@ -11,6 +9,7 @@ from cachet.cache.prefix_index import PrefixIndex
 from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.errors import InvalidArgument
 from cachet.grpc_server import Registrar
+from cachet.tls import is_loopback
 
 
 def parse_loopback_address(address: str) -> str:
@@ -28,13 +27,8 @@ def parse_loopback_address(address: str) -> str:
     well_formed = separator and (bracketed or ":" not in host) and port.isascii() and port.isdigit()
     if not well_formed or not 0 < int(port) < 65536:
         raise InvalidArgument(f"engine address must be host:port, got {address!r}", param="address")
-    if host != "localhost":
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise InvalidArgument(f"engine address must be on loopback, got {address!r}", param="address")
+    if not is_loopback(host):
+        raise InvalidArgument(f"engine address must be on loopback, got {address!r}", param="address")
     return address
 
 
