@@ -116,6 +116,10 @@ class EngineSettings(ServiceSettings):
     kv_shared_dir: Path | None = Field(default=None, validation_alias=_shared("CACHET_KV_SHARED_DIR"))
     # Its size budget, for this model and layout's folder (least recently used files go first).
     kv_shared_gb: float = Field(default=20, gt=0, validation_alias=_shared("CACHET_KV_SHARED_GB"))
+    # Disaggregated prefill (docs/ARCHITECTURE.md): "prefill" replicas compute the prompts the
+    # router sends them and hand their KV to "decode" replicas through the shared KV tier;
+    # "mixed" serves whole requests. A role other than mixed needs the shared tier.
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     # Unset: cachet.engine_layout's default for the device (512 on a CPU, 2,048 on a GPU).
@@ -161,6 +165,22 @@ class EngineSettings(ServiceSettings):
     generation_defaults: bool = True
     # Prometheus /metrics over HTTP on this port (docs/ARCHITECTURE.md, "Ports"); 0: none.
     metrics_port: int = Field(default=9061, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _role_has_its_transport(self) -> EngineSettings:
+        if self.role == "mixed":
+            return self
+        if self.kv_shared_dir is None or not self.kv_host_gb:
+            raise ValueError(
+                f"CACHET_ENGINE_ROLE={self.role} hands KV over through the shared KV tier: set "
+                "CACHET_KV_SHARED_DIR (a folder both replicas see) and CACHET_KV_HOST_GB"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"CACHET_ENGINE_ROLE={self.role} needs the shared KV tier, which a tensor-parallel "
+                "replica does not have yet: use CACHET_TP=1"
+            )
+        return self
 
     @property
     def max_batch_running(self) -> int:

@@ -19,6 +19,7 @@ from cachet.engine.errors import InvalidRequest
 from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar, StepMasks
 from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.kv_cache_manager import KVCacheManager
+from cachet.engine.kv_handoff import KvHandOffs
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.request_output import RequestOutput
 from cachet.engine.sampling_params import InvalidSamplingParams
@@ -68,6 +69,8 @@ class EngineCore:
     _stop_checkers: dict[str, StopStringChecker] = field(init=False, default_factory=dict)
     _pending: list[RequestOutput] = field(init=False, default_factory=list)
     _busy: bool = field(init=False, default=False)
+    # Disaggregated prefill: answers held until their KV is in the shared tier (kv_handoff).
+    _handoffs: KvHandOffs | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
@@ -83,6 +86,7 @@ class EngineCore:
         self.scheduler = Scheduler(kv, self.scheduler_config)
         if kv.shared_tier is not None:
             kv.shared_tier.on_events = self._wake
+            self._handoffs = KvHandOffs(kv.shared_tier, self._wake)
         if self.grammar_compiler is not None:
             self._masks = MaskBuilder(self.grammar_compiler.vocab_size)
 
@@ -98,6 +102,10 @@ class EngineCore:
             raise InvalidRequest("stop strings need the engine to have a tokenizer")
         if request.grammar is not None and self._masks is None:
             raise InvalidRequest("response_format needs the engine to have a tokenizer")
+        if request.hand_off_kv and self._handoffs is None:
+            raise InvalidRequest("hand_off_kv needs the shared KV tier (CACHET_KV_SHARED_DIR) on this replica")
+        if request.prefilled_elsewhere:
+            self._check_prefilled(request)
         self.scheduler.add_request(request)
         prefetch = self.scheduler.kv.start_prefetch(request)
         if prefetch is not None and self.wake is not None:
@@ -108,9 +116,27 @@ class EngineCore:
             if self.wake is not None:
                 request.grammar.on_ready(self.wake)
         if request.sampling.stop:
-            self._stop_checkers[request.request_id] = StopStringChecker(
+            checker = StopStringChecker(
                 request.sampling.stop, self._decode, request.prompt_token_ids[-_STOP_CONTEXT_TOKENS:]
             )
+            for token_id in request.output_token_ids:
+                checker.append(token_id)  # the prefill replica's token: it matched no stop there
+            self._stop_checkers[request.request_id] = checker
+        if request.prefilled_elsewhere:
+            # The caller's first token is already known: it goes out now, before the prompt's
+            # KV is even loaded.
+            self._pending.append(self._output(request, [SampledToken(request.output_token_ids[0])]))
+
+    @staticmethod
+    def _check_prefilled(request: Request) -> None:
+        if len(request.output_token_ids) != 1:
+            raise InvalidRequest("a request prefilled elsewhere carries exactly its first token")
+        if request.grammar is not None:
+            raise InvalidRequest("response_format cannot continue a token sampled on another replica")
+        if request.sampling.logprobs:
+            raise InvalidRequest("logprobs cannot be reported for a token sampled on another replica")
+        if request.max_tokens < 2:
+            raise InvalidRequest("a request prefilled elsewhere must leave max_tokens for decoding")
 
     def abort(self, request_id: str) -> None:
         """Abort now (blocks freed at once); its final output comes with the next step. RequestNotFound if unknown."""
@@ -120,7 +146,7 @@ class EngineCore:
         self._pending.append(self._output(request, []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._handoffs)
 
     def has_work_now(self) -> bool:
         """Whether ``step()`` would do anything: not when every live request awaits its grammar."""
@@ -132,6 +158,7 @@ class EngineCore:
             or self.scheduler.kv.has_pending_events
             # A failed grammar is never ready, but its refusal is work: the next step sends it.
             or any(r.grammar is not None and r.grammar.error is not None for r in self._compiling.values())
+            or (self._handoffs is not None and self._handoffs.has_work_now)
         )
 
     # -------------------------------------------------------------------- step
@@ -144,6 +171,8 @@ class EngineCore:
         self._reap_failed_grammars()
         plan = self.scheduler.schedule()
         result = StepResult() if plan.is_empty else self._execute(plan)
+        if self._handoffs is not None:
+            self._handoffs.after_execute()
         outputs = self._postprocess(plan, result)
         self._check_when_idle()
         return outputs
@@ -192,10 +221,16 @@ class EngineCore:
         matched_stops = self._advance_grammars(result) | self._match_stop_strings(result)
         updates = self.scheduler.update_from_step(plan, result, matched_stops)
         outputs, self._pending = self._pending, []
+        if self._handoffs is not None:
+            outputs += self._handoffs.take_released()
         for update in updates:
-            outputs.append(self._output(update.request, [update.sampled]))
+            output = self._output(update.request, [update.sampled])
             if update.request.is_finished:
                 self._stop_checkers.pop(update.request.request_id, None)
+                if update.request.hand_off_kv and self._handoffs is not None:
+                    self._handoffs.hold(output)
+                    continue
+            outputs.append(output)
         self._publish_kv_events()
         return outputs
 

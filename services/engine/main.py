@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # model code: imported only where this process runs the model
 log = get_logger(__name__)
 
 
-def engine_info(engine: AsyncEngine, group: RankGroup | None) -> engine_pb2.EngineInfo:
+def engine_info(engine: AsyncEngine, group: RankGroup | None, role: str = "mixed") -> engine_pb2.EngineInfo:
     description = engine.description
     return engine_pb2.EngineInfo(
         replica_id=engine.replica_id,
@@ -41,6 +41,7 @@ def engine_info(engine: AsyncEngine, group: RankGroup | None) -> engine_pb2.Engi
         tensor_parallel_size=group.tp.size if group else 1,
         expert_parallel_size=description.expert_parallel_size,
         device=description.device,
+        role=role,
     )
 
 
@@ -64,7 +65,7 @@ async def start(
     metrics = EngineMetrics(engine)
     engine.start()
     metrics.loop_lag.start()
-    servicer = EngineServicer(engine, engine_info(engine, group), settings.load_report_interval_ms)
+    servicer = EngineServicer(engine, engine_info(engine, group, settings.role), settings.load_report_interval_ms)
     running = await create_server(
         settings,
         [lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)],

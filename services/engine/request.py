@@ -72,6 +72,11 @@ class Request:
     kv_prefetch: Future[list[tuple[int, Any]]] | None = None
     # How long its KV is kept in preference to other KV once it leaves the pool (kv_retention).
     retention: tuple[KvRetention, ...] = ()
+    # Disaggregated prefill. On a prefill replica: its last answer waits until its prompt's KV
+    # is in the shared tier (kv_handoff). On a decode replica: another replica computed its
+    # prompt and sampled ``output_token_ids[0]``; its KV comes from the shared tier.
+    hand_off_kv: bool = False
+    prefilled_elsewhere: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -120,6 +121,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             cache_salt=request.cache_salt,
             arrival_time=time.monotonic(),
             retention=_retention(request.kv_retention),
+            hand_off_kv=request.hand_off_kv,
+            **_prefilled(request),
         )
 
     def _load_report(self) -> engine_pb2.LoadReport:
@@ -141,7 +144,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             decode_tokens_per_second=decode_rate,
             prefill_tokens_per_second=prefill_rate,
             timestamp_ms=int(time.time() * 1000),
+            role=self._info.role,
         )
+
+
+def _prefilled(request: engine_pb2.GenerateRequest) -> dict[str, Any]:
+    """A decode replica's start on a prompt another replica prefilled: its first token, and the
+    cached tokens that replica reused (what usage bills as cached)."""
+    if not request.HasField("prefilled"):
+        return {}
+    if request.hand_off_kv:
+        raise InvalidRequest("a request is either prefilled elsewhere or hands its KV off, not both")
+    prefilled = request.prefilled
+    return {
+        "output_token_ids": [prefilled.first_token_id],
+        "num_cached_tokens": min(prefilled.cached_tokens, len(request.prompt_token_ids)),
+        "prefilled_elsewhere": True,
+    }
 
 
 def _retention(spans: Sequence[engine_pb2.KvRetention]) -> tuple[KvRetention, ...]:

@@ -322,9 +322,13 @@ class SharedKvFiles:
                 if (block_hash := _block_hash_of(path)) is not None:
                     self._knew(block_hash, False)
 
+    def after_queued_work(self) -> Future[None]:
+        """Done once every read and write queued so far is (the worker runs them in order)."""
+        return self._worker.submit(lambda: None)
+
     def drain(self) -> None:
         """Wait for every queued read and write (tests, shutdown)."""
-        self._worker.submit(lambda: None).result()
+        self.after_queued_work().result()
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

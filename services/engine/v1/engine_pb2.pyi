@@ -93,6 +93,8 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     OUTPUT_KIND_FIELD_NUMBER: _builtins.int
     KV_RETENTION_FIELD_NUMBER: _builtins.int
+    HAND_OFF_KV_FIELD_NUMBER: _builtins.int
+    PREFILLED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen unique id; the same id is used for abort and usage."""
     model: _builtins.str
@@ -103,6 +105,11 @@ class GenerateRequest(_message.Message):
     """Extra seed of the prefix block hash, isolating caches (e.g. per tenant)."""
     output_kind: Global___OutputKind.ValueType
     """Which messages the stream carries."""
+    hand_off_kv: _builtins.bool
+    """Disaggregated prefill, on a prefill replica: the request's last message (its one sampled
+    token) is sent only once every full block of the prompt's KV is in the shared KV tier,
+    where the decode replica the router names loads it. Needs CACHET_KV_SHARED_DIR.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids (chat template already applied); at least one."""
@@ -122,6 +129,10 @@ class GenerateRequest(_message.Message):
         sessions); none: plain LRU. A block under several takes the longest.
         """
 
+    @_builtins.property
+    def prefilled(self) -> Global___PrefilledElsewhere:
+        """Disaggregated prefill, on a decode replica: another replica prefilled this prompt."""
+
     def __init__(
         self,
         *,
@@ -134,14 +145,51 @@ class GenerateRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         output_kind: Global___OutputKind.ValueType = ...,
         kv_retention: _abc.Iterable[Global___KvRetention] | None = ...,
+        hand_off_kv: _builtins.bool = ...,
+        prefilled: Global___PrefilledElsewhere | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefilled", b"prefilled", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "hand_off_kv", b"hand_off_kv", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "prefilled", b"prefilled", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class PrefilledElsewhere(_message.Message):
+    """What a decode replica is told of the prefill that ran elsewhere (docs/ARCHITECTURE.md,
+    "Disaggregated prefill"). The prompt's KV comes from the shared KV tier, where the prefill
+    replica wrote it before answering; a block that is not there (the prefill replica died, or
+    the folder's clean-up took it) is recomputed, so a lost hand-off costs time, never the
+    request.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    first_token_id: _builtins.int
+    """The token the prefill replica sampled: the stream's first message carries it at once,
+    and decoding continues after it (it counts toward max_tokens).
+    """
+    cached_tokens: _builtins.int
+    """Prompt tokens the prefill replica found cached: the request's cached tokens in usage
+    (the blocks this replica loads from the hand-off are not a cache hit of the caller's).
+    """
+    def __init__(
+        self,
+        *,
+        first_token_id: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "first_token_id", b"first_token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefilledElsewhere: _TypeAlias = PrefilledElsewhere  # noqa: Y015
 
 @_typing.final
 class KvRetention(_message.Message):
@@ -308,6 +356,7 @@ class LoadReport(_message.Message):
     RUNNING_BATCH_REQUESTS_FIELD_NUMBER: _builtins.int
     WAITING_BATCH_REQUESTS_FIELD_NUMBER: _builtins.int
     MAX_BATCH_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id (stable across reports, new after a restart)."""
     running_requests: _builtins.int
@@ -342,6 +391,8 @@ class LoadReport(_message.Message):
     """Batch work starts only while fewer requests than this run (0: no such limit); batch
     requests beyond it wait, ready for the next seat a batch request frees.
     """
+    role: _builtins.str
+    """"mixed", "prefill" or "decode" (EngineInfo.role)."""
     def __init__(
         self,
         *,
@@ -359,10 +410,11 @@ class LoadReport(_message.Message):
         running_batch_requests: _builtins.int = ...,
         waiting_batch_requests: _builtins.int = ...,
         max_batch_running_requests: _builtins.int = ...,
+        role: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "free_kv_blocks", b"free_kv_blocks", "max_batch_running_requests", b"max_batch_running_requests", "max_running_requests", b"max_running_requests", "max_waiting_requests", b"max_waiting_requests", "prefill_tokens_per_second", b"prefill_tokens_per_second", "replica_id", b"replica_id", "running_batch_requests", b"running_batch_requests", "running_requests", b"running_requests", "timestamp_ms", b"timestamp_ms", "total_kv_blocks", b"total_kv_blocks", "waiting_batch_requests", b"waiting_batch_requests", "waiting_interactive_requests", b"waiting_interactive_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "free_kv_blocks", b"free_kv_blocks", "max_batch_running_requests", b"max_batch_running_requests", "max_running_requests", b"max_running_requests", "max_waiting_requests", b"max_waiting_requests", "prefill_tokens_per_second", b"prefill_tokens_per_second", "replica_id", b"replica_id", "role", b"role", "running_batch_requests", b"running_batch_requests", "running_requests", b"running_requests", "timestamp_ms", b"timestamp_ms", "total_kv_blocks", b"total_kv_blocks", "waiting_batch_requests", b"waiting_batch_requests", "waiting_interactive_requests", b"waiting_interactive_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -574,6 +626,7 @@ class EngineInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     EXPERT_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id."""
     model: _builtins.str
@@ -592,6 +645,11 @@ class EngineInfo(_message.Message):
     """Expert-parallel ranks."""
     device: _builtins.str
     """"cpu" or "cuda"."""
+    role: _builtins.str
+    """Disaggregated prefill (CACHET_ENGINE_ROLE): "mixed" serves whole requests; "prefill"
+    computes prompts and hands their KV to decode replicas; "decode" takes requests whose
+    prompts were prefilled elsewhere, and whole requests when the router sends them.
+    """
     def __init__(
         self,
         *,
@@ -604,10 +662,11 @@ class EngineInfo(_message.Message):
         tensor_parallel_size: _builtins.int = ...,
         expert_parallel_size: _builtins.int = ...,
         device: _builtins.str = ...,
+        role: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "context_window", b"context_window", "device", b"device", "dtype", b"dtype", "expert_parallel_size", b"expert_parallel_size", "model", b"model", "replica_id", b"replica_id", "tensor_parallel_size", b"tensor_parallel_size", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "context_window", b"context_window", "device", b"device", "dtype", b"dtype", "expert_parallel_size", b"expert_parallel_size", "model", b"model", "replica_id", b"replica_id", "role", b"role", "tensor_parallel_size", b"tensor_parallel_size", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,157 @@
+"""Disaggregated prefill inside the engine: a prefill replica's answer waits for its KV to be in
+the shared tier; a decode replica starts from the prefill's first token and the shared tier's
+blocks, and decodes exactly what one replica computing everything would (fp32, greedy)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from test_host_kv_tier import greedy
+from test_shared_kv_tier import engine_with_shared_tier
+
+from cachet.config import EngineSettings
+from cachet.engine.engine_core import EngineCore
+from cachet.engine.errors import InvalidRequest
+from cachet.engine.model_runner import ModelRunner
+from cachet.engine.request import Request
+from cachet.engine.sampling_params import SamplingParams
+
+PROMPT = torch.randint(5, 200, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+FULL_BLOCKS = len(PROMPT) // 16  # 9: the blocks a hand-off writes (the last, partial one is recomputed)
+
+
+def _bytes_per_block(model_dir: Path) -> int:
+    return ModelRunner(
+        model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=64 << 20
+    )._kv_cache_bytes_per_block()
+
+
+def _block_files(engine: EngineCore) -> int:
+    return len(list(engine.runner.shared_kv.folder.glob("*.kv")))
+
+
+def _greedy_sampling(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _run(engine: EngineCore, request: Request) -> tuple[list[list[int]], int]:
+    """Every output's new tokens in order, and the cached tokens reported."""
+    engine.add_request(request)
+    outputs: list[list[int]] = []
+    cached = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs.append(list(output.new_token_ids))
+            cached = max(cached, output.num_cached_tokens)
+    return outputs, cached
+
+
+def _prefill(engine: EngineCore, request_id: str) -> int:
+    """Run a hand-off; return its token, checking its answer came only once its blocks were written."""
+    engine.add_request(Request(request_id, PROMPT, _greedy_sampling(1), max_tokens=1, hand_off_kv=True))
+    while True:
+        outputs = engine.step()
+        if outputs:
+            (output,) = outputs
+            assert output.status.is_finished
+            assert _block_files(engine) == FULL_BLOCKS
+            return output.new_token_ids[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "kimi-k2"])
+def test_a_decode_replica_continues_a_prefill_replicas_hand_off_as_one_replica_would(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    model_dir = tiny_checkpoints[family]
+    per_block = _bytes_per_block(model_dir)
+    mixed = engine_with_shared_tier(model_dir, tmp_path / "mixed", per_block, "cpu")
+    expected, _, _ = greedy(mixed, "whole", PROMPT, 8)
+
+    prefill = engine_with_shared_tier(model_dir, tmp_path / "shared", per_block, "cpu")
+    first_token = _prefill(prefill, "p")
+    assert first_token == expected[0]
+
+    decode = engine_with_shared_tier(model_dir, tmp_path / "shared", per_block, "cpu")
+    request = Request(
+        "d",
+        PROMPT,
+        _greedy_sampling(8),
+        max_tokens=8,
+        output_token_ids=[first_token],
+        num_cached_tokens=0,
+        prefilled_elsewhere=True,
+    )
+    outputs, cached = _run(decode, request)
+    # The first message is the prefill's token alone, sent before any step computed anything.
+    assert outputs[0] == [first_token]
+    assert [t for new in outputs for t in new] == expected
+    assert cached == 0  # the caller's cached tokens are the prefill replica's hits, not the hand-off
+    assert decode.scheduler.kv.hit_tokens == {"engine": 0, "host": 0, "shared": FULL_BLOCKS * 16}
+
+
+def test_a_plain_request_answers_before_its_blocks_are_written(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The control for the hold: without hand_off_kv the answer leaves with the step that sampled
+    it, a step before the writes of that step's blocks are even queued (the earlier chunks'
+    blocks may be written already)."""
+    model_dir = tiny_checkpoints["llama"]
+    engine = engine_with_shared_tier(model_dir, tmp_path, _bytes_per_block(model_dir), "cpu")
+    engine.add_request(Request("plain", PROMPT, _greedy_sampling(1), max_tokens=1))
+    while not (outputs := engine.step()):
+        pass
+    assert outputs[0].status.is_finished
+    assert _block_files(engine) < FULL_BLOCKS
+
+
+def test_a_lost_hand_off_is_recomputed_on_the_decode_replica(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The prefill replica died before writing anything: the decode replica computes the whole
+    prompt itself and still answers the same tokens."""
+    model_dir = tiny_checkpoints["llama"]
+    per_block = _bytes_per_block(model_dir)
+    expected, _, _ = greedy(engine_with_shared_tier(model_dir, tmp_path / "a", per_block, "cpu"), "w", PROMPT, 6)
+    decode = engine_with_shared_tier(model_dir, tmp_path / "empty", per_block, "cpu")
+    request = Request(
+        "d", PROMPT, _greedy_sampling(6), max_tokens=6, output_token_ids=[expected[0]], prefilled_elsewhere=True
+    )
+    outputs, _ = _run(decode, request)
+    assert [t for new in outputs for t in new] == expected
+    assert decode.scheduler.kv.hit_tokens["shared"] == 0
+
+
+def test_hand_offs_are_refused_where_they_cannot_work(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    model_dir = tiny_checkpoints["llama"]
+    per_block = _bytes_per_block(model_dir)
+    plain = ModelRunner(model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=32 * per_block)
+    from cachet.engine.scheduler import SchedulerConfig
+
+    without_tier = EngineCore(
+        runner=plain,
+        model="tiny",
+        scheduler_config=SchedulerConfig(max_model_len=plain.max_model_len, max_num_batched_tokens=64),
+    )
+    with pytest.raises(InvalidRequest, match="CACHET_KV_SHARED_DIR"):
+        without_tier.add_request(Request("h", PROMPT, _greedy_sampling(1), max_tokens=1, hand_off_kv=True))
+    engine = engine_with_shared_tier(model_dir, tmp_path, per_block, "cpu")
+    logprobs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=True)
+    for request, reason in [
+        (Request("l", PROMPT, logprobs, max_tokens=4, output_token_ids=[9], prefilled_elsewhere=True), "logprobs"),
+        (Request("m", PROMPT, _greedy_sampling(1), max_tokens=1, output_token_ids=[9], prefilled_elsewhere=True), "max_tokens"),
+        (Request("t", PROMPT, _greedy_sampling(4), max_tokens=4, output_token_ids=[9, 9], prefilled_elsewhere=True), "first token"),
+    ]:
+        with pytest.raises(InvalidRequest, match=reason):
+            engine.add_request(request)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_role_needs_the_shared_tier_and_one_rank(tmp_path: Path, role: str) -> None:
+    with pytest.raises(ValidationError, match="CACHET_KV_SHARED_DIR"):
+        EngineSettings(role=role)
+    with pytest.raises(ValidationError, match="CACHET_TP=1"):
+        EngineSettings(role=role, kv_shared_dir=tmp_path, kv_host_gb=1, tensor_parallel_size=2)
+    assert EngineSettings(role=role, kv_shared_dir=tmp_path, kv_host_gb=1).role == role
