@@ -37,6 +37,9 @@ CACHE_PORT = 50071
 USAGE_PORT = 50081
 ROUTER_PORT = 50091
 HEALTH_TIMEOUT_SECONDS = 600
+# Each prefill or decode replica's host KV tier unless CACHET_KV_HOST_GB says: the shared
+# tier, through which they hand KV over, needs one. Modest: every replica on the host takes it.
+DEFAULT_KV_HOST_GB = "1"
 
 
 @dataclass(frozen=True)
@@ -64,14 +67,60 @@ def check_routers(routers: int) -> None:
         )
 
 
+def prefill_replicas_from_env() -> int:
+    """``CACHET_PREFILL_REPLICAS``: engine replicas that only prefill (disaggregated prefill,
+    docs/ARCHITECTURE.md); 0, the default, runs mixed replicas only."""
+    value = os.environ.get("CACHET_PREFILL_REPLICAS", "0")
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise SystemExit(f"run-local: CACHET_PREFILL_REPLICAS={value} must be a whole number, 0 or more")
+    if count and int(os.environ.get("CACHET_TP", "1")) > 1:
+        raise SystemExit(
+            f"run-local: CACHET_PREFILL_REPLICAS={count} hands KV over through the shared KV tier, "
+            "which a tensor-parallel replica does not have yet: use CACHET_TP=1"
+        )
+    return count
+
+
+def engine_roles(replicas: int, prefill_replicas: int) -> list[str]:
+    """Each engine replica's CACHET_ENGINE_ROLE, by index: without prefill replicas every one is
+    mixed; with them the first ``replicas - prefill_replicas`` decode and the rest prefill."""
+    if not prefill_replicas:
+        return ["mixed"] * replicas
+    return ["decode"] * (replicas - prefill_replicas) + ["prefill"] * prefill_replicas
+
+
+def engine_name(index: int, role: str) -> str:
+    """``engine<i>`` as always, or the role and index (``decode0``, ``prefill1``), so every log
+    line of a disaggregated run says which half wrote it."""
+    return f"{'engine' if role == 'mixed' else role}{index}"
+
+
+def shared_tier_env() -> dict[str, str]:
+    """What prefill and decode replicas need to hand KV over: one folder they all see (default
+    ``<CACHET_DATA_DIR>/kv-shared``) and a host KV tier (``DEFAULT_KV_HOST_GB`` unless set)."""
+    shared = Path(os.environ.get("CACHET_DATA_DIR", "data")).resolve() / "kv-shared"
+    return {
+        "CACHET_KV_SHARED_DIR": os.environ.get("CACHET_KV_SHARED_DIR") or str(shared),
+        "CACHET_KV_HOST_GB": os.environ.get("CACHET_KV_HOST_GB") or DEFAULT_KV_HOST_GB,
+    }
+
+
 def plan_services(
-    rest_port: int, layout: EngineLayout, model_dir: Path, routers: int = 1
+    rest_port: int, layout: EngineLayout, model_dir: Path, routers: int = 1, prefill_replicas: int = 0
 ) -> list[PlannedService]:
     """The processes to start, with the addresses each needs; the REST bridge is the last.
 
     Several routers listen on consecutive ports and share one store (``check_routers``), one
-    cache index and the engines; the bridge spreads its calls over them (round robin)."""
+    cache index and the engines; the bridge spreads its calls over them (round robin).
+    ``prefill_replicas`` of ``layout.replicas`` are prefill replicas (the last ones), the others
+    decode; the routers and the cache index follow them all (the routers read each one's role
+    from its EngineInfo)."""
     replicas = layout.replicas
+    roles = engine_roles(replicas, prefill_replicas)
     engines = [f"{LOOPBACK}:{ENGINE_BASE_PORT + i}" for i in range(replicas)]
     model_env = {"CACHET_MODEL": str(model_dir)}
     # CACHET_TP=N: each engine replica is N ranks; its `python -m cachet.engine` spawns ranks
@@ -99,14 +148,22 @@ def plan_services(
         ),
         PlannedService("usage", "cachet.usage", {"CACHET_USAGE_PORT": str(USAGE_PORT)}, grpc_port=USAGE_PORT),
     ]
+    if prefill_replicas:
+        engine_env |= shared_tier_env()
     plan += [
         PlannedService(
-            f"engine{i}",
+            engine_name(i, role),
             "cachet.engine",
-            {**engine_env, **layout.replica_devices(i), "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i)},
+            {
+                **engine_env,
+                **layout.replica_devices(i),
+                "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i),
+                # Unset when mixed: an operator's CACHET_ENGINE_ROLE still reaches the engines.
+                **({} if role == "mixed" else {"CACHET_ENGINE_ROLE": role}),
+            },
             grpc_port=ENGINE_BASE_PORT + i,
         )
-        for i in range(replicas)
+        for i, role in enumerate(roles)
     ]
     plan += [
         PlannedService(
@@ -240,14 +297,21 @@ def _announce_when_healthy(supervisor: Supervisor, services: list[PlannedService
     print(f"Prometheus metrics:\n{metrics_urls(services)}", flush=True)
 
 
-def machine_layout(replicas: int | None) -> EngineLayout:
+def machine_layout(replicas: int | None, prefill_replicas: int = 0) -> EngineLayout:
     """The engine layout for this machine: ``CACHET_TP`` ranks a replica, ``replicas`` of them
-    (None: as many as the machine suits), the cores divided between their ranks."""
+    (None: as many as the machine suits) plus ``prefill_replicas``, the cores (or GPUs) divided
+    between all their ranks. With prefill replicas and no ``replicas``, the machine's count is
+    shared: as many decode replicas as it leaves, at least one."""
+    cores, gpus = available_cores(), _engine_gpus()
+    ranks_per_replica = int(os.environ.get("CACHET_TP", "1"))
+    if replicas is None and prefill_replicas:
+        suits = plan_engine_layout(cores=cores, gpus=gpus, ranks_per_replica=ranks_per_replica, replicas=None)
+        replicas = max(1, suits.replicas - prefill_replicas)
     return plan_engine_layout(
-        cores=available_cores(),
-        gpus=_engine_gpus(),
-        ranks_per_replica=int(os.environ.get("CACHET_TP", "1")),
-        replicas=replicas,
+        cores=cores,
+        gpus=gpus,
+        ranks_per_replica=ranks_per_replica,
+        replicas=None if replicas is None else replicas + prefill_replicas,
     )
 
 
@@ -259,8 +323,18 @@ def _engine_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def engine_summary(services: list[PlannedService]) -> str:
+    """One line naming each engine replica's role and address (a disaggregated run's)."""
+    return "run-local: engine replicas: " + ", ".join(
+        f"{s.name} ({s.env.get('CACHET_ENGINE_ROLE', 'mixed')}) on {LOOPBACK}:{s.grpc_port}"
+        for s in services
+        if s.module == "cachet.engine"
+    )
+
+
 def run_local(rest_port: int, replicas: int | None, model_dir: Path, routers: int = 1) -> int:
-    layout = machine_layout(replicas)
+    prefill_replicas = prefill_replicas_from_env()
+    layout = machine_layout(replicas, prefill_replicas)
     if layout.warning is not None:
         print(f"run-local: warning: {layout.warning}", flush=True)
     print(
@@ -268,7 +342,16 @@ def run_local(rest_port: int, replicas: int | None, model_dir: Path, routers: in
         f"{layout.threads_per_rank} math thread(s)",
         flush=True,
     )
-    services = plan_services(rest_port, layout, model_dir, routers)
+    services = plan_services(rest_port, layout, model_dir, routers, prefill_replicas)
+    if prefill_replicas:
+        tier = shared_tier_env()
+        default = "" if os.environ.get("CACHET_KV_HOST_GB") else " (default; CACHET_KV_HOST_GB sets it)"
+        print(engine_summary(services), flush=True)
+        print(
+            f"run-local: prefill and decode replicas hand KV over through {tier['CACHET_KV_SHARED_DIR']}, "
+            f"each with a {tier['CACHET_KV_HOST_GB']} GB host KV tier{default}",
+            flush=True,
+        )
     supervisor = Supervisor()
     for service in services:
         supervisor.add(service.name, [sys.executable, "-m", service.module], {**os.environ, **service.env})
