@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,19 +179,28 @@ class CachetStack:
         engine_env: dict[str, str] | None = None,
         router_env: dict[str, str] | None = None,
         usage_env: dict[str, str] | None = None,
+        engine_roles: Sequence[str] = (),
     ) -> CachetStack:
         """Start everything; ``engine_env`` adds variables to every engine (limits, KV size), ``router_env``
-        to the router, ``usage_env`` to the usage service (its store)."""
+        to the router, ``usage_env`` to the usage service (its store); ``engine_roles``: the first
+        engines' CACHET_ENGINE_ROLE (disaggregated prefill), in order."""
         try:
-            self._start(engines, engine_env or {}, router_env or {}, usage_env or {})
+            self._start(engines, engine_env or {}, router_env or {}, usage_env or {}, engine_roles)
         except BaseException:
             self.stop()
             raise
         return self
 
     def _start(
-        self, engines: int, engine_env: dict[str, str], router_env: dict[str, str], usage_env: dict[str, str]
+        self,
+        engines: int,
+        engine_env: dict[str, str],
+        router_env: dict[str, str],
+        usage_env: dict[str, str],
+        engine_roles: Sequence[str],
     ) -> None:
+        roles = [{"CACHET_ENGINE_ROLE": role} for role in engine_roles]
+        roles += [{}] * (engines - len(roles))
         # The tokenizer, usage and the engines need nothing from one another: launched together,
         # one's imports and model load overlap another's, and a stack is up in about half the time
         # (the suite starts some thirty). The cache index follows the engines, the router all of them.
@@ -204,7 +214,7 @@ class CachetStack:
         ] + [
             launch_service(
                 "engine",
-                {"CACHET_MODEL": str(self.model_dir)} | engine_env,
+                {"CACHET_MODEL": str(self.model_dir)} | engine_env | roles[index],
                 self.log_dir,
                 name=f"engine{index}",
             )

@@ -25,6 +25,7 @@ from cachet.router.file_batches import FileBatches
 from cachet.router.key_limits import KeyLimiter
 from cachet.router.placement import PlacementPolicy
 from cachet.router.postgres_key_windows import PostgresKeyWindows
+from cachet.router.prefill_handoff import PrefillHandOff
 from cachet.router.prompt import PromptBuilder
 from cachet.router.queue_store import JobState, QueueStore, open_queue_store
 from cachet.router.readiness import ReadinessPublisher
@@ -125,6 +126,12 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
         sessions=SessionDirectory(idle_seconds=options.session_idle_seconds),
         clamp_max_tokens=options.clamp_max_tokens,
         session_retention=SETTING_VALUES[options.session_cache_retention],
+        prefill_handoff=PrefillHandOff(
+            replicas,
+            _policy(options),
+            min_tokens=options.disagg_min_tokens,
+            timeout_seconds=options.disagg_prefill_timeout_seconds,
+        ),
     )
     try:
         clients.queue = await open_queue_store(options)

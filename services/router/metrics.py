@@ -39,6 +39,17 @@ PLACEMENTS = Counter("cachet_router_placements_total", "Replica choices by rule.
 ENGINE_RETRIES = Counter(
     "cachet_router_engine_retries_total", "Requests moved to another replica after a refusal."
 )
+PREFILL_HANDOFFS = Counter(
+    "cachet_router_prefill_handoffs_total",
+    "Prompts sent to a prefill replica, by outcome: handed_off (decoded elsewhere from its KV), "
+    "stopped (its first token ended the answer), failed or busy (run whole on a decode replica).",
+    ["outcome"],
+)
+PREFILL_HANDOFF_SECONDS = Histogram(
+    "cachet_router_prefill_handoff_seconds",
+    "From sending a prompt to a prefill replica to its answer, KV written to the shared tier.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
 QUEUE_JOBS_STARTED = Counter(
     "cachet_router_queue_jobs_started_total",
     "Queued jobs this router's dispatcher sent to an engine (a job run again counts again).",

@@ -224,13 +224,17 @@ class ReplicaSet:
     def get(self, address: str) -> Replica:
         return self._replicas[address]
 
-    def available(self, model: str | None = None) -> list[Replica]:
-        """Replicas up right now, optionally only those serving ``model``."""
+    def available(self, model: str | None = None, *, role: str = "") -> list[Replica]:
+        """Replicas up right now, optionally only those serving ``model``. By default those that
+        take whole requests (mixed and decode); ``role="prefill"``: the prefill replicas, which
+        take prompts to hand off only (prefill_handoff)."""
         now = time.monotonic()
         return [
             replica
             for replica in self._replicas.values()
-            if replica.available(now) and (model is None or replica.info.model == model)  # type: ignore[union-attr]
+            if replica.available(now)
+            and (model is None or replica.info.model == model)  # type: ignore[union-attr]
+            and (replica.info.role == "prefill") == (role == "prefill")  # type: ignore[union-attr]
         ]
 
     def addresses_serving(self, model: str) -> list[str]:

@@ -46,6 +46,7 @@ from cachet.router.choices import ChoiceGroup
 from cachet.router.detokenizer import Detokenizers
 from cachet.router.output_parser import OutputDelta, merge_deltas
 from cachet.router.placement import Placement, PlacementPolicy, choose_replica, prefix_value
+from cachet.router.prefill_handoff import PrefillHandOff
 from cachet.router.prompt import PromptBuilder, check_context_window, validate_chat, validate_completion
 from cachet.router.replica_set import Replica, ReplicaSet
 from cachet.router.session_directory import SessionDirectory
@@ -143,8 +144,11 @@ class RequestPipeline:
         sessions: SessionDirectory | None = None,
         clamp_max_tokens: bool = True,
         session_retention: router_pb2.CacheRetention.ValueType = router_pb2.CACHE_RETENTION_UNSPECIFIED,
+        prefill_handoff: PrefillHandOff | None = None,
     ) -> None:
         self._replicas = replicas
+        # Disaggregated prefill: long prompts computed on a prefill replica first.
+        self._prefill_handoff = prefill_handoff
         # What a request with a session id and no retention of its own is kept for.
         self._session_retention = session_retention
         self._clamp_max_tokens = clamp_max_tokens
@@ -356,6 +360,8 @@ class RequestPipeline:
         )
         refused: list[str] = []
         last_refusal: _Refused | None = None
+        tried_prefill = False
+        prefilled: engine_pb2.PrefilledElsewhere | None = None
         while True:
             try:
                 placement = self._place(request, cached, refused)
@@ -366,8 +372,13 @@ class RequestPipeline:
                 # (a lone replica that is down is a 503, not a 429 "at capacity").
                 raise self._final_refusal(last_refusal.error) from last_refusal
             replica = self._replicas.get(placement.address)
+            if not tried_prefill and self._prefill_handoff is not None:
+                # Once: the prompt's KV waits in the shared tier for whichever replica decodes.
+                tried_prefill = True
+                if self._prefill_handoff.worth_it(request, cached.get(placement.address, 0.0)):
+                    prefilled = await self._prefill_handoff.prefill(request, cached)
             try:
-                generation = await self._open(request, replica, placement, detokenizer)
+                generation = await self._open(request, replica, placement, detokenizer, prefilled)
             except _Refused as refusal:
                 refused.append(placement.address)
                 last_refusal = refusal
@@ -466,8 +477,10 @@ class RequestPipeline:
         replica: Replica,
         placement: Placement,
         detokenizer: IncrementalDetokenizer,
+        prefilled: engine_pb2.PrefilledElsewhere | None = None,
     ) -> Generation:
-        """Send the request to ``replica`` and wait for its first message (or its refusal)."""
+        """Send the request to ``replica`` and wait for its first message (or its refusal);
+        ``prefilled``: a prefill replica computed its prompt (prefill_handoff)."""
         call = replica.stub.Generate(
             engine_pb2.GenerateRequest(
                 request_id=request.engine_request_id,
@@ -481,6 +494,7 @@ class RequestPipeline:
                 if request.stream
                 else engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,
                 kv_retention=request.kv_retention,
+                prefilled=prefilled,
             )
         )
         replica.enter(request.priority)

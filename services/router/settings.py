@@ -58,6 +58,12 @@ class RouterServiceSettings(RouterSettings):
     # A max_tokens past what the context window leaves is cut to fit (the answer may end with
     # finish_reason "length"); false: refused with OpenAI's 400 (prompt.check_context_window).
     clamp_max_tokens: bool = True
+    # Disaggregated prefill (prefill_handoff): with prefill replicas (CACHET_ENGINE_ROLE), a
+    # prompt whose part the chosen decode replica does not hold is at least this many tokens
+    # is prefilled on a prefill replica first; shorter ones go straight to the decode replica.
+    disagg_min_tokens: int = Field(default=512, ge=1)
+    # How long a prefill replica may take before the decode replica computes the prompt itself.
+    disagg_prefill_timeout_seconds: float = Field(default=120.0, gt=0)
     # Account id -> cache group: the accounts of one group (an organisation) share cached
     # prefixes, e.g. CACHET_ROUTER_CACHE_GROUPS='{"acct-1": "org-a", "acct-2": "org-a"}'.
     cache_groups: dict[str, str] = Field(default_factory=dict)

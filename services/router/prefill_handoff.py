@@ -1,0 +1,161 @@
+"""Disaggregated prefill, the router's half: long prompts are computed on a prefill replica,
+whose KV the decode replica then loads, so they stop stalling the decode replicas' streams.
+
+The decode replica is placed as any request is (session, cached prefix, load). When the part of
+the prompt it does not hold is at least ``min_tokens`` (conditional disaggregation, as Dynamo
+and vLLM's proxy do: a short or mostly cached prompt costs the decode replica little), the
+request first goes to a prefill replica, chosen by its cached prefix and load like any
+placement, as a one-token request that hands its KV off (``hand_off_kv``): the engine answers
+once every full block of the prompt is in the shared KV tier. The decode replica then gets the
+request with that first token (``PrefilledElsewhere``): it streams the token at once, loads the
+prompt's blocks from the shared tier and decodes on.
+
+What goes wrong costs time, never the request: a prefill replica that refuses, fails, dies or
+times out, or whose first token already ends the answer, leaves the request to run whole on the
+decode replica (which still loads whatever blocks were written). Usage counts the request once,
+from the decode replica's stream, with the prefill replica's cached tokens as the request's
+(the hand-off itself is not a hit of the caller's).
+
+Requests that need the sampling state of their first token on the decode replica are never
+split: constrained output (the grammar's state), logprobs (the first token's are not carried)
+and n > 1 (its choices share one replica's prefill already).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import grpc
+
+from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.errors import ResourceExhausted, Unavailable
+from cachet.logs import get_logger
+from cachet.router import metrics
+from cachet.router.placement import PlacementPolicy, choose_replica
+from cachet.router.replica_set import ReplicaSet
+from cachet.tracing import get_tracer
+
+if TYPE_CHECKING:
+    from cachet.router.request_pipeline import GenerationRequest
+
+log = get_logger(__name__)
+_tracer = get_tracer(__name__)
+
+
+class PrefillHandOff:
+    """Runs a request's prefill on a prefill replica when that pays."""
+
+    def __init__(
+        self, replicas: ReplicaSet, policy: PlacementPolicy, *, min_tokens: int, timeout_seconds: float
+    ) -> None:
+        self._replicas = replicas
+        self._policy = policy
+        self._min_tokens = min_tokens
+        self._timeout = timeout_seconds
+
+    def worth_it(self, request: GenerationRequest, cached_on_decode: float) -> bool:
+        """Whether to split: a long uncached prompt, a request whose first token can move."""
+        sampling = request.sampling
+        return (
+            len(request.prompt_token_ids) - cached_on_decode >= self._min_tokens
+            and request.choices == 1
+            and request.response_format.WhichOneof("format") in (None, "text")
+            and not sampling.logprobs
+            and (not sampling.HasField("max_tokens") or sampling.max_tokens >= 2)
+            and bool(self._replicas.available(request.model, role="prefill"))
+        )
+
+    async def prefill(
+        self, request: GenerationRequest, cached: Mapping[str, float]
+    ) -> engine_pb2.PrefilledElsewhere | None:
+        """Prefill ``request`` on a prefill replica; what the decode replica is to be told, or
+        None when the request should run whole on the decode replica."""
+        loads = [replica.load() for replica in self._replicas.available(request.model, role="prefill")]
+        try:
+            placement = choose_replica(loads, cached, policy=self._policy)
+        except (ResourceExhausted, Unavailable):
+            metrics.PREFILL_HANDOFFS.labels("busy").inc()
+            return None
+        replica = self._replicas.get(placement.address)
+        started = time.monotonic()
+        with _tracer.start_as_current_span(
+            "prefill_handoff",
+            attributes={
+                "cachet.prefill_replica": replica.address,
+                "cachet.prompt_tokens": len(request.prompt_token_ids),
+            },
+        ) as span:
+            replica.enter(request.priority)
+            try:
+                answer = await asyncio.wait_for(self._call(request, replica.stub), self._timeout)
+                if answer is None:
+                    raise Unavailable("the prefill replica ended its stream without an answer")
+            except (grpc.aio.AioRpcError, TimeoutError, Unavailable) as error:
+                code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else type(error).__name__
+                log.warning(
+                    "prefill hand-off failed; the decode replica computes the prompt",
+                    request_id=request.request_id,
+                    address=replica.address,
+                    code=code,
+                )
+                span.set_attribute("cachet.outcome", "failed")
+                metrics.PREFILL_HANDOFFS.labels("failed").inc()
+                return None
+            finally:
+                replica.leave(request.priority)
+            seconds = time.monotonic() - started
+            metrics.PREFILL_HANDOFF_SECONDS.observe(seconds)
+            if answer.finish_reason != common_pb2.FINISH_REASON_LENGTH or len(answer.token_ids) != 1:
+                # The first token already ends the answer (end of turn, a stop string): the decode
+                # replica runs it whole, from the KV the prefill wrote, and answers the same.
+                span.set_attribute("cachet.outcome", "stopped")
+                metrics.PREFILL_HANDOFFS.labels("stopped").inc()
+                return None
+            span.set_attribute("cachet.outcome", "handed_off")
+            span.set_attribute("cachet.cached_tokens", answer.usage.cached_tokens)
+            metrics.PREFILL_HANDOFFS.labels("handed_off").inc()
+            log.info(
+                "prefilled on a prefill replica",
+                request_id=request.request_id,
+                address=replica.address,
+                cached_tokens=answer.usage.cached_tokens,
+                seconds=round(seconds, 3),
+            )
+            return engine_pb2.PrefilledElsewhere(
+                first_token_id=answer.token_ids[0], cached_tokens=answer.usage.cached_tokens
+            )
+
+    @staticmethod
+    async def _call(
+        request: GenerationRequest, stub: engine_pb2_grpc.EngineServiceAsyncStub
+    ) -> engine_pb2.GenerateResponse | None:
+        """The prefill replica's last answer (its one token), None if the stream ended without one."""
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.max_tokens = 1
+        call = stub.Generate(
+            engine_pb2.GenerateRequest(
+                request_id=f"{request.engine_request_id}:prefill",
+                model=request.model,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=sampling,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                output_kind=engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,
+                hand_off_kv=True,
+            )
+        )
+        answer = None
+        try:
+            # Read to the stream's end (it follows the last answer at once): the call's trace
+            # span ends there.
+            async for response in call:
+                if response.finish_reason:
+                    answer = response
+        finally:
+            call.cancel()  # a no-op once the stream ended; stops the prefill when we were cancelled
+        return answer
