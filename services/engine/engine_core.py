@@ -103,7 +103,9 @@ class EngineCore:
         if request.grammar is not None and self._masks is None:
             raise InvalidRequest("response_format needs the engine to have a tokenizer")
         if request.hand_off_kv and self._handoffs is None:
-            raise InvalidRequest("hand_off_kv needs the shared KV tier (CACHET_KV_SHARED_DIR) on this replica")
+            raise InvalidRequest(
+                "hand_off_kv needs the shared KV tier (CACHET_KV_SHARED_DIR) on this replica"
+            )
         if request.prefilled_elsewhere:
             self._check_prefilled(request)
         self.scheduler.add_request(request)

@@ -65,7 +65,9 @@ async def start(
     metrics = EngineMetrics(engine)
     engine.start()
     metrics.loop_lag.start()
-    servicer = EngineServicer(engine, engine_info(engine, group, settings.role), settings.load_report_interval_ms)
+    servicer = EngineServicer(
+        engine, engine_info(engine, group, settings.role), settings.load_report_interval_ms
+    )
     running = await create_server(
         settings,
         [lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)],

@@ -18,6 +18,7 @@ from cachet.engine.errors import InvalidRequest
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
+from cachet.engine.scheduler import SchedulerConfig
 
 PROMPT = torch.randint(5, 200, (150,), generator=torch.Generator().manual_seed(7)).tolist()
 FULL_BLOCKS = len(PROMPT) // 16  # 9: the blocks a hand-off writes (the last, partial one is recomputed)
@@ -114,22 +115,31 @@ def test_a_lost_hand_off_is_recomputed_on_the_decode_replica(
     prompt itself and still answers the same tokens."""
     model_dir = tiny_checkpoints["llama"]
     per_block = _bytes_per_block(model_dir)
-    expected, _, _ = greedy(engine_with_shared_tier(model_dir, tmp_path / "a", per_block, "cpu"), "w", PROMPT, 6)
+    expected, _, _ = greedy(
+        engine_with_shared_tier(model_dir, tmp_path / "a", per_block, "cpu"), "w", PROMPT, 6
+    )
     decode = engine_with_shared_tier(model_dir, tmp_path / "empty", per_block, "cpu")
     request = Request(
-        "d", PROMPT, _greedy_sampling(6), max_tokens=6, output_token_ids=[expected[0]], prefilled_elsewhere=True
+        "d",
+        PROMPT,
+        _greedy_sampling(6),
+        max_tokens=6,
+        output_token_ids=[expected[0]],
+        prefilled_elsewhere=True,
     )
     outputs, _ = _run(decode, request)
     assert [t for new in outputs for t in new] == expected
     assert decode.scheduler.kv.hit_tokens["shared"] == 0
 
 
-def test_hand_offs_are_refused_where_they_cannot_work(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_hand_offs_are_refused_where_they_cannot_work(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
     model_dir = tiny_checkpoints["llama"]
     per_block = _bytes_per_block(model_dir)
-    plain = ModelRunner(model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=32 * per_block)
-    from cachet.engine.scheduler import SchedulerConfig
-
+    plain = ModelRunner(
+        model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=32 * per_block
+    )
     without_tier = EngineCore(
         runner=plain,
         model="tiny",
@@ -140,9 +150,27 @@ def test_hand_offs_are_refused_where_they_cannot_work(tiny_checkpoints: dict[str
     engine = engine_with_shared_tier(model_dir, tmp_path, per_block, "cpu")
     logprobs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=True)
     for request, reason in [
-        (Request("l", PROMPT, logprobs, max_tokens=4, output_token_ids=[9], prefilled_elsewhere=True), "logprobs"),
-        (Request("m", PROMPT, _greedy_sampling(1), max_tokens=1, output_token_ids=[9], prefilled_elsewhere=True), "max_tokens"),
-        (Request("t", PROMPT, _greedy_sampling(4), max_tokens=4, output_token_ids=[9, 9], prefilled_elsewhere=True), "first token"),
+        (
+            Request("l", PROMPT, logprobs, max_tokens=4, output_token_ids=[9], prefilled_elsewhere=True),
+            "logprobs",
+        ),
+        (
+            Request(
+                "m", PROMPT, _greedy_sampling(1), max_tokens=1, output_token_ids=[9], prefilled_elsewhere=True
+            ),
+            "max_tokens",
+        ),
+        (
+            Request(
+                "t",
+                PROMPT,
+                _greedy_sampling(4),
+                max_tokens=4,
+                output_token_ids=[9, 9],
+                prefilled_elsewhere=True,
+            ),
+            "first token",
+        ),
     ]:
         with pytest.raises(InvalidRequest, match=reason):
             engine.add_request(request)
