@@ -90,9 +90,10 @@ def run_local_command(
 ) -> None:
     """Every service on this machine with the default model (converted on first use)."""
     from cachet.models.catalog import ensure_model
-    from cachet.tools.run_local import check_routers, run_local
+    from cachet.tools.run_local import check_routers, prefill_replicas_from_env, run_local
 
     check_routers(routers)
+    prefill_replicas_from_env()  # refused before a first start spends a minute converting the model
     # Converts the default model on first use (with progress), reuses it afterwards.
     model = ensure_model(os.environ.get("CACHET_MODEL") or None, _data_dir())
     raise typer.Exit(run_local(port, replicas, model.path, routers))
