@@ -62,7 +62,7 @@ async def start(
     engine = AsyncEngine(
         host, replica_id=uuid.uuid4().hex[:12], stream_interval=settings.stream_interval_ms / 1000
     )
-    metrics = EngineMetrics(engine)
+    metrics = EngineMetrics(engine, settings.role)
     engine.start()
     metrics.loop_lag.start()
     servicer = EngineServicer(

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -160,9 +160,13 @@ def _by_label(family: _Family, values: dict[str, int]) -> _Family:
 class EngineMetrics:
     """The engine's registry: the scheduler collector, the step-time and event-loop lag histograms."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, role: str = "mixed") -> None:
         self.registry = CollectorRegistry()
         self.registry.register(SchedulerCollector(engine))
+        # The replica's part in disaggregated prefill, to group its figures by role in queries.
+        Info(
+            "cachet_engine_role", "This replica's role: mixed, prefill or decode.", registry=self.registry
+        ).info({"role": role})
         self._step_seconds = Histogram(
             "cachet_engine_step_duration_seconds",
             "Wall time of one step: schedule, forward pass, sampling, bookkeeping.",

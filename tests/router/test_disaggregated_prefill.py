@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, child_pids
 
 from cachet.common.v1 import common_pb2
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
@@ -69,6 +70,19 @@ async def _stream(
     async with create_channel(stack.address(router)) as channel:
         inference = router_pb2_grpc.InferenceServiceStub(channel)
         return [c async for c in inference.StreamChatCompletion(request, metadata=metadata, timeout=120)]
+
+
+async def test_each_replica_reports_its_role(stack: CachetStack) -> None:
+    for name, role in (("engine0", "prefill"), ("engine1", "decode")):
+        async with create_channel(stack.address(name)) as channel:
+            engine = engine_pb2_grpc.EngineServiceStub(channel)
+            info = await engine.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=10)
+            reports = engine.StreamLoadReports(engine_pb2.StreamLoadReportsRequest())
+            report = await reports.read()
+            reports.cancel()
+        assert (info.role, report.role) == (role, role)
+        metrics = httpx.get(f"http://127.0.0.1:{stack.processes[name].metrics_port}/metrics", timeout=5).text
+        assert f'cachet_engine_role_info{{role="{role}"}} 1.0' in metrics
 
 
 async def test_a_long_prompt_is_prefilled_on_the_prefill_replica_and_decoded_as_one_replica_would(
