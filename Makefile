@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup protos check-protos model run-local test test-fast bench bench-serving lint clean
 
-setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops-venv $(STAMPS)/paged-decode-op
+setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops-venv $(STAMPS)/cpu-kernels
 
 $(STAMPS)/setup: pyproject.toml
 	@mkdir -p $(STAMPS)
@@ -41,10 +41,8 @@ $(STAMPS)/ds-ops-venv: $(STAMPS)/setup
 
 # The CPU decode-attention kernel (services/engine/csrc, ~1 min on 2 cores), built into the
 # same folder so a replica's first start does not wait on it; rebuilt when its source changes.
-$(STAMPS)/paged-decode-op: $(STAMPS)/setup services/engine/csrc/paged_decode_attention.cpp
-	@echo "building the paged decode-attention kernel (once, ~1 min)"
-	$(PY) -c "from cachet.engine.paged_decode_kernel import load_paged_decode_kernel; \
-	load_paged_decode_kernel()"
+$(STAMPS)/cpu-kernels: $(STAMPS)/setup $(wildcard services/engine/csrc/*.cpp) services/engine/cpu_kernels.py
+	$(PY) -c "from cachet.engine.cpu_kernels import build_all; build_all()"
 	@touch $@
 
 $(STAMPS)/protos: $(STAMPS)/setup $(PROTOS) protos/generate.sh

@@ -10,8 +10,14 @@ weights reordered for oneDNN take 1.6x less time at one row, 1.5x at 23 and 1.35
 Inductor's CPU weight freezing does the same reorder; doing it here keeps eager mode
 (no compile at start-up).
 
-A packed weight is an opaque tensor of the same shape and size: it cannot be read as a
-plain tensor, so a model that reads a linear's weight itself (absorbed MLA attention)
+On a CPU whose oneDNN has no bf16 kernels (no AVX512-BF16 or AMX: AVX2 hosts), bf16 weights
+are packed instead into the panels of ``csrc/bf16_weight_linear.cpp`` (``cpu_kernels``), whose
+products widen each weight to fp32 in registers: a decode step then streams half the bytes of
+fp32 weights, where torch's emulated bf16 products streamed them slower than fp32 (8.9 against
+20.6 GB/s for the default model's head, one row, the dev box's two cores).
+
+A packed weight cannot be read as a plain tensor (oneDNN's is opaque, of the same shape; the
+panels are [out / 16, in, 16]), so a model that reads a linear's weight itself (absorbed MLA attention)
 marks that linear ``pack_weight = False``. A tied head gets a packed copy of its own;
 the embedding keeps the plain table its lookups need.
 """
@@ -22,7 +28,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from cachet.engine.cpu_kernels import load_cpu_kernel
+
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Output features per panel of the bf16 kernel's layout.
+_PANEL = 16
 
 
 class PackableLinear(nn.Linear):
@@ -30,6 +40,8 @@ class PackableLinear(nn.Linear):
 
     # False where a model reads this linear's weight as a plain tensor.
     pack_weight: bool = True
+    # The weight is in the bf16 kernel's panels (set by pack_).
+    bf16_panels: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -38,25 +50,52 @@ class PackableLinear(nn.Linear):
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
         if self.weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        if self.bf16_panels:
+            kernel = load_cpu_kernel("bf16_weight_linear")
+            assert kernel is not None  # packed only where it loaded
+            return kernel.bf16_weight_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def pack_(self) -> bool:
-        """Reorder the weight for oneDNN, once (``pack_weight`` allowing); whether it was now."""
-        if not self.pack_weight or self.weight.is_mkldnn:
+        """Pack the weight for oneDNN or the bf16 kernel, once (``pack_weight`` allowing);
+        whether it was now."""
+        if not self.pack_weight or self.weight.is_mkldnn or self.bf16_panels:
             return False
+        weight = self.weight.detach().contiguous()
         # A new parameter, not a write into the old one: a tied head's old one is the
         # embedding's table, which lookups still read plain.
-        reordered = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous())
+        if _bf16_kernel_packs(weight.device, weight.dtype):
+            if weight.shape[0] % _PANEL:
+                return False
+            kernel = load_cpu_kernel("bf16_weight_linear")
+            assert kernel is not None
+            self.weight = nn.Parameter(kernel.pack_bf16_weight(weight), requires_grad=False)
+            self.bf16_panels = True
+            return True
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.weight = nn.Parameter(reordered, requires_grad=False)
         return True
 
 
 def packs_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linear weights of ``dtype`` on ``device`` can be packed here (a CPU with
-    oneDNN; bf16 only where oneDNN has bf16 kernels for this CPU)."""
+    """Whether linear weights of ``dtype`` on ``device`` can be packed here: for oneDNN (a CPU
+    with oneDNN; bf16 where it has bf16 kernels for this CPU), or else bf16 for our kernel."""
+    return _onednn_packs(device, dtype) or _bf16_kernel_packs(device, dtype)
+
+
+def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in _PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _bf16_kernel_packs(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and not _onednn_packs(device, dtype)
+        and load_cpu_kernel("bf16_weight_linear") is not None
+    )
 
 
 def pack_linear_weights(model: nn.Module) -> int:

@@ -39,11 +39,14 @@ def test_packed_layers_compute_what_plain_ones_do(dtype: torch.dtype) -> None:
     with torch.inference_mode():
         plain = [layer(x) for layer in layers for x in inputs if x.shape[-1] == layer.in_features]
         assert pack_linear_weights(layers) == 3
-        assert all(layer.weight.is_mkldnn for layer in layers)
+        assert all(layer.weight.is_mkldnn or layer.bf16_panels for layer in layers)
         packed = [layer(x) for layer in layers for x in inputs if x.shape[-1] == layer.in_features]
+    # bf16 through our kernel rounds once, from fp32 sums; torch's emulated product may round
+    # the other way: one bf16 step apart at most.
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     for expected, got in zip(plain, packed, strict=True):
         assert got.dtype == dtype and got.shape == expected.shape
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
     assert pack_linear_weights(layers) == 0  # already packed: nothing to do twice
 
 

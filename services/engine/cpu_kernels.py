@@ -1,0 +1,70 @@
+"""Building and loading the engine's C++ CPU kernels (``csrc/<name>.cpp``).
+
+Each kernel is built by torch's extension builder once per environment (``make setup`` does
+it, into the environment's own extensions folder as DeepSpeed's ops are) and loaded at a
+replica's start. Where one cannot be built (no compiler), the engine says so once and runs the
+reference path that kernel replaces.
+
+A build targets an instruction set the host has (AVX2 with FMA, or the compiler's baseline)
+rather than ``-march=native``, and is named by it: an environment copied to an older CPU (a
+container image) then builds its own instead of loading one that faults.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+
+from cachet.engine.cpu_features import cpu_flags
+from cachet.engine.deepspeed_ops import extensions_dir, wait_for_build_locks
+
+log = structlog.get_logger(__name__)
+
+_SOURCES = Path(__file__).parent / "csrc"
+# The kernels `make setup` builds, and what the engine does where one is missing.
+KERNELS = {
+    "paged_decode_attention": "decoding through the gather + SDPA path",
+    "bf16_weight_linear": "bfloat16 linears run through torch's emulated bfloat16 products",
+}
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    flags = cpu_flags()
+    if "avx2" in flags and "fma" in flags:
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "base", []
+
+
+@functools.cache
+def load_cpu_kernel(name: str) -> ModuleType | None:
+    """Kernel ``name`` of ``KERNELS`` (built first if this environment has none), or None where
+    the build fails; the failure is logged once, with the compiler's message."""
+    isa, isa_flags = _isa_flags()
+    module = f"cachet_{name}_{isa}"
+    folder = extensions_dir() / module
+    folder.mkdir(parents=True, exist_ok=True)
+    wait_for_build_locks(folder)
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(
+            name=module,
+            sources=[str(_SOURCES / f"{name}.cpp")],
+            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as exc:
+        log.warning(f"{name} kernel unavailable; {KERNELS[name]}", error=str(exc)[-2000:])
+        return None
+
+
+def build_all() -> None:
+    """Build every kernel (``make setup``), saying which, since each takes a minute."""
+    for name in KERNELS:
+        print(f"building the {name} kernel (once, ~1 min)", flush=True)
+        load_cpu_kernel(name)

@@ -1,0 +1,76 @@
+"""The bf16-weight linear kernel (csrc/bf16_weight_linear.cpp): fp32 products of bf16 weights,
+for CPUs whose oneDNN has no bf16 kernels."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cachet.engine.cpu_kernels import load_cpu_kernel
+from cachet.engine.tensor_parallel import ColumnParallelLinear
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the kernel with"
+)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = load_cpu_kernel("bf16_weight_linear")
+    assert built is not None, "see the engine's warning above for the compiler's message"
+    return built
+
+
+# Rows: one decode, the two-row path, every remainder of the six-row tile; features: an odd
+# count runs the two-feature loop's tail.
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 48), (37, 16), (96, 320)])
+def test_products_are_fp32_sums_of_the_bf16_weights(
+    kernel, rows: int, in_features: int, out_features: int
+) -> None:
+    generator = torch.Generator().manual_seed(rows * in_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = kernel.pack_bf16_weight(weight)
+    assert packed.shape == (out_features // 16, in_features, 16)
+    expected = F.linear(x, weight.float(), bias)
+    torch.testing.assert_close(kernel.bf16_weight_linear(x, packed, bias), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        kernel.bf16_weight_linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_bf16_activations_and_leading_dimensions_keep_their_shape_and_dtype(kernel) -> None:
+    weight = torch.randn(32, 24).bfloat16()
+    x = torch.randn(2, 3, 24).bfloat16()
+    got = kernel.bf16_weight_linear(x, kernel.pack_bf16_weight(weight), None)
+    assert got.shape == (2, 3, 32) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x.float(), weight.float()).bfloat16())
+
+
+def test_bad_weights_are_refused(kernel) -> None:
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernel.pack_bf16_weight(torch.zeros(24, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.pack_bf16_weight(torch.zeros(32, 8))
+    with pytest.raises(RuntimeError, match="pack_bf16_weight"):
+        kernel.bf16_weight_linear(torch.zeros(1, 8), torch.zeros(32, 8, dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match="features"):
+        kernel.bf16_weight_linear(
+            torch.zeros(1, 9), kernel.pack_bf16_weight(torch.zeros(32, 8).bfloat16()), None
+        )
+
+
+@pytest.mark.skipif(
+    bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), reason="oneDNN packs bf16 itself on this CPU"
+)
+def test_a_layer_packs_bf16_into_panels_where_onednn_cannot(kernel) -> None:
+    layer = ColumnParallelLinear(40, 48, range(48), bias=False).bfloat16()
+    odd = ColumnParallelLinear(40, 24, range(24), bias=False).bfloat16()
+    assert layer.pack_() and layer.bf16_panels and layer.weight.shape == (3, 40, 16)
+    assert not odd.pack_() and not odd.bf16_panels  # 24 outputs: no whole panels, stays plain
