@@ -64,7 +64,6 @@ log = get_logger(__name__)
 
 # Engine answers after which the request may go to one other replica: it was never started.
 _RETRY_ELSEWHERE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
-_ABORT_TIMEOUT_SECONDS = 2.0
 # The engine closes its stream right after the last message; never wait long for that.
 _ENGINE_EOF_TIMEOUT_SECONDS = 0.5
 # Asked once per model (then kept): how long the tokenizer may take to describe it, or to
@@ -273,22 +272,10 @@ class RequestPipeline:
             ),
         )
 
-    def abort_in_background(self, replica: Replica, request_id: str) -> None:
-        self.in_background(self._abort(replica, request_id))
-
     def in_background(self, work: Coroutine[None, None, None]) -> None:
         task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _abort(self, replica: Replica, request_id: str) -> None:
-        try:
-            await replica.stub.Abort(
-                engine_pb2.AbortRequest(request_id=request_id), timeout=_ABORT_TIMEOUT_SECONDS
-            )
-        except grpc.aio.AioRpcError as error:
-            # Cancelling the Generate call already aborts it; this is the belt to those braces.
-            log.info("engine abort failed", request_id=request_id, code=error.code().name)
 
     def _engine_for(self, model: str) -> engine_pb2.EngineInfo:
         info = self._replicas.engine_info(model)
@@ -506,10 +493,10 @@ class RequestPipeline:
                 raise _Refused(error) from error
             raise domain_error(error, "engine") from error
         except BaseException:
-            # Cancelled while the engine was prefilling: stop the work we asked for.
+            # Cancelled while the engine was prefilling: stop the work we asked for (the engine
+            # aborts a request whose call is cancelled).
             replica.leave(request.priority)
             call.cancel()
-            self.abort_in_background(replica, request.engine_request_id)
             raise
         if first is grpc.aio.EOF:
             replica.leave(request.priority)
@@ -609,8 +596,7 @@ class Generation:
         self._closed = True
         self._replica.leave(self.request.priority)
         if not self._engine_done:
-            self._call.cancel()
-            self._pipeline.abort_in_background(self._replica, self.request.engine_request_id)
+            self._call.cancel()  # the engine aborts the request: its stream's generator is closed
         # A queued job cut short runs again under the same id (the ledger key): only the
         # attempt that finishes is billed, so the ledger agrees with the stored result.
         if not self._finished and self.request.priority != common_pb2.PRIORITY_BATCH:
