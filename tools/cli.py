@@ -237,7 +237,6 @@ def report(
     """Usage and cost per day, model and session, and what the prefix cache saved, from the ledger."""
     import asyncio
 
-    from cachet.config import UsageSettings
     from cachet.logs import configure_logging
     from cachet.tools.usage_report import (
         LedgerNotFound,
@@ -247,6 +246,7 @@ def report(
         open_report_ledger,
         report_json,
     )
+    from cachet.usage.settings import UsageSettings
 
     # Log lines go to stderr (warnings only), so stdout stays the report (or its JSON).
     configure_logging("report", "warning")

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 
-from cachet.config import UsageSettings
 from cachet.durable_postgres import is_postgres_url
 from cachet.usage.ledger import DATABASE_NAME, Ledger, open_ledger
 from cachet.usage.records import GroupField, UsageQuery, UsageTotals
+from cachet.usage.settings import UsageSettings
 
 PICOUSD_PER_USD = 10**12
 MICRO_USD = Decimal("0.000001")

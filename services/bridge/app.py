@@ -45,8 +45,7 @@ from cachet.bridge.middleware import (
     keep_rate_limits,
 )
 from cachet.bridge.responses_schemas import ResponseStreamEventOut
-from cachet.bridge.settings import BridgeServiceSettings
-from cachet.config import BridgeSettings
+from cachet.bridge.settings import BridgeSettings
 from cachet.grpc_channel import create_channel
 from cachet.logs import get_logger
 from cachet.router.v1 import router_pb2, router_pb2_grpc
@@ -63,7 +62,7 @@ _GROUP_BY = ("account", "model", "day", "session")
 class Backends:
     """The gRPC channels and stubs of one app, open between lifespan start and end."""
 
-    settings: BridgeServiceSettings
+    settings: BridgeSettings
     channels: list[grpc.aio.Channel] = field(default_factory=list)
     inference: Any = None
     usage: Any = None
@@ -441,20 +440,21 @@ async def _managed_key_account(backends: Backends, key: str) -> str | None:
 
 def create_app(settings: BridgeSettings) -> FastAPI:
     """The bridge's ASGI app. Refuses open development mode (no API keys) on a non-loopback host."""
-    config = BridgeServiceSettings.from_settings(settings)
-    backends = Backends(config)
+    backends = Backends(settings)
     auth = Authenticator(
-        dict(config.api_keys), partial(_managed_key_account, backends), cache_seconds=config.key_cache_seconds
+        dict(settings.api_keys),
+        partial(_managed_key_account, backends),
+        cache_seconds=settings.key_cache_seconds,
     )
-    if auth.dev_mode and not is_loopback(config.host):
+    if auth.dev_mode and not is_loopback(settings.host):
         raise ValueError(
             f"no API keys configured (CACHET_BRIDGE_API_KEYS): open development mode may only bind loopback, "
-            f"not {config.host!r}"
+            f"not {settings.host!r}"
         )
     if auth.dev_mode:
         log.warning(
             "OPEN DEVELOPMENT MODE: no API keys configured, every request is accepted as account 'anonymous'",
-            host=config.host,
+            host=settings.host,
         )
 
     @asynccontextmanager
@@ -471,7 +471,7 @@ def create_app(settings: BridgeSettings) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.state.settings = config
+    app.state.settings = settings
     app.state.auth = auth
     app.state.backends = backends
     app.state.metrics = BridgeMetrics()
@@ -490,7 +490,7 @@ def create_app(settings: BridgeSettings) -> FastAPI:
     from cachet.bridge.dashboard import api as dashboard_api
 
     app.include_router(dashboard_api)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RateLimitHeadersMiddleware)
     # Added last, so outermost: its span and its 500 cover everything inside.
     app.add_middleware(TelemetryMiddleware, metrics=app.state.metrics)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uvicorn
 
 from cachet.bridge.app import create_app
-from cachet.bridge.settings import BridgeServiceSettings
+from cachet.bridge.settings import BridgeSettings
 from cachet.logs import configure_logging, get_logger
 from cachet.startup_heap import freeze_startup_heap
 from cachet.tls import check_listener, is_loopback, uvicorn_options
@@ -16,7 +16,7 @@ log = get_logger(__name__)
 
 def main(port: int | None = None) -> None:
     """Serve on ``settings.host:port``; SIGTERM stops accepting, lets in-flight requests finish, then exits."""
-    settings = BridgeServiceSettings()
+    settings = BridgeSettings()
     if port is not None:
         settings = settings.model_copy(update={"port": port})
     configure_logging("bridge", settings.log_level)

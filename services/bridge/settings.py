@@ -1,15 +1,12 @@
-"""The bridge's settings: the shared ``BridgeSettings`` plus the knobs only the bridge reads.
-
-``cachet.config`` is owned by libs; the bridge extends it here rather than editing
-it, and keeps the same ``CACHET_BRIDGE_`` prefix, so ``CACHET_BRIDGE_USAGE_ADDRESS``
-and ``CACHET_BRIDGE_MAX_BODY_BYTES`` read like every other bridge variable.
-"""
+"""The bridge's settings: ``CACHET_BRIDGE_*``; ``CACHET_PORT`` is its port and ``CACHET_API_KEYS``
+is shared with the router."""
 
 from __future__ import annotations
 
 from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from cachet.config import LOOPBACK, BridgeSettings
+from cachet.config import API_KEYS_ALIASES, LOOPBACK, ServiceSettings, shared_alias
 
 # An OpenAI request carrying a long context plus a few images stays far below this;
 # anything above is a mistake or an attack, refused before it is buffered.
@@ -17,7 +14,13 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEV_ACCOUNT = "anonymous"
 
 
-class BridgeServiceSettings(BridgeSettings):
+class BridgeSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_BRIDGE_")
+
+    port: int = Field(default=8080, ge=0, le=65535, validation_alias=shared_alias("CACHET_PORT"))
+    router_address: str = f"{LOOPBACK}:50091"
+    # API key -> account id; none configured means open development mode on loopback.
+    api_keys: dict[str, str] = Field(default_factory=dict, validation_alias=API_KEYS_ALIASES["bridge"])
     # The usage service answers GET /v1/usage (same default port as UsageSettings).
     usage_address: str = f"{LOOPBACK}:50081"
     # The tokenizer answers POST /v1/messages/count_tokens (same default port as run-local's).
@@ -34,10 +37,3 @@ class BridgeServiceSettings(BridgeSettings):
     def dev_mode(self) -> bool:
         """No API keys: every caller is the one development account."""
         return not self.api_keys
-
-    @classmethod
-    def from_settings(cls, settings: BridgeSettings) -> BridgeServiceSettings:
-        """Accept a plain ``BridgeSettings`` (tests, the supervisor); the extras come from the environment."""
-        if isinstance(settings, cls):
-            return settings
-        return cls(**settings.model_dump())

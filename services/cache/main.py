@@ -9,8 +9,8 @@ from cachet.cache.followers import Followers
 from cachet.cache.metrics import IndexCollector
 from cachet.cache.prefix_index import PrefixIndex
 from cachet.cache.servicer import CacheIndexServicer, registrar
+from cachet.cache.settings import CacheSettings
 from cachet.cache.v1 import cache_pb2
-from cachet.config import CacheSettings
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
 from cachet.tracing import configure_tracing

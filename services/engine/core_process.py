@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from cachet.config import EngineSettings
 from cachet.engine.loop_messages import Command, EngineDescription, Message
 from cachet.engine.pipe_writer import PipeWriter
 from cachet.engine.rank_environment import externally_launched
+from cachet.engine.settings import EngineSettings
 from cachet.logs import configure_logging, get_logger
 from cachet.startup_heap import freeze_startup_heap
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from cachet.config import EngineSettings
 from cachet.engine import distributed
 from cachet.engine.core_loop import CoreLoop
 from cachet.engine.engine_core import EngineCore
@@ -30,6 +29,7 @@ from cachet.engine.models import ModelConfig
 from cachet.engine.rank_environment import externally_launched
 from cachet.engine.sampling_params import model_sampling_defaults
 from cachet.engine.scheduler import SchedulerConfig
+from cachet.engine.settings import EngineSettings
 from cachet.engine.structured_output import GrammarCompiler
 from cachet.engine_layout import (
     CPU_KV_CACHE_MEMORY_FRACTION,

@@ -11,13 +11,13 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from cachet.config import EngineSettings
 from cachet.engine.async_engine import AsyncEngine, CoreHost
 from cachet.engine.core_process import CoreStartFailed, ProcessHost, runs_loop_process
 from cachet.engine.errors import EngineUnavailable
 from cachet.engine.metrics import EngineMetrics
 from cachet.engine.rank_environment import externally_launched
 from cachet.engine.servicer import SERVICE_NAME, EngineServicer
+from cachet.engine.settings import EngineSettings
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger

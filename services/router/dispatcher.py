@@ -1,6 +1,6 @@
 """Pulls queued jobs into the engines' headroom; interactive traffic keeps priority.
 
-The headroom rule (knobs in ``RouterServiceSettings``, defaults in brackets):
+The headroom rule (knobs in ``RouterSettings``, defaults in brackets):
 
 * If **any** available replica reports an interactive request waiting
   (``waiting_interactive_requests > 0``: one its last step could not admit), nothing

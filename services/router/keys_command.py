@@ -18,7 +18,7 @@ from cachet.logs import configure_logging
 from cachet.router.api_keys import ApiKey, KeyLimits, new_api_key
 from cachet.router.key_limits import PICOUSD_PER_USD
 from cachet.router.queue_store import QueueStore, open_queue_store
-from cachet.router.settings import RouterServiceSettings
+from cachet.router.settings import RouterSettings
 
 _DAY_MS = 86_400_000
 
@@ -94,7 +94,7 @@ def _with_store(work):  # noqa: ANN001, ANN202 - a coroutine function of the sto
     configure_logging("keys", "warning")
 
     async def run() -> Any:
-        store = await open_queue_store(RouterServiceSettings())
+        store = await open_queue_store(RouterSettings())
         try:
             return await work(store)
         finally:

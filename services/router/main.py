@@ -9,7 +9,6 @@ from functools import partial
 import grpc
 
 from cachet.cache.v1 import cache_pb2_grpc
-from cachet.config import RouterSettings
 from cachet.durable_postgres import StoreNotOpened, is_postgres_url
 from cachet.event_loop_lag import EventLoopLagMonitor
 from cachet.grpc_channel import create_channel
@@ -33,7 +32,7 @@ from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
 from cachet.router.session_directory import SessionDirectory
-from cachet.router.settings import RouterServiceSettings, router_service_settings
+from cachet.router.settings import RouterSettings
 from cachet.router.stored_responses import StoredResponses
 from cachet.router.usage_recorder import UsageRecorder
 from cachet.router.v1 import router_pb2_grpc
@@ -96,69 +95,72 @@ class RunningRouter(RunningServer):
 async def start(settings: RouterSettings, *, metrics_port: int | None = None) -> RunningServer:
     """Connect to the dependencies, follow the engines and serve; ``port`` 0 picks a free port;
     ``metrics_port`` (0: a free one) also serves Prometheus /metrics."""
-    options = router_service_settings(settings)
-    refuse_open_mode_beyond_loopback(options.api_keys, options.host)
-    tokenizer_channel = create_channel(options.tokenizer_address, options.max_message_bytes, tls=options.tls)
-    cache_channel = create_channel(options.cache_address, tls=options.tls)
-    usage_channel = create_channel(options.usage_address, tls=options.tls)
+    refuse_open_mode_beyond_loopback(settings.api_keys, settings.host)
+    tokenizer_channel = create_channel(
+        settings.tokenizer_address, settings.max_message_bytes, tls=settings.tls
+    )
+    cache_channel = create_channel(settings.cache_address, tls=settings.tls)
+    usage_channel = create_channel(settings.usage_address, tls=settings.tls)
     replicas = ReplicaSet(
-        options.engine_addresses,
-        options.report_stale_seconds,
-        options.load_report_interval_ms,
-        tls=options.tls,
+        settings.engine_addresses,
+        settings.report_stale_seconds,
+        settings.load_report_interval_ms,
+        tls=settings.tls,
     )
     usage = UsageRecorder(
         usage_pb2_grpc.UsageServiceStub(usage_channel),
-        options.dependency_timeout_seconds,
-        flush_seconds=options.usage_flush_seconds,
+        settings.dependency_timeout_seconds,
+        flush_seconds=settings.usage_flush_seconds,
     )
     clients = RouterClients(replicas, usage, [tokenizer_channel, cache_channel, usage_channel])
     tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(tokenizer_channel)
     pipeline = RequestPipeline(
         replicas=replicas,
-        prompts=PromptBuilder(tokenizer, options.dependency_timeout_seconds),
+        prompts=PromptBuilder(tokenizer, settings.dependency_timeout_seconds),
         tokenizer=tokenizer,
         cache=cache_pb2_grpc.CacheIndexServiceStub(cache_channel),
         usage=usage,
-        policy=_policy(options),
-        cache_timeout_seconds=options.cache_timeout_seconds,
-        cache_scopes=CacheScopes(isolate=options.cache_isolation, groups=options.cache_groups),
-        sessions=SessionDirectory(idle_seconds=options.session_idle_seconds),
-        clamp_max_tokens=options.clamp_max_tokens,
-        session_retention=SETTING_VALUES[options.session_cache_retention],
+        policy=_policy(settings),
+        cache_timeout_seconds=settings.cache_timeout_seconds,
+        cache_scopes=CacheScopes(isolate=settings.cache_isolation, groups=settings.cache_groups),
+        sessions=SessionDirectory(idle_seconds=settings.session_idle_seconds),
+        clamp_max_tokens=settings.clamp_max_tokens,
+        session_retention=SETTING_VALUES[settings.session_cache_retention],
         prefill_handoff=PrefillHandOff(
             replicas,
-            _policy(options),
-            min_tokens=options.disagg_min_tokens,
-            timeout_seconds=options.disagg_prefill_timeout_seconds,
+            _policy(settings),
+            min_tokens=settings.disagg_min_tokens,
+            timeout_seconds=settings.disagg_prefill_timeout_seconds,
         ),
     )
     try:
-        clients.queue = await open_queue_store(options)
+        clients.queue = await open_queue_store(settings)
         # Routers sharing a PostgreSQL store share each key's per-minute counts there too.
         windows = (
-            await PostgresKeyWindows.open(options.store_url) if is_postgres_url(options.store_url) else None
+            await PostgresKeyWindows.open(settings.store_url) if is_postgres_url(settings.store_url) else None
         )
     except BaseException:
         await clients.close(drain_seconds=0)
         raise
-    webhook_targets = WebhookTargets(options.webhook_allowed_networks)
-    clients.webhooks = _webhook_sender(clients.queue, webhook_targets, options)
-    accounts = AccountDirectory(options.api_keys, clients.queue, cache_seconds=options.api_key_cache_seconds)
+    webhook_targets = WebhookTargets(settings.webhook_allowed_networks)
+    clients.webhooks = _webhook_sender(clients.queue, webhook_targets, settings)
+    accounts = AccountDirectory(
+        settings.api_keys, clients.queue, cache_seconds=settings.api_key_cache_seconds
+    )
     limits = clients.limits = KeyLimiter(
         usage_pb2_grpc.UsageServiceStub(usage_channel),
-        budget_cache_seconds=options.budget_cache_seconds,
-        timeout_seconds=options.dependency_timeout_seconds,
+        budget_cache_seconds=settings.budget_cache_seconds,
+        timeout_seconds=settings.dependency_timeout_seconds,
         windows=windows,
     )
     usage.on_recorded = limits.recorded
-    clients.dispatcher = _dispatcher(clients.queue, pipeline, replicas, clients.webhooks, options)
+    clients.dispatcher = _dispatcher(clients.queue, pipeline, replicas, clients.webhooks, settings)
     clients.dispatcher.use_keys(accounts, limits)
     replicas.start()
     # Engines started alongside us report within one interval; waiting (bounded) for them
     # keeps the first requests from being refused. Engines that come later join when up.
-    if not await replicas.wait_all_reported(options.startup_wait_seconds):
-        log.warning("serving before every engine reported", engines=options.engine_addresses)
+    if not await replicas.wait_all_reported(settings.startup_wait_seconds):
+        log.warning("serving before every engine reported", engines=settings.engine_addresses)
     clients.webhooks.start()
     clients.dispatcher.start()
     clients.loop_lag = EventLoopLagMonitor(metrics.EVENT_LOOP_LAG)
@@ -166,18 +168,18 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
     queue = BatchQueue(
         clients.queue,
         replicas,
-        options.queue_max_batch_requests,
-        options.default_webhooks,
+        settings.queue_max_batch_requests,
+        settings.default_webhooks,
         on_batch_finished=clients.webhooks.kick,
         webhook_targets=webhook_targets,
     )
-    file_batches = FileBatches(clients.queue, queue, options.batch_file_max_lines)
+    file_batches = FileBatches(clients.queue, queue, settings.batch_file_max_lines)
     servicer = InferenceServicer(
         pipeline, accounts, queue, file_batches, StoredResponses(clients.queue), limits
     )
     try:
         running = await create_server(
-            options,
+            settings,
             [partial(router_pb2_grpc.add_InferenceServiceServicer_to_server, servicer)],
             [SERVICE_NAME],
             metrics_port=metrics_port,
@@ -201,7 +203,7 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
     )
 
 
-def _policy(options: RouterServiceSettings) -> PlacementPolicy:
+def _policy(options: RouterSettings) -> PlacementPolicy:
     return PlacementPolicy(
         load_penalty_tokens=options.load_penalty_tokens,
         session_slack_tokens=options.session_slack_tokens,
@@ -211,9 +213,7 @@ def _policy(options: RouterServiceSettings) -> PlacementPolicy:
     )
 
 
-def _webhook_sender(
-    store: QueueStore, targets: WebhookTargets, options: RouterServiceSettings
-) -> WebhookSender:
+def _webhook_sender(store: QueueStore, targets: WebhookTargets, options: RouterSettings) -> WebhookSender:
     return WebhookSender(
         store,
         secret=webhook_secret(options.webhook_secret, options.data_dir),
@@ -230,7 +230,7 @@ def _dispatcher(
     pipeline: RequestPipeline,
     replicas: ReplicaSet,
     webhooks: WebhookSender,
-    options: RouterServiceSettings,
+    options: RouterSettings,
 ) -> Dispatcher:
     return Dispatcher(
         store,
@@ -247,7 +247,7 @@ def _dispatcher(
     )
 
 
-async def _serve(settings: RouterServiceSettings) -> None:
+async def _serve(settings: RouterSettings) -> None:
     # RunningRouter.stop (called by serve_until_signalled) also closes the clients.
     running = await start(settings, metrics_port=settings.metrics_port or None)
     await serve_until_signalled(running, settings.drain_seconds)
@@ -255,7 +255,7 @@ async def _serve(settings: RouterServiceSettings) -> None:
 
 def main(port: int | None = None) -> None:
     """Serve until SIGTERM/SIGINT; ``port`` overrides ``CACHET_ROUTER_PORT``."""
-    settings = RouterServiceSettings(port=port) if port is not None else RouterServiceSettings()
+    settings = RouterSettings(port=port) if port is not None else RouterSettings()
     configure_logging("router", settings.log_level)
     configure_tracing("router")
     try:

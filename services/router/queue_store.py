@@ -56,7 +56,7 @@ from cachet.router.queue_records import (
     StoredResponse,
     WebhookAttempt,
 )
-from cachet.router.settings import RouterServiceSettings
+from cachet.router.settings import RouterSettings
 from cachet.router.sqlite_queue_store import SqliteQueueStore
 
 # The domain types are the queue's vocabulary: callers import them from here with the store.
@@ -166,7 +166,7 @@ class QueueStore(Protocol):
     ) -> tuple[list[ResponseItem], bool] | None: ...
 
 
-async def open_queue_store(options: RouterServiceSettings) -> QueueStore:
+async def open_queue_store(options: RouterSettings) -> QueueStore:
     """PostgreSQL when ``store_url`` names a database, else the SQLite file under the data directory."""
     if options.store_url and is_postgres_url(options.store_url):
         return await PostgresQueueStore.open(options.store_url)

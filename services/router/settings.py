@@ -1,4 +1,5 @@
-"""The router's own knobs on top of the shared ``RouterSettings`` (same ``CACHET_ROUTER_`` prefix)."""
+"""The router's settings: ``CACHET_ROUTER_*``; ``CACHET_API_KEYS`` and ``CACHET_STORE_URL`` are
+shared with the bridge and the usage ledger."""
 
 from __future__ import annotations
 
@@ -7,13 +8,22 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, IPvAnyNetwork, field_validator
+from pydantic_settings import SettingsConfigDict
 
-from cachet.config import API_KEYS_ALIASES, RouterSettings
+from cachet.config import API_KEYS_ALIASES, LOOPBACK, STORE_URL_ALIASES, ServiceSettings, StoreUrl
 
 
-class RouterServiceSettings(RouterSettings):
-    """Everything ``RouterSettings`` has, plus placement, health and account knobs."""
+class RouterSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_ROUTER_")
 
+    port: int = Field(default=50091, ge=0, le=65535)
+    # Prometheus /metrics over HTTP on this port (docs/ARCHITECTURE.md, "Ports"); 0: none.
+    metrics_port: int = Field(default=9091, ge=0, le=65535)
+    tokenizer_address: str = f"{LOOPBACK}:50051"
+    cache_address: str = f"{LOOPBACK}:50071"
+    usage_address: str = f"{LOOPBACK}:50081"
+    engine_addresses: list[str] = Field(default_factory=list)
+    store_url: StoreUrl = Field(default="", validation_alias=STORE_URL_ALIASES["router"])
     # API key -> account id, e.g. CACHET_API_KEYS='{"sk-test": "acct-1"}' (shared with the bridge).
     # Empty means development mode: every caller is the "anonymous" account.
     api_keys: dict[str, str] = Field(default_factory=dict, validation_alias=API_KEYS_ALIASES["router"])
@@ -130,10 +140,3 @@ class RouterServiceSettings(RouterSettings):
     @property
     def queue_path(self) -> Path:
         return self.queue_database or self.data_dir / "queue.sqlite3"
-
-
-def router_service_settings(settings: RouterSettings) -> RouterServiceSettings:
-    """The full settings for a plain ``RouterSettings`` (router-only knobs from the environment)."""
-    if isinstance(settings, RouterServiceSettings):
-        return settings
-    return RouterServiceSettings(**settings.model_dump())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-from cachet.config import TokenizerSettings
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
 from cachet.models.catalog import (
@@ -20,6 +19,7 @@ from cachet.models.catalog import (
 )
 from cachet.tokenizer.model_registry import ModelRegistry
 from cachet.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
+from cachet.tokenizer.settings import TokenizerSettings
 from cachet.tokenizer.tokenizer_model import TokenizerModel
 from cachet.tracing import configure_tracing
 

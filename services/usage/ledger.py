@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from cachet.config import UsageSettings
 from cachet.durable_postgres import is_postgres_url
 from cachet.usage.postgres_ledger import PostgresLedger
 from cachet.usage.prices import ModelPrice
 from cachet.usage.records import RecordOutcome, UsageEntry, UsageQuery, UsageTotals
+from cachet.usage.settings import UsageSettings
 from cachet.usage.sqlite_ledger import SqliteLedger
 
 DATABASE_NAME = "usage.sqlite3"

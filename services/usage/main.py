@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
-from cachet.config import UsageSettings
 from cachet.durable_postgres import StoreNotOpened
 from cachet.grpc_server import RunningServer, create_server, serve_until_signalled
 from cachet.logs import configure_logging, get_logger
@@ -13,6 +12,7 @@ from cachet.tracing import configure_tracing
 from cachet.usage.ledger import Ledger, open_ledger
 from cachet.usage.prices import load_price_table
 from cachet.usage.servicer import SERVICE_NAME, UsageServicer
+from cachet.usage.settings import UsageSettings
 from cachet.usage.v1 import usage_pb2_grpc
 
 log = get_logger(__name__)

@@ -10,16 +10,16 @@ import pytest
 from fastapi import FastAPI
 
 from cachet.bridge.app import create_app
-from cachet.bridge.settings import BridgeServiceSettings
+from cachet.bridge.settings import BridgeSettings
 
 # Nothing listens on port 1: calls to it fail UNAVAILABLE at once, which is what an
 # app with no reachable router must answer (503), without any fake service.
 NOWHERE = "127.0.0.1:1"
 
 
-def bridge_settings(**overrides: object) -> BridgeServiceSettings:
+def bridge_settings(**overrides: object) -> BridgeSettings:
     values: dict[str, object] = {"router_address": NOWHERE, "usage_address": NOWHERE, "api_keys": {}}
-    return BridgeServiceSettings(**(values | overrides))
+    return BridgeSettings(**(values | overrides))
 
 
 @asynccontextmanager

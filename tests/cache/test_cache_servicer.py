@@ -17,8 +17,8 @@ from scripted_kv_events import MODEL, batch, eventually, removed, stored
 from cachet.block_hash import block_hashes
 from cachet.cache.main import start
 from cachet.cache.servicer import parse_loopback_address
+from cachet.cache.settings import CacheSettings
 from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
-from cachet.config import CacheSettings
 from cachet.errors import error_info_from_metadata
 from cachet.grpc_channel import create_channel
 from cachet.loopback_port import free_loopback_port

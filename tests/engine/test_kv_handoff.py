@@ -12,13 +12,13 @@ from pydantic import ValidationError
 from test_host_kv_tier import greedy
 from test_shared_kv_tier import engine_with_shared_tier
 
-from cachet.config import EngineSettings
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
+from cachet.engine.settings import EngineSettings
 
 PROMPT = torch.randint(5, 200, (150,), generator=torch.Generator().manual_seed(7)).tolist()
 FULL_BLOCKS = len(PROMPT) // 16  # 9: the blocks a hand-off writes (the last, partial one is recomputed)

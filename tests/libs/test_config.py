@@ -3,7 +3,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cachet.config import BridgeSettings, EngineSettings, TokenizerSettings
+from cachet.bridge.settings import BridgeSettings
+from cachet.engine.settings import EngineSettings
+from cachet.tokenizer.settings import TokenizerSettings
 
 
 def test_shared_knobs_keep_their_documented_names(monkeypatch: pytest.MonkeyPatch) -> None:

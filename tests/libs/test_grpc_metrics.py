@@ -10,10 +10,11 @@ import pytest
 from metrics_scrape import naming_problems, scrape
 from prometheus_client import REGISTRY, generate_latest
 
-from cachet.config import LOOPBACK, ServiceSettings, UsageSettings
+from cachet.config import LOOPBACK, ServiceSettings
 from cachet.errors import InvalidArgument, ResourceExhausted
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import create_server
+from cachet.usage.settings import UsageSettings
 
 SERVICE = "cachet.test.v1.Counted"
 

@@ -10,9 +10,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 from tls_certs import TestPki
 
-from cachet.config import BridgeSettings, RouterSettings, ServiceSettings
+from cachet.bridge.settings import BridgeSettings
+from cachet.config import ServiceSettings
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import create_server
+from cachet.router.settings import RouterSettings
 from cachet.tls import PlaintextRefused, TlsSettings, add_port, blocking_channel
 
 

@@ -12,7 +12,7 @@ from cachet.engine.v1 import engine_pb2
 from cachet.errors import InvalidArgument
 from cachet.router.cache_retention import SETTING_VALUES, engine_retention
 from cachet.router.prompt import validate_chat, validate_completion
-from cachet.router.settings import RouterServiceSettings
+from cachet.router.settings import RouterSettings
 from cachet.router.v1 import router_pb2
 
 IN_MEMORY = router_pb2.CACHE_RETENTION_IN_MEMORY
@@ -52,12 +52,12 @@ def test_the_session_default_applies_only_to_a_session_that_asks_nothing() -> No
 
 
 def test_the_operator_default_is_a_setting_spelled_as_the_apis_spell_it(monkeypatch) -> None:
-    assert RouterServiceSettings().session_cache_retention == "in_memory"
+    assert RouterSettings().session_cache_retention == "in_memory"
     monkeypatch.setenv("CACHET_ROUTER_SESSION_CACHE_RETENTION", "24h")
-    assert SETTING_VALUES[RouterServiceSettings().session_cache_retention] == DAY
+    assert SETTING_VALUES[RouterSettings().session_cache_retention] == DAY
     monkeypatch.setenv("CACHET_ROUTER_SESSION_CACHE_RETENTION", "forever")
     with pytest.raises(ValidationError, match="session_cache_retention"):
-        RouterServiceSettings()
+        RouterSettings()
 
 
 def chat(**fields: object) -> router_pb2.ChatCompletionRequest:

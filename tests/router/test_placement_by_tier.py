@@ -14,8 +14,9 @@ import pytest
 
 from cachet.block_hash import block_hashes
 from cachet.cache.main import start
+from cachet.cache.settings import CacheSettings
 from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
-from cachet.config import CacheSettings, ServiceSettings
+from cachet.config import ServiceSettings
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import create_server

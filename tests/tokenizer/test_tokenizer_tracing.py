@@ -12,11 +12,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from cachet.config import TokenizerSettings
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server
 from cachet.tokenizer.model_registry import ModelRegistry
 from cachet.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
+from cachet.tokenizer.settings import TokenizerSettings
 from cachet.tokenizer.tokenizer_model import TokenizerModel
 from cachet.tokenizer.v1 import tokenizer_pb2 as pb
 from cachet.tokenizer.v1 import tokenizer_pb2_grpc

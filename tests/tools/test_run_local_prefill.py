@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cachet.config import EngineSettings
+from cachet.engine.settings import EngineSettings
 from cachet.engine_layout import EngineLayout
 from cachet.models.tiny import write_tiny_model
 from cachet.tools import run_local

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from cachet.config import UsageSettings
 from cachet.grpc_channel import create_channel
 from cachet.usage.main import start
+from cachet.usage.settings import UsageSettings
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
 

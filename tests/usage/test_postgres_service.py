@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from cachet.config import UsageSettings
 from cachet.durable_postgres import StoreNotOpened
 from cachet.grpc_channel import create_channel
 from cachet.loopback_port import free_loopback_port
 from cachet.usage.main import start
+from cachet.usage.settings import UsageSettings
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
 

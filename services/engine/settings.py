@@ -1,0 +1,114 @@
+"""The engine's settings: ``CACHET_ENGINE_*``, and the shared ``CACHET_MODEL``, ``CACHET_DTYPE``,
+``CACHET_TP``, the KV tiers' ``CACHET_KV_*``...
+
+Imports no torch: a single-rank engine's gRPC server reads these and never loads torch
+(its step loop runs in a process of its own).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from cachet.config import ServiceSettings, shared_alias
+
+
+class EngineSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHET_ENGINE_")
+
+    port: int = Field(default=50061, ge=0, le=65535)
+    model: str = Field(default="", validation_alias=shared_alias("CACHET_MODEL"))
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", validation_alias=shared_alias("CACHET_DTYPE")
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", validation_alias=shared_alias("CACHET_DEVICE")
+    )
+    # The KV pool's size; unset: kv_cache_memory_fraction of the memory free once the weights
+    # are loaded (capped at max_num_seqs full context windows).
+    kv_cache_gb: float | None = Field(default=None, gt=0, validation_alias=shared_alias("CACHET_KV_CACHE_GB"))
+    # Unset: cachet.engine_layout's default for the device, divided between the ranks that
+    # share the memory (a CPU host's ranks).
+    kv_cache_memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    # The host KV tier of one replica (cachet.engine.host_kv_tier): blocks evicted from the pool
+    # wait there and a prefix hit copies them back. 0: none. Divided between a replica's ranks.
+    kv_host_gb: float = Field(default=0, ge=0, validation_alias=shared_alias("CACHET_KV_HOST_GB"))
+    # The shared file KV tier (cachet.engine.shared_kv_tier): one file per block under this
+    # folder, which replicas on any host that see it share; needs the host tier. Unset: none.
+    kv_shared_dir: Path | None = Field(default=None, validation_alias=shared_alias("CACHET_KV_SHARED_DIR"))
+    # Its size budget, for this model and layout's folder (least recently used files go first).
+    kv_shared_gb: float = Field(default=20, gt=0, validation_alias=shared_alias("CACHET_KV_SHARED_GB"))
+    # Disaggregated prefill (docs/ARCHITECTURE.md): "prefill" replicas compute the prompts the
+    # router sends them and hand their KV to "decode" replicas through the shared KV tier;
+    # "mixed" serves whole requests. A role other than mixed needs the shared tier.
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    block_size: int = Field(default=16, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    # Unset: cachet.engine_layout's default for the device (512 on a CPU, 2,048 on a GPU).
+    max_num_batched_tokens: int | None = Field(default=None, ge=16)
+    # Most tokens of async-queue work in one step (unset: a quarter of max_num_batched_tokens).
+    max_batch_tokens_per_step: int | None = Field(default=None, ge=1)
+    max_waiting: int = Field(default=256, ge=1)
+    # Batch (async queue) work starts only while fewer than this share of max_num_seqs run;
+    # the seats above stay open to interactive arrivals. Reported to routers, whose
+    # dispatchers keep a few jobs waiting here beyond it (CACHET_ROUTER_BATCH_PREFETCH).
+    # 0.875, not 0.75: with the default model the backlog drained 0.90-0.95 of the free
+    # capacity (three runs, mean 0.93) against 0.86-0.93 (mean 0.89), first tokens unchanged
+    # (docs/async_queue_measurements.md).
+    batch_max_running_fraction: float = Field(default=0.875, gt=0, le=1)
+    max_model_len: int | None = Field(default=None, ge=16)
+    # Ranks of one replica (its TP group). CACHET_EP, for mixture-of-experts models only: 1 cuts
+    # every routed expert by channels over those ranks, CACHET_TP puts whole experts on each; any
+    # other value, or EP > 1 on a dense model, is refused when the engine starts.
+    tensor_parallel_size: int = Field(default=1, ge=1, validation_alias=shared_alias("CACHET_TP"))
+    expert_parallel_size: int = Field(default=1, ge=1, validation_alias=shared_alias("CACHET_EP"))
+    # Math threads per rank (unset: this host's cores over the replica's ranks on it).
+    threads: int | None = Field(default=None, ge=1)
+    load_report_interval_ms: int = Field(default=200, ge=10)
+    # Least time between two messages of a token stream after its first (0: every step).
+    stream_interval_ms: float = Field(default=0.0, ge=0)
+    # A single-rank replica runs its step loop in a process of its own, beside the gRPC
+    # server's, so the two do not take turns on one interpreter lock; off: a thread of the
+    # server's process (as the ranks of a tensor-parallel replica always do).
+    core_process: bool = True
+    # Reorder linear weights once for oneDNN on a CPU (bit-identical in bf16, 1.3-1.6x faster
+    # products at the batch sizes serving runs; see cachet.engine.packed_linear).
+    pack_linear_weights: bool = True
+    # On a CUDA device, replay decode steps as CUDA graphs (cachet.engine.cuda_graphs); no
+    # effect on a CPU, for models that opt out, or in a tensor-parallel replica.
+    cuda_graphs: bool = True
+    # On a CPU, decodes read the paged KV cache in place through a C++ kernel
+    # (cachet.engine.paged_decode_kernel) rather than gathering it for SDPA; false: the
+    # gather + SDPA reference path.
+    paged_decode_kernel: bool = True
+    # Sampling values a request leaves unset come from the model's generation_config.json
+    # (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; false: the API's
+    # own defaults (temperature 1, no top-p/top-k).
+    generation_defaults: bool = True
+    # Prometheus /metrics over HTTP on this port (docs/ARCHITECTURE.md, "Ports"); 0: none.
+    metrics_port: int = Field(default=9061, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _role_has_its_transport(self) -> EngineSettings:
+        if self.role == "mixed":
+            return self
+        if self.kv_shared_dir is None or not self.kv_host_gb:
+            raise ValueError(
+                f"CACHET_ENGINE_ROLE={self.role} hands KV over through the shared KV tier: set "
+                "CACHET_KV_SHARED_DIR (a folder both replicas see) and CACHET_KV_HOST_GB"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"CACHET_ENGINE_ROLE={self.role} needs the shared KV tier, which a tensor-parallel "
+                "replica does not have yet: use CACHET_TP=1"
+            )
+        return self
+
+    @property
+    def max_batch_running(self) -> int:
+        """Seats batch work may fill (``batch_max_running_fraction`` of ``max_num_seqs``)."""
+        return max(1, math.floor(self.max_num_seqs * self.batch_max_running_fraction))
