@@ -289,6 +289,7 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_completion_tokens=len(request.output_token_ids),
+            timeline=request.timeline if request.is_finished else None,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -312,6 +312,13 @@ class KVCacheManager:
         if not run:
             return None
         request.kv_prefetch = self.shared_tier.read_later(run)
+        timeline = request.timeline
+
+        def stamp(loaded: Future[list[tuple[int, Any]]]) -> None:
+            timeline.kv_loaded_ns = time.time_ns()
+            timeline.kv_loaded_blocks = 0 if loaded.exception() else len(loaded.result())
+
+        request.kv_prefetch.add_done_callback(stamp)
         return request.kv_prefetch
 
     def _install_prefetch(self, request: Request) -> None:

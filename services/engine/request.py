@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.kv_retention import KvRetention
+from cachet.engine.request_timeline import RequestTimeline
 from cachet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class Request:
     # prompt and sampled ``output_token_ids[0]``; its KV comes from the shared tier.
     hand_off_kv: bool = False
     prefilled_elsewhere: bool = False
+    # When it reached each stage, for its trace (request_spans).
+    timeline: RequestTimeline = field(default_factory=RequestTimeline)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.request import RequestStatus
+from cachet.engine.request_timeline import RequestTimeline
 from cachet.engine.step_plan import SampledToken
 
 
@@ -31,6 +32,8 @@ class RequestOutput:
     # Why the request was refused after it was queued (its grammar failed to compile): the
     # servicer turns this into INVALID_ARGUMENT. Empty otherwise.
     error: str = ""
+    # On the last output: when the request reached each stage (its engine spans).
+    timeline: RequestTimeline | None = None
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
@@ -385,6 +386,8 @@ class Scheduler:
         return limit is None or len(self.running) < limit
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        if not request.timeline.admitted_ns:
+            request.timeline.admitted_ns = time.time_ns()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -450,6 +453,7 @@ class Scheduler:
                 bool(request.output_token_ids) and request.num_computed_tokens == request.num_tokens - 1
             )
             counts.computed_tokens[priority, "decode" if decoding else "prefill"] += num_tokens
+            request.timeline.prefill_chunks += not decoding
             request.num_computed_tokens += num_tokens
             self.kv.cache_computed_blocks(request)
             sampled = result.sampled.get(request_id)
@@ -458,6 +462,8 @@ class Scheduler:
             if request.num_computed_tokens != request.num_tokens:
                 raise RuntimeError(f"runner sampled for {request_id} before its last token")
             request.output_token_ids.append(sampled.token_id)
+            if not request.timeline.first_token_ns:
+                request.timeline.first_token_ns = time.time_ns()
             counts.generated_tokens[priority] += 1
             self._maybe_finish(request, (matched_stops or {}).get(request_id))
             updates.append(TokenUpdate(request, sampled))

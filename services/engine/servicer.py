@@ -17,6 +17,8 @@ from cachet.engine.errors import InvalidRequest
 from cachet.engine.kv_retention import MAX_RETENTION_SECONDS, KvRetention
 from cachet.engine.request import Request
 from cachet.engine.request_output import RequestOutput
+from cachet.engine.request_spans import record_request_spans
+from cachet.engine.request_timeline import RequestTimeline
 from cachet.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from cachet.engine.structured_output import grammar_spec_from_proto
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -47,6 +49,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 if output.error:
                     # Only a request refused before it produced anything carries an error.
                     raise InvalidRequest(output.error)
+                if output.finished:
+                    record_request_spans(output)
                 yield _to_response(output, include_usage=first or output.finished)
                 first = False
 
@@ -122,6 +126,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             arrival_time=time.monotonic(),
             retention=_retention(request.kv_retention),
             hand_off_kv=request.hand_off_kv,
+            timeline=RequestTimeline(arrived_ns=time.time_ns()),
             **_prefilled(request),
         )
 

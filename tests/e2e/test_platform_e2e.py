@@ -258,6 +258,16 @@ def test_one_trace_spans_bridge_router_tokenizer_engine_and_usage(platform: Plat
             "SERVER",
             "POST /v1/chat/completions",
         )
+    # Inside the engine: the request's stages, children of its Generate span, one after another.
+    generate = next(s for s in complete if s["service"] == "engine")
+    stages = {s["name"]: s for s in spans if s["parent_span_id"] == generate["span_id"]}
+    order = ["engine.queue", "engine.prefill", "engine.decode"]
+    assert set(order) <= set(stages), sorted(stages)
+    for earlier, later in zip(order, order[1:], strict=False):
+        assert stages[earlier]["end_ns"] <= stages[later]["start_ns"] + 1_000, (earlier, later)
+    assert generate["start_ns"] <= stages["engine.queue"]["start_ns"]
+    assert stages["engine.decode"]["attributes"]["cachet.completion_tokens"] == 3
+    assert stages["engine.prefill"]["attributes"]["cachet.prefill_chunks"] >= 1
 
 
 def _ancestry(span: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

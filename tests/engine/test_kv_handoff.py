@@ -91,6 +91,11 @@ def test_a_decode_replica_continues_a_prefill_replicas_hand_off_as_one_replica_w
     assert [t for new in outputs for t in new] == expected
     assert cached == 0  # the caller's cached tokens are the prefill replica's hits, not the hand-off
     assert decode.scheduler.kv.hit_tokens == {"engine": 0, "host": 0, "shared": FULL_BLOCKS * 16}
+    # Its trace's stages (request_spans): the hand-off loaded while it waited for its seat.
+    timeline = request.timeline
+    assert timeline.kv_loaded_blocks == FULL_BLOCKS
+    assert 0 < timeline.kv_loaded_ns <= timeline.admitted_ns <= timeline.first_token_ns
+    assert timeline.prefill_chunks == 1  # the partial block and the first token, in one step
 
 
 def test_a_plain_request_answers_before_its_blocks_are_written(
