@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.cache_index_bench import run_cache_index_bench
 from bench.cuda_graph_bench import run_cuda_graph_bench
+from bench.disagg_bench import run_disagg_bench
 from bench.engine_bench import run_engine_bench
 from bench.kv_tier_bench import run_kv_tier_bench
 from bench.linear_packing_bench import run_linear_packing_bench
@@ -85,6 +86,11 @@ def main() -> None:
         # both driven by vLLM's own serving client; the default model whatever --model says, in
         # --dtype (auto: bf16 where the CPU has bf16 instructions, else fp32).
         "serving": lambda: run_serving_bench(quick=args.quick, dtype=args.dtype),
+        # One prefill + one decode replica against two mixed ones, each a `cachet run-local` on the
+        # same cores, under one mix of streams and long-prompt arrivals (~3 min quick, ~12 full).
+        "disaggregated_prefill": lambda: run_disagg_bench(
+            quick=args.quick, dtype=args.dtype, model=args.model
+        ),
     }
     chosen = [name for name in args.only.split(",") if name] or list(sections)
     unknown = sorted(set(chosen) - set(sections))
