@@ -14,7 +14,7 @@ Both get the same mix, driven over the REST API (streamed chat completions, gree
 public text to build them from): a few streaming clients, each asking for a short prompt's
 long answer again as soon as the last one ends, and long unique prompts arriving on a fixed
 schedule (open loop: one every few seconds whatever the server does) for a short answer.
-The streams start new requests until the last long prompt's arrival. A round runs both setups;
+The streams start new requests for one interval per long prompt. A round runs both setups;
 a full run takes two, the second in the other order, and pools each setup's requests.
 
 Per setup: the streams' time per output token (per request, ``(last token - first token) /
