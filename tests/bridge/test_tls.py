@@ -1,10 +1,12 @@
-"""TLS across real processes: the bridge over HTTPS, its gRPC calls and the router's API over mutual TLS.
+"""TLS across real processes: the bridge over HTTPS, every gRPC hop and the router's API over mutual TLS.
 
-The tokenizer, usage service and router require client certificates from the test CA; the
-bridge serves HTTPS with the same certificate and presents it when it calls them. No engine:
-the bridge's /health (the router's gRPC health), /v1/usage (the usage service) and
-count_tokens (the tokenizer) each cross one mutual-TLS hop, and the router's own API is
-called directly, with the API key in metadata as REST sends it in headers.
+The tokenizer, usage service, engine, cache index and router require client certificates from
+the test CA; the bridge serves HTTPS with the same certificate and presents it when it calls
+them. The bridge's /health (the router's gRPC health), /v1/usage (the usage service) and
+count_tokens (the tokenizer) each cross one mutual-TLS hop; a chat completion crosses them all
+(the router to the tokenizer, the cache index, the engine and usage; the cache index follows the
+engine's KV events); the router's own API is called directly, with the API key in metadata as
+REST sends it in headers.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import pytest
 from service_processes import TINY_MODEL_ID, ServiceProcess, free_port, launch_service, start_service
 from tls_certs import TestPki
 
+from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
-from cachet.tls import http_client_context
+from cachet.tls import blocking_channel, http_client_context
 
 KEYS = {"sk-tls": "acct-tls"}
 
@@ -34,10 +37,15 @@ class Deployment:
     pki: TestPki
     router: ServiceProcess
     bridge: ServiceProcess
+    cache: ServiceProcess
 
     def https(self) -> httpx.Client:
         context = http_client_context(self.pki.client(None))
         return httpx.Client(base_url=f"https://{self.bridge.address}", verify=context, timeout=10)
+
+
+def _replicas(stub: cache_pb2_grpc.CacheIndexServiceStub) -> list[cache_pb2.ReplicaState]:
+    return list(stub.ListReplicas(cache_pb2.ListReplicasRequest(), timeout=5).replicas)
 
 
 def _wait_https_health(bridge: ServiceProcess, verify: ssl.SSLContext, timeout: float = 60.0) -> None:
@@ -67,14 +75,19 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         started.append(tokenizer)
         usage = start_service("usage", {"CACHET_DATA_DIR": str(root / "usage")} | mtls, root)
         started.append(usage)
+        engine = start_service("engine", {"CACHET_MODEL": str(model_dir)} | mtls, root, timeout=300)
+        started.append(engine)
+        cache = start_service(
+            "cache", {"CACHET_CACHE_ENGINE_ADDRESSES": json.dumps([engine.address])} | mtls, root
+        )
+        started.append(cache)
         router = start_service(
             "router",
             {
                 "CACHET_ROUTER_TOKENIZER_ADDRESS": tokenizer.address,
                 "CACHET_ROUTER_USAGE_ADDRESS": usage.address,
-                "CACHET_ROUTER_CACHE_ADDRESS": f"127.0.0.1:{free_port()}",
-                "CACHET_ROUTER_ENGINE_ADDRESSES": "[]",
-                "CACHET_ROUTER_STARTUP_WAIT_SECONDS": "0",
+                "CACHET_ROUTER_CACHE_ADDRESS": cache.address,
+                "CACHET_ROUTER_ENGINE_ADDRESSES": json.dumps([engine.address]),
                 "CACHET_DATA_DIR": str(root / "router"),
                 "CACHET_API_KEYS": json.dumps(KEYS),
             }
@@ -99,7 +112,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         )
         started.append(bridge)
         _wait_https_health(bridge, http_client_context(pki.client(None)))
-        yield Deployment(pki, router, bridge)
+        yield Deployment(pki, router, bridge, cache)
     finally:
         for process in reversed(started):
             process.stop()
@@ -121,6 +134,25 @@ def test_the_bridge_serves_https_that_the_ca_verifies_and_calls_every_backend_ov
         assert counted.status_code == 200, counted.text
         assert counted.json()["input_tokens"] > 0
         assert client.get("/v1/usage").status_code == 401
+        # Twice the same prompt: the second is served from the engine's cache (usage says so).
+        body = {
+            "model": TINY_MODEL_ID,
+            "messages": [{"role": "user", "content": "Tell me about TLS in one long sentence " * 4}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        answers = [
+            client.post("/v1/chat/completions", headers=headers, json=body, timeout=60) for _ in range(2)
+        ]
+        assert [answer.status_code for answer in answers] == [200, 200], answers[0].text
+        assert answers[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # The cache index follows the engine's KV events over mutual TLS too.
+    with blocking_channel(deployment.cache.address, deployment.pki.client()) as channel:
+        stub = cache_pb2_grpc.CacheIndexServiceStub(channel)
+        deadline = time.monotonic() + 10
+        while not any(r.connected and r.cached_blocks for r in _replicas(stub)):
+            assert time.monotonic() < deadline, list(_replicas(stub))
+            time.sleep(0.1)
     # Plain HTTP to the same port gets no answer, and a client without the CA refuses the server.
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://{deployment.bridge.address}/health", timeout=5)
