@@ -238,7 +238,7 @@ class SharedKvFiles:
         """The block's tensor, or None when its file is missing or fails a check (then removed)."""
         path = self.path(block_hash)
         try:
-            data = path.read_bytes()
+            data = _read_whole(path)
         except OSError:
             self._knew(block_hash, False)
             return None
@@ -256,7 +256,8 @@ class SharedKvFiles:
         self.bytes["loaded"] += len(data)
         return block
 
-    def _decode(self, data: bytes, block_hash: int) -> torch.Tensor | None:
+    def _decode(self, data: bytearray, block_hash: int) -> torch.Tensor | None:
+        """The block, a view of ``data`` (no copy: a hand-off loads tens of MB a prompt)."""
         start = len(_MAGIC) + _HEADER_LENGTH.size
         if len(data) < start or not data.startswith(_MAGIC):
             return None
@@ -265,7 +266,8 @@ class SharedKvFiles:
             header = json.loads(data[start : start + header_length])
         except ValueError:
             return None
-        payload = data[start + header_length :]
+        payload_start = start + header_length
+        payload = memoryview(data)[payload_start:]
         expected = {
             "key": self.key,
             "hash": block_hash,
@@ -277,7 +279,8 @@ class SharedKvFiles:
             return None
         if header.get("sha256") != hashlib.sha256(payload).hexdigest():
             return None
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+        block = torch.frombuffer(data, dtype=torch.uint8, offset=payload_start, count=len(payload))
+        return block.view(self.dtype).view(self.block_shape)
 
     # ----------------------------------------------------------------- clean-up
 
@@ -332,6 +335,14 @@ class SharedKvFiles:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _read_whole(path: Path) -> bytearray:
+    """The file's bytes, read once into a buffer a tensor can view."""
+    with open(path, "rb") as file:
+        data = bytearray(os.fstat(file.fileno()).st_size)
+        read = file.readinto(data)
+    return data[:read] if read < len(data) else data
 
 
 def _block_hash_of(path: str) -> int | None:
