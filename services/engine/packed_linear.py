@@ -16,6 +16,13 @@ products widen each weight to fp32 in registers: a decode step then streams half
 fp32 weights, where torch's emulated bf16 products streamed them slower than fp32 (8.9 against
 20.6 GB/s for the default model's head, one row, the dev box's two cores).
 
+oneDNN's own bf16 products (AVX512-BF16 or AMX hosts) are slow at one to four rows: a decode
+step of the default model's linears took 24.2 ms at one row, the kernel 13.4 (16.8 and 14.7 at
+four rows; AVX512-BF16 EPYC, two threads), while at 16 rows and more oneDNN's bf16 dot-product
+instructions win (23.6 against 53.0 ms). So there a bf16 linear keeps the kernel's panels
+beside oneDNN's weight and runs a product of up to ``SMALL_BATCH_ROWS`` rows on them (one to
+four decodes: an agent's turn decoding alone), at the cost of a second copy of the bf16 weights.
+
 A packed weight cannot be read as a plain tensor (oneDNN's is opaque, of the same shape; the
 panels are [out / 16, in, 16]), so a model that reads a linear's weight itself (absorbed MLA attention)
 marks that linear ``pack_weight = False``. A tied head gets a packed copy of its own;
@@ -33,6 +40,9 @@ from cachet.engine.cpu_kernels import load_cpu_kernel
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Output features per panel of the bf16 kernel's layout.
 _PANEL = 16
+# Most rows a product runs on the bf16 kernel's panels beside oneDNN's bf16 weight (above:
+# oneDNN), from the measurements in the module docstring.
+SMALL_BATCH_ROWS = 4
 
 
 class PackableLinear(nn.Linear):
@@ -42,18 +52,20 @@ class PackableLinear(nn.Linear):
     pack_weight: bool = True
     # The weight is in the bf16 kernel's panels (set by pack_).
     bf16_panels: bool = False
+    # Beside oneDNN's bf16 weight: the same weight in the kernel's panels, for small batches.
+    small_batch_panels: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
+        if self.small_batch_panels is not None and x.numel() <= SMALL_BATCH_ROWS * x.shape[-1]:
+            return _bf16_kernel().bf16_weight_linear(x, self.small_batch_panels, bias)
         if self.weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
         if self.bf16_panels:
-            kernel = load_cpu_kernel("bf16_weight_linear")
-            assert kernel is not None  # packed only where it loaded
-            return kernel.bf16_weight_linear(x, self.weight, bias)
+            return _bf16_kernel().bf16_weight_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def pack_(self) -> bool:
@@ -67,11 +79,11 @@ class PackableLinear(nn.Linear):
         if _bf16_kernel_packs(weight.device, weight.dtype):
             if weight.shape[0] % _PANEL:
                 return False
-            kernel = load_cpu_kernel("bf16_weight_linear")
-            assert kernel is not None
-            self.weight = nn.Parameter(kernel.pack_bf16_weight(weight), requires_grad=False)
+            self.weight = nn.Parameter(_bf16_kernel().pack_bf16_weight(weight), requires_grad=False)
             self.bf16_panels = True
             return True
+        if _small_batch_panels_help(weight):
+            self.small_batch_panels = _bf16_kernel().pack_bf16_weight(weight)
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.weight = nn.Parameter(reordered, requires_grad=False)
         return True
@@ -87,6 +99,21 @@ def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in _PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _bf16_kernel():  # noqa: ANN202 - a compiled extension module
+    kernel = load_cpu_kernel("bf16_weight_linear")
+    assert kernel is not None  # weights are packed for it only where it loaded
+    return kernel
+
+
+def _small_batch_panels_help(weight: torch.Tensor) -> bool:
+    """oneDNN packs this bf16 weight, and the kernel can run its small batches faster."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.shape[0] % _PANEL == 0
+        and load_cpu_kernel("bf16_weight_linear") is not None
+    )
 
 
 def _bf16_kernel_packs(device: torch.device, dtype: torch.dtype) -> bool:

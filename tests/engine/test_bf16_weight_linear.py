@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cachet.engine.cpu_kernels import load_cpu_kernel
+from cachet.engine.packed_linear import SMALL_BATCH_ROWS
 from cachet.engine.tensor_parallel import ColumnParallelLinear
 
 pytestmark = pytest.mark.skipif(
@@ -74,3 +75,20 @@ def test_a_layer_packs_bf16_into_panels_where_onednn_cannot(kernel) -> None:
     odd = ColumnParallelLinear(40, 24, range(24), bias=False).bfloat16()
     assert layer.pack_() and layer.bf16_panels and layer.weight.shape == (3, 40, 16)
     assert not odd.pack_() and not odd.bf16_panels  # 24 outputs: no whole panels, stays plain
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU"
+)
+def test_where_onednn_packs_bf16_small_batches_run_on_the_panels_beside_it(kernel) -> None:
+    layer = ColumnParallelLinear(40, 48, range(48), bias=True).bfloat16()
+    plain_weight = layer.weight.detach().clone()
+    assert layer.pack_() and layer.weight.is_mkldnn and layer.small_batch_panels is not None
+    with torch.inference_mode():
+        for rows in (1, SMALL_BATCH_ROWS):
+            x = torch.randn(rows, 40).bfloat16()
+            expected = kernel.bf16_weight_linear(x, kernel.pack_bf16_weight(plain_weight), layer.bias)
+            assert torch.equal(layer(x), expected)
+        x = torch.randn(SMALL_BATCH_ROWS + 1, 40).bfloat16()
+        onednn = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+        assert torch.equal(layer(x), onednn)
