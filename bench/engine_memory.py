@@ -40,6 +40,12 @@ def measure(model: str | None, dtype: str, requests: int) -> dict:
     config = SchedulerConfig(max_model_len=runner.max_model_len, max_num_batched_tokens=512, max_num_seqs=32)
     core = EngineCore(runner=runner, model=resolved.model_id, scheduler_config=config)
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    # A second copy of bf16 weights for small batches, where oneDNN packs the first (packed_linear).
+    weights += sum(
+        panels.nbytes
+        for module in runner.model.modules()
+        if (panels := getattr(module, "small_batch_panels", None)) is not None
+    )
     kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     rng = random.Random(0)
 
