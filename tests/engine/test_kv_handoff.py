@@ -62,20 +62,29 @@ def _prefill(engine: EngineCore, request_id: str) -> int:
             return output.new_token_ids[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "kimi-k2"])
+@pytest.mark.parametrize(
+    ("family", "device"),
+    [
+        ("llama", "cpu"),
+        ("kimi-k2", "cpu"),
+        pytest.param(
+            "llama", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+        ),
+    ],
+)
 def test_a_decode_replica_continues_a_prefill_replicas_hand_off_as_one_replica_would(
-    tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str, device: str
 ) -> None:
     model_dir = tiny_checkpoints[family]
     per_block = _bytes_per_block(model_dir)
-    mixed = engine_with_shared_tier(model_dir, tmp_path / "mixed", per_block, "cpu")
+    mixed = engine_with_shared_tier(model_dir, tmp_path / "mixed", per_block, device)
     expected, _, _ = greedy(mixed, "whole", PROMPT, 8)
 
-    prefill = engine_with_shared_tier(model_dir, tmp_path / "shared", per_block, "cpu")
+    prefill = engine_with_shared_tier(model_dir, tmp_path / "shared", per_block, device)
     first_token = _prefill(prefill, "p")
     assert first_token == expected[0]
 
-    decode = engine_with_shared_tier(model_dir, tmp_path / "shared", per_block, "cpu")
+    decode = engine_with_shared_tier(model_dir, tmp_path / "shared", per_block, device)
     request = Request(
         "d",
         PROMPT,
