@@ -72,6 +72,10 @@ class AttentionGroup:
     batch_size: int
     max_query_len: int
     max_kv_len: int
+    # One request whose every key is this step's (a prompt's first chunk, nothing cached): its
+    # mask is the plain causal one, and SDPA told so skips the masked half instead of computing
+    # and masking it (73 -> 35 ms a layer for a 1,800-token prompt on two CPU cores).
+    causal: bool = False
 
 
 @dataclass
@@ -205,6 +209,7 @@ def _build_group(
         batch_size=batch,
         max_query_len=max_q,
         max_kv_len=max_kv,
+        causal=mask is not None and batch == 1 and max_q == max_kv,
     )
 
 
@@ -286,7 +291,13 @@ def _attend_group(
         # 16 masked decodes x 3,800 keys 59 ms, 11.6 without).
         query, keys, values = query.float(), keys.float(), values.float()
     out = scaled_dot_product_attention(
-        query, keys, values, group.mask, enable_gqa=not grouped, fixed_shapes=fixed_shapes
+        query,
+        keys,
+        values,
+        None if group.causal else group.mask,
+        is_causal=group.causal,
+        enable_gqa=not grouped,
+        fixed_shapes=fixed_shapes,
     )
     num_heads, head_dim = q.shape[1:]
     if grouped:
@@ -302,18 +313,19 @@ def scaled_dot_product_attention(
     mask: torch.Tensor | None,
     *,
     scale: float | None = None,
+    is_causal: bool = False,
     enable_gqa: bool = False,
     fixed_shapes: bool = False,
 ) -> torch.Tensor:
     """PyTorch's SDPA; on CUDA, cuDNN only where the shapes are fixed (``_CUDA_SDPA_BACKENDS``)."""
     if query.device.type != "cuda":
         return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+            query, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa
         )
     backends = _CUDA_FIXED_SHAPE_SDPA_BACKENDS if fixed_shapes else _CUDA_SDPA_BACKENDS
     with sdpa_kernel(backends, set_priority=True):
         return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+            query, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa
         )
 
 
