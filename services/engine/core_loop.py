@@ -69,6 +69,7 @@ class CoreLoop:
             structured_output=self.core.grammar_compiler is not None,
             stats=self.stats(),
             sampling_defaults=dict(sampling_defaults or {}),
+            vocab_size=getattr(runner, "vocab_size", 0),
         )
 
     def run(self, command_id: int, command: Command) -> Reply:

@@ -108,6 +108,8 @@ class EngineDescription:
     stats: EngineStats
     # What a request leaves unset takes these (sampling_params.model_sampling_defaults).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # Token ids the model has (0: unknown); a request naming another is refused, not run.
+    vocab_size: int = 0
 
 
 Message = Reply | StepReport

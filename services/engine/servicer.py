@@ -32,6 +32,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._info = info
         self._default_report_ms = default_report_ms
         self._sampling_defaults = engine.description.sampling_defaults
+        self._vocab_size = engine.description.vocab_size
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -110,6 +111,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequest(
                 f"prompt of {prompt_tokens} tokens does not fit the {window}-token context window"
             )
+        self._check_token_ids(request)
         room = window - prompt_tokens
         if sampling.max_tokens is not None and sampling.max_tokens > room:
             raise InvalidRequest(
@@ -129,6 +131,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             timeline=RequestTimeline(arrived_ns=time.time_ns()),
             **_prefilled(request),
         )
+
+    def _check_token_ids(self, request: engine_pb2.GenerateRequest) -> None:
+        """An id past the vocabulary would fail the whole step (the embedding lookup) for every
+        request in it: refuse it here, with its place."""
+        if not self._vocab_size:
+            return
+        ids = list(request.prompt_token_ids)
+        if ids and max(ids) >= self._vocab_size:
+            index = next(i for i, token in enumerate(ids) if token >= self._vocab_size)
+            raise InvalidRequest(
+                f"prompt_token_ids[{index}]={ids[index]} is not in this model's {self._vocab_size}-token vocabulary"
+            )
+        if request.HasField("prefilled") and request.prefilled.first_token_id >= self._vocab_size:
+            raise InvalidRequest(
+                f"prefilled.first_token_id={request.prefilled.first_token_id} is not in this model's "
+                f"{self._vocab_size}-token vocabulary"
+            )
 
     def _load_report(self) -> engine_pb2.LoadReport:
         decode_rate, prefill_rate = self._engine.throughput.rates()

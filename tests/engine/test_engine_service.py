@@ -176,6 +176,9 @@ async def test_overload_is_refused_at_once(engine: ServiceProcess) -> None:
         ({"prompt_token_ids": []}, "empty"),
         ({"kv_retention": [engine_pb2.KvRetention(seconds=0)]}, "kv_retention[0].seconds"),
         ({"kv_retention": [engine_pb2.KvRetention(seconds=86401)]}, "kv_retention[0].seconds"),
+        ({"prompt_token_ids": [1, 2, 10**6]}, "prompt_token_ids[2]=1000000 is not in"),
+        ({"prefilled": engine_pb2.PrefilledElsewhere(first_token_id=10**6)}, "first_token_id"),
+        ({"hand_off_kv": True}, "CACHET_KV_SHARED_DIR"),
     ],
 )
 async def test_bad_input_is_invalid_argument(
@@ -186,7 +189,7 @@ async def test_bad_input_is_invalid_argument(
         request.ClearField(field)
         if isinstance(value, list):
             getattr(request, field).extend(value)
-        elif isinstance(value, str):
+        elif isinstance(value, str | bool):
             setattr(request, field, value)
         else:
             getattr(request, field).CopyFrom(value)
