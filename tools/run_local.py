@@ -82,7 +82,22 @@ def prefill_replicas_from_env() -> int:
             f"run-local: CACHET_PREFILL_REPLICAS={count} hands KV over through the shared KV tier, "
             "which a tensor-parallel replica does not have yet: use CACHET_TP=1"
         )
+    host_gb = os.environ.get("CACHET_KV_HOST_GB")
+    if count and host_gb is not None and _gigabytes(host_gb) <= 0:
+        # The engines would refuse it at start, and the supervisor restart them until it gave up.
+        raise SystemExit(
+            f"run-local: CACHET_PREFILL_REPLICAS={count} hands KV over through the shared KV tier, "
+            f"which needs a host KV tier: CACHET_KV_HOST_GB={host_gb} must be more than 0 (unset: "
+            f"{DEFAULT_KV_HOST_GB})"
+        )
     return count
+
+
+def _gigabytes(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
 
 
 def engine_roles(replicas: int, prefill_replicas: int) -> list[str]:

@@ -119,6 +119,11 @@ def test_the_cores_are_divided_between_prefill_and_decode_replicas(
         ({"CACHET_PREFILL_REPLICAS": "1.5"}, "CACHET_PREFILL_REPLICAS=1.5 must be a whole number"),
         ({"CACHET_PREFILL_REPLICAS": "two"}, "CACHET_PREFILL_REPLICAS=two must be a whole number"),
         ({"CACHET_PREFILL_REPLICAS": "1", "CACHET_TP": "2"}, "use CACHET_TP=1"),
+        (
+            {"CACHET_PREFILL_REPLICAS": "1", "CACHET_KV_HOST_GB": "0"},
+            "CACHET_KV_HOST_GB=0 must be more than 0",
+        ),
+        ({"CACHET_PREFILL_REPLICAS": "1", "CACHET_KV_HOST_GB": "lots"}, "CACHET_KV_HOST_GB=lots must be"),
     ],
 )
 def test_refusals(environment: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
