@@ -14,6 +14,11 @@ Only full blocks are hashed; a trailing partial block has no name.
 Token ids are encoded as little-endian uint32, so the hash does not depend on
 the host or on how the caller stores ids. Changing anything here invalidates
 every cache index: tests pin golden values.
+
+An image's placeholder tokens are the same ids for every picture, so a block that
+holds any of them also folds in the content hash of each image it overlaps (in
+token order): the same screenshot in the next turn names the same blocks, a changed
+pixel names others from that block on. Blocks without images hash as before.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 DEFAULT_BLOCK_SIZE = 16
 _DIGEST_BYTES = 8
@@ -41,10 +47,32 @@ def hash_seed(model: str, cache_salt: str = "") -> int:
     return _digest(b"cachet-block-hash-v1", model.encode(), cache_salt.encode())
 
 
-def hash_block(seed: int, parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Hash of one full block given the hash of the block before it (0 for the first)."""
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where an image's placeholder tokens sit in a prompt, and what the image is."""
+
+    token_offset: int
+    num_tokens: int
+    content_hash: bytes
+
+
+def hash_block(seed: int, parent_hash: int, token_ids: Sequence[int], images: bytes = b"") -> int:
+    """Hash of one full block given the hash of the block before it (0 for the first);
+    ``images``: the content hashes of the images whose tokens the block holds, in order."""
     tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    return _digest(seed.to_bytes(8, "little"), parent_hash.to_bytes(8, "little"), tokens)
+    parts = [seed.to_bytes(8, "little"), parent_hash.to_bytes(8, "little"), tokens]
+    if images:
+        parts.append(images)
+    return _digest(*parts)
+
+
+def images_in_block(images: Sequence[ImageSpan], start: int, end: int) -> bytes:
+    """The content hashes of the images with a token in ``[start, end)``, in token order."""
+    return b"".join(
+        image.content_hash
+        for image in images
+        if image.token_offset < end and image.token_offset + image.num_tokens > start
+    )
 
 
 def block_hashes(
@@ -54,14 +82,17 @@ def block_hashes(
     block_size: int = DEFAULT_BLOCK_SIZE,
     cache_salt: str = "",
     start_parent: int = _NO_PARENT,
+    images: Sequence[ImageSpan] = (),
 ) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``, block 0 first."""
+    """Chained hashes of every full block of ``token_ids``, block 0 first; ``images``: the
+    prompt's images (their placeholder tokens are in ``token_ids``)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     seed = hash_seed(model, cache_salt)
     hashes: list[int] = []
     parent = start_parent
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(seed, parent, token_ids[start : start + block_size])
+        end = start + block_size
+        parent = hash_block(seed, parent, token_ids[start:end], images_in_block(images, start, end))
         hashes.append(parent)
     return hashes

@@ -1,6 +1,13 @@
 import pytest
 
-from cachet.block_hash import DEFAULT_BLOCK_SIZE, block_hashes, hash_block, hash_seed
+from cachet.block_hash import (
+    DEFAULT_BLOCK_SIZE,
+    ImageSpan,
+    block_hashes,
+    hash_block,
+    hash_seed,
+    images_in_block,
+)
 
 MODEL = "smollm2-135m-instruct"
 
@@ -57,3 +64,25 @@ def test_hashes_fit_uint64() -> None:
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="block_size"):
         block_hashes([1, 2], MODEL, block_size=0)
+
+
+def test_an_image_names_the_blocks_holding_its_tokens_and_every_block_after() -> None:
+    # 64 tokens, block 16: the image's placeholders fill tokens 20..35 (blocks 1 and 2).
+    tokens = [7] * 64
+    red = ImageSpan(token_offset=20, num_tokens=16, content_hash=b"r" * 32)
+    blue = ImageSpan(token_offset=20, num_tokens=16, content_hash=b"b" * 32)
+    plain = block_hashes(tokens, "m")
+    with_red = block_hashes(tokens, "m", images=[red])
+    with_blue = block_hashes(tokens, "m", images=[blue])
+    assert with_red[0] == with_blue[0] == plain[0]
+    assert all(r != b for r, b in zip(with_red[1:], with_blue[1:], strict=True))
+    assert all(r != p for r, p in zip(with_red[1:], plain[1:], strict=True))
+    assert block_hashes(tokens, "m", images=[red]) == with_red
+
+
+def test_images_in_block_takes_every_image_a_block_overlaps_in_order() -> None:
+    first = ImageSpan(token_offset=0, num_tokens=10, content_hash=b"a")
+    second = ImageSpan(token_offset=10, num_tokens=20, content_hash=b"b")
+    assert images_in_block([first, second], 0, 16) == b"ab"
+    assert images_in_block([first, second], 16, 32) == b"b"
+    assert images_in_block([first, second], 32, 48) == b""

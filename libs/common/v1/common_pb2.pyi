@@ -547,9 +547,56 @@ class ContentPart(_message.Message):
 Global___ContentPart: _TypeAlias = ContentPart  # noqa: Y015
 
 @_typing.final
-class ChatMessage(_message.Message):
-    """One chat message, OpenAI roles."""
+class ImageInput(_message.Message):
+    """One chat message, OpenAI roles.
+    One image of a prompt, as the engine's vision encoder reads it (docs/ARCHITECTURE.md,
+    "Images"). The tokenizer service decodes and resizes the image and writes its placeholder
+    tokens into the prompt; the router passes it on; the engine normalises the pixels, runs the
+    encoder once per content hash, and puts its output where the placeholders are.
+    """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_OFFSET_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    GRID_HEIGHT_FIELD_NUMBER: _builtins.int
+    GRID_WIDTH_FIELD_NUMBER: _builtins.int
+    PIXELS_FIELD_NUMBER: _builtins.int
+    CONTENT_HASH_FIELD_NUMBER: _builtins.int
+    token_offset: _builtins.int
+    """Where the image's placeholder tokens start in the prompt's token ids, and how many there
+    are: one per merged patch (grid_height * grid_width / 4 with Kimi K2.5's 2x2 merge).
+    """
+    num_tokens: _builtins.int
+    grid_height: _builtins.int
+    """The resized image in patches of the encoder's patch size (14 pixels for Kimi K2.5)."""
+    grid_width: _builtins.int
+    pixels: _builtins.bytes
+    """The resized image's RGB pixels, row-major uint8 [grid_height * patch, grid_width * patch, 3]."""
+    content_hash: _builtins.bytes
+    """SHA-256 of the sizes and pixels: names the image in the prefix block hash (the same
+    picture in a later turn is a cache hit, a changed pixel never is) and in the encoder's cache.
+    """
+    def __init__(
+        self,
+        *,
+        token_offset: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        grid_height: _builtins.int = ...,
+        grid_width: _builtins.int = ...,
+        pixels: _builtins.bytes = ...,
+        content_hash: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_hash", b"content_hash", "grid_height", b"grid_height", "grid_width", b"grid_width", "num_tokens", b"num_tokens", "pixels", b"pixels", "token_offset", b"token_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImageInput: _TypeAlias = ImageInput  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ROLE_FIELD_NUMBER: _builtins.int

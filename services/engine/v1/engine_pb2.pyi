@@ -95,6 +95,7 @@ class GenerateRequest(_message.Message):
     KV_RETENTION_FIELD_NUMBER: _builtins.int
     HAND_OFF_KV_FIELD_NUMBER: _builtins.int
     PREFILLED_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen unique id; the same id is used for abort and usage."""
     model: _builtins.str
@@ -133,6 +134,12 @@ class GenerateRequest(_message.Message):
     def prefilled(self) -> Global___PrefilledElsewhere:
         """Disaggregated prefill, on a decode replica: another replica prefilled this prompt."""
 
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]:
+        """The prompt's images, in token order, not overlapping, each inside prompt_token_ids
+        (models with a vision encoder only: others answer INVALID_ARGUMENT).
+        """
+
     def __init__(
         self,
         *,
@@ -147,10 +154,11 @@ class GenerateRequest(_message.Message):
         kv_retention: _abc.Iterable[Global___KvRetention] | None = ...,
         hand_off_kv: _builtins.bool = ...,
         prefilled: Global___PrefilledElsewhere | None = ...,
+        images: _abc.Iterable[_common_pb2.ImageInput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["prefilled", b"prefilled", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "hand_off_kv", b"hand_off_kv", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "prefilled", b"prefilled", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "hand_off_kv", b"hand_off_kv", "images", b"images", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "prefilled", b"prefilled", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -193,6 +193,7 @@ class ApplyChatTemplateResponse(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PREFIX_TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text."""
     @_builtins.property
@@ -207,16 +208,23 @@ class ApplyChatTemplateResponse(_message.Message):
         only). 0 where the template renders nothing for them alone.
         """
 
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]:
+        """The prompt's images in order, each already expanded into its placeholder tokens in
+        token_ids (models with a vision encoder only; others refuse image parts).
+        """
+
     def __init__(
         self,
         *,
         prompt: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         prefix_token_counts: _abc.Iterable[_builtins.int] | None = ...,
+        images: _abc.Iterable[_common_pb2.ImageInput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefix_token_counts", b"prefix_token_counts", "prompt", b"prompt", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images", "prefix_token_counts", b"prefix_token_counts", "prompt", b"prompt", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
