@@ -22,9 +22,15 @@ def create_channel(
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2000),
     ]
-    if "," in address:
-        # An ``ipv4:a,b`` target (several routers behind one bridge): spread calls over the
-        # addresses that are up. Not for one address: round robin fails a call at once while
-        # its only connection waits out a reconnect backoff, where pick-first tries again.
+    if spreads_calls(address):
         options.append(("grpc.lb_policy_name", "round_robin"))
     return aio_channel(address, tls, options, client_interceptors())
+
+
+def spreads_calls(address: str) -> bool:
+    """Whether calls go round robin over every address the target names: an ``ipv4:a,b`` list
+    (run-local's routers) or a ``dns:///name:port`` target (a headless Service's pods, as the Helm
+    chart points the bridge at several routers), whose addresses the resolver looks up again
+    whenever a connection drops. Not for one ``host:port``: round robin fails a call at once while
+    its only connection waits out a reconnect backoff, where pick-first tries again."""
+    return "," in address or address.startswith("dns:")

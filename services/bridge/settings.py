@@ -18,6 +18,8 @@ class BridgeSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CACHET_BRIDGE_")
 
     port: int = Field(default=8080, ge=0, le=65535, validation_alias=shared_alias("CACHET_PORT"))
+    # One router's host:port, or several spread round robin: ``ipv4:a:port,b:port`` (run-local)
+    # or ``dns:///name:port``, every address a name resolves to (the Helm chart's headless Service).
     router_address: str = f"{LOOPBACK}:50091"
     # API key -> account id; none configured means open development mode on loopback.
     api_keys: dict[str, str] = Field(default_factory=dict, validation_alias=API_KEYS_ALIASES["bridge"])

@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from cachet.grpc_channel import spreads_calls
 from cachet.tools.cli import SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,9 +44,14 @@ def env(workload: dict) -> dict[str, object]:
     return {item["name"]: item.get("value", item.get("valueFrom")) for item in container(workload)["env"]}
 
 
-@pytest.fixture(scope="module", params=["default", "gpu", "store"])
+@pytest.fixture(scope="module", params=["default", "gpu", "store", "gpu-routers"])
 def docs(request: pytest.FixtureRequest) -> list[dict]:
-    values = {"default": {}, "gpu": GPU_VALUES, "store": {**STORE, "router": {"replicas": 3}}}
+    values = {
+        "default": {},
+        "gpu": GPU_VALUES,
+        "store": {**STORE, "router": {"replicas": 3}},
+        "gpu-routers": {**GPU_VALUES, **STORE, "router": {"replicas": 2}},
+    }
     return render(values[request.param])
 
 
@@ -67,7 +73,11 @@ def test_services_are_deployments_and_engines_a_statefulset_each_with_a_budget(d
     assert set(by_kind(docs, "StatefulSet")) == {"cachet-engine"}
     workloads = {**deployments, **by_kind(docs, "StatefulSet")}
     assert set(by_kind(docs, "PodDisruptionBudget")) == set(workloads)
-    assert set(by_kind(docs, "Service")) == set(workloads)
+    # Several routers add a headless Service naming each one, for the bridge (below).
+    several_routers = deployments["cachet-router"]["spec"]["replicas"] > 1
+    assert set(by_kind(docs, "Service")) == set(workloads) | (
+        {"cachet-router-headless"} if several_routers else set()
+    )
     assert by_kind(docs, "Service")["cachet-engine"]["spec"]["clusterIP"] == "None"
 
 
@@ -120,9 +130,19 @@ def test_services_find_each_other_and_every_engine_replica(docs: list[dict]) -> 
         ("CACHET_ROUTER_USAGE_ADDRESS", "cachet-usage"),
     ]:
         assert router_env[variable] == f"{service}:{services[service]}"
+    # One router: its Service. Several: every router pod through the headless Service, which
+    # the bridge's channel spreads calls over (a ClusterIP would hold its one connection on one).
+    routers = deployments["cachet-router"]["spec"]["replicas"]
     assert env(deployments["cachet-bridge"])["CACHET_BRIDGE_ROUTER_ADDRESS"] == (
-        f"cachet-router:{services['cachet-router']}"
+        f"dns:///cachet-router-headless.ai.svc.cluster.local:{services['cachet-router']}"
+        if routers > 1
+        else f"cachet-router:{services['cachet-router']}"
     )
+    if routers > 1:
+        headless = by_kind(docs, "Service")["cachet-router-headless"]["spec"]
+        assert headless["clusterIP"] == "None"
+        assert headless["selector"] == deployments["cachet-router"]["spec"]["selector"]["matchLabels"]
+        assert spreads_calls(env(deployments["cachet-bridge"])["CACHET_BRIDGE_ROUTER_ADDRESS"])
     # The bridge refuses to listen beyond loopback without API keys: they come from a Secret.
     for name in ("cachet-bridge", "cachet-router"):
         assert env(deployments[name])["CACHET_API_KEYS"]["secretKeyRef"]["name"] == "cachet-api-keys"
@@ -160,9 +180,11 @@ def test_postgresql_comes_by_url_and_several_routers_need_it() -> None:
     secret = render({"store": {"existingSecret": "db", "secretKey": "dsn"}})
     usage = by_kind(secret, "Deployment")["cachet-usage"]
     assert env(usage)["CACHET_STORE_URL"] == {"secretKeyRef": {"name": "db", "key": "dsn"}}
-    # Without a store, SQLite files would keep each router's queue apart: refused.
-    with pytest.raises(Exception, match="needs store"):
+    # Without a store, SQLite files would keep each router's queue apart: refused, with the fix.
+    with pytest.raises(Exception, match=r"router.replicas > 1 needs store.existingSecret or store.url"):
         render({"router": {"replicas": 2}})
+    with pytest.raises(Exception, match="needs store"):
+        render({**GPU_VALUES, "router": {"replicas": 2}})
 
 
 def test_a_model_claim_is_mounted_read_only_for_the_engines_and_the_tokenizer() -> None:

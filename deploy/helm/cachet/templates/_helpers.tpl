@@ -39,6 +39,17 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-%s:%v" (include "cachet.fullname" .root) .component $port -}}
 {{- end -}}
 
+{{/* Where the bridge sends its gRPC calls: the router's Service with one router; with several,
+every router pod through the headless Service, a dns:/// target the bridge's channel spreads
+round robin over (libs/grpc_channel.py), looked up again whenever a connection drops. */}}
+{{- define "cachet.routerTarget" -}}
+{{- if gt (int .Values.router.replicas) 1 -}}
+{{- printf "dns:///%s-router-headless.%s.svc.cluster.local:%v" (include "cachet.fullname" .) .Release.Namespace (index (include "cachet.ports" "router" | fromJsonArray) 0) -}}
+{{- else -}}
+{{- include "cachet.address" (dict "root" . "component" "router") -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The engine replicas' addresses, one per StatefulSet pod, as the JSON list the router and cache take. */}}
 {{- define "cachet.engineAddresses" -}}
 {{- $name := printf "%s-engine" (include "cachet.fullname" .) -}}

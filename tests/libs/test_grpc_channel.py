@@ -1,0 +1,60 @@
+"""Client channels: which targets spread calls over several servers, and that they reach them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cachet.config import ServiceSettings
+from cachet.grpc_channel import create_channel, spreads_calls
+from cachet.grpc_server import create_server
+
+SERVICE = "cachet.test.v1.Name"
+
+
+def _named(name: bytes):
+    async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return name
+
+    def register(server: grpc.aio.Server) -> None:
+        handler = grpc.unary_unary_rpc_method_handler(answer, lambda b: b, lambda b: b)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Name": handler}),))
+
+    return register
+
+
+@pytest.mark.parametrize(
+    ("address", "spread"),
+    [
+        ("127.0.0.1:50091", False),
+        ("cachet-router:50091", False),
+        ("ipv4:127.0.0.1:50091,127.0.0.1:50092", True),
+        ("dns:///cachet-router-headless.ai.svc.cluster.local:50091", True),
+    ],
+)
+def test_lists_and_dns_targets_spread_calls_and_one_address_does_not(address: str, spread: bool) -> None:
+    assert spreads_calls(address) is spread
+
+
+async def test_a_dns_target_and_an_address_list_reach_their_servers() -> None:
+    servers = [
+        await create_server(ServiceSettings(port=0), [_named(name)], [SERVICE]) for name in (b"a", b"b")
+    ]
+    try:
+        async with create_channel(f"dns:///localhost:{servers[0].port}") as channel:
+            assert await channel.unary_unary(f"/{SERVICE}/Name")(b"", timeout=10) == b"a"
+        listed = "ipv4:" + ",".join(f"127.0.0.1:{server.port}" for server in servers)
+        answers: set[bytes] = set()
+        async with create_channel(listed) as channel:
+            # Round robin uses the connections that are up; the second may come up a moment late.
+            for _ in range(200):
+                answers.add(await channel.unary_unary(f"/{SERVICE}/Name")(b"", timeout=10))
+                if len(answers) == 2:
+                    break
+                await asyncio.sleep(0.01)
+        assert answers == {b"a", b"b"}
+    finally:
+        for server in servers:
+            await server.stop(grace=None)
