@@ -70,6 +70,7 @@ class CoreLoop:
             stats=self.stats(),
             sampling_defaults=dict(sampling_defaults or {}),
             vocab_size=getattr(runner, "vocab_size", 0),
+            image_input=getattr(runner, "image_input", None),
         )
 
     def run(self, command_id: int, command: Command) -> Reply:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from cachet.block_hash import DEFAULT_BLOCK_SIZE, hash_block, hash_seed
+from cachet.block_hash import DEFAULT_BLOCK_SIZE, hash_block, hash_seed, images_in_block
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.request import Request
@@ -387,8 +387,10 @@ class KVCacheManager:
         seed = hash_seed(self.model, request.cache_salt)
         tokens = request.all_token_ids
         parent = request.block_hashes[-1] if request.block_hashes else 0
+        spans = [image.span for image in request.images]
         for i in range(len(request.block_hashes), num_full):
-            parent = hash_block(seed, parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            start, end = i * self.block_size, (i + 1) * self.block_size
+            parent = hash_block(seed, parent, tokens[start:end], images_in_block(spans, start, end))
             request.block_hashes.append(parent)
 
     # -------------------------------------------------------------- invariants

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachet.engine.block_pool import KvEvent
+from cachet.engine.prompt_images import ImageInputSpec
 from cachet.engine.request import Request
 from cachet.engine.request_output import RequestOutput
 from cachet.engine.scheduler import SchedulerConfig, SchedulerCounts
@@ -110,6 +111,8 @@ class EngineDescription:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     # Token ids the model has (0: unknown); a request naming another is refused, not run.
     vocab_size: int = 0
+    # The images the model reads (None: text only).
+    image_input: ImageInputSpec | None = None
 
 
 Message = Reply | StepReport

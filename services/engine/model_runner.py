@@ -33,10 +33,12 @@ from cachet.engine.attention import (
 from cachet.engine.cpu_features import cpu_has_native_bf16
 from cachet.engine.cuda_graphs import DecodeGraphs
 from cachet.engine.host_kv_blocks import HostKvBlocks
+from cachet.engine.image_embeddings import ImageEmbeddings, ImageEncoder, ScheduledSpan
 from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.packed_linear import pack_linear_weights, packs_linear_weights
 from cachet.engine.paged_decode_kernel import load_paged_decode_kernel
+from cachet.engine.prompt_images import ImageInputSpec, PromptImage
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.shared_kv_tier import SharedKvFiles, layout_key
@@ -70,6 +72,7 @@ class _RequestState:
     sampling: SamplingParams
     generator: torch.Generator | None
     num_computed_tokens: int
+    images: tuple[PromptImage, ...] = ()
 
 
 class ModelRunner:
@@ -156,6 +159,19 @@ class ModelRunner:
             else None
         )
         self.decode_graphs = self._capture_decode_graphs(max_decode_batch) if use_graphs else None
+        self.image_input, self.image_encoder = self._image_input()
+
+    def _image_input(self) -> tuple[ImageInputSpec | None, ImageEncoder | None]:
+        """What images this model reads, and its vision tower behind a cache; (None, None) for a
+        text-only model."""
+        vision = self.config.vision
+        tower = getattr(self.model, "vision_tower", None)
+        if vision is None or tower is None or vision.media_placeholder_token_id is None:
+            return None, None
+        from cachet.engine.models.kimi_vision import normalized_patches
+
+        spec = ImageInputSpec(vision.media_placeholder_token_id, vision.patch_size, vision.merge_kernel_size)
+        return spec, ImageEncoder(tower, normalized_patches, vision.patch_size, self.device)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """``[layers, ...]``: K/V per KV head, unless the model caches its own per-token layout."""
@@ -297,8 +313,9 @@ class ModelRunner:
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[str]]:
         """Compute the plan's KV and the logits of its sampling positions (ids in ``samplers``)."""
         spans, input_ids, positions, samplers = self._prepare(plan)
+        images = self._image_rows(plan)
         shape = self.decode_graphs.shape_for(spans) if self.decode_graphs is not None else None
-        if shape is not None:
+        if shape is not None and images is None:
             logits = self.decode_graphs.run(shape, spans, input_ids)
         else:
             meta = build_attention_metadata(
@@ -309,10 +326,25 @@ class ModelRunner:
                     torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                     torch.cat(positions).to(self.device),
                     meta,
+                    images,
                 )
         for rid, num_new in plan.num_scheduled_tokens.items():
             self._requests[rid].num_computed_tokens += num_new
         return logits, samplers
+
+    def _image_rows(self, plan: StepPlan) -> ImageEmbeddings | None:
+        """The vision tower's rows for the image tokens this step computes (before the step's
+        computed counts move on)."""
+        if self.image_encoder is None:
+            return None
+        scheduled, offset = [], 0
+        for rid, num_new in plan.num_scheduled_tokens.items():
+            state = self._requests[rid]
+            if state.images:
+                start = state.num_computed_tokens
+                scheduled.append(ScheduledSpan(offset, start, start + num_new, state.images))
+            offset += num_new
+        return self.image_encoder.step_rows(scheduled) if scheduled else None
 
     def _copy_kv_blocks(self, plan: StepPlan) -> None:
         if not plan.kv_moves:
@@ -363,6 +395,7 @@ class ModelRunner:
             sampling=new.sampling,
             generator=generator,
             num_computed_tokens=new.num_computed_tokens,
+            images=new.images,
         )
 
     def _prepare(self, plan: StepPlan) -> tuple[list[SequenceSpan], list[int], list[torch.Tensor], list[str]]:

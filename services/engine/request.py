@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.kv_retention import KvRetention
+from cachet.engine.prompt_images import PromptImage
 from cachet.engine.request_timeline import RequestTimeline
 from cachet.engine.sampling_params import SamplingParams
 
@@ -80,6 +81,8 @@ class Request:
     prefilled_elsewhere: bool = False
     # When it reached each stage, for its trace (request_spans).
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
+    # Its prompt's images, in token order (prompt_images).
+    images: tuple[PromptImage, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -162,6 +162,7 @@ class _PlanBuilder:
             sampling=request.sampling,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            images=request.images,
         )
         self._spend(request, num_tokens)
 

@@ -15,6 +15,7 @@ from cachet.engine.async_engine import AsyncEngine
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from cachet.engine.errors import InvalidRequest
 from cachet.engine.kv_retention import MAX_RETENTION_SECONDS, KvRetention
+from cachet.engine.prompt_images import prompt_images
 from cachet.engine.request import Request
 from cachet.engine.request_output import RequestOutput
 from cachet.engine.request_spans import record_request_spans
@@ -33,6 +34,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._default_report_ms = default_report_ms
         self._sampling_defaults = engine.description.sampling_defaults
         self._vocab_size = engine.description.vocab_size
+        self._image_input = engine.description.image_input
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -111,7 +113,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequest(
                 f"prompt of {prompt_tokens} tokens does not fit the {window}-token context window"
             )
-        self._check_token_ids(request)
+        prompt_token_ids = list(request.prompt_token_ids)
+        self._check_token_ids(request, prompt_token_ids)
+        images = prompt_images(request.images, prompt_token_ids, self._image_input)
         room = window - prompt_tokens
         if sampling.max_tokens is not None and sampling.max_tokens > room:
             raise InvalidRequest(
@@ -120,7 +124,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             )
         return Request(
             request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_token_ids=prompt_token_ids,
             sampling=sampling,
             max_tokens=sampling.max_tokens or room,
             interactive=request.priority != common_pb2.PRIORITY_BATCH,
@@ -129,15 +133,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             retention=_retention(request.kv_retention),
             hand_off_kv=request.hand_off_kv,
             timeline=RequestTimeline(arrived_ns=time.time_ns()),
+            images=images,
             **_prefilled(request),
         )
 
-    def _check_token_ids(self, request: engine_pb2.GenerateRequest) -> None:
+    def _check_token_ids(self, request: engine_pb2.GenerateRequest, ids: list[int]) -> None:
         """An id past the vocabulary would fail the whole step (the embedding lookup) for every
         request in it: refuse it here, with its place."""
         if not self._vocab_size:
             return
-        ids = list(request.prompt_token_ids)
         if ids and max(ids) >= self._vocab_size:
             index = next(i for i, token in enumerate(ids) if token >= self._vocab_size)
             raise InvalidRequest(

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachet.engine.prompt_images import PromptImage
 from cachet.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +35,9 @@ class NewRequest:
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Its prompt's images: each rank runs the vision tower itself (it is small beside the
+    # language model, and replicated).
+    images: tuple[PromptImage, ...] = ()
 
     def __repr__(self) -> str:
         return (

@@ -147,6 +147,7 @@ class PrefillHandOff:
                 cache_salt=request.cache_salt,
                 output_kind=engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,
                 hand_off_kv=True,
+                images=request.images,
             )
         )
         answer = None

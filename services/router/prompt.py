@@ -112,10 +112,12 @@ def check_context_window(
 @dataclass(frozen=True)
 class ChatPrompt:
     """A rendered conversation's tokens, and where each of its cache breakpoints ends: (prompt
-    tokens up to it, its retention), in the request's order."""
+    tokens up to it, its retention), in the request's order; its images, already expanded into
+    their placeholder tokens."""
 
     token_ids: list[int]
     breakpoints: list[tuple[int, router_pb2.CacheRetention.ValueType]]
+    images: tuple[common_pb2.ImageInput, ...] = ()
 
 
 class PromptBuilder:
@@ -147,7 +149,7 @@ class PromptBuilder:
         # A tokenizer older than breakpoints answers no counts: then they retain nothing.
         ends = dict(zip(counts, rendered.prefix_token_counts, strict=False))
         breakpoints = [(ends.get(b.messages, 0), b.retention) for b in request.cache_breakpoints]
-        return ChatPrompt(list(rendered.token_ids), breakpoints)
+        return ChatPrompt(list(rendered.token_ids), breakpoints, tuple(rendered.images))
 
     async def completion(self, request: router_pb2.CompletionRequest) -> list[int]:
         if request.prompt_token_ids:

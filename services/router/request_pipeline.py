@@ -30,7 +30,7 @@ from typing import cast
 
 import grpc
 
-from cachet.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
+from cachet.block_hash import DEFAULT_BLOCK_SIZE, ImageSpan, block_hashes
 from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
@@ -99,6 +99,12 @@ class GenerationRequest:
     choice: int = 0
     # Prefixes the engine keeps in preference to other KV once the request ends (cache_retention.py).
     kv_retention: tuple[engine_pb2.KvRetention, ...] = ()
+    # The prompt's images (their placeholder tokens are in prompt_token_ids).
+    images: tuple[common_pb2.ImageInput, ...] = ()
+
+    @property
+    def image_spans(self) -> list[ImageSpan]:
+        return [ImageSpan(i.token_offset, i.num_tokens, i.content_hash) for i in self.images]
 
     @property
     def engine_request_id(self) -> str:
@@ -194,6 +200,7 @@ class RequestPipeline:
                 self._cache_scopes.salt_for(caller.account_id, request.cache_salt),
                 choices=max(request.n, 1),
                 kv_retention=self._retention(request.cache_retention, caller, prompt.breakpoints),
+                images=prompt.images,
             )
             return await self._start_choices(generation, engine)
 
@@ -336,7 +343,9 @@ class RequestPipeline:
             clamp_max_tokens=self._clamp_max_tokens,
         )
         cached = (
-            await self._cached_prefix_tokens(engine, request.prompt_token_ids, request.cache_salt)
+            await self._cached_prefix_tokens(
+                engine, request.prompt_token_ids, request.cache_salt, request.image_spans
+            )
             if len(self._replicas.addresses_serving(request.model)) > 1
             else {}  # one replica: where the prefix lives cannot change the choice
         )
@@ -435,11 +444,18 @@ class RequestPipeline:
         )
 
     async def _cached_prefix_tokens(
-        self, engine: engine_pb2.EngineInfo, prompt: Sequence[int], cache_salt: str
+        self,
+        engine: engine_pb2.EngineInfo,
+        prompt: Sequence[int],
+        cache_salt: str,
+        images: Sequence[ImageSpan] = (),
     ) -> dict[str, float]:
         block_size = engine.block_size or DEFAULT_BLOCK_SIZE
-        # The engine names its blocks with the same salt, so the index holds these very hashes.
-        hashes = block_hashes(prompt, engine.model, block_size=block_size, cache_salt=cache_salt)
+        # The engine names its blocks with the same salt and images, so the index holds these
+        # very hashes.
+        hashes = block_hashes(
+            prompt, engine.model, block_size=block_size, cache_salt=cache_salt, images=images
+        )
         if not hashes:
             return {}
         query = cache_pb2.MatchPrefixRequest(model=engine.model, block_hashes=hashes)
@@ -482,6 +498,7 @@ class RequestPipeline:
                 else engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,
                 kv_retention=request.kv_retention,
                 prefilled=prefilled,
+                images=request.images,
             )
         )
         replica.enter(request.priority)

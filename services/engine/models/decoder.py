@@ -6,7 +6,8 @@ they use), so it hands those to ``DecoderLayer`` and builds a ``DecoderModel``;
 
 Contract with the runner: the forward pass sees every token of a step on one
 flat axis (prefill chunks and decodes of many requests concatenated, each with
-its own position) and returns fp32 logits only for ``meta.sample_indices``.
+its own position) and returns fp32 logits only for ``meta.sample_indices``. Where a step
+holds image placeholder tokens, the runner passes the vision tower's rows for them.
 Parameter names match Hugging Face checkpoints, so loading is name for name.
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from cachet.engine.attention import AttentionMetadata
+from cachet.engine.image_embeddings import ImageEmbeddings
 from cachet.engine.models.config import ModelConfig
 from cachet.engine.models.rotary import RotaryEmbedding
 from cachet.engine.tensor_parallel import ParallelLMHead, TensorParallelRank, VocabParallelEmbedding
@@ -64,9 +66,16 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(rotary_dim, config.rope, config.max_position_embeddings)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        images: ImageEmbeddings | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if images is not None:
+            # An image's placeholder tokens embed to the vision tower's rows for it.
+            x[images.token_index] = images.values.to(x.dtype)
         cos, sin = self.rotary_emb(positions, meta.token_seq_lens)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
@@ -99,7 +108,11 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        images: ImageEmbeddings | None = None,
     ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self.model(input_ids, positions, meta, images)
         return self.lm_head(hidden[meta.sample_indices]).float()
