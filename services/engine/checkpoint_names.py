@@ -5,8 +5,8 @@ name. Kimi K2.5 puts the language model under ``language_model.`` and the vision
 tower beside it; a quantized layer is several stored tensors (``weight_packed`` +
 ``weight_scale`` + ``weight_shape``, or an FP8 ``weight`` + ``weight_scale_inv``)
 that together make one ``weight``. ``group_checkpoint_names`` sorts every stored
-name into exactly one of: a part of one model tensor, a tensor of the vision tower,
-or unexpected. It reads names only, so a test can run it over a published index
+name into exactly one of: a part of one model tensor (the vision tower's included:
+its tensors are stored plain) or unexpected. It reads names only, so a test can run it over a published index
 with no weights at hand, and the loader runs the same function over the real files.
 """
 
@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from cachet.engine.models.config import Fp8BlockQuantization, ModelConfig, PackedIntQuantization
+from cachet.engine.models.config import (
+    VISION_TOWER_ATTRIBUTE,
+    Fp8BlockQuantization,
+    ModelConfig,
+    PackedIntQuantization,
+)
 
 PLAIN = "plain"
 PACKED_INT = "pack-quantized"
@@ -40,10 +45,10 @@ class StoredTensor:
 
 @dataclass
 class CheckpointNames:
-    """Every stored name, sorted: model tensors, the vision tower's, and names nothing claims."""
+    """Every stored name, sorted: model tensors (by the model's name) and names nothing claims."""
 
     tensors: dict[str, StoredTensor] = field(default_factory=dict)
-    # Stored names of the vision tower and its projector: the engine does not build them yet.
+    # Stored names of the vision tower and its projector (also in ``tensors``, by parameter name).
     vision: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
 
@@ -61,6 +66,8 @@ def group_checkpoint_names(names: Iterable[str], config: ModelConfig) -> Checkpo
     for stored in names:
         if stored.startswith(vision_prefixes):
             grouped.vision.append(stored)
+            name = vision_parameter_name(stored)
+            grouped.tensors[name] = StoredTensor(name, PLAIN, {"weight": stored})
             continue
         if not stored.startswith(config.checkpoint_prefix):
             grouped.unexpected.append(stored)
@@ -75,6 +82,12 @@ def group_checkpoint_names(names: Iterable[str], config: ModelConfig) -> Checkpo
         else:
             grouped.tensors[tensor.name] = tensor
     return grouped
+
+
+def vision_parameter_name(stored: str) -> str:
+    """The model's ``vision_tower`` module holds the tower and the projector stored beside it."""
+    tower = VISION_TOWER_ATTRIBUTE + "."
+    return stored if stored.startswith(tower) else tower + stored
 
 
 def _split_role(name: str, roles: tuple[str, ...]) -> tuple[str, str]:

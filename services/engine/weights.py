@@ -10,8 +10,8 @@ checkpoint lacks or has in excess is an error: a silently half-loaded model
 produces fluent garbage.
 
 Released checkpoints store some weights quantized (several stored tensors make one
-weight) and some models under a prefix beside a vision tower: ``checkpoint_names``
-reads the stored names as the model's, and a quantized weight is dequantized whole
+weight) and some models under a prefix beside a vision tower (its tensors bf16, whole on
+every rank): ``checkpoint_names`` reads the stored names as the model's, and a quantized weight is dequantized whole
 (``quantized_weights``) before this rank's slice of it is kept.
 """
 
@@ -50,9 +50,6 @@ from cachet.engine.tensor_parallel import (
     checkpoint_slices,
     stacked_checkpoint_parts,
 )
-from cachet.logs import get_logger
-
-log = get_logger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -126,9 +123,6 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             if fill.rows is not None:
                 target = target.narrow(0, fill.rows[0], fill.rows[1] - fill.rows[0])
             _copy(target, store.read(fill.stored, config, fill.part), fill.stored.name)
-    if names.vision:
-        # The text model serves without it; image input is refused until the tower is built.
-        log.info("vision tower not built: its checkpoint tensors are not loaded", tensors=len(names.vision))
 
 
 @dataclass(frozen=True)
@@ -147,7 +141,7 @@ class LoadPlan:
     fills: list[Fill] = field(default_factory=list)
     # Parameters (or checkpoint names of merged parts) no stored tensor fills.
     missing: list[str] = field(default_factory=list)
-    # Stored names nothing in the model claims (the vision tower's are listed apart).
+    # Stored names nothing in the model claims.
     unexpected: list[str] = field(default_factory=list)
 
 

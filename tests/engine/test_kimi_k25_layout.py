@@ -106,7 +106,7 @@ def test_multimodal_config_gives_the_text_model_and_its_vision_tower(config: Mod
     assert vision.media_placeholder_token_id == 163605
 
 
-def test_every_published_tensor_fills_a_parameter_or_belongs_to_the_vision_tower(
+def test_every_published_tensor_fills_a_parameter(
     tensors: dict, config: ModelConfig, meta_model: nn.Module
 ) -> None:
     names = group_checkpoint_names(tensors, config)
@@ -115,6 +115,18 @@ def test_every_published_tensor_fills_a_parameter_or_belongs_to_the_vision_tower
     assert plan.missing == []
     assert len(names.vision) == VISION_TOWER_TENSORS + PROJECTOR_TENSORS
     assert {n.split(".")[0] for n in names.vision} == {"vision_tower", "mm_projector"}
+    # The tower and its projector are the model's ``vision_tower`` module, filled name for name
+    # (the projector's stored ``mm_projector.x`` is its ``vision_tower.mm_projector.x``).
+    vision_fills = {
+        f.stored.parts["weight"]: f.param for f in plan.fills if f.param.startswith("vision_tower.")
+    }
+    assert sorted(vision_fills) == sorted(names.vision)
+    assert vision_fills["mm_projector.proj.2.weight"] == "vision_tower.mm_projector.proj.2.weight"
+    assert (
+        vision_fills["vision_tower.encoder.blocks.26.wqkv.weight"]
+        == "vision_tower.encoder.blocks.26.wqkv.weight"
+    )
+    assert meta_model.vision_tower is not None
     # Every routed expert's three linears are packed INT4; everything else is stored plain.
     formats = {fill.stored.name: fill.stored.format for fill in plan.fills}
     assert sum(f == PACKED_INT for f in formats.values()) == 60 * 384 * 3

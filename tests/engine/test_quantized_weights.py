@@ -22,6 +22,7 @@ from cachet.engine.int4_linear import int4_kernel_available
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.models import ModelConfig
 from cachet.engine.models.deepseek_v3 import DenseMLP, Int4MLP
+from cachet.engine.models.kimi_vision import KimiVisionTower
 from cachet.engine.quantized_weights import unpack_int32
 from cachet.engine.tensor_parallel import TensorParallelRank
 from cachet.engine.weights import CheckpointError, load_model
@@ -288,13 +289,19 @@ def test_kimi_k25_layout_loads_its_language_model(
     int4_dir: tuple[Path, dict], original: dict, tmp_path: Path
 ) -> None:
     """The released K2.5 shape in miniature: a kimi_k25 wrapper config, the language model under
-    ``language_model.`` with INT4 experts, the vision tower and projector beside it (not loaded)."""
+    ``language_model.`` with INT4 experts, the vision tower and projector beside it (bf16, loaded
+    into the model's ``vision_tower``)."""
     source, refs = int4_dir
     model_dir = tmp_path / "tiny-k25"
     shutil.copytree(source, model_dir)
     text_config = json.loads((source / "config.json").read_text())
     published = json.loads((Path(__file__).parent / "fixtures" / "kimi_k25" / "config.json").read_text())
-    vision = {**published["vision_config"], "vt_hidden_size": 16, "vt_num_hidden_layers": 1}
+    vision = {
+        **published["vision_config"],
+        "vt_hidden_size": 16,
+        "vt_num_hidden_layers": 1,
+        "vt_num_attention_heads": 2,
+    }
     vision["text_hidden_size"] = text_config["hidden_size"]
     wrapper = {
         **{k: published[k] for k in ("architectures", "model_type", "media_placeholder_token_id")},
@@ -305,9 +312,11 @@ def test_kimi_k25_layout_loads_its_language_model(
         "vision_config": vision,
     }
     (model_dir / "config.json").write_text(json.dumps(wrapper))
+    # The tower's own random init, under the published names (the projector's stored apart).
+    tower = KimiVisionTower(ModelConfig.from_dict(wrapper).vision)
     vision_tensors = {
-        "vision_tower.encoder.blocks.0.wqkv.weight": torch.zeros(48, 16),
-        "mm_projector.proj.0.weight": torch.zeros(64, 64),
+        ("" if name.startswith("mm_projector.") else "vision_tower.") + name: t.detach().to(torch.bfloat16)
+        for name, t in tower.state_dict().items()
     }
 
     def edit(file: str, tensors: dict) -> None:
@@ -319,7 +328,11 @@ def test_kimi_k25_layout_loads_its_language_model(
     _edit_checkpoint(model_dir, edit)
     config = ModelConfig.from_model_dir(model_dir)
     assert config.checkpoint_prefix == "language_model." and config.vision is not None
-    _check(_load(model_dir), original, refs, _routed_expert_weight)
+    loaded = _load(model_dir)
+    _check(loaded, original, refs, _routed_expert_weight)
+    for name, tensor in vision_tensors.items():
+        param = name if name.startswith("vision_tower.") else "vision_tower." + name
+        assert torch.equal(loaded[param], tensor.float()), name
     # The engine's runner serves it as it serves the same weights in K2 Thinking's layout.
     ids = prompt(1, 24)
     theirs = prefill_logits(runner_for(source), ids)

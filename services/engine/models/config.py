@@ -25,6 +25,10 @@ MULTIMODAL_MODEL_TYPES = ("kimi_k25",)
 # vision tower and its projector (to the text width) under theirs.
 KIMI_K25_TEXT_PREFIX = "language_model."
 KIMI_K25_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+# The model's attribute that holds the tower and its projector (``kimi_vision.KimiVisionTower``):
+# a stored ``vision_tower.x`` fills parameter ``vision_tower.x``, a stored ``mm_projector.x``
+# parameter ``vision_tower.mm_projector.x``.
+VISION_TOWER_ATTRIBUTE = "vision_tower"
 # Multi-head latent attention + mixture of experts (DeepSeek-V3 architecture; Kimi K2 reuses it).
 MLA_MOE_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -104,8 +108,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class VisionConfig:
     """Kimi K2.5's vision tower (MoonViT: native-resolution patches, 2x2 patch merging) and the
-    projector into the language model's width. Parsed now so the text model loads from the
-    multimodal config; the engine does not build the tower yet."""
+    projector into the language model's width (``kimi_vision.KimiVisionTower``)."""
 
     patch_size: int
     hidden_size: int

@@ -30,6 +30,7 @@ from cachet.engine.int4_linear import Int4Linear, int4_kernel_fits
 from cachet.engine.mla_attention import PagedLatentAttention
 from cachet.engine.models.config import MLAConfig, ModelConfig, MoEConfig, PackedIntQuantization
 from cachet.engine.models.decoder import CausalLM, DecoderLayer, DecoderModel, RMSNorm
+from cachet.engine.models.kimi_vision import KimiVisionTower
 from cachet.engine.models.rotary import apply_rotary
 from cachet.engine.tensor_parallel import (
     SINGLE_RANK,
@@ -329,6 +330,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         )
         # RoPE covers only the shared rotary slice of each head.
         super().__init__(config, DecoderModel(config, layers, config.mla.qk_rope_head_dim, tp), tp)
+        # Kimi K2.5's image encoder (None for a text-only checkpoint); the runner calls it per image.
+        # Replicated, not sliced, on every tensor-parallel rank: it is small next to the experts.
+        self.vision_tower = KimiVisionTower(config.vision) if config.vision is not None else None
         self.expert_parallel = expert_parallel
         self._local_experts = set(expert_parallel.local_experts(config.moe.n_routed_experts))
 
