@@ -29,6 +29,9 @@ from pydantic import (
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+# A prompt's token id: the proto's uint32, so one outside it is a 400 here rather than a failed conversion
+# (ids past the model's vocabulary are the engine's to refuse, naming their place).
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 
 
 class _Body(BaseModel):
@@ -284,7 +287,7 @@ class ChatCompletionBody(_SamplingBody):
 class CompletionBody(_SamplingBody):
     model: str = Field(min_length=1)
     # Text, a one-element list of texts, or token ids; one prompt per request.
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    prompt: str | list[str] | list[TokenId] = Field(min_length=1)
     # OpenAI's legacy default for /v1/completions.
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
     # The legacy API's logprobs is a count of alternatives (0-5), not a flag.

@@ -137,6 +137,15 @@ async def test_validation_errors_are_400_naming_the_field(
     assert fragment in error["message"]
 
 
+@pytest.mark.parametrize("token", [-1, 2**32])
+async def test_a_prompt_token_id_outside_uint32_is_400(token: int) -> None:
+    # Found by the REST fuzzing (test_rest_fuzz.py): it used to fail the proto conversion, a 500.
+    async with serve_in_process(create_app(bridge_settings())) as client:
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": [1, token]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "prompt"
+
+
 async def test_unparseable_json_is_400() -> None:
     async with serve_in_process(create_app(bridge_settings())) as client:
         response = await client.post(
