@@ -118,7 +118,9 @@ def convert(
 @model_app.command("tiny")
 def tiny(
     out: Annotated[Path, typer.Argument(help="Output directory.")],
-    family: Annotated[str, typer.Option(help="Architecture family.")] = "llama",
+    family: Annotated[
+        str, typer.Option(help="Architecture family: llama, kimi-k2, or kimi-k2.5 (with its vision tower).")
+    ] = "llama",
     seed: Annotated[int, typer.Option(help="Weight seed.")] = 0,
 ) -> None:
     """Write a tiny random-weight checkpoint (same format, real tokenizer) for tests."""

@@ -16,7 +16,7 @@ from cachet.models._fs import atomic_directory, read_json, write_json
 from cachet.models.convert_gguf import MODEL_ID_KEY, find_default_gguf, generation_config
 from cachet.models.gguf_tokenizer import copy_tokenizer_files, extract_tokenizer, special_tokens_from_hf_dir
 
-TINY_MODEL_IDS = {"llama": "tiny-llama", "kimi-k2": "tiny-kimi-k2"}
+TINY_MODEL_IDS = {"llama": "tiny-llama", "kimi-k2": "tiny-kimi-k2", "kimi-k2.5": "tiny-kimi-k2.5"}
 
 # Small enough to write and load in well under a second, large enough to exercise grouped-query
 # attention (4 query heads over 2 KV heads) and more than one layer.
@@ -95,6 +95,69 @@ KIMI_K2_SPECIAL_TOKENS = (
 KIMI_K2_THINK_TOKENS = ("<think>", "</think>")
 KIMI_K2_TEMPLATE = "kimi-k2-thinking.jinja"
 
+# Kimi K2.5 as Moonshot publishes it, in miniature: a kimi_k25 wrapper around the tiny K2 language
+# model (its tensors under ``language_model.``, routed experts INT4 as compressed-tensors
+# ``pack-quantized``), MoonViT and its projector beside it (bf16, as published), and the image
+# tokens K2.5's processor writes: <|media_begin|>image<|media_content|><|media_pad|>...<|media_end|>,
+# one <|media_pad|> per merged 2x2 block of 14-pixel patches.
+KIMI_K25_EXTRA_TOKENS = ("<|media_begin|>",)
+KIMI_K25_IMAGE_TOKEN = "<|media_pad|>"
+# The published vision_config's keys, at toy size: 32 wide (2 heads of 16: 2-D RoPE wants a head
+# width divisible by 4), 2 blocks, an 8x8 position table (resampled to each image's grid).
+_KIMI_K25_VISION = {
+    "model_type": "",
+    "patch_size": 14,
+    "init_pos_emb_height": 8,
+    "init_pos_emb_width": 8,
+    "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed",
+    "merge_kernel_size": [2, 2],
+    "merge_type": "sd2_tpool",
+    "video_attn_type": "spatial_temporal",
+    "vt_hidden_size": 32,
+    "vt_intermediate_size": 64,
+    "vt_num_hidden_layers": 2,
+    "vt_num_attention_heads": 2,
+    "mm_hidden_size": 32,
+    "mm_projector_type": "patchmerger",
+    "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-05,
+}
+# K2.5's published quantization_config: symmetric INT4 in groups of 32, everything but the routed
+# experts left alone.
+KIMI_K25_QUANTIZATION = {
+    "config_groups": {
+        "group_0": {
+            "input_activations": None,
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {
+                "actorder": None,
+                "block_structure": None,
+                "dynamic": False,
+                "group_size": 32,
+                "num_bits": 4,
+                "observer": "minmax",
+                "observer_kwargs": {},
+                "strategy": "group",
+                "symmetric": True,
+                "type": "int",
+            },
+        }
+    },
+    "format": "pack-quantized",
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+    ],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+_INT4_GROUP = 32
+
 
 def write_tiny_model(
     out_dir: Path,
@@ -120,8 +183,10 @@ def write_tiny_model(
         specials = copy_tokenizer_files(tokenizer_dir, staging)
         if family == "kimi-k2":
             _add_kimi_k2_tokens(staging)
+        elif family == "kimi-k2.5":
+            _add_kimi_k2_tokens(staging, extra_special=KIMI_K25_EXTRA_TOKENS)
         vocab_size = _vocab_size(staging / "tokenizer.json")
-        writer = _write_kimi_k2 if family == "kimi-k2" else _write_llama
+        writer = {"kimi-k2": _write_kimi_k2, "kimi-k2.5": _write_kimi_k25}.get(family, _write_llama)
         writer(staging, vocab_size=vocab_size, seed=seed, specials=specials, model_id=TINY_MODEL_IDS[family])
     return out_dir
 
@@ -133,14 +198,15 @@ def kimi_k2_chat_template() -> str:
     return (files("cachet.models") / "templates" / KIMI_K2_TEMPLATE).read_text(encoding="utf-8")
 
 
-def _add_kimi_k2_tokens(out_dir: Path) -> None:
-    """Append K2's chat tokens to tokenizer.json and put K2's template in tokenizer_config.json."""
+def _add_kimi_k2_tokens(out_dir: Path, extra_special: tuple[str, ...] = ()) -> None:
+    """Append K2's chat tokens (and ``extra_special`` after them) to tokenizer.json and put K2's
+    template in tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
     # add_* skips tokens already present, so <|im_end|> keeps SmolLM2's id (its end-of-turn stop).
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in KIMI_K2_SPECIAL_TOKENS]
+        [AddedToken(t, special=True, normalized=False) for t in KIMI_K2_SPECIAL_TOKENS + extra_special]
     )
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in KIMI_K2_THINK_TOKENS])
     tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -216,6 +282,122 @@ def _write_kimi_k2(out_dir: Path, *, vocab_size: int, seed: int, specials: dict,
         vocab_size=vocab_size, seed=seed, specials=specials, model_id=model_id,
         initialise=steer_routing, extra_config=_KIMI_K2_EXTRA_CONFIG,
     )  # fmt: skip
+
+
+def _write_kimi_k25(out_dir: Path, *, vocab_size: int, seed: int, specials: dict, model_id: str) -> None:
+    """The tiny K2 language model, rewritten into K2.5's published layout beside a tiny MoonViT."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+
+    _write_kimi_k2(out_dir, vocab_size=vocab_size, seed=seed, specials=specials, model_id=model_id)
+    text_config = read_json(out_dir / "config.json")
+    text_config.pop(MODEL_ID_KEY)
+    text_config["model_type"] = "deepseek_v3"
+    text_config["quantization_config"] = KIMI_K25_QUANTIZATION
+    stored = {}
+    for name, tensor in load_file(str(out_dir / "model.safetensors")).items():
+        if ".mlp.experts." in name and name.endswith("_proj.weight"):
+            base = "language_model." + name.removesuffix("weight")
+            stored.update({base + role: part for role, part in pack_int4(tensor, _INT4_GROUP).items()})
+        else:
+            stored["language_model." + name] = tensor
+    vision = {**_KIMI_K25_VISION, "text_hidden_size": text_config["hidden_size"]}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        stored.update(kimi_vision_tensors(vision))
+    save_file(stored, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    image_token_id = Tokenizer.from_file(str(out_dir / "tokenizer.json")).token_to_id(KIMI_K25_IMAGE_TOKEN)
+    write_json(
+        out_dir / "config.json",
+        {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "bos_token_id": text_config.get("bos_token_id"),
+            "eos_token_id": text_config.get("eos_token_id"),
+            "pad_token_id": text_config.get("pad_token_id"),
+            "media_placeholder_token_id": image_token_id,
+            "tie_word_embeddings": False,
+            "quantization_config": KIMI_K25_QUANTIZATION,
+            "text_config": text_config,
+            "vision_config": vision,
+            MODEL_ID_KEY: model_id,
+        },
+    )
+
+
+def pack_int4(weight: Any, group: int) -> dict[str, Any]:
+    """compressed-tensors ``pack-quantized`` INT4: symmetric, one bf16 scale per ``group`` inputs of a
+    row, values offset by 8 and packed eight to an int32 word, the first in the lowest bits."""
+    import torch
+
+    rows, columns = weight.shape
+    groups = weight.float().view(rows, columns // group, group)
+    scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-8).to(torch.bfloat16)
+    values = (groups / scale.float()[..., None]).round().clamp(-8, 7).to(torch.int64).view(rows, columns)
+    nibbles = (values + 8).view(rows, columns // 8, 8)
+    words = (nibbles << (4 * torch.arange(8))).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
+    return {
+        "weight_packed": words.contiguous(),
+        "weight_scale": scale.contiguous(),
+        "weight_shape": torch.tensor([rows, columns], dtype=torch.int32),
+    }
+
+
+def kimi_vision_tensors(vision: dict) -> dict[str, Any]:
+    """Random MoonViT + projector tensors (bf16) under K2.5's published names, from a published-style
+    ``vision_config``; drawn from torch's global generator (the caller seeds it)."""
+    import torch
+
+    d, inner, p = vision["vt_hidden_size"], vision["vt_intermediate_size"], vision["patch_size"]
+    merged = d * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    text = vision["text_hidden_size"]
+    # name -> (shape, kind): "gain" near one (LayerNorm weights), "small" (biases, positions), or a
+    # linear's weight (scaled by its fan-in, so activations keep their size through the blocks).
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        "vision_tower.patch_embed.proj.weight": ((d, 3, p, p), "linear"),
+        "vision_tower.patch_embed.proj.bias": ((d,), "small"),
+        "vision_tower.patch_embed.pos_emb.weight": (
+            (vision["init_pos_emb_height"], vision["init_pos_emb_width"], d),
+            "small",
+        ),
+    }
+    for i in range(vision["vt_num_hidden_layers"]):
+        block = f"vision_tower.encoder.blocks.{i}."
+        for norm in ("norm0", "norm1"):
+            shapes[block + norm + ".weight"] = ((d,), "gain")
+            shapes[block + norm + ".bias"] = ((d,), "small")
+        for name, out, fan_in in (
+            ("wqkv", 3 * d, d),
+            ("wo", d, d),
+            ("mlp.fc0", inner, d),
+            ("mlp.fc1", d, inner),
+        ):
+            shapes[block + name + ".weight"] = ((out, fan_in), "linear")
+            shapes[block + name + ".bias"] = ((out,), "small")
+    shapes |= {
+        "vision_tower.encoder.final_layernorm.weight": ((d,), "gain"),
+        "vision_tower.encoder.final_layernorm.bias": ((d,), "small"),
+        "mm_projector.pre_norm.weight": ((d,), "gain"),
+        "mm_projector.pre_norm.bias": ((d,), "small"),
+        "mm_projector.proj.0.weight": ((merged, merged), "linear"),
+        "mm_projector.proj.0.bias": ((merged,), "small"),
+        "mm_projector.proj.2.weight": ((text, merged), "linear"),
+        "mm_projector.proj.2.bias": ((text,), "small"),
+    }
+    tensors = {}
+    for name, (shape, kind) in shapes.items():
+        values = torch.randn(shape)
+        if kind == "gain":
+            values = 1 + 0.1 * values
+        elif kind == "small":
+            values = 0.1 * values
+        else:
+            values = values / (values[0].numel() ** 0.5)
+        tensors[name] = values.to(torch.bfloat16)
+    return tensors
 
 
 def _write_random_model(
