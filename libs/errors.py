@@ -55,6 +55,14 @@ class InvalidArgument(CachetError):
 
 
 @dataclass
+class PermissionDenied(CachetError):
+    """The caller is known but may not do this (an operator's view asked by another account)."""
+
+    status: grpc.StatusCode = grpc.StatusCode.PERMISSION_DENIED
+    error_type: str = "permission_error"
+
+
+@dataclass
 class NotFound(CachetError):
     """The named model, request or batch does not exist (for this caller)."""
 

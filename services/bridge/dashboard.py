@@ -7,6 +7,12 @@ batches by status with their requests by state. The figures are the usage servic
 ``cachet report`` shows them) and the router's (``ListBatches``); behind the same auth as every
 other route. No script: the chart is inline SVG drawn here, so the page is one small response
 that renders at once.
+
+Operators (accounts in the router's ``CACHET_ROUTER_OPERATOR_ACCOUNTS``) also see every engine
+replica: model, role, load (running and waiting requests, KV blocks used of the pool) from its
+latest load report, and the blocks each KV tier holds as the cache index mirrors them
+(``ListReplicaStatus``). The router decides who is an operator; anyone else's page asks and is
+refused, and shows nothing of the replicas.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from jinja2 import Environment
 
 from cachet.bridge.app import BackendsDep, CallerDep, _unary
 from cachet.bridge.auth import Caller
+from cachet.bridge.errors import BridgeError
+from cachet.engine.v1 import engine_pb2
 from cachet.router.v1 import router_pb2
 from cachet.usage.v1 import usage_pb2
 
@@ -122,6 +130,31 @@ svg text{font-size:10px;fill:#59636e}.cost{fill:#0969da}.saved{fill:#7ee2a8}
 </table>
 <p class="muted" id="batch-requests">Batch requests: {{ batch_requests.completed }} completed,
 {{ batch_requests.failed }} failed, {{ batch_requests.pending }} pending.</p>
+{% if replicas is not none %}
+<h2>Engine replicas <span class="muted">(operators)</span></h2>
+<div class="muted">Load from each engine's latest report to the router; KV blocks per tier as the
+cache index mirrors the engine's KV events{% if not replicas.cache_index_answered %} (the cache
+index did not answer){% endif %}. Prefix hits by tier: the Grafana dashboard
+(cachet_engine_prefix_cache_hit_tokens).</div>
+<table id="replicas"><tr><th>replica</th><th>model</th><th>role</th><th>state</th>
+<th class="n">running</th><th class="n">waiting</th><th class="n">KV blocks used</th><th class="n">of</th>
+<th class="n">pool cached</th><th class="n">host tier</th><th class="n">shared tier</th></tr>
+{% for row in replicas.replicas %}<tr><td>{{ row.address }}</td><td>{{ row.model or "-" }}</td>
+<td>{{ row.role or "-" }}</td><td>{{ state(row) }}</td>
+{% if row.HasField("load") %}<td class="n">{{ row.load.running_requests }}</td>
+<td class="n">{{ row.load.waiting_requests }}</td>
+<td class="n"><svg width="60" height="8" role="img" aria-label="KV used"><rect width="60" height="8" fill="#eef1f4"/>
+<rect class="cost" width="{{ '%.1f' % (60 * used_fraction(row.load)) }}" height="8"/></svg>
+{{ "{:,}".format(row.load.total_kv_blocks - row.load.free_kv_blocks) }}</td>
+<td class="n">{{ "{:,}".format(row.load.total_kv_blocks) }}</td>
+{% else %}<td class="n">-</td><td class="n">-</td><td class="n">-</td><td class="n">-</td>{% endif %}
+{% if row.HasField("kv_index") %}<td class="n">{{ "{:,}".format(row.kv_index.cached_blocks) }}</td>
+<td class="n">{{ "{:,}".format(row.kv_index.host_blocks) }}</td>
+<td class="n">{{ "{:,}".format(row.kv_index.shared_blocks) }}</td>
+{% else %}<td class="n">-</td><td class="n">-</td><td class="n">-</td>{% endif %}</tr>
+{% else %}<tr><td colspan="11" class="muted">none</td></tr>{% endfor %}
+</table>
+{% endif %}
 </body></html>
 """
 )
@@ -151,6 +184,33 @@ async def _batches(request: Request, backends: BackendsDep, caller: Caller) -> l
     return found
 
 
+async def _replicas(
+    request: Request, backends: BackendsDep, caller: Caller
+) -> router_pb2.ReplicaStatusList | None:
+    """The operators' view of the engine replicas, or None for anyone else (the router decides
+    who is an operator: 403) and from a router that predates the view (501)."""
+    try:
+        return await _unary(
+            request, backends.inference.ListReplicaStatus, router_pb2.ListReplicaStatusRequest(), caller
+        )
+    except BridgeError as refused:
+        if refused.status not in (403, 501):
+            raise
+        return None
+
+
+def _replica_state(row: router_pb2.ReplicaStatus) -> str:
+    if row.available:
+        return "up"
+    return "stale" if row.HasField("load") else "down"
+
+
+def _used_fraction(load: engine_pb2.LoadReport) -> float:
+    return (
+        (load.total_kv_blocks - load.free_kv_blocks) / load.total_kv_blocks if load.total_kv_blocks else 0.0
+    )
+
+
 def _status_name(status: router_pb2.OpenAIBatchStatus.ValueType) -> str:
     return router_pb2.OpenAIBatchStatus.Name(status).removeprefix("OPEN_AI_BATCH_STATUS_").lower()
 
@@ -162,19 +222,21 @@ async def dashboard(
     backends: BackendsDep,
     days: Annotated[int, Query(ge=1, le=366, description="UTC days shown, today included.")] = 30,
 ) -> HTMLResponse:
-    """The caller's account: usage, cost and savings per day, model and session; batches by status."""
+    """The caller's account: usage, cost and savings per day, model and session; batches by
+    status; for operators, the engine replicas' load and KV tiers."""
     today_ms = int(time.time() * 1000) // DAY_MS * DAY_MS
     start_ms = today_ms - (days - 1) * DAY_MS
 
     def query(*group_by: str) -> usage_pb2.QueryUsageRequest:
         return usage_pb2.QueryUsageRequest(account_id=caller.account_id, start_ms=start_ms, group_by=group_by)
 
-    total, by_day, by_model, by_session, batches = await asyncio.gather(
+    total, by_day, by_model, by_session, batches, replicas = await asyncio.gather(
         *(
             _unary(request, backends.usage.QueryUsage, query(*group), caller)
             for group in ((), ("day",), ("model",), ("session",))
         ),
         _batches(request, backends, caller),
+        _replicas(request, backends, caller),
     )
     sessions = sorted(by_session.rows, key=lambda row: (-row.cost_picousd, row.session_id))
     used = {row.day: row for row in by_day.rows}
@@ -202,6 +264,9 @@ async def dashboard(
             failed=sum(batch.failed for batch in batches),
             pending=sum(batch.total - batch.completed - batch.failed for batch in batches),
         ),
+        replicas=replicas,
+        state=_replica_state,
+        used_fraction=_used_fraction,
         usd=usd,
         ratio=ratio,
     )

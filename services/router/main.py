@@ -29,6 +29,7 @@ from cachet.router.prompt import PromptBuilder
 from cachet.router.queue_store import JobState, QueueStore, open_queue_store
 from cachet.router.readiness import ReadinessPublisher
 from cachet.router.replica_set import ReplicaSet
+from cachet.router.replica_status import ReplicaStatusReader
 from cachet.router.request_pipeline import RequestPipeline
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
 from cachet.router.session_directory import SessionDirectory
@@ -114,11 +115,12 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
     )
     clients = RouterClients(replicas, usage, [tokenizer_channel, cache_channel, usage_channel])
     tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(tokenizer_channel)
+    cache = cache_pb2_grpc.CacheIndexServiceStub(cache_channel)
     pipeline = RequestPipeline(
         replicas=replicas,
         prompts=PromptBuilder(tokenizer, settings.dependency_timeout_seconds),
         tokenizer=tokenizer,
-        cache=cache_pb2_grpc.CacheIndexServiceStub(cache_channel),
+        cache=cache,
         usage=usage,
         policy=_policy(settings),
         cache_timeout_seconds=settings.cache_timeout_seconds,
@@ -174,8 +176,17 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
         webhook_targets=webhook_targets,
     )
     file_batches = FileBatches(clients.queue, queue, settings.batch_file_max_lines)
+    replica_status = ReplicaStatusReader(
+        replicas, cache, settings.operator_accounts, settings.cache_timeout_seconds
+    )
     servicer = InferenceServicer(
-        pipeline, accounts, queue, file_batches, StoredResponses(clients.queue), limits
+        pipeline,
+        accounts,
+        queue,
+        file_batches,
+        StoredResponses(clients.queue),
+        limits,
+        replica_status=replica_status,
     )
     try:
         running = await create_server(

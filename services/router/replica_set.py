@@ -139,6 +139,10 @@ class Replica:
         """The newest load report as the engine sent it (None before the first); see ``available()``."""
         return self._latest.report if self._latest is not None else None
 
+    def report_received_at(self) -> float:
+        """When the latest report arrived (monotonic seconds; 0 before the first)."""
+        return self._latest.received_at if self._latest is not None else 0.0
+
     def in_flight_at_report(self) -> int:
         """``in_flight`` when the latest report arrived; ours that ended since still show in it."""
         return self._latest.in_flight if self._latest is not None else 0

@@ -17,6 +17,7 @@ from cachet.router.caller import AccountDirectory, Caller
 from cachet.router.choices import ChoiceGroup
 from cachet.router.file_batches import FileBatches
 from cachet.router.key_limits import KeyLimiter
+from cachet.router.replica_status import ReplicaStatusReader
 from cachet.router.request_pipeline import Generation, RequestPipeline
 from cachet.router.stored_responses import StoredResponses
 from cachet.router.v1 import router_pb2, router_pb2_grpc
@@ -34,8 +35,11 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
         file_batches: FileBatches,
         responses: StoredResponses,
         limits: KeyLimiter | None = None,
+        *,
+        replica_status: ReplicaStatusReader,
     ) -> None:
         self._pipeline = pipeline
+        self._replica_status = replica_status
         self._accounts = accounts
         self._queue = queue
         self._file_batches = file_batches
@@ -121,6 +125,9 @@ class InferenceServicer(router_pb2_grpc.InferenceServiceServicer):
     async def Authenticate(self, request, context) -> router_pb2.CallerIdentity:  # noqa: N802
         caller = await self._caller(context)
         return router_pb2.CallerIdentity(account_id=caller.account_id, api_key_id=caller.api_key_id)
+
+    async def ListReplicaStatus(self, request, context) -> router_pb2.ReplicaStatusList:  # noqa: N802
+        return await self._replica_status.read(await self._caller(context))
 
     async def _caller(self, context: grpc.aio.ServicerContext, session_id: str = "") -> Caller:
         return await self._accounts.caller(context.invocation_metadata(), session_id)

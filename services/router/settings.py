@@ -77,6 +77,11 @@ class RouterSettings(ServiceSettings):
     # Account id -> cache group: the accounts of one group (an organisation) share cached
     # prefixes, e.g. CACHET_ROUTER_CACHE_GROUPS='{"acct-1": "org-a", "acct-2": "org-a"}'.
     cache_groups: dict[str, str] = Field(default_factory=dict)
+    # Accounts that may see every engine replica's load and KV tiers (ListReplicaStatus; the
+    # operator section of the bridge's /dashboard), e.g. CACHET_ROUTER_OPERATOR_ACCOUNTS='["ops"]'.
+    # The account is the one a key names (CACHET_API_KEYS or `cachet keys create --account`);
+    # "anonymous" makes everyone an operator in open development mode. Empty: no operators.
+    operator_accounts: frozenset[str] = frozenset()
     # How long a managed API key read from the store is trusted (caller.py): a key revoked
     # with `cachet keys revoke` stops working within this time on every router.
     api_key_cache_seconds: float = Field(default=5.0, ge=0)

@@ -1,5 +1,7 @@
 """GET /dashboard after real traffic: the caller's account only, behind the API key, every figure
-equal to the ledger's to the micro-dollar (the ledger read straight from the usage service)."""
+equal to the ledger's to the micro-dollar (the ledger read straight from the usage service); for
+an operator, the engine replicas' load and KV tiers equal to what the engine and the cache index
+report themselves, which no other account sees."""
 
 from __future__ import annotations
 
@@ -18,10 +20,14 @@ import httpx
 import pytest
 from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, ServiceProcess
 
+from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
+from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.models.tiny import write_tiny_model
+from cachet.router.v1 import router_pb2, router_pb2_grpc
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
 
-KEYS = {"sk-dash-a": "acct-dash-a", "sk-dash-b": "acct-dash-b"}
+KEYS = {"sk-dash-a": "acct-dash-a", "sk-dash-b": "acct-dash-b", "sk-dash-ops": "acct-dash-ops"}
+OPERATORS = json.dumps(["acct-dash-ops"])
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -32,7 +38,10 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CachetS
     root = tmp_path_factory.mktemp("dashboard-e2e")
     keys = json.dumps(KEYS)
     stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID))
-    stack.start(engines=1, router_env={"CACHET_ROUTER_API_KEYS": keys})
+    stack.start(
+        engines=1,
+        router_env={"CACHET_ROUTER_API_KEYS": keys, "CACHET_ROUTER_OPERATOR_ACCOUNTS": OPERATORS},
+    )
     try:
         yield stack, stack.start_bridge(CACHET_BRIDGE_API_KEYS=keys, CACHET_BRIDGE_HOST="127.0.0.1")
     finally:
@@ -158,6 +167,96 @@ def test_the_dashboard_shows_the_callers_ledger_to_the_micro_dollar(platform) ->
     assert re.search(r"Batch requests: 0 completed,\s+0 failed, 0 pending", page.text)
 
 
+def _indexed(stack: CachetStack) -> dict[str, cache_pb2.ReplicaState]:
+    with grpc.insecure_channel(stack.address("cache")) as channel:
+        reply = cache_pb2_grpc.CacheIndexServiceStub(channel).ListReplicas(
+            cache_pb2.ListReplicasRequest(), timeout=10
+        )
+    return {state.address: state for state in reply.replicas}
+
+
+def _engine_report(address: str) -> tuple[engine_pb2.EngineInfo, engine_pb2.LoadReport]:
+    with grpc.insecure_channel(address) as channel:
+        engine = engine_pb2_grpc.EngineServiceStub(channel)
+        info = engine.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=10)
+        reports = engine.StreamLoadReports(engine_pb2.StreamLoadReportsRequest(interval_ms=100), timeout=10)
+        report = next(reports)
+        reports.cancel()
+    return info, report
+
+
+def _page(bridge: ServiceProcess, key: str) -> str:
+    page = httpx.get(
+        f"http://{bridge.address}/dashboard", headers={"authorization": f"Bearer {key}"}, timeout=30
+    )
+    assert page.status_code == 200, page.text
+    return page.text
+
+
+def test_operators_see_each_replicas_load_and_kv_tiers_and_no_one_else_does(platform) -> None:
+    stack, bridge = platform
+    system = f"[{uuid.uuid4().hex}] You are a terse assistant. Answer in one short sentence, no more."
+    _chat(bridge, "sk-dash-ops", "ops", system)
+    (address,) = stack.engine_addresses
+
+    # Idle after the request, the figures hold still; the index may still be taking its KV
+    # events, so read it on both sides of the page and keep a reading where the two agree.
+    deadline = time.monotonic() + 30
+    while True:
+        before = _indexed(stack)
+        text = _page(bridge, "sk-dash-ops")
+        after = _indexed(stack)
+        if before == after and after[address].cached_blocks > 0:
+            break
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.2)
+    cells = _Cells()
+    cells.feed(text)
+    header, *rows = cells.tables["replicas"]
+    assert header == [
+        "replica", "model", "role", "state", "running", "waiting", "KV blocks used", "of",
+        "pool cached", "host tier", "shared tier",
+    ]  # fmt: skip
+    info, report = _engine_report(address)
+    index = after[address]
+    assert rows == [
+        [
+            address,
+            info.model,
+            info.role,
+            "up",
+            str(report.running_requests),
+            str(report.waiting_requests),
+            f"{report.total_kv_blocks - report.free_kv_blocks:,}",
+            f"{info.total_kv_blocks:,}",
+            f"{index.cached_blocks:,}",
+            f"{index.host_blocks:,}",
+            f"{index.shared_blocks:,}",
+        ]
+    ]
+    assert (info.role, report.running_requests, report.waiting_requests) == ("mixed", 0, 0)
+
+    # Anyone else: no section on the page, and the router refuses the RPC itself.
+    for key in ("sk-dash-a", "sk-dash-b"):
+        other = _page(bridge, key)
+        assert 'id="replicas"' not in other and address not in other and "Engine replicas" not in other
+    with grpc.insecure_channel(stack.address("router")) as channel:
+        router = router_pb2_grpc.InferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            router.ListReplicaStatus(
+                router_pb2.ListReplicaStatusRequest(),
+                metadata=[("authorization", "Bearer sk-dash-a")],
+                timeout=10,
+            )
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        status = router.ListReplicaStatus(
+            router_pb2.ListReplicaStatusRequest(),
+            metadata=[("authorization", "Bearer sk-dash-ops")],
+            timeout=10,
+        )
+    assert status.cache_index_answered and [r.address for r in status.replicas] == [address]
+
+
 def test_the_dashboard_renders_in_headless_chromium_with_the_ledgers_numbers(platform) -> None:
     """The page as a browser draws it (Debian's chromium through Selenium): the cards and the
     chart show the ledger's figures; a screenshot is left in data/screenshots/ for people."""
@@ -200,6 +299,21 @@ def test_the_dashboard_renders_in_headless_chromium_with_the_ledgers_numbers(pla
         screenshot.parent.mkdir(parents=True, exist_ok=True)
         assert chrome.save_screenshot(str(screenshot))
         print(f"dashboard screenshot: {screenshot}")
+        # An operator's page: the replicas' table below the account's figures.
+        chrome.execute_cdp_cmd(
+            "Network.setExtraHTTPHeaders", {"headers": {"authorization": "Bearer sk-dash-ops"}}
+        )
+        chrome.get(f"http://{bridge.address}/dashboard")
+        replica_rows = [
+            [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+            for row in chrome.find_elements(By.CSS_SELECTOR, "table#replicas tr")[1:]
+        ]
+        kv_bar = chrome.find_element(By.CSS_SELECTOR, "table#replicas svg")
+        kv_bar_width = kv_bar.size["width"]
+        chrome.execute_script("arguments[0].scrollIntoView()", kv_bar)
+        operator_shot = screenshot.with_name("dashboard-operator.png")
+        assert chrome.save_screenshot(str(operator_shot))
+        print(f"operator dashboard screenshot: {operator_shot}")
     finally:
         chrome.quit()
     (total,) = _ledger(stack, "acct-dash-b")
@@ -209,3 +323,6 @@ def test_the_dashboard_renders_in_headless_chromium_with_the_ledgers_numbers(pla
     # A bar a day for the 30 days shown; today's, the only one with traffic, at full height.
     assert len(bars) == 30
     assert max(bars)[1] > 100 and all(height == 0 for _, height in sorted(bars)[:-1])
+    # One row per engine replica, drawn with its address, role and state, and a KV bar in view.
+    assert [row[:4] for row in replica_rows] == [[stack.engine_addresses[0], TINY_MODEL_ID, "mixed", "up"]]
+    assert kv_bar_width == 60

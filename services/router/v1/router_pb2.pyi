@@ -6,7 +6,9 @@ The caller's account comes from the `authorization: Bearer <key>` metadata;
 `x-session-affinity` metadata (or session_id) keeps a session on one replica.
 """
 
+from cachet.cache.v1 import cache_pb2 as _cache_pb2
 from cachet.common.v1 import common_pb2 as _common_pb2
+from cachet.engine.v1 import engine_pb2 as _engine_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -140,6 +142,109 @@ OPEN_AI_BATCH_STATUS_CANCELLING: OpenAIBatchStatus.ValueType  # 7
 OPEN_AI_BATCH_STATUS_CANCELLED: OpenAIBatchStatus.ValueType  # 8
 """Cancelled and every started line ended."""
 Global___OpenAIBatchStatus: _TypeAlias = OpenAIBatchStatus  # noqa: Y015
+
+@_typing.final
+class ListReplicaStatusRequest(_message.Message):
+    """Ask for the replicas' status (the caller's credentials travel in metadata)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReplicaStatusRequest: _TypeAlias = ListReplicaStatusRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaStatusList(_message.Message):
+    """The engine replicas, in the order the router was configured with them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    CACHE_INDEX_ANSWERED_FIELD_NUMBER: _builtins.int
+    cache_index_answered: _builtins.bool
+    """The cache index answered ListReplicas; false: no replica has kv_index."""
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaStatus]:
+        """One per configured engine address."""
+
+    def __init__(
+        self,
+        *,
+        replicas: _abc.Iterable[Global___ReplicaStatus] | None = ...,
+        cache_index_answered: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_index_answered", b"cache_index_answered", "replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaStatusList: _TypeAlias = ReplicaStatusList  # noqa: Y015
+
+@_typing.final
+class ReplicaStatus(_message.Message):
+    """One engine replica as this router sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    AVAILABLE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
+    REPORT_AGE_MS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    KV_INDEX_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """The engine's address, as configured."""
+    available: _builtins.bool
+    """Placement may choose it now: its load stream is up and its last report is fresh."""
+    model: _builtins.str
+    """The model it serves (its GetEngineInfo); empty until the router first reached it."""
+    role: _builtins.str
+    """"mixed", "prefill" or "decode" (EngineInfo.role); empty until the router first reached it."""
+    report_age_ms: _builtins.int
+    """Milliseconds since that report arrived, on the router's own clock."""
+    in_flight: _builtins.int
+    """Requests this router has on the replica now (other routers' are in `load` only)."""
+    @_builtins.property
+    def load(self) -> _engine_pb2.LoadReport:
+        """The engine's latest load report (running and waiting requests, KV blocks used of the pool);
+        absent before the first and while its stream is down.
+        """
+
+    @_builtins.property
+    def kv_index(self) -> _cache_pb2.ReplicaState:
+        """Blocks the cache index believes each of its KV tiers holds (pool, host, shared); absent when
+        the index does not follow this address or did not answer.
+        """
+
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        available: _builtins.bool = ...,
+        model: _builtins.str = ...,
+        role: _builtins.str = ...,
+        load: _engine_pb2.LoadReport | None = ...,
+        report_age_ms: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+        kv_index: _cache_pb2.ReplicaState | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_index", b"kv_index", "load", b"load"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "available", b"available", "in_flight", b"in_flight", "kv_index", b"kv_index", "load", b"load", "model", b"model", "report_age_ms", b"report_age_ms", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaStatus: _TypeAlias = ReplicaStatus  # noqa: Y015
 
 @_typing.final
 class AuthenticateRequest(_message.Message):

@@ -140,6 +140,11 @@ class InferenceServiceStub:
                 request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.AuthenticateRequest.SerializeToString,
                 response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.CallerIdentity.FromString,
                 _registered_method=True)
+        self.ListReplicaStatus = channel.unary_unary(
+                '/cachet.router.v1.InferenceService/ListReplicaStatus',
+                request_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ListReplicaStatusRequest.SerializeToString,
+                response_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ReplicaStatusList.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -295,6 +300,15 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReplicaStatus(self, request, context):
+        """Operators only (accounts in CACHET_ROUTER_OPERATOR_ACCOUNTS; PERMISSION_DENIED for any other):
+        every engine replica this router follows, with its load and its KV tiers, as the router and
+        the cache index know them now (the bridge's /dashboard shows them to operators).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -402,6 +416,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Authenticate,
                     request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.AuthenticateRequest.FromString,
                     response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.CallerIdentity.SerializeToString,
+            ),
+            'ListReplicaStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicaStatus,
+                    request_deserializer=cachet_dot_router_dot_v1_dot_router__pb2.ListReplicaStatusRequest.FromString,
+                    response_serializer=cachet_dot_router_dot_v1_dot_router__pb2.ReplicaStatusList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -972,6 +991,33 @@ class InferenceService:
             '/cachet.router.v1.InferenceService/Authenticate',
             cachet_dot_router_dot_v1_dot_router__pb2.AuthenticateRequest.SerializeToString,
             cachet_dot_router_dot_v1_dot_router__pb2.CallerIdentity.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicaStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachet.router.v1.InferenceService/ListReplicaStatus',
+            cachet_dot_router_dot_v1_dot_router__pb2.ListReplicaStatusRequest.SerializeToString,
+            cachet_dot_router_dot_v1_dot_router__pb2.ReplicaStatusList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,6 +82,11 @@ class InferenceServiceStub:
     """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
     a front end such as the REST bridge learns a managed key's account as the router does.
     """
+    ListReplicaStatus: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListReplicaStatusRequest, _router_pb2.ReplicaStatusList]
+    """Operators only (accounts in CACHET_ROUTER_OPERATOR_ACCOUNTS; PERMISSION_DENIED for any other):
+    every engine replica this router follows, with its load and its KV tiers, as the router and
+    the cache index know them now (the bridge's /dashboard shows them to operators).
+    """
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
@@ -133,6 +138,11 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     Authenticate: _aio.UnaryUnaryMultiCallable[_router_pb2.AuthenticateRequest, _router_pb2.CallerIdentity]  # type: ignore[assignment]
     """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
     a front end such as the REST bridge learns a managed key's account as the router does.
+    """
+    ListReplicaStatus: _aio.UnaryUnaryMultiCallable[_router_pb2.ListReplicaStatusRequest, _router_pb2.ReplicaStatusList]  # type: ignore[assignment]
+    """Operators only (accounts in CACHET_ROUTER_OPERATOR_ACCOUNTS; PERMISSION_DENIED for any other):
+    every engine replica this router follows, with its load and its KV tiers, as the router and
+    the cache index know them now (the bridge's /dashboard shows them to operators).
     """
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -308,6 +318,17 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_router_pb2.CallerIdentity, _abc.Awaitable[_router_pb2.CallerIdentity]]:
         """Who this call's `authorization: Bearer <key>` metadata names (UNAUTHENTICATED if no one):
         a front end such as the REST bridge learns a managed key's account as the router does.
+        """
+
+    @_abc_1.abstractmethod
+    def ListReplicaStatus(
+        self,
+        request: _router_pb2.ListReplicaStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.ReplicaStatusList, _abc.Awaitable[_router_pb2.ReplicaStatusList]]:
+        """Operators only (accounts in CACHET_ROUTER_OPERATOR_ACCOUNTS; PERMISSION_DENIED for any other):
+        every engine replica this router follows, with its load and its KV tiers, as the router and
+        the cache index know them now (the bridge's /dashboard shows them to operators).
         """
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
