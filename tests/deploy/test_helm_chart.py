@@ -187,6 +187,12 @@ def test_postgresql_comes_by_url_and_several_routers_need_it() -> None:
         render({**GPU_VALUES, "router": {"replicas": 2}})
 
 
+def test_operator_accounts_reach_the_routers() -> None:
+    assert "CACHET_ROUTER_OPERATOR_ACCOUNTS" not in env(by_kind(render(), "Deployment")["cachet-router"])
+    router = by_kind(render({"auth": {"operatorAccounts": ["ops", "sre"]}}), "Deployment")["cachet-router"]
+    assert json.loads(env(router)["CACHET_ROUTER_OPERATOR_ACCOUNTS"]) == ["ops", "sre"]
+
+
 def test_a_model_claim_is_mounted_read_only_for_the_engines_and_the_tokenizer() -> None:
     docs = render({"model": {"claim": "models", "name": "/models/kimi-k2.5"}})
     workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
