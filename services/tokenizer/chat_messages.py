@@ -6,6 +6,9 @@ authors write their templates against):
 - ``{"role", "content": str}``; text parts are joined with newlines. The
   OpenAI ``developer`` role becomes ``system``: it is the same instruction slot
   under a newer name, and model templates only know ``system``.
+- image parts: for a model with a vision encoder, its placeholder markup
+  (``VisionInfo.placeholder_text``) at the part's place among the text parts, so
+  templates keep getting content as a string; other models refuse them.
 - assistant tool calls: ``{"id", "type": "function", "function": {"name",
   "arguments": dict}}``. Arguments are a parsed JSON *object*, not a string,
   because templates render them with ``tojson`` (a string would be quoted twice).
@@ -48,17 +51,29 @@ def _parse_json_object(text: str, field: str, *, empty: dict[str, Any]) -> dict[
     return value
 
 
-def _content(message: common_pb2.ChatMessage, field: str) -> str:
+def _content(message: common_pb2.ChatMessage, field: str, image_text: str | None) -> str:
     texts = []
     for index, part in enumerate(message.content):
         kind = part.WhichOneof("part")
         if kind == "image_url":
-            raise _invalid(
-                f"{field}.content[{index}].image_url", "image input needs a model with a vision encoder"
-            )
+            if image_text is None:
+                raise _invalid(
+                    f"{field}.content[{index}].image_url", "image input needs a model with a vision encoder"
+                )
+            texts.append(image_text)
         if kind == "text":
             texts.append(part.text)
     return "\n".join(texts)
+
+
+def image_parts(messages: Sequence[common_pb2.ChatMessage]) -> list[tuple[str, str]]:
+    """``(field, url)`` of every image part, in the order the prompt holds them."""
+    return [
+        (f"messages[{index}].content[{number}].image_url", part.image_url)
+        for index, message in enumerate(messages)
+        for number, part in enumerate(message.content)
+        if part.WhichOneof("part") == "image_url"
+    ]
 
 
 def _tool_call(call: common_pb2.ToolCall, field: str) -> dict[str, Any]:
@@ -68,8 +83,11 @@ def _tool_call(call: common_pb2.ToolCall, field: str) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
-def message_to_dict(message: common_pb2.ChatMessage, index: int) -> dict[str, Any]:
-    """One proto message as a template dict; ``index`` is only used to name fields in errors."""
+def message_to_dict(
+    message: common_pb2.ChatMessage, index: int, image_text: str | None = None
+) -> dict[str, Any]:
+    """One proto message as a template dict; ``index`` is only used to name fields in errors;
+    ``image_text``: what an image part renders to (None: image parts are refused)."""
     field = f"messages[{index}]"
     if message.role not in ROLES:
         raise _invalid(f"{field}.role", f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}")
@@ -80,7 +98,7 @@ def message_to_dict(message: common_pb2.ChatMessage, index: int) -> dict[str, An
     converted: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
         # Always a string, never absent: many templates concatenate it unguarded.
-        "content": _content(message, field),
+        "content": _content(message, field, image_text),
     }
     if message.name:
         converted["name"] = message.name
@@ -96,10 +114,12 @@ def message_to_dict(message: common_pb2.ChatMessage, index: int) -> dict[str, An
     return converted
 
 
-def messages_to_dicts(messages: Sequence[common_pb2.ChatMessage]) -> list[dict[str, Any]]:
+def messages_to_dicts(
+    messages: Sequence[common_pb2.ChatMessage], image_text: str | None = None
+) -> list[dict[str, Any]]:
     if not messages:
         raise _invalid("messages", "at least one message is required")
-    return [message_to_dict(message, index) for index, message in enumerate(messages)]
+    return [message_to_dict(message, index, image_text) for index, message in enumerate(messages)]
 
 
 def tool_to_dict(tool: common_pb2.Tool, index: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from cachet.models.catalog import (
     ensure_model,
     resolve_model,
 )
+from cachet.tokenizer.images import ImageLimits
 from cachet.tokenizer.model_registry import ModelRegistry
 from cachet.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from cachet.tokenizer.settings import TokenizerSettings
@@ -59,11 +60,25 @@ def load_registry(settings: TokenizerSettings) -> ModelRegistry:
     return ModelRegistry(models, default_model_id=default)
 
 
+def image_limits(settings: TokenizerSettings) -> ImageLimits:
+    return ImageLimits(
+        max_bytes=settings.image_max_bytes,
+        max_pixels=settings.image_max_pixels,
+        max_images=settings.max_images_per_request,
+        # The answer carries the pixels: leave a quarter of the message for the tokens.
+        max_total_pixel_bytes=settings.max_message_bytes * 3 // 4,
+        url_hosts=frozenset(host.lower() for host in settings.image_url_hosts),
+        fetch_timeout_seconds=settings.image_fetch_timeout_seconds,
+    )
+
+
 async def start(settings: TokenizerSettings, *, metrics_port: int | None = None) -> RunningServer:
     """Load the models and start serving; ``settings.port`` 0 picks a free port; ``metrics_port``
     (0: a free one) also serves Prometheus /metrics."""
     registry = await asyncio.to_thread(load_registry, settings)
-    servicer = TokenizerServicer(registry, max_input_chars=settings.max_input_chars)
+    servicer = TokenizerServicer(
+        registry, max_input_chars=settings.max_input_chars, image_limits=image_limits(settings)
+    )
     return await create_server(settings, [servicer.register], [SERVICE_NAME], metrics_port=metrics_port)
 
 

@@ -9,6 +9,10 @@
   write (``<|im_end|>``, ``<|eot_id|>``...) when the vocabulary has them as
   special tokens. A chat model whose eos is ``<|endoftext|>`` still ends its
   turn with ``<|im_end|>``; without it generation would run on into a new turn.
+- Vision: a ``kimi_k25``-style config.json (``vision_config`` with ``patch_size`` and
+  ``merge_kernel_size``, and ``media_placeholder_token_id`` at its top level) makes a model
+  accept images (``VisionInfo``); the patch budget comes from preprocessor_config.json when the
+  checkpoint ships one. A model without a vision config refuses image parts.
 """
 
 from __future__ import annotations
@@ -28,11 +32,37 @@ _SANE_MAX_LENGTH = 10_000_000
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
+# Kimi K2.5's image processor: at most this many patches per image, and per side.
+DEFAULT_MAX_PATCHES = 16384
+DEFAULT_MAX_PATCHES_PER_SIDE = 512
+# Where an image sits in a Kimi prompt: its placeholder wrapped in the media markers. K2.5's
+# vocabulary spells the opening marker <|media_begin|>, K2's chat template <|media_start|>.
+_MEDIA_BEGIN = ("<|media_begin|>", "<|media_start|>")
+_MEDIA_CONTENT = "<|media_content|>"
+_MEDIA_END = "<|media_end|>"
+
 
 @dataclass(frozen=True)
 class SpecialToken:
     text: str
     token_id: int
+
+
+@dataclass(frozen=True)
+class VisionInfo:
+    """How a model with a vision encoder takes images: its patch grid and its placeholder."""
+
+    # The one token an image part renders to, which the tokenizer service then repeats once
+    # per merged patch (docs/ARCHITECTURE.md, "Images").
+    placeholder_token_id: int
+    # The text an image part becomes in a message's content: the placeholder inside the
+    # model's media markers, e.g. <|media_begin|>image<|media_content|><|media_pad|><|media_end|>.
+    placeholder_text: str
+    patch_size: int
+    # Patches merged into one token, (rows, columns).
+    merge_kernel: tuple[int, int]
+    max_patches: int
+    max_patches_per_side: int
 
 
 @dataclass(frozen=True)
@@ -46,6 +76,8 @@ class ModelInfo:
     special_tokens: tuple[SpecialToken, ...]
     template_supports_tools: bool
     bos_token_id: int | None
+    # None: no vision encoder, image parts are refused.
+    vision: VisionInfo | None = None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -123,6 +155,73 @@ def bos_token_id(
     return None
 
 
+def _positive_int(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def _merge_kernel(value: Any) -> tuple[int, int]:
+    if _positive_int(value):
+        return (value, value)
+    if isinstance(value, list | tuple) and len(value) == 2 and all(map(_positive_int, value)):
+        return (value[0], value[1])
+    raise ValueError(
+        f"config.json: vision_config.merge_kernel_size {value!r} is not a size or a pair of sizes"
+    )
+
+
+def _patch_budget(preprocessor: dict[str, Any]) -> tuple[int, int]:
+    """(max patches, max patches per side): transformers' image processor keys, else the
+    ``media_proc_cfg`` of Moonshot's own processor, else K2.5's defaults."""
+    moonshot = preprocessor.get("media_proc_cfg") or {}
+    size = preprocessor.get("size") or {}
+    max_patches = _positive_int(preprocessor.get("max_patches")) or _positive_int(
+        moonshot.get("in_patch_limit")
+    )
+    per_side = _positive_int(size.get("max_height")) or _positive_int(moonshot.get("patch_limit_on_one_side"))
+    return max_patches or DEFAULT_MAX_PATCHES, per_side or DEFAULT_MAX_PATCHES_PER_SIDE
+
+
+def vision_info(
+    config: dict[str, Any], preprocessor: dict[str, Any], specials: tuple[SpecialToken, ...]
+) -> VisionInfo | None:
+    """The model's image input, or None when config.json has no ``vision_config``."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        return None
+    # Moonshot's config names it media_placeholder_token_id; transformers' image_token_id.
+    token_id = _positive_int(config.get("media_placeholder_token_id")) or _positive_int(
+        config.get("image_token_id")
+    )
+    if token_id is None:
+        raise ValueError("config.json has a vision_config but no media_placeholder_token_id")
+    by_id = {special.token_id: special.text for special in specials}
+    by_text = {special.text: special.token_id for special in specials}
+    if token_id not in by_id:
+        raise ValueError(
+            f"config.json: media_placeholder_token_id {token_id} is not a special token of the vocabulary"
+        )
+    pad = by_id[token_id]
+    begin = next((text for text in _MEDIA_BEGIN if text in by_text), None)
+    if begin is not None and _MEDIA_CONTENT in by_text and _MEDIA_END in by_text:
+        text = f"{begin}image{_MEDIA_CONTENT}{pad}{_MEDIA_END}"
+    else:
+        text = pad
+    patch_size = _positive_int(vision.get("patch_size", 14))
+    if patch_size is None:
+        raise ValueError(f"config.json: vision_config.patch_size {vision.get('patch_size')!r} is not a size")
+    max_patches, per_side = _patch_budget(preprocessor)
+    return VisionInfo(
+        placeholder_token_id=token_id,
+        placeholder_text=text,
+        patch_size=patch_size,
+        merge_kernel=_merge_kernel(vision.get("merge_kernel_size", 2)),
+        max_patches=max_patches,
+        max_patches_per_side=per_side,
+    )
+
+
 def read_model_info(
     model_id: str, path: Path, tokenizer: PreTrainedTokenizerBase, *, template_supports_tools: bool
 ) -> ModelInfo:
@@ -138,4 +237,5 @@ def read_model_info(
         special_tokens=specials,
         template_supports_tools=template_supports_tools,
         bos_token_id=bos_token_id(config, generation_config, tokenizer),
+        vision=vision_info(config, _read_json(path / "preprocessor_config.json"), specials),
     )

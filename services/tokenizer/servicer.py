@@ -18,8 +18,10 @@ import grpc
 
 from cachet.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from cachet.errors import InvalidArgument
-from cachet.tokenizer.chat_messages import messages_to_dicts, tools_to_dicts
+from cachet.tokenizer.chat_messages import image_parts, messages_to_dicts, tools_to_dicts
 from cachet.tokenizer.detokenize_session import DetokenizeSession
+from cachet.tokenizer.image_placeholders import expand_placeholders
+from cachet.tokenizer.images import ImageLimits, prompt_images
 from cachet.tokenizer.model_info import ModelInfo
 from cachet.tokenizer.model_registry import ModelRegistry
 from cachet.tokenizer.template_variables import ReasoningControls
@@ -70,9 +72,12 @@ def _model_info_proto(info: ModelInfo) -> tokenizer_pb2.ModelInfo:
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     """Thin adapter over a ``ModelRegistry``; holds no per-call state of its own."""
 
-    def __init__(self, registry: ModelRegistry, *, max_input_chars: int) -> None:
+    def __init__(
+        self, registry: ModelRegistry, *, max_input_chars: int, image_limits: ImageLimits | None = None
+    ) -> None:
         self._registry = registry
         self._max_input_chars = max_input_chars
+        self._image_limits = image_limits or ImageLimits()
 
     def register(self, server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(self, server)
@@ -115,18 +120,24 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             prompt=rendered.prompt,
             token_ids=rendered.token_ids,
             prefix_token_counts=rendered.prefix_token_counts,
+            images=rendered.images,
         )
 
-    @staticmethod
-    def _render(model: TokenizerModel, request: tokenizer_pb2.ApplyChatTemplateRequest) -> RenderedChat:
-        return model.apply_chat_template(
-            messages_to_dicts(request.messages),
-            tools_to_dicts(request.tools),
+    def _render(self, model: TokenizerModel, request: tokenizer_pb2.ApplyChatTemplateRequest) -> RenderedChat:
+        # Images (decoding, fetching, resizing) only once the conversation itself is valid.
+        vision = model.info.vision
+        messages = messages_to_dicts(request.messages, vision.placeholder_text if vision else None)
+        tools = tools_to_dicts(request.tools)
+        images = prompt_images(image_parts(request.messages), vision, self._image_limits) if vision else []
+        rendered = model.apply_chat_template(
+            messages,
+            tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             reasoning=ReasoningControls.from_proto(request.reasoning),
             prefix_messages=request.prefix_message_counts,
         )
+        return expand_placeholders(rendered, vision, images) if vision else rendered
 
     async def DetokenizeStream(
         self,

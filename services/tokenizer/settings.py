@@ -19,3 +19,13 @@ class TokenizerSettings(ServiceSettings):
     default_model: str = Field(default="", validation_alias=shared_alias("CACHET_MODEL"))
     # Longest text accepted by Encode, in characters.
     max_input_chars: int = Field(default=4 * 1024 * 1024, ge=1)
+    # Image parts (models with a vision encoder; docs/ARCHITECTURE.md, "Images"). An encoded image
+    # (a data URL's decoded bytes or a fetched body) over this many bytes is refused.
+    image_max_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
+    # Width times height of a decoded image, before it is scaled down to the model's patch budget.
+    image_max_pixels: int = Field(default=50_000_000, ge=1)
+    max_images_per_request: int = Field(default=16, ge=0)
+    # Hosts whose http(s) image URLs are fetched (exact names, e.g. ["images.example.com"]);
+    # empty: only data: URLs. Fetches follow no redirects and are capped by image_max_bytes.
+    image_url_hosts: list[str] = Field(default_factory=list)
+    image_fetch_timeout_seconds: float = Field(default=10.0, gt=0)

@@ -25,6 +25,7 @@ from typing import Any, cast
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from cachet.common.v1 import common_pb2
 from cachet.errors import InvalidArgument
 from cachet.incremental_detokenizer import IncrementalDetokenizer
 from cachet.tokenizer.generic_tool_prompt import rewrite_for_generic_tools, template_supports_tools
@@ -49,6 +50,9 @@ class RenderedChat:
     token_ids: list[int]
     # Leading tokens that render the tools and the first k messages, for each k asked.
     prefix_token_counts: list[int] = field(default_factory=list)
+    # The prompt's images in token order, each expanded into its placeholder tokens in
+    # ``token_ids`` (``image_placeholders``); ``prompt`` holds each placeholder once.
+    images: list[common_pb2.ImageInput] = field(default_factory=list)
 
 
 class TokenizerModel:

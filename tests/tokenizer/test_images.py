@@ -1,0 +1,447 @@
+"""Image parts in the tokenizer service: Kimi K2.5's resize, placeholder expansion through the real
+gRPC servicer, the caps and every bad image named by its part. Nothing here reaches beyond 127.0.0.1."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import io
+import json
+import math
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import transformers
+from PIL import Image
+
+from cachet.common.v1 import common_pb2
+from cachet.errors import error_info_from_metadata
+from cachet.grpc_channel import create_channel
+from cachet.grpc_server import RunningServer, create_server
+from cachet.models.tiny import write_tiny_model
+from cachet.tokenizer.images import ImageLimits, navit_size, resized_input
+from cachet.tokenizer.model_info import VisionInfo
+from cachet.tokenizer.model_registry import ModelRegistry
+from cachet.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
+from cachet.tokenizer.settings import TokenizerSettings
+from cachet.tokenizer.tokenizer_model import TokenizerModel
+from cachet.tokenizer.v1 import tokenizer_pb2 as pb
+from cachet.tokenizer.v1 import tokenizer_pb2_grpc
+
+VISION_MODEL_ID = "tiny-kimi-vision"
+TEXT_MODEL_ID = "tiny-kimi-text"
+K25 = VisionInfo(
+    placeholder_token_id=0,
+    placeholder_text="",
+    patch_size=14,
+    merge_kernel=(2, 2),
+    max_patches=16384,
+    max_patches_per_side=512,
+)
+MARKUP = "<|media_start|>image<|media_content|><|media_pad|><|media_end|>"
+
+
+# --- transformers' navit_resize, read from its source: its module imports torchvision, which
+# --- this venv lacks (beside torch 2.13), so the function is compiled on its own.
+
+
+def _transformers_navit_resize() -> Callable[..., Any]:
+    source = Path(transformers.__file__).parent / "models/kimi_k25/image_processing_kimi_k25.py"
+    tree = ast.parse(source.read_text())
+    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize")
+    namespace: dict[str, Any] = {"math": math}
+    exec(compile(ast.Module(body=[function], type_ignores=[]), str(source), "exec"), namespace)  # noqa: S102
+    return namespace["navit_resize"]
+
+
+SIZES = [
+    (1, 1), (1, 5000), (5000, 1), (13, 13), (14, 14), (15, 29), (27, 28), (28, 28), (29, 57),
+    (100, 100), (480, 640), (720, 1280), (1080, 1920), (1792, 1792), (1793, 1791), (2000, 3000),
+    (4000, 3000), (7168, 7168), (7169, 20), (20, 7169), (10000, 10000), (100, 30000), (30000, 100),
+    (16384, 14), (14, 16384 * 14), (3, 100000), (12345, 6789), (2, 3), (60, 40),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", [(16384, 512), (64, 16), (4096, 30)])
+def test_resize_sizes_equal_transformers_navit_resize(budget: tuple[int, int]) -> None:
+    reference = _transformers_navit_resize()
+    max_patches, per_side = budget
+    vision = VisionInfo(0, "", 14, (2, 2), max_patches, per_side)
+    rng = np.random.default_rng(0)
+    random_sizes = [tuple(int(v) for v in rng.integers(1, 9000, size=2)) for _ in range(300)]
+    for height, width in SIZES + random_sizes:
+        expected = reference(height, width, 14, 2, max_patches, per_side)
+        assert navit_size(height, width, vision) == tuple(map(tuple, expected)), (height, width)
+
+
+def _random_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+@pytest.mark.parametrize("size", [(60, 40), (37, 301), (900, 700), (2000, 120), (28, 56)])
+def test_resized_pixels_equal_transformers(size: tuple[int, int]) -> None:
+    height, width = size
+    image = _random_image(height, width)
+    # A small budget so that most of these are scaled down.
+    vision = VisionInfo(0, "", 14, (2, 2), 256, 64)
+    result = resized_input(image, vision)
+    padded_h, padded_w = result.grid_height * 14, result.grid_width * 14
+    ours = np.frombuffer(result.pixels, dtype=np.uint8).reshape(padded_h, padded_w, 3)
+    (resized_h, resized_w), _ = navit_size(height, width, vision)
+    try:
+        from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
+    except ImportError:
+        # No torchvision: compare with transformers' PIL path (image_transforms.resize, bicubic)
+        # and its zero padding instead of the torchvision processor.
+        from transformers.image_transforms import resize
+        from transformers.image_utils import ChannelDimension, PILImageResampling
+
+        expected = resize(
+            np.asarray(image),
+            (resized_h, resized_w),
+            resample=PILImageResampling.BICUBIC,
+            input_data_format=ChannelDimension.LAST,
+            data_format=ChannelDimension.LAST,
+        )
+        expected = np.pad(expected, ((0, padded_h - resized_h), (0, padded_w - resized_w), (0, 0)))
+        assert np.array_equal(ours, expected)
+        return
+    processor = Kimi_K25ImageProcessor(max_patches=256, size={"max_height": 64, "max_width": 64})
+    out = processor(images=[image], return_tensors="np")
+    assert out["image_grid_thw"].tolist() == [[1, result.grid_height, result.grid_width]]
+    # The processor's layout: [patches, 3, 14, 14], normalised with mean = std = 0.5.
+    patches = ours.reshape(result.grid_height, 14, result.grid_width, 14, 3).transpose(0, 2, 4, 1, 3)
+    normalised = (patches.reshape(-1, 3, 14, 14) / 255.0 - 0.5) / 0.5
+    # torchvision's uint8 bicubic may round a pixel one step off Pillow's.
+    assert np.abs(normalised - out["pixel_values"]).max() <= 2 / 255 + 1e-6
+
+
+def test_grid_and_tokens_of_a_small_image() -> None:
+    result = resized_input(_random_image(40, 60), K25)
+    # 40x60 is kept, then padded to 56x84: a 4x6 patch grid, 6 merged tokens.
+    assert (result.grid_height, result.grid_width, result.num_tokens) == (4, 6, 6)
+    pixels = np.frombuffer(result.pixels, dtype=np.uint8).reshape(56, 84, 3)
+    assert np.array_equal(pixels[:40, :60], np.asarray(_random_image(40, 60)))
+    assert not pixels[40:].any() and not pixels[:, 60:].any()
+
+
+# --- through the real gRPC servicer, on a model directory with a vision config
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny kimi-k2 checkpoint's tokenizer (its vocabulary has K2's media tokens) and template."""
+    return write_tiny_model(tmp_path_factory.mktemp("kimi-vision") / "k2", family="kimi-k2")
+
+
+@pytest.fixture(scope="module")
+def vision_dir(kimi_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kimi_dir's tokenizer with a kimi_k25-style config.json: a vision_config, the placeholder id."""
+    target = tmp_path_factory.mktemp("kimi-vision") / VISION_MODEL_ID
+    target.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (kimi_dir / name).is_file():
+            (target / name).write_bytes((kimi_dir / name).read_bytes())
+    vocab = json.loads((kimi_dir / "tokenizer.json").read_text())
+    pad_id = next(t["id"] for t in vocab["added_tokens"] if t["content"] == "<|media_pad|>")
+    text_config = json.loads((kimi_dir / "config.json").read_text())
+    config = {
+        "model_type": "kimi_k25",
+        "text_config": text_config,
+        "vision_config": {"patch_size": 14, "merge_kernel_size": [2, 2]},
+        "media_placeholder_token_id": pad_id,
+    }
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="module")
+def vision_model(vision_dir: Path) -> TokenizerModel:
+    return TokenizerModel.load(VISION_MODEL_ID, vision_dir)
+
+
+@pytest.fixture(scope="module")
+def text_model(kimi_dir: Path) -> TokenizerModel:
+    return TokenizerModel.load(TEXT_MODEL_ID, kimi_dir)
+
+
+class ImageServer:
+    """An HTTP server on 127.0.0.1 that serves ``routes`` (path -> (status, headers, body))."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        routes = self.routes
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                status, headers, body = routes.get(self.path, (404, {}, b""))
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[ImageServer]:
+    server = ImageServer()
+    yield server
+    server.close()
+
+
+LIMITS = ImageLimits(
+    max_bytes=200_000,
+    max_pixels=4_000_000,
+    max_images=3,
+    url_hosts=frozenset({"127.0.0.1"}),
+    fetch_timeout_seconds=5,
+)
+
+
+@pytest.fixture
+async def stub(
+    vision_model: TokenizerModel, text_model: TokenizerModel
+) -> AsyncIterator[tokenizer_pb2_grpc.TokenizerServiceStub]:
+    servicer = TokenizerServicer(
+        ModelRegistry([vision_model, text_model]), max_input_chars=1_000_000, image_limits=LIMITS
+    )
+    running: RunningServer = await create_server(
+        TokenizerSettings(port=0, models=[]), [servicer.register], [SERVICE_NAME]
+    )
+    async with create_channel(running.address) as channel:
+        yield tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+    await running.stop(grace=None)
+
+
+def png(image: Image.Image, format: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=format)
+    return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def text(value: str) -> common_pb2.ContentPart:
+    return common_pb2.ContentPart(text=value)
+
+
+def image(url: str) -> common_pb2.ContentPart:
+    return common_pb2.ContentPart(image_url=url)
+
+
+def request(
+    *messages: common_pb2.ChatMessage, model: str = VISION_MODEL_ID, **fields: Any
+) -> pb.ApplyChatTemplateRequest:
+    return pb.ApplyChatTemplateRequest(model=model, messages=messages, add_generation_prompt=True, **fields)
+
+
+def user(*parts: common_pb2.ContentPart) -> common_pb2.ChatMessage:
+    return common_pb2.ChatMessage(role="user", content=parts)
+
+
+SMALL = data_url(png(_random_image(40, 60, seed=1)))  # 6 tokens
+TALL = data_url(png(_random_image(100, 30, seed=2)))  # 104x56: 8x4 patches, 8 tokens
+
+
+async def test_placeholders_expand_at_each_images_place(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub, vision_model: TokenizerModel
+) -> None:
+    reply = await stub.ApplyChatTemplate(
+        request(
+            common_pb2.ChatMessage(role="system", content=[text("Be brief.")]),
+            user(text("Compare"), image(SMALL), text("with"), image(TALL)),
+            prefix_message_counts=[1, 2],
+        )
+    )
+    pad = vision_model.info.vision.placeholder_token_id  # type: ignore[union-attr]
+    # The template got the content as a string, the markup between the text parts.
+    assert f"Compare\n{MARKUP}\nwith\n{MARKUP}" in reply.prompt
+    unexpanded = vision_model.encode(reply.prompt, add_special_tokens=False)
+    assert [(i.num_tokens, i.grid_height, i.grid_width) for i in reply.images] == [(6, 4, 6), (8, 8, 4)]
+    first, second = (unexpanded.index(pad), len(unexpanded) - 1 - unexpanded[::-1].index(pad))
+    assert [i.token_offset for i in reply.images] == [first, second + 5]
+    expected = (
+        unexpanded[:first] + [pad] * 6 + unexpanded[first + 1 : second] + [pad] * 8 + unexpanded[second + 1 :]
+    )
+    assert list(reply.token_ids) == expected
+    for item in reply.images:
+        assert (
+            list(reply.token_ids[item.token_offset : item.token_offset + item.num_tokens])
+            == [pad] * item.num_tokens
+        )
+        assert len(item.pixels) == item.grid_height * 14 * item.grid_width * 14 * 3
+    # The system turn's breakpoint is before any image; the user turn's covers both.
+    system_only, with_user = reply.prefix_token_counts
+    assert system_only < reply.images[0].token_offset
+    alone = vision_model.encode(
+        vision_model.apply_chat_template(
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": f"Compare\n{MARKUP}\nwith\n{MARKUP}"},
+            ],
+            [],
+            add_generation_prompt=False,
+            continue_final_message=False,
+        ).prompt,
+        add_special_tokens=False,
+    )
+    assert with_user == len(alone) + 5 + 7
+    assert (
+        list(reply.token_ids[:with_user])
+        == alone[:first] + [pad] * 6 + alone[first + 1 : second] + [pad] * 8 + alone[second + 1 :]
+    )
+
+
+async def test_the_same_image_hashes_the_same_and_a_changed_pixel_differently(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+) -> None:
+    picture = _random_image(40, 60, seed=3)
+    changed = picture.copy()
+    changed.putpixel((59, 39), tuple(255 - v for v in picture.getpixel((59, 39))))  # type: ignore[union-attr, arg-type]
+    reply = await stub.ApplyChatTemplate(
+        request(user(image(data_url(png(picture))), image(data_url(png(picture, "WEBP"), "image/webp")))),
+    )
+    again = await stub.ApplyChatTemplate(request(user(text("again"), image(data_url(png(picture))))))
+    other = await stub.ApplyChatTemplate(request(user(image(data_url(png(changed))))))
+    first = reply.images[0].content_hash
+    assert len(first) == 32 and again.images[0].content_hash == first
+    assert other.images[0].content_hash != first
+    # Lossy WebP changes pixels, so it is another image as far as the cache goes.
+    assert reply.images[1].content_hash != first
+
+
+async def test_an_allowed_url_is_fetched_once_from_the_local_server(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub, image_server: ImageServer
+) -> None:
+    body = png(_random_image(40, 60, seed=1))
+    image_server.routes["/small.png"] = (200, {"Content-Type": "image/png"}, body)
+    fetched = await stub.ApplyChatTemplate(request(user(image(image_server.url("/small.png")))))
+    inline = await stub.ApplyChatTemplate(request(user(image(SMALL))))
+    assert fetched.images[0].content_hash == inline.images[0].content_hash
+    assert list(fetched.token_ids) == list(inline.token_ids)
+
+
+async def test_counting_through_the_template_counts_image_tokens(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub, vision_model: TokenizerModel
+) -> None:
+    reply = await stub.ApplyChatTemplate(request(user(text("look"), image(TALL))))
+    # CountTokens of a chat (the router's and the Anthropic count_tokens path) is len(token_ids):
+    # the prompt's own tokens with the one placeholder standing for the image's 8.
+    assert len(reply.token_ids) == len(vision_model.encode(reply.prompt, add_special_tokens=False)) + 8 - 1
+
+
+def _bad_cases(image_server: ImageServer) -> list[tuple[list[common_pb2.ChatMessage], str, str, str]]:
+    """(messages, model, the part named, a word of the message)."""
+    huge = np.zeros((2100, 2100, 3), dtype=np.uint8)  # 4.4M pixels, a tiny PNG
+    truncated = png(_random_image(40, 60))[:-40]
+    whole = png(_random_image(40, 60))
+    scrambled = whole[:100] + bytes(255 - b for b in whole[100:-100]) + whole[-100:]
+    image_server.routes["/moved"] = (302, {"Location": "http://127.0.0.1/elsewhere.png"}, b"")
+    image_server.routes["/missing"] = (404, {}, b"")
+    image_server.routes["/big"] = (200, {}, b"\0" * 300_000)
+    part = "messages[1].content[1].image_url"
+    ok = image(SMALL)
+
+    def conversation(bad: common_pb2.ContentPart) -> list[common_pb2.ChatMessage]:
+        return [common_pb2.ChatMessage(role="system", content=[text("hi")]), user(text("see"), bad)]
+
+    return [
+        (conversation(image("data:image/png;base64,@@@not base64@@@")), VISION_MODEL_ID, part, "base64"),
+        (conversation(image("data:image/png,plain")), VISION_MODEL_ID, part, "base64"),
+        (conversation(image("data:text/plain;base64,aGk=")), VISION_MODEL_ID, part, "not an image"),
+        (conversation(image(data_url(b"GIF89a garbage"))), VISION_MODEL_ID, part, "supported format"),
+        (conversation(image(data_url(scrambled))), VISION_MODEL_ID, part, "decoded"),
+        (conversation(image(data_url(b"not an image at all"))), VISION_MODEL_ID, part, "supported format"),
+        (
+            conversation(image(data_url(png(_random_image(40, 60), "BMP")))),
+            VISION_MODEL_ID,
+            part,
+            "supported format",
+        ),
+        (conversation(image(data_url(truncated))), VISION_MODEL_ID, part, "decoded"),
+        (conversation(image(data_url(b"\0" * 300_000))), VISION_MODEL_ID, part, "200,000 bytes"),
+        (
+            conversation(image(data_url(png(Image.fromarray(huge))))),
+            VISION_MODEL_ID,
+            part,
+            "4,000,000 pixels",
+        ),
+        (conversation(image("ftp://127.0.0.1/a.png")), VISION_MODEL_ID, part, "data:image"),
+        (conversation(image("https://images.example.com/a.png")), VISION_MODEL_ID, part, "allow-list"),
+        (
+            conversation(image(image_server.url("/small.png", host="localhost"))),
+            VISION_MODEL_ID,
+            part,
+            "allow-list",
+        ),
+        (conversation(image(image_server.url("/moved"))), VISION_MODEL_ID, part, "redirect"),
+        (conversation(image(image_server.url("/missing"))), VISION_MODEL_ID, part, "HTTP 404"),
+        (conversation(image(image_server.url("/big"))), VISION_MODEL_ID, part, "200,000 bytes"),
+        (
+            [user(ok, ok, ok, text("and"), image(TALL))],
+            VISION_MODEL_ID,
+            "messages[0].content[4].image_url",
+            "more than 3",
+        ),
+        (conversation(ok), TEXT_MODEL_ID, part, "vision encoder"),
+    ]
+
+
+async def test_every_bad_image_is_invalid_argument_naming_its_part(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub, image_server: ImageServer
+) -> None:
+    for messages, model, field, word in _bad_cases(image_server):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ApplyChatTemplate(request(*messages, model=model))
+        error = raised.value
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, word, error.details())
+        assert error.details().startswith(f"{field}: ") and word in error.details(), error.details()
+        assert error_info_from_metadata(error.trailing_metadata()).param == field
+
+
+async def test_text_that_spells_the_placeholder_is_refused(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.ApplyChatTemplate(request(user(text("sneaky <|media_pad|>"), image(SMALL))))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2 image placeholders" in raised.value.details()
+
+
+def test_a_model_without_a_vision_config_has_no_vision(
+    text_model: TokenizerModel, vision_model: TokenizerModel
+) -> None:
+    assert text_model.info.vision is None
+    vision = vision_model.info.vision
+    assert vision is not None and vision.placeholder_text == MARKUP
+    assert (vision.patch_size, vision.merge_kernel, vision.max_patches, vision.max_patches_per_side) == (
+        14,
+        (2, 2),
+        16384,
+        512,
+    )
