@@ -125,7 +125,7 @@ _KIMI_K25_VISION = {
 }
 # K2.5's published quantization_config: symmetric INT4 in groups of 32, everything but the routed
 # experts left alone.
-KIMI_K25_QUANTIZATION = {
+KIMI_K25_QUANTIZATION: dict[str, Any] = {
     "config_groups": {
         "group_0": {
             "input_activations": None,
