@@ -9,6 +9,7 @@ import io
 import json
 import math
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,11 +22,11 @@ import transformers
 from PIL import Image
 
 from cachet.common.v1 import common_pb2
-from cachet.errors import error_info_from_metadata
+from cachet.errors import InvalidArgument, error_info_from_metadata
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server
 from cachet.models.tiny import write_tiny_model
-from cachet.tokenizer.images import ImageLimits, navit_size, resized_input
+from cachet.tokenizer.images import ImageLimits, decode_rgb, image_bytes, navit_size, resized_input
 from cachet.tokenizer.model_info import VisionInfo
 from cachet.tokenizer.model_registry import ModelRegistry
 from cachet.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
@@ -177,17 +178,28 @@ class ImageServer:
 
     def __init__(self) -> None:
         self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
-        routes = self.routes
+        self.requests: list[str] = []
+        routes, requests = self.routes, self.requests
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                requests.append(self.path)
                 status, headers, body = routes.get(self.path, (404, {}, b""))
                 self.send_response(status)
                 for key, value in headers.items():
                     self.send_header(key, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if "X-Drip" not in headers:
+                    self.wfile.write(body)
+                    return
+                try:
+                    for byte in body:  # a byte at a time: every read is quick, the whole is slow
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up at its deadline, as it should
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -422,6 +434,40 @@ async def test_every_bad_image_is_invalid_argument_naming_its_part(
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, word, error.details())
         assert error.details().startswith(f"{field}: ") and word in error.details(), error.details()
         assert error_info_from_metadata(error.trailing_metadata()).param == field
+
+
+async def test_a_host_off_the_allow_list_is_never_contacted(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub, image_server: ImageServer
+) -> None:
+    image_server.routes["/never.png"] = (200, {}, png(_random_image(40, 60)))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        # The same local server, named by a host the allow-list does not hold.
+        await stub.ApplyChatTemplate(request(user(image(image_server.url("/never.png", host="localhost")))))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "/never.png" not in image_server.requests
+
+
+def test_a_fetch_has_one_deadline_however_quick_each_read(image_server: ImageServer) -> None:
+    image_server.routes["/drip"] = (200, {"X-Drip": "1"}, b"x" * 40)
+    limits = ImageLimits(url_hosts=frozenset({"127.0.0.1"}), fetch_timeout_seconds=0.5)
+    started = time.monotonic()
+    with pytest.raises(InvalidArgument) as raised:
+        image_bytes(image_server.url("/drip"), "part", limits)
+    assert "took over 0.5 s" in raised.value.message and time.monotonic() - started < 1.5
+
+
+def test_transparency_is_white_and_exif_orientation_is_applied() -> None:
+    rgba = Image.new("RGBA", (4, 2), (10, 20, 30, 255))
+    rgba.putpixel((0, 0), (0, 0, 0, 0))
+    decoded = decode_rgb(png(rgba), "part", ImageLimits())
+    assert decoded.mode == "RGB" and decoded.getpixel((0, 0)) == (255, 255, 255)
+    assert decoded.getpixel((1, 0)) == (10, 20, 30)
+    wide = Image.new("RGB", (40, 20), (200, 0, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to view
+    out = io.BytesIO()
+    wide.save(out, format="JPEG", exif=exif.tobytes())
+    assert decode_rgb(out.getvalue(), "part", ImageLimits()).size == (20, 40)
 
 
 async def test_text_that_spells_the_placeholder_is_refused(
