@@ -29,12 +29,15 @@ class IndexCollector(Collector):
         )
         hits = CounterMetricFamily(
             "cachet_cache_index_hit_blocks",
-            "Sum over lookups of the longest prefix match, in blocks, by the tier that holds them.",
-            labels=["tier"],
+            "Sum over lookups of the longest prefix match, in blocks, by the replica that holds it"
+            " (its engine address; one series per replica ever followed) and the tier of each block.",
+            labels=["replica", "tier"],
         )
         for tier in TIERS:
             blocks.add_metric([tier], self._index.total_blocks(tier))
-            hits.add_metric([tier], figures.hit_blocks_by_tier[tier])
+        for address, counted in sorted(figures.by_replica.items()):
+            for tier in TIERS:
+                hits.add_metric([address, tier], counted.hit_blocks[tier])
         yield blocks
         yield hits
         yield CounterMetricFamily(

@@ -38,6 +38,12 @@ events that name it. A match is the engine's own lookup: the leading run in the 
 the run the host tier continues it with, then the run the shared tier continues that with;
 each replica's answer says how many blocks came from each, since a hit in a lower tier
 costs a copy (placement weighs them).
+
+Hits are counted per replica (``IndexFigures.by_replica``): each lookup credits its longest
+match, tier by tier, to that replica (the one placement would reuse most of the prompt on; load
+may still send the request elsewhere, which only the router knows), and charges the chain's
+length to every replica of the model, so a replica's hits over its queried blocks is its share
+of the model's hit ratio (with one replica, the ratio itself).
 """
 
 from __future__ import annotations
@@ -78,14 +84,52 @@ class _ReplicaBlocks:
 
 
 @dataclass
+class ReplicaHits:
+    """What the lookups credited to one replica since start."""
+
+    # Blocks asked by the lookups of its model while the index mirrored it (from its first stored
+    # event until it was forgotten), each lookup's whole chain.
+    queried_blocks: int = 0
+    # Per tier, the blocks of the lookups where it was the longest match.
+    hit_blocks: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
+
+@dataclass
 class IndexFigures:
-    """Counters since start; the metrics collector and tests read these."""
+    """Counters since start; the metrics collector, ListReplicas and tests read these.
+
+    ``by_replica`` keeps an address after the index forgets it (counters only grow), so it holds
+    at most every replica ever followed: the metrics' replica label is bounded by the engines.
+    """
 
     lookups: int = 0
-    # Sum over lookups of the longest match: blocks the best replica could reuse.
-    hit_blocks: int = 0
-    # The same sum split by the tier each of those blocks came from.
-    hit_blocks_by_tier: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    by_replica: dict[str, ReplicaHits] = field(default_factory=dict)
+
+    def record(self, of_model: Iterable[str], queried_blocks: int, best: ReplicaMatch | None) -> None:
+        """One lookup of ``queried_blocks`` blocks against the replicas ``of_model``."""
+        self.lookups += 1
+        for address in of_model:
+            self.by_replica.setdefault(address, ReplicaHits()).queried_blocks += queried_blocks
+        if best is not None:
+            # The best match is of the model, so the loop above has its entry.
+            hits = self.by_replica[best.address].hit_blocks
+            hits["engine"] += best.engine_blocks
+            hits["host"] += best.host_blocks
+            hits["shared"] += best.shared_blocks
+
+    def replica(self, address: str) -> ReplicaHits:
+        """The counters of ``address`` (zeros for one never counted)."""
+        return self.by_replica.get(address) or ReplicaHits()
+
+    @property
+    def hit_blocks_by_tier(self) -> dict[Tier, int]:
+        """Sum over lookups of the longest match, by the tier each of its blocks came from."""
+        return {tier: sum(hits.hit_blocks[tier] for hits in self.by_replica.values()) for tier in TIERS}
+
+    @property
+    def hit_blocks(self) -> int:
+        """Sum over lookups of the longest match: blocks the best replica could reuse."""
+        return sum(self.hit_blocks_by_tier.values())
 
 
 class PrefixIndex:
@@ -177,30 +221,21 @@ class PrefixIndex:
 
         Ties are ordered by address so that answers are deterministic.
         """
-        self.figures.lookups += 1
-        matches = self._walk(model, block_hashes)
+        of_model = [address for address, replica in self._blocks.items() if replica.model == model]
+        matches = self._walk(sum(self._blocks[address].bit for address in of_model), block_hashes)
         matches.sort(key=lambda m: (-m.matched_blocks, m.address))
-        if matches:
-            best = matches[0]
-            self.figures.hit_blocks += best.matched_blocks
-            by_tier = self.figures.hit_blocks_by_tier
-            by_tier["engine"] += best.engine_blocks
-            by_tier["host"] += best.host_blocks
-            by_tier["shared"] += best.shared_blocks
+        self.figures.record(of_model, len(block_hashes), matches[0] if matches else None)
         return matches
 
-    def _walk(self, model: str, block_hashes: Sequence[int]) -> list[ReplicaMatch]:
-        """One pass over the chain with three candidate masks: replicas still in their pool run,
-        in their host run, and in their shared run. At each block a replica stays in its run,
-        drops to a lower tier's run that holds the block, or is done."""
+    def _walk(self, candidates: int, block_hashes: Sequence[int]) -> list[ReplicaMatch]:
+        """One pass over the chain, starting from the replicas in the ``candidates`` mask, with
+        three candidate masks: replicas still in their pool run, in their host run, and in their
+        shared run. At each block a replica stays in its run, drops to a lower tier's run that
+        holds the block, or is done."""
         if not block_hashes:
             return []
         engine_holders, host_holders, shared_holders = (self._holders[tier] for tier in TIERS)
-        of_model = 0
-        for replica in self._blocks.values():
-            if replica.model == model:
-                of_model |= replica.bit
-        in_engine, in_host, in_shared = of_model, 0, 0
+        in_engine, in_host, in_shared = candidates, 0, 0
         # Per replica bit: the block index where its pool run ended, and where its host run ended.
         engine_end: dict[int, int] = {}
         host_end: dict[int, int] = {}

@@ -6,6 +6,7 @@ import grpc
 
 from cachet.cache.followers import Followers
 from cachet.cache.prefix_index import PrefixIndex
+from cachet.cache.replica_follower import FollowerStatus
 from cachet.cache.v1 import cache_pb2, cache_pb2_grpc
 from cachet.errors import InvalidArgument
 from cachet.grpc_server import Registrar
@@ -67,19 +68,26 @@ class CacheIndexServicer(cache_pb2_grpc.CacheIndexServiceServicer):
     async def ListReplicas(
         self, request: cache_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
     ) -> cache_pb2.ListReplicasResponse:
-        replicas = [
-            cache_pb2.ReplicaState(
-                address=status.address,
-                replica_id=status.replica_id,
-                connected=status.connected,
-                cached_blocks=self._index.replica_blocks(status.address),
-                last_sequence_number=status.last_sequence_number,
-                host_blocks=self._index.replica_blocks(status.address, "host"),
-                shared_blocks=self._index.replica_blocks(status.address, "shared"),
-            )
-            for status in self._followers.statuses()
-        ]
-        return cache_pb2.ListReplicasResponse(replicas=replicas)
+        return cache_pb2.ListReplicasResponse(
+            replicas=[self._state(status) for status in self._followers.statuses()]
+        )
+
+    def _state(self, status: FollowerStatus) -> cache_pb2.ReplicaState:
+        address = status.address
+        counted = self._index.figures.replica(address)
+        return cache_pb2.ReplicaState(
+            address=address,
+            replica_id=status.replica_id,
+            connected=status.connected,
+            cached_blocks=self._index.replica_blocks(address),
+            last_sequence_number=status.last_sequence_number,
+            host_blocks=self._index.replica_blocks(address, "host"),
+            shared_blocks=self._index.replica_blocks(address, "shared"),
+            engine_hit_blocks=counted.hit_blocks["engine"],
+            host_hit_blocks=counted.hit_blocks["host"],
+            shared_hit_blocks=counted.hit_blocks["shared"],
+            queried_blocks=counted.queried_blocks,
+        )
 
 
 def registrar(servicer: CacheIndexServicer) -> Registrar:

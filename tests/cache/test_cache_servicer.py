@@ -139,7 +139,8 @@ async def test_metrics_report_the_index_figures(cache, scripted) -> None:
     assert figures['cachet_cache_index_blocks{tier="engine"}'] == 3
     assert figures['cachet_cache_index_blocks{tier="host"}'] == 0
     assert figures["cachet_cache_index_lookups_total"] == 2
-    assert figures['cachet_cache_index_hit_blocks_total{tier="engine"}'] == 3 + 2
+    hit = f'cachet_cache_index_hit_blocks_total{{replica="{engine.address}",tier='
+    assert figures[hit + '"engine"}'] == 3 + 2
     # The pool loses blocks 1 and 2 and the host tier keeps them; the shared tier holds block 3.
     servicer.send(
         batch(1, removed(CHAIN[1:3]), stored(CHAIN[1:3], tier="host"), stored([CHAIN[3]], tier="shared"))
@@ -153,12 +154,15 @@ async def test_metrics_report_the_index_figures(cache, scripted) -> None:
     assert figures['cachet_cache_index_blocks{tier="engine"}'] == 1
     assert figures['cachet_cache_index_blocks{tier="host"}'] == 2
     assert figures['cachet_cache_index_blocks{tier="shared"}'] == 1
-    assert figures['cachet_cache_index_hit_blocks_total{tier="engine"}'] == 3 + 2 + 1
-    assert figures['cachet_cache_index_hit_blocks_total{tier="host"}'] == 2
-    assert figures['cachet_cache_index_hit_blocks_total{tier="shared"}'] == 1
+    assert figures[hit + '"engine"}'] == 3 + 2 + 1
+    assert figures[hit + '"host"}'] == 2
+    assert figures[hit + '"shared"}'] == 1
     listed = await stub.ListReplicas(cache_pb2.ListReplicasRequest())
     state = listed.replicas[0]
     assert (state.cached_blocks, state.host_blocks, state.shared_blocks) == (1, 2, 1)
+    # The same hits, and the blocks the three lookups asked for, in the replica's state.
+    assert (state.engine_hit_blocks, state.host_hit_blocks, state.shared_hit_blocks) == (3 + 2 + 1, 2, 1)
+    assert state.queried_blocks == 2 * len(CHAIN) + 2
     assert figures["cachet_cache_index_replicas_connected"] == 1
 
 

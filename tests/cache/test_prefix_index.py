@@ -353,3 +353,39 @@ def test_randomised_tiered_operations_agree_with_a_naive_model() -> None:
                 expected.append(ReplicaMatch(name, *runs))
         expected.sort(key=lambda m: (-m.matched_blocks, m.address))
         assert index.match(MODEL, query) == expected
+
+
+def test_hits_are_counted_per_replica_and_tier_and_queries_per_replica_of_the_model(index) -> None:
+    """Each lookup credits its longest match, tier by tier, to that replica alone, and charges the
+    chain's length to every replica of the model; the per-replica counts add up to the totals."""
+    # A: block 0 in its pool, 1-2 in host memory, 3 in the shared tier (4 blocks).
+    index.apply_stored(A, MODEL, CHAIN[:1])
+    index.apply_stored(A, MODEL, CHAIN[1:3], "host")
+    index.apply_stored(A, MODEL, CHAIN[3:4], "shared")
+    # B: blocks 0-5 in its pool (6 blocks). C serves another model.
+    index.apply_stored(B, MODEL, CHAIN[:6])
+    index.apply_stored(C, "other-model", CHAIN[:8])
+    index.match(MODEL, CHAIN)  # B: 6 pool blocks
+    index.match(MODEL, CHAIN[:4])  # A and B hold all 4; the tie goes to A: 1 + 2 + 1
+    index.match(MODEL, [42, *CHAIN[1:3]])  # no one holds block 0
+    index.apply_stored(A, MODEL, CHAIN[:1], "host")  # A's host tier takes block 0 too
+    index.apply_removed(B, CHAIN[:6])
+    index.match(MODEL, CHAIN[:2])  # A alone: pool 1, host 1
+    assert index.figures.lookups == 4
+    hits = {address: dict(counted.hit_blocks) for address, counted in index.figures.by_replica.items()}
+    assert hits == {
+        A: {"engine": 1 + 1, "host": 2 + 1, "shared": 1},
+        B: {"engine": 6, "host": 0, "shared": 0},
+    }
+    queried = {address: counted.queried_blocks for address, counted in index.figures.by_replica.items()}
+    assert queried == {A: 8 + 4 + 3 + 2, B: 8 + 4 + 3 + 2}
+    assert index.figures.hit_blocks_by_tier == {"engine": 8, "host": 3, "shared": 1}
+    assert index.figures.hit_blocks == 12
+    # B, empty, was still charged above; forgotten, it is not, and keeps its counts. One never
+    # counted reads as zeros.
+    index.forget_replica(B)
+    index.match(MODEL, CHAIN[:2])  # A again: pool 1, host 1; B is no longer charged
+    assert index.figures.replica(B).hit_blocks["engine"] == 6
+    assert index.figures.replica(B).queried_blocks == 17
+    assert index.figures.replica(A).queried_blocks == 19
+    assert index.figures.replica(C).queried_blocks == 0 and C not in index.figures.by_replica

@@ -27,7 +27,7 @@ from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server
 from cachet.models.tiny import write_tiny_model
 from cachet.tokenizer.images import ImageLimits, decode_rgb, image_bytes, navit_size, resized_input
-from cachet.tokenizer.model_info import VisionInfo
+from cachet.tokenizer.model_info import SpecialToken, VisionInfo, vision_info
 from cachet.tokenizer.model_registry import ModelRegistry
 from cachet.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from cachet.tokenizer.settings import TokenizerSettings
@@ -491,3 +491,45 @@ def test_a_model_without_a_vision_config_has_no_vision(
         16384,
         512,
     )
+
+
+def test_vision_info_reads_the_budget_and_either_placeholder_key() -> None:
+    specials = (SpecialToken("<|media_pad|>", 7), SpecialToken("<|media_begin|>", 8))
+    config = {"vision_config": {"patch_size": 16, "merge_kernel_size": 2}, "image_token_id": 7}
+    # transformers' processor keys, then Moonshot's media_proc_cfg.
+    hf = vision_info(config, {"max_patches": 100, "size": {"max_height": 20}}, specials)
+    moonshot = vision_info(
+        config, {"media_proc_cfg": {"in_patch_limit": 50, "patch_limit_on_one_side": 9}}, specials
+    )
+    assert hf is not None and moonshot is not None
+    assert (hf.patch_size, hf.merge_kernel, hf.max_patches, hf.max_patches_per_side) == (16, (2, 2), 100, 20)
+    assert (moonshot.max_patches, moonshot.max_patches_per_side) == (50, 9)
+    # Without <|media_content|> and <|media_end|> in the vocabulary: the placeholder alone.
+    assert hf.placeholder_token_id == 7 and hf.placeholder_text == "<|media_pad|>"
+    assert vision_info({"model_type": "kimi_k2"}, {}, specials) is None
+    with pytest.raises(ValueError, match="media_placeholder_token_id"):
+        vision_info({"vision_config": {}}, {}, specials)
+    with pytest.raises(ValueError, match="not a special token"):
+        vision_info({"vision_config": {}, "media_placeholder_token_id": 99}, {}, specials)
+
+
+async def test_the_tiny_kimi_k25_checkpoint_takes_images(tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = write_tiny_model(tmp_path_factory.mktemp("kimi-k25") / "m", family="kimi-k2.5")
+    model = TokenizerModel.load("tiny-kimi-k2.5", path)
+    assert model.info.vision is not None
+    markup = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    assert model.info.vision.placeholder_text == markup
+    servicer = TokenizerServicer(ModelRegistry([model]), max_input_chars=10_000, image_limits=LIMITS)
+    running = await create_server(TokenizerSettings(port=0, models=[]), [servicer.register], [SERVICE_NAME])
+    try:
+        async with create_channel(running.address) as channel:
+            reply = await tokenizer_pb2_grpc.TokenizerServiceStub(channel).ApplyChatTemplate(
+                request(user(text("what is this?"), image(TALL)), model="tiny-kimi-k2.5")
+            )
+    finally:
+        await running.stop(grace=None)
+    assert markup in reply.prompt
+    (only,) = reply.images
+    pad = model.info.vision.placeholder_token_id
+    assert list(reply.token_ids).count(pad) == only.num_tokens == 8
+    assert list(reply.token_ids[only.token_offset : only.token_offset + 8]) == [pad] * 8

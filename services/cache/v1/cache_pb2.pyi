@@ -208,6 +208,10 @@ class ReplicaState(_message.Message):
     LAST_SEQUENCE_NUMBER_FIELD_NUMBER: _builtins.int
     HOST_BLOCKS_FIELD_NUMBER: _builtins.int
     SHARED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ENGINE_HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    SHARED_HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    QUERIED_BLOCKS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """Engine address."""
     replica_id: _builtins.str
@@ -222,6 +226,22 @@ class ReplicaState(_message.Message):
     """Blocks the index believes the replica's host tier holds."""
     shared_blocks: _builtins.int
     """Blocks the index believes the replica's shared file tier holds (as the replica announced)."""
+    engine_hit_blocks: _builtins.int
+    """Prefix hits the index's MatchPrefix answers credited to this replica since the index started,
+    by tier: per lookup, the blocks of the longest match (ties: the lowest address) when it was
+    this replica's; the engine_hit_blocks from its pool, then host_hit_blocks, shared_hit_blocks.
+    Placement usually sends the request there, but load may send it elsewhere.
+    """
+    host_hit_blocks: _builtins.int
+    """The host tier's part of those hits (copied back, not recomputed)."""
+    shared_hit_blocks: _builtins.int
+    """The shared file tier's part of those hits (read, then copied back)."""
+    queried_blocks: _builtins.int
+    """Blocks asked by every lookup of this replica's model while the index mirrored it (from its
+    first stored event until it disconnected), each lookup's whole chain: the hits over this are
+    the replica's share of the model's hit ratio (the ratio itself with one replica; a model's
+    replicas add up to it).
+    """
     def __init__(
         self,
         *,
@@ -232,10 +252,14 @@ class ReplicaState(_message.Message):
         last_sequence_number: _builtins.int = ...,
         host_blocks: _builtins.int = ...,
         shared_blocks: _builtins.int = ...,
+        engine_hit_blocks: _builtins.int = ...,
+        host_hit_blocks: _builtins.int = ...,
+        shared_hit_blocks: _builtins.int = ...,
+        queried_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cached_blocks", b"cached_blocks", "connected", b"connected", "host_blocks", b"host_blocks", "last_sequence_number", b"last_sequence_number", "replica_id", b"replica_id", "shared_blocks", b"shared_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cached_blocks", b"cached_blocks", "connected", b"connected", "engine_hit_blocks", b"engine_hit_blocks", "host_blocks", b"host_blocks", "host_hit_blocks", b"host_hit_blocks", "last_sequence_number", b"last_sequence_number", "queried_blocks", b"queried_blocks", "replica_id", b"replica_id", "shared_blocks", b"shared_blocks", "shared_hit_blocks", b"shared_hit_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
