@@ -1,0 +1,165 @@
+"""Image input through real processes with the official openai client: bridge -> router ->
+tokenizer (decode, resize, placeholders) -> engine (vision tower, prefix cache) on the tiny Kimi
+K2.5 checkpoint.
+
+The image is a data URL of a PNG this test draws. Usage counts its placeholder tokens as prompt
+tokens; the same picture in the next request is read from the prefix cache, a picture that
+differs in one pixel is not (past the block before it); tool calls and structured outputs keep
+working with an image in the conversation; a broken image is a 400 naming the part.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import openai
+import pytest
+from PIL import Image
+from service_processes import ENGINE_SERVER_BUILT, CachetStack, ServiceProcess
+
+from cachet.models.tiny import TINY_MODEL_IDS, write_tiny_model
+
+MODEL = TINY_MODEL_IDS["kimi-k2.5"]
+TIMEOUT = 120.0
+GREEDY = {"temperature": 0.0, "max_tokens": 4}
+
+
+@dataclass
+class VisionPlatform:
+    stack: CachetStack
+    bridge: ServiceProcess
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://{self.bridge.address}/v1", api_key="dev", max_retries=0, timeout=TIMEOUT
+        )
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VisionPlatform]:
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    root = tmp_path_factory.mktemp("vision-e2e")
+    stack = CachetStack(root, write_tiny_model(root / MODEL, family="kimi-k2.5")).start(engines=1)
+    try:
+        yield VisionPlatform(stack, stack.start_bridge())
+    finally:
+        stack.stop()
+        print(stack.logs())
+
+
+def png(width: int = 90, height: int = 70, changed_pixel: bool = False) -> str:
+    image = Image.new("RGB", (width, height))
+    image.putdata(
+        [((x * 7) % 256, (y * 11) % 256, (x * y) % 256) for y in range(height) for x in range(width)]
+    )
+    if changed_pixel:
+        image.putpixel((40, 30), (1, 2, 3))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def messages(system: str, image_url: str) -> list[dict]:
+    return [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": image_url}},
+                {"type": "text", "text": "Answer in one word."},
+            ],
+        },
+    ]
+
+
+def test_the_same_picture_is_read_from_the_cache_and_a_changed_pixel_is_not(vision: VisionPlatform) -> None:
+    client = vision.client()
+    system = f"[{uuid.uuid4().hex}] You describe pictures."
+    text_only = client.chat.completions.create(
+        model=MODEL, messages=[messages(system, png())[0], {"role": "user", "content": "Hi"}], **GREEDY
+    )
+    first = client.chat.completions.create(model=MODEL, messages=messages(system, png()), **GREEDY)
+    # A 90x70 picture resizes to a 6x8 grid of 14-pixel patches (padded to 2x2 merges): 12 tokens.
+    assert first.usage.prompt_tokens >= text_only.usage.prompt_tokens + 12
+    again = client.chat.completions.create(model=MODEL, messages=messages(system, png()), **GREEDY)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 16  # every full block, the picture's included
+    changed = client.chat.completions.create(
+        model=MODEL, messages=messages(system, png(changed_pixel=True)), **GREEDY
+    )
+    assert changed.usage.prompt_tokens == first.usage.prompt_tokens
+    assert changed.usage.prompt_tokens_details.cached_tokens < cached - 12
+
+
+def test_tool_calls_and_structured_outputs_work_with_a_picture_in_the_conversation(
+    vision: VisionPlatform,
+) -> None:
+    client = vision.client()
+    conversation = messages(f"[{uuid.uuid4().hex}] Use the tools.", png())
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "describe",
+            "parameters": {
+                "type": "object",
+                "properties": {"colour": {"type": "string", "maxLength": 8}},
+                "required": ["colour"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    called = client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "describe"}},
+        temperature=1.0,
+        seed=3,
+        max_tokens=60,
+    )
+    call = called.choices[0].message.tool_calls[0]
+    assert call.function.name == "describe"
+    assert set(json.loads(call.function.arguments)) == {"colour"}
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 10}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    structured = client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": schema, "strict": True},
+        },
+        temperature=1.0,
+        seed=4,
+        max_tokens=60,
+    )
+    assert set(json.loads(structured.choices[0].message.content)) == {"answer"}
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "data:image/png;base64,not-base64!!",
+        "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n broken").decode(),
+        "http://images.example.invalid/cat.png",
+    ],
+)
+def test_a_broken_picture_is_a_400_naming_the_part(vision: VisionPlatform, url: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        vision.client().chat.completions.create(model=MODEL, messages=messages("s", url), **GREEDY)
+    error = raised.value.body
+    assert error["param"] == "messages[1].content[1].image_url", error
+    assert error["type"] == "invalid_request_error"
