@@ -10,8 +10,8 @@ that renders at once.
 
 Operators (accounts in the router's ``CACHET_ROUTER_OPERATOR_ACCOUNTS``) also see every engine
 replica: model, role, load (running and waiting requests, KV blocks used of the pool) from its
-latest load report, and the blocks each KV tier holds as the cache index mirrors them
-(``ListReplicaStatus``). The router decides who is an operator; anyone else's page asks and is
+latest load report, the blocks each KV tier holds as the cache index mirrors them, and the
+prefix hits the index's lookups found on it per tier with its hit ratio (``ListReplicaStatus``). The router decides who is an operator; anyone else's page asks and is
 refused, and shows nothing of the replicas.
 """
 
@@ -31,6 +31,7 @@ from jinja2 import Environment
 from cachet.bridge.app import BackendsDep, CallerDep, _unary
 from cachet.bridge.auth import Caller
 from cachet.bridge.errors import BridgeError
+from cachet.cache.v1 import cache_pb2
 from cachet.engine.v1 import engine_pb2
 from cachet.router.v1 import router_pb2
 from cachet.usage.v1 import usage_pb2
@@ -134,11 +135,14 @@ svg text{font-size:10px;fill:#59636e}.cost{fill:#0969da}.saved{fill:#7ee2a8}
 <h2>Engine replicas <span class="muted">(operators)</span></h2>
 <div class="muted">Load from each engine's latest report to the router; KV blocks per tier as the
 cache index mirrors the engine's KV events{% if not replicas.cache_index_answered %} (the cache
-index did not answer){% endif %}. Prefix hits by tier: the Grafana dashboard
+index did not answer){% endif %}. Prefix hits: the blocks of each lookup's longest match, on
+the replica that held it, by tier; hit ratio: those over the blocks its model's lookups asked for
+(a model's replicas add up to its ratio). Tokens each engine reused, by tier: the Grafana dashboard
 (cachet_engine_prefix_cache_hit_tokens).</div>
 <table id="replicas"><tr><th>replica</th><th>model</th><th>role</th><th>state</th>
 <th class="n">running</th><th class="n">waiting</th><th class="n">KV blocks used</th><th class="n">of</th>
-<th class="n">pool cached</th><th class="n">host tier</th><th class="n">shared tier</th></tr>
+<th class="n">pool cached</th><th class="n">host tier</th><th class="n">shared tier</th>
+<th class="n">pool hits</th><th class="n">host hits</th><th class="n">shared hits</th><th class="n">hit ratio</th></tr>
 {% for row in replicas.replicas %}<tr><td>{{ row.address }}</td><td>{{ row.model or "-" }}</td>
 <td>{{ row.role or "-" }}</td><td>{{ state(row) }}</td>
 {% if row.HasField("load") %}<td class="n">{{ row.load.running_requests }}</td>
@@ -151,8 +155,12 @@ index did not answer){% endif %}. Prefix hits by tier: the Grafana dashboard
 {% if row.HasField("kv_index") %}<td class="n">{{ "{:,}".format(row.kv_index.cached_blocks) }}</td>
 <td class="n">{{ "{:,}".format(row.kv_index.host_blocks) }}</td>
 <td class="n">{{ "{:,}".format(row.kv_index.shared_blocks) }}</td>
-{% else %}<td class="n">-</td><td class="n">-</td><td class="n">-</td>{% endif %}</tr>
-{% else %}<tr><td colspan="11" class="muted">none</td></tr>{% endfor %}
+<td class="n">{{ "{:,}".format(row.kv_index.engine_hit_blocks) }}</td>
+<td class="n">{{ "{:,}".format(row.kv_index.host_hit_blocks) }}</td>
+<td class="n">{{ "{:,}".format(row.kv_index.shared_hit_blocks) }}</td>
+<td class="n">{{ hit_ratio(row.kv_index) }}</td>
+{% else %}{% for _ in range(7) %}<td class="n">-</td>{% endfor %}{% endif %}</tr>
+{% else %}<tr><td colspan="15" class="muted">none</td></tr>{% endfor %}
 </table>
 {% endif %}
 </body></html>
@@ -211,6 +219,11 @@ def _used_fraction(load: engine_pb2.LoadReport) -> float:
     )
 
 
+def _hit_ratio(indexed: cache_pb2.ReplicaState) -> str:
+    hits = indexed.engine_hit_blocks + indexed.host_hit_blocks + indexed.shared_hit_blocks
+    return f"{hits / indexed.queried_blocks:.1%}" if indexed.queried_blocks else "-"
+
+
 def _status_name(status: router_pb2.OpenAIBatchStatus.ValueType) -> str:
     return router_pb2.OpenAIBatchStatus.Name(status).removeprefix("OPEN_AI_BATCH_STATUS_").lower()
 
@@ -223,7 +236,7 @@ async def dashboard(
     days: Annotated[int, Query(ge=1, le=366, description="UTC days shown, today included.")] = 30,
 ) -> HTMLResponse:
     """The caller's account: usage, cost and savings per day, model and session; batches by
-    status; for operators, the engine replicas' load and KV tiers."""
+    status; for operators, the engine replicas' load, KV tiers and prefix hits."""
     today_ms = int(time.time() * 1000) // DAY_MS * DAY_MS
     start_ms = today_ms - (days - 1) * DAY_MS
 
@@ -267,6 +280,7 @@ async def dashboard(
         replicas=replicas,
         state=_replica_state,
         used_fraction=_used_fraction,
+        hit_ratio=_hit_ratio,
         usd=usd,
         ratio=ratio,
     )

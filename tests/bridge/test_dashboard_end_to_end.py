@@ -1,7 +1,8 @@
 """GET /dashboard after real traffic: the caller's account only, behind the API key, every figure
 equal to the ledger's to the micro-dollar (the ledger read straight from the usage service); for
-an operator, the engine replicas' load and KV tiers equal to what the engine and the cache index
-report themselves, which no other account sees."""
+an operator, the engine replicas' load, KV tiers and prefix hits equal to what the engines and the
+cache index report themselves and to what the requests sent must have hit, which no other account
+sees."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CachetS
     keys = json.dumps(KEYS)
     stack = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID))
     stack.start(
-        engines=1,
+        engines=2,
         router_env={"CACHET_ROUTER_API_KEYS": keys, "CACHET_ROUTER_OPERATOR_ACCOUNTS": OPERATORS},
     )
     try:
@@ -48,7 +49,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CachetS
         stack.stop()
 
 
-def _chat(bridge: ServiceProcess, key: str, session: str, system: str) -> None:
+def _chat(bridge: ServiceProcess, key: str, session: str, system: str) -> dict:
     answer = httpx.post(
         f"http://{bridge.address}/v1/chat/completions",
         headers={"authorization": f"Bearer {key}", "x-session-affinity": session},
@@ -61,6 +62,7 @@ def _chat(bridge: ServiceProcess, key: str, session: str, system: str) -> None:
         timeout=120,
     )
     assert answer.status_code == 200, answer.text
+    return answer.json()
 
 
 def _ledger(stack: CachetStack, account: str, *group_by: str) -> list[usage_pb2.UsageRow]:
@@ -193,53 +195,105 @@ def _page(bridge: ServiceProcess, key: str) -> str:
     return page.text
 
 
-def test_operators_see_each_replicas_load_and_kv_tiers_and_no_one_else_does(platform) -> None:
-    stack, bridge = platform
-    system = f"[{uuid.uuid4().hex}] You are a terse assistant. Answer in one short sentence, no more."
-    _chat(bridge, "sk-dash-ops", "ops", system)
-    (address,) = stack.engine_addresses
+def _hits(state: cache_pb2.ReplicaState) -> tuple[int, int, int, int]:
+    """Pool, host and shared hit blocks, and the blocks asked of the replica's model."""
+    return state.engine_hit_blocks, state.host_hit_blocks, state.shared_hit_blocks, state.queried_blocks
 
-    # Idle after the request, the figures hold still; the index may still be taking its KV
+
+def _minus(after: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(a - b for a, b in zip(after, before, strict=True))
+
+
+def test_operators_see_each_replicas_load_kv_tiers_and_prefix_hits_and_no_one_else_does(platform) -> None:
+    stack, bridge = platform
+    addresses = stack.engine_addresses
+    block_size = _engine_report(addresses[0])[0].block_size
+    # With two replicas the router asks the index where a prompt's prefix lives (with one it
+    # need not), so the index counts each lookup. A new prompt, then the same prompt again.
+    system = f"[{uuid.uuid4().hex}] You are a terse assistant. Answer in one short sentence, no more."
+    start = _indexed(stack)
+    prompt_tokens = _chat(bridge, "sk-dash-ops", "ops", system)["usage"]["prompt_tokens"]
+    blocks = prompt_tokens // block_size
+    assert blocks >= 1
+    # The prompt is new, so its blocks are new: wait until the index mirrors them on the replica
+    # that served it, so that the second lookup finds them.
+    deadline = time.monotonic() + 30
+    while True:
+        first = _indexed(stack)
+        grown = [a for a in addresses if first[a].cached_blocks >= start[a].cached_blocks + blocks]
+        if grown:
+            break
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.1)
+    (served,) = grown
+    _chat(bridge, "sk-dash-ops", "ops", system)
+    second = _indexed(stack)  # the router's lookup was answered before the request was placed
+
+    for address in addresses:
+        # The first lookup found nothing anywhere; it charged its blocks to every replica the
+        # index knew to serve the model (one that holds blocks: none is ever evicted here).
+        charged = blocks if start[address].cached_blocks else 0
+        assert _minus(_hits(first[address]), _hits(start[address])) == (0, 0, 0, charged), address
+        # The second found the whole prompt in the pool of the replica that served the first.
+        found = (blocks, 0, 0) if address == served else (0, 0, 0)
+        charged = blocks if first[address].cached_blocks else 0
+        assert _minus(_hits(second[address]), _hits(first[address])) == (*found, charged), address
+
+    # Idle after the requests, the figures hold still; the index may still be taking its KV
     # events, so read it on both sides of the page and keep a reading where the two agree.
     deadline = time.monotonic() + 30
     while True:
         before = _indexed(stack)
         text = _page(bridge, "sk-dash-ops")
         after = _indexed(stack)
-        if before == after and after[address].cached_blocks > 0:
+        if before == after:
             break
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(0.2)
+    assert _hits(after[served]) == _hits(second[served])
     cells = _Cells()
     cells.feed(text)
     header, *rows = cells.tables["replicas"]
     assert header == [
         "replica", "model", "role", "state", "running", "waiting", "KV blocks used", "of",
-        "pool cached", "host tier", "shared tier",
+        "pool cached", "host tier", "shared tier", "pool hits", "host hits", "shared hits",
+        "hit ratio",
     ]  # fmt: skip
-    info, report = _engine_report(address)
-    index = after[address]
-    assert rows == [
-        [
-            address,
-            info.model,
-            info.role,
-            "up",
-            str(report.running_requests),
-            str(report.waiting_requests),
-            f"{report.total_kv_blocks - report.free_kv_blocks:,}",
-            f"{info.total_kv_blocks:,}",
-            f"{index.cached_blocks:,}",
-            f"{index.host_blocks:,}",
-            f"{index.shared_blocks:,}",
-        ]
-    ]
-    assert (info.role, report.running_requests, report.waiting_requests) == ("mixed", 0, 0)
+    expected = []
+    for address in addresses:
+        info, report = _engine_report(address)
+        assert (info.role, report.running_requests, report.waiting_requests) == ("mixed", 0, 0)
+        index = after[address]
+        hits = index.engine_hit_blocks + index.host_hit_blocks + index.shared_hit_blocks
+        expected.append(
+            [
+                address,
+                info.model,
+                info.role,
+                "up",
+                str(report.running_requests),
+                str(report.waiting_requests),
+                f"{report.total_kv_blocks - report.free_kv_blocks:,}",
+                f"{info.total_kv_blocks:,}",
+                f"{index.cached_blocks:,}",
+                f"{index.host_blocks:,}",
+                f"{index.shared_blocks:,}",
+                f"{index.engine_hit_blocks:,}",
+                f"{index.host_hit_blocks:,}",
+                f"{index.shared_hit_blocks:,}",
+                f"{hits / index.queried_blocks:.1%}" if index.queried_blocks else "-",
+            ]
+        )
+    assert rows == expected
+    # The served replica's row: at least the second request's hit, a ratio to go with it.
+    (served_row,) = [row for row in rows if row[0] == served]
+    assert int(served_row[11].replace(",", "")) >= blocks and served_row[14] != "-"
 
     # Anyone else: no section on the page, and the router refuses the RPC itself.
     for key in ("sk-dash-a", "sk-dash-b"):
         other = _page(bridge, key)
-        assert 'id="replicas"' not in other and address not in other and "Engine replicas" not in other
+        assert 'id="replicas"' not in other and "Engine replicas" not in other
+        assert not any(address in other for address in addresses)
     with grpc.insecure_channel(stack.address("router")) as channel:
         router = router_pb2_grpc.InferenceServiceStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
@@ -254,7 +308,9 @@ def test_operators_see_each_replicas_load_and_kv_tiers_and_no_one_else_does(plat
             metadata=[("authorization", "Bearer sk-dash-ops")],
             timeout=10,
         )
-    assert status.cache_index_answered and [r.address for r in status.replicas] == [address]
+    assert status.cache_index_answered and [r.address for r in status.replicas] == addresses
+    # The router passes the index's hit counts through as the index gives them.
+    assert [_hits(r.kv_index) for r in status.replicas] == [_hits(after[a]) for a in addresses]
 
 
 def test_the_dashboard_renders_in_headless_chromium_with_the_ledgers_numbers(platform) -> None:
@@ -324,5 +380,7 @@ def test_the_dashboard_renders_in_headless_chromium_with_the_ledgers_numbers(pla
     assert len(bars) == 30
     assert max(bars)[1] > 100 and all(height == 0 for _, height in sorted(bars)[:-1])
     # One row per engine replica, drawn with its address, role and state, and a KV bar in view.
-    assert [row[:4] for row in replica_rows] == [[stack.engine_addresses[0], TINY_MODEL_ID, "mixed", "up"]]
+    assert [row[:4] for row in replica_rows] == [
+        [address, TINY_MODEL_ID, "mixed", "up"] for address in stack.engine_addresses
+    ]
     assert kv_bar_width == 60

@@ -36,7 +36,16 @@ async def test_only_operator_accounts_may_read_it() -> None:
 
 
 async def test_every_configured_replica_is_listed_with_what_is_known_of_it() -> None:
-    indexed = cache_pb2.ReplicaState(address=ENGINES[1], cached_blocks=7, host_blocks=3, shared_blocks=11)
+    indexed = cache_pb2.ReplicaState(
+        address=ENGINES[1],
+        cached_blocks=7,
+        host_blocks=3,
+        shared_blocks=11,
+        engine_hit_blocks=5,
+        host_hit_blocks=2,
+        shared_hit_blocks=1,
+        queried_blocks=20,
+    )
     reader = ReplicaStatusReader(ReplicaSet(ENGINES), _Index([indexed]), frozenset({"ops"}), 1.0)
     listed = await reader.read(Caller("ops", ""))
     assert listed.cache_index_answered
@@ -49,6 +58,7 @@ async def test_every_configured_replica_is_listed_with_what_is_known_of_it() -> 
         False,
     )
     assert not never_reached.HasField("kv_index")
+    # The index's answer as it gave it: its tiers' blocks and its prefix hits per tier.
     assert followed.kv_index == indexed
 
 
