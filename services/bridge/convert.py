@@ -7,6 +7,7 @@ here is what ``schemas``' response models declare; tests hold the two together.
 
 from __future__ import annotations
 
+import base64
 import json
 from decimal import Decimal
 from typing import Any
@@ -112,10 +113,15 @@ def workers_ai_request_to_proto(
     if body.raw:
         request: Any = router_pb2.CompletionRequest(model=model, prompt=body.prompt or "", sampling=sampling)
     else:
-        messages = body.messages or [schemas.ChatMessage(role="user", content=body.prompt)]
+        messages = [
+            _message(m) for m in body.messages or [schemas.ChatMessage(role="user", content=body.prompt)]
+        ]
+        if body.image is not None:
+            last_user = next(m for m in reversed(messages) if m.role == "user")
+            last_user.content.append(_workers_ai_image(body.image))
         request = router_pb2.ChatCompletionRequest(
             model=model,
-            messages=[_message(m) for m in messages],
+            messages=messages,
             sampling=sampling,
             tools=[_tool(t.definition()) for t in body.tools or []],
         )
@@ -126,6 +132,15 @@ def workers_ai_request_to_proto(
     if response_format is not None:
         request.response_format.CopyFrom(response_format)
     return request
+
+
+def _workers_ai_image(image: list[int] | str) -> common_pb2.ContentPart:
+    """Workers AI's ``image`` as a data URL part; the tokenizer service reads the format from the
+    bytes themselves, so the media type names none."""
+    if isinstance(image, list):
+        image = base64.b64encode(bytes(image)).decode()
+    url = image if image[:5].lower() == "data:" else f"data:image/*;base64,{image}"
+    return common_pb2.ContentPart(image_url=url)
 
 
 def queue_request_to_proto(model: str, body: schemas.WorkersAIBody) -> router_pb2.QueueRequestsRequest:

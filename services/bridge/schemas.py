@@ -357,10 +357,23 @@ class WorkersAIRunBody(_Body):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # A vision model's picture, in Workers AI's shape: the image file's bytes as integers 0-255,
+    # or as base64 text (a data: URL too). It joins the last user turn, after its text.
+    image: list[Annotated[int, Field(ge=0, le=255)]] | str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _messages_or_prompt(self) -> WorkersAIRunBody:
         _check_messages_or_prompt(self)
+        return self
+
+    @model_validator(mode="after")
+    def _image_joins_a_user_turn(self) -> WorkersAIRunBody:
+        if self.image is None:
+            return self
+        if self.raw:
+            raise ValueError("image needs a templated prompt or messages, not raw")
+        if self.messages is not None and not any(m.role == "user" for m in self.messages):
+            raise ValueError("image joins the last user message, and messages has none")
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 from PIL import Image
@@ -163,3 +164,27 @@ def test_a_broken_picture_is_a_400_naming_the_part(vision: VisionPlatform, url: 
     error = raised.value.body
     assert error["param"] == "messages[1].content[1].image_url", error
     assert error["type"] == "invalid_request_error"
+
+
+def test_workers_ai_run_takes_the_picture_as_bytes_or_base64(vision: VisionPlatform) -> None:
+    picture = base64.b64decode(png().split(",", 1)[1])
+    system = f"[{uuid.uuid4().hex}] You describe pictures."
+    run = f"http://{vision.bridge.address}/ai/run/{MODEL}"
+    headers = {"Authorization": "Bearer dev"}
+    base = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Describe it."}]}
+    base |= {"max_tokens": 2, "temperature": 0}
+    plain = httpx.post(run, json=base, headers=headers, timeout=TIMEOUT).json()["result"]
+    as_bytes = httpx.post(run, json=base | {"image": list(picture)}, headers=headers, timeout=TIMEOUT)
+    assert as_bytes.status_code == 200, as_bytes.text
+    with_image = as_bytes.json()["result"]
+    assert with_image["usage"]["prompt_tokens"] >= plain["usage"]["prompt_tokens"] + 12
+    as_base64 = httpx.post(
+        run, json=base | {"image": base64.b64encode(picture).decode()}, headers=headers, timeout=TIMEOUT
+    ).json()["result"]
+    assert as_base64["usage"]["prompt_tokens"] == with_image["usage"]["prompt_tokens"]
+    assert as_base64["response"] == with_image["response"]
+
+    raw = httpx.post(
+        run, json={"prompt": "x", "raw": True, "image": [1, 2]}, headers=headers, timeout=TIMEOUT
+    )
+    assert raw.status_code == 400 and "image needs a templated prompt" in raw.text, raw.text
