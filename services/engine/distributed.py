@@ -50,7 +50,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from cachet.engine.deepspeed_ops import use_own_extensions_dir, wait_for_build_locks
+from cachet.engine.deepspeed_ops import (
+    BUILD_LOCK_TIMEOUT_SECONDS,
+    use_own_extensions_dir,
+    wait_for_build_locks,
+)
 from cachet.engine.step_plan import StepPlan, StepResult
 from cachet.engine.tensor_parallel import TensorParallelRank
 from cachet.logs import get_logger
@@ -151,19 +155,22 @@ def exit_with_parent() -> None:
     threading.Thread(target=wait, name="parent-watchdog", daemon=True).start()
 
 
-def init_distributed(device: torch.device) -> RankInfo:
+def init_distributed(
+    device: torch.device, build_lock_timeout: float = BUILD_LOCK_TIMEOUT_SECONDS
+) -> RankInfo:
     """Join the process group (env:// from the launcher or ``prepare_local_group``) through DeepSpeed.
 
     gloo on CPU, NCCL on CUDA; DeepSpeed picks its accelerator by itself. On CPU it also
     loads its shared-memory all-reduce (compiled on first use into this environment's own
-    folder, ``deepspeed_ops``; ``make setup`` builds it ahead).
+    folder, ``deepspeed_ops``; ``make setup`` builds it ahead), after waiting at most
+    ``build_lock_timeout`` seconds on a build lock (StaleBuildLock past it).
     """
     import deepspeed
 
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
-        wait_for_build_locks(use_own_extensions_dir())
+        wait_for_build_locks(use_own_extensions_dir(), build_lock_timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT, verbose=False)
     if backend == "gloo":

@@ -99,7 +99,7 @@ def start_rank_group(settings: EngineSettings) -> RankGroup | None:
     if not externally_launched():
         distributed.prepare_local_group(size)
         followers = distributed.spawn_followers(size, run_follower, settings)
-    info = distributed.init_distributed(choose_device(settings.device))
+    info = distributed.init_distributed(choose_device(settings.device), settings.build_lock_timeout_seconds)
     if info.world_size != size:
         raise ValueError(f"tensor_parallel_size={size}, but the launcher started {info.world_size} ranks")
     log.info("rank group up", world_size=info.world_size, spawned=len(followers))
@@ -127,6 +127,7 @@ def build_runner(
         pack_weights=settings.pack_linear_weights,
         cuda_graphs=settings.cuda_graphs and device.type == "cuda",
         paged_decode_kernel=settings.paged_decode_kernel,
+        batch_invariant=settings.batch_invariant,
         max_decode_batch=settings.max_num_seqs,
         host_kv_bytes=int(settings.kv_host_gb * _GIB / settings.tensor_parallel_size),
         shared_kv_dir=settings.kv_shared_dir,
@@ -153,7 +154,8 @@ def run_follower(rank: int, settings: EngineSettings) -> None:
     configure_logging("engine", settings.log_level)
     torch.set_num_threads(threads_per_rank(settings))
     tp = distributed.TensorParallel.create(
-        distributed.init_distributed(choose_device(settings.device)), settings.expert_parallel_size
+        distributed.init_distributed(choose_device(settings.device), settings.build_lock_timeout_seconds),
+        settings.expert_parallel_size,
     )
     runner, *_ = build_runner(settings, tp)
     log.info("follower ready", rank=rank, kv_blocks=runner.num_kv_blocks)

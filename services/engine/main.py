@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachet.engine.async_engine import AsyncEngine, CoreHost
 from cachet.engine.core_process import CoreStartFailed, ProcessHost, runs_loop_process
+from cachet.engine.deepspeed_ops import StaleBuildLock
 from cachet.engine.errors import EngineUnavailable
 from cachet.engine.metrics import EngineMetrics
 from cachet.engine.rank_environment import externally_launched
@@ -115,7 +116,12 @@ def main(port: int | None = None, loop_process: ProcessHost | None = None) -> No
         # A launcher started every rank with this same command; only rank 0 serves.
         loop_builder.run_follower(int(os.environ["RANK"]), settings)
         return
-    group = loop_builder.start_rank_group(settings)
+    try:
+        group = loop_builder.start_rank_group(settings)
+    except StaleBuildLock as stale:
+        # What to delete, in one line: a start once hung here silently.
+        log.error("stale build lock", error=str(stale))
+        raise SystemExit(f"cachet engine: {stale}") from None
     configure_tracing("engine")
     asyncio.run(_serve(settings, group, None))
 

@@ -66,6 +66,10 @@ class EngineSettings(ServiceSettings):
     # other value, or EP > 1 on a dense model, is refused when the engine starts.
     tensor_parallel_size: int = Field(default=1, ge=1, validation_alias=shared_alias("CACHET_TP"))
     expert_parallel_size: int = Field(default=1, ge=1, validation_alias=shared_alias("CACHET_EP"))
+    # How long a tensor-parallel start on a CPU waits on a DeepSpeed op's build lock before it
+    # fails naming the file to delete (cachet.engine.deepspeed_ops): a build takes 1-3 minutes on
+    # 2 cores, so a lock older than the default was left by a build that died.
+    build_lock_timeout_seconds: float = Field(default=300.0, gt=0)
     # Math threads per rank (unset: this host's cores over the replica's ranks on it).
     threads: int | None = Field(default=None, ge=1)
     load_report_interval_ms: int = Field(default=200, ge=10)
@@ -85,6 +89,11 @@ class EngineSettings(ServiceSettings):
     # (cachet.engine.paged_decode_kernel) rather than gathering it for SDPA; false: the
     # gather + SDPA reference path.
     paged_decode_kernel: bool = True
+    # Greedy (and seeded) decoding gives the same tokens whether a prefix came from the cache or
+    # was computed, whatever else shares the step: every product and attention sum in one fixed
+    # order (cachet.engine.attention, cachet.engine.packed_linear). false: the faster kernels
+    # that pick their order by the step's shape (measured in docs/benchmarks.md).
+    batch_invariant: bool = True
     # Sampling values a request leaves unset come from the model's generation_config.json
     # (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; false: the API's
     # own defaults (temperature 1, no top-p/top-k).
