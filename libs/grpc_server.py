@@ -192,7 +192,9 @@ async def create_server(
         chosen = "metrics_port" in settings.model_fields_set or metrics_port != getattr(
             settings, "metrics_port", None
         )
-        metrics = serve_metrics_or_go_without(metrics_port, settings.host, metrics_collectors, chosen=chosen)
+        metrics = serve_metrics_or_go_without(
+            metrics_port, settings.host, metrics_collectors, tls=settings.tls, chosen=chosen
+        )
     running = RunningServer(
         server=server, port=port, health=health_servicer, service_names=names, metrics=metrics
     )

@@ -19,7 +19,10 @@ settings):
   and authenticates itself (a service mesh's sidecars). Without it, a service asked to listen
   on any other host than loopback without a certificate refuses to start.
 
-Prometheus /metrics (``metrics_endpoint``) stays plain HTTP: counters, no requests or keys.
+A gRPC service's Prometheus /metrics (``metrics_endpoint``) follows its gRPC port: HTTPS with
+the same certificate (``server_ssl_context``), a client certificate required under
+``CACHET_TLS_CLIENT_AUTH`` (Prometheus presents its own through its scrape's ``tls_config``),
+plaintext on loopback only.
 """
 
 from __future__ import annotations
@@ -165,6 +168,18 @@ def uvicorn_options(tls: TlsSettings) -> dict[str, Any]:
     if tls.client_auth:
         options |= {"ssl_ca_certs": str(tls.ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
     return options
+
+
+def server_ssl_context(tls: TlsSettings) -> ssl.SSLContext:
+    """What an HTTPS listener other than uvicorn (a service's /metrics) serves with: the
+    certificate of ``server_credentials``, and the same client-certificate rule."""
+    assert tls.cert_file is not None and tls.key_file is not None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    if tls.client_auth:
+        context.load_verify_locations(cafile=str(tls.ca_file))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def http_client_context(tls: TlsSettings) -> ssl.SSLContext | None:

@@ -235,9 +235,10 @@ def _with_metrics_port(service: PlannedService) -> PlannedService:
 
 
 def metrics_urls(services: list[PlannedService]) -> str:
-    """One line per service: where Prometheus scrapes it."""
+    """One line per service: where Prometheus scrapes it (https under a certificate, as the REST API)."""
+    scheme = _scheme(TlsSettings())
     return "\n".join(
-        f"  {service.name:<10} http://{LOOPBACK}:{service.metrics_port}/metrics"
+        f"  {service.name:<10} {scheme}://{LOOPBACK}:{service.metrics_port}/metrics"
         for service in services
         if service.metrics_port is not None
     )
@@ -292,7 +293,7 @@ def entry_url(services: list[PlannedService]) -> str:
 
 def _scheme(tls: TlsSettings) -> str:
     # Every service reads the same CACHET_TLS_* from run-local's environment: a certificate
-    # means the bridge serves HTTPS (and the probes need the CA to verify it).
+    # means the bridge and every /metrics serve HTTPS (and the probes need the CA to verify it).
     return "https" if tls.serves_tls else "http"
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
@@ -14,8 +16,9 @@ from cachet.bridge.settings import BridgeSettings
 from cachet.config import ServiceSettings
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import create_server
+from cachet.metrics_endpoint import serve_metrics, serve_metrics_or_go_without
 from cachet.router.settings import RouterSettings
-from cachet.tls import PlaintextRefused, TlsSettings, add_port, blocking_channel
+from cachet.tls import PlaintextRefused, TlsSettings, add_port, blocking_channel, http_client_context
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +136,57 @@ def test_half_configured_tls_is_refused_when_read(pki: TestPki) -> None:
         TlsSettings(client_key_file=pki.path("client", "key"), ca_file=pki.path("ca"))
     with pytest.raises(ValidationError, match="CACHET_TLS_CLIENT_AUTH needs"):
         TlsSettings(cert_file=pki.path("server"), key_file=pki.path("server", "key"), client_auth=True)
+
+
+def _scrape(url: str, tls: TlsSettings | None) -> int:
+    """The status of GET ``url`` by a client with ``tls`` (None: no TLS at all)."""
+    verify = http_client_context(tls) if tls is not None else True
+    return httpx.get(url, verify=verify, timeout=5).status_code
+
+
+async def test_metrics_serve_https_with_the_services_certificate_and_refuse_plain_http(pki: TestPki) -> None:
+    running = await create_server(ServiceSettings(port=0, tls=pki.server()), [], [], metrics_port=0)
+    try:
+        port = running.metrics_port
+        assert running.metrics is not None and running.metrics.url.startswith("https://")
+        # A client that connects and never speaks holds only its own connection's thread.
+        with socket.create_connection(("127.0.0.1", port)):
+            reply = await asyncio.to_thread(
+                httpx.get,
+                f"https://127.0.0.1:{port}/metrics",
+                verify=http_client_context(pki.client(None)),
+                timeout=5,
+            )
+            assert reply.status_code == 200
+            assert "process_cpu_seconds_total" in reply.text
+        with pytest.raises(httpx.TransportError):
+            await asyncio.to_thread(_scrape, f"http://127.0.0.1:{port}/metrics", None)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            await asyncio.to_thread(
+                _scrape, f"https://127.0.0.1:{port}/metrics", TlsSettings(ca_file=pki.path("stranger"))
+            )
+    finally:
+        await running.stop(grace=None)
+
+
+async def test_metrics_under_mutual_tls_ask_the_scraper_for_a_certificate(pki: TestPki) -> None:
+    running = await create_server(
+        ServiceSettings(port=0, tls=pki.server(client_auth=True)), [], [], metrics_port=0
+    )
+    try:
+        url = f"https://localhost:{running.metrics_port}/metrics"
+        # Prometheus presents its own certificate from the CA (its scrape's tls_config).
+        assert await asyncio.to_thread(_scrape, url, pki.client("client")) == 200
+        for refused in (pki.client(None), pki.client("stranger")):
+            with pytest.raises(httpx.TransportError):
+                await asyncio.to_thread(_scrape, url, refused)
+    finally:
+        await running.stop(grace=None)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])
+def test_plaintext_metrics_beyond_loopback_are_refused_like_grpc(host: str, pki: TestPki) -> None:
+    with pytest.raises(PlaintextRefused, match="metrics endpoint refuses to listen in plaintext"):
+        serve_metrics(0, host, tls=TlsSettings(allow_plaintext=False))
+    with pytest.raises(PlaintextRefused):
+        serve_metrics_or_go_without(0, host, tls=TlsSettings(allow_plaintext=False))

@@ -10,7 +10,7 @@ from tls_certs import TestPki
 
 from cachet.config import ServiceSettings
 from cachet.grpc_server import create_server
-from cachet.tools.run_local import PlannedService, entry_url, is_healthy
+from cachet.tools.run_local import PlannedService, entry_url, is_healthy, metrics_urls
 
 
 async def test_probes_reach_tls_services_only_with_the_ca(
@@ -26,9 +26,11 @@ async def test_probes_reach_tls_services_only_with_the_ca(
         assert await asyncio.to_thread(is_healthy, planned)
     finally:
         await running.stop(grace=None)
-    bridge = PlannedService("bridge", "cachet.bridge", http_port=8080)
+    bridge = PlannedService("bridge", "cachet.bridge", http_port=8080, metrics_port=8080)
     assert entry_url([bridge]) == "Cachet REST API on https://127.0.0.1:8080"
+    assert metrics_urls([bridge]).split() == ["bridge", "https://127.0.0.1:8080/metrics"]
     monkeypatch.delenv("CACHET_TLS_CERT_FILE")
     monkeypatch.delenv("CACHET_TLS_KEY_FILE")
     monkeypatch.delenv("CACHET_TLS_CLIENT_AUTH")
     assert entry_url([bridge]) == "Cachet REST API on http://127.0.0.1:8080"
+    assert metrics_urls([bridge]).split() == ["bridge", "http://127.0.0.1:8080/metrics"]
