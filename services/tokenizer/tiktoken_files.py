@@ -12,7 +12,12 @@ same tokenizer is rebuilt here in the tokenizers library:
 - The split regex is ``tokenization_kimi.py``'s (it is code there, not data).
 - Special tokens take the ``NUM_RESERVED_SPECIAL_TOKENS`` ids after the ranks, named by
   ``added_tokens_decoder`` or ``<|reserved_token_{id}|>``; text that spells one encodes as
-  that token, as Kimi's own ``encode`` does (``allowed_special="all"``).
+  that token, as Kimi's own ``encode`` does (``allowed_special="all"``). One marked
+  ``"special": false`` there (K2's ``<think>``, ``</think>``) stays in text decoded with
+  ``skip_special_tokens``, where a reasoning parser looks for it.
+
+The engine reads the same files for stop strings and grammars (``tiktoken_tokenizer``: the
+Rust tokenizer alone, without transformers).
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 TIKTOKEN_FILE = "tiktoken.model"
 # tokenization_kimi.py reserves 256 ids after the ranks, plus 2.
@@ -65,13 +72,21 @@ def read_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def load_tiktoken_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    """The checkpoint's tokenizer, chat template included, as a transformers fast tokenizer."""
-    config = _read_json(path / "tokenizer_config.json")
+def tiktoken_tokenizer(path: Path) -> Tokenizer:
+    """The checkpoint's vocabulary and special tokens as a Rust tokenizer."""
     ranks = read_ranks(path / TIKTOKEN_FILE)
     tokenizer = _bpe_tokenizer(ranks)
-    specials = _special_tokens(config, len(ranks))
-    tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in specials])
+    # add_tokens keeps each token's own special flag; ids follow the ranks in order.
+    tokenizer.add_tokens(_special_tokens(_read_json(path / "tokenizer_config.json"), len(ranks)))
+    return tokenizer
+
+
+def load_tiktoken_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    """The checkpoint's tokenizer, chat template included, as a transformers fast tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    config = _read_json(path / "tokenizer_config.json")
+    tokenizer = tiktoken_tokenizer(path)
     template = config.get("chat_template")
     if template is None and (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text(encoding="utf-8")
@@ -132,9 +147,9 @@ def _byte_to_text() -> dict[int, str]:
     return mapping
 
 
-def _special_tokens(config: dict[str, Any], first_id: int) -> list[str]:
-    """The reserved ids' texts in id order, from ``first_id``."""
-    named = {int(i): _content(token) for i, token in (config.get("added_tokens_decoder") or {}).items()}
+def _special_tokens(config: dict[str, Any], first_id: int) -> list[AddedToken]:
+    """The reserved ids' tokens in id order, from ``first_id``."""
+    named = {int(i): token for i, token in (config.get("added_tokens_decoder") or {}).items()}
     outside = sorted(i for i in named if not first_id <= i < first_id + NUM_RESERVED_SPECIAL_TOKENS)
     if outside:
         raise ValueError(
@@ -142,9 +157,17 @@ def _special_tokens(config: dict[str, Any], first_id: int) -> list[str]:
             f"{first_id}..{first_id + NUM_RESERVED_SPECIAL_TOKENS - 1}"
         )
     return [
-        named.get(i, f"<|reserved_token_{i}|>")
+        AddedToken(
+            _content(named.get(i, f"<|reserved_token_{i}|>")),
+            special=_is_special(named.get(i)),
+            normalized=False,
+        )
         for i in range(first_id, first_id + NUM_RESERVED_SPECIAL_TOKENS)
     ]
+
+
+def _is_special(token: str | dict[str, Any] | None) -> bool:
+    return not isinstance(token, dict) or token.get("special", True) is not False
 
 
 def _content(token: str | dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ TEXTS = [
     "Hello world! I'M here, they'LL see.   \n\n  trailing  ",
     "混合 mixed 文本 text 123456789",
     "<|im_user|>user<|im_middle|>hi<|im_end|>[EOS]",
+    "<think>hmm</think>answer",
     "unseen words: zyzzyva quixotic Ω≈ç√",
     "",
 ]
@@ -54,6 +55,8 @@ SPECIALS = {
     10: "<|im_system|>",
     17: "<|im_middle|>",
 }
+# Listed with "special": false (K2 Thinking's reasoning markers): still one token each.
+PLAIN_ADDED = {22: "<think>", 23: "</think>"}
 
 
 def _byte_level_to_bytes() -> dict[str, int]:
@@ -91,7 +94,8 @@ def write_kimi_tokenizer(out_dir: Path, vocab_size: int = 900) -> dict[bytes, in
         "bos_token": "[BOS]",
         "eos_token": "[EOS]",
         "added_tokens_decoder": {
-            str(first + i): {"content": t, "special": True} for i, t in SPECIALS.items()
+            **{str(first + i): {"content": t, "special": True} for i, t in SPECIALS.items()},
+            **{str(first + i): {"content": t, "special": False} for i, t in PLAIN_ADDED.items()},
         },
         "chat_template": kimi_k2_chat_template(),
     }
@@ -135,8 +139,9 @@ def model(kimi_dir: Path) -> TokenizerModel:
 
 
 def _specials(kimi_dir: Path) -> dict[str, int]:
+    """Every added token: tiktoken's special_tokens, as tokenization_kimi.py builds them."""
     first = len(read_ranks(kimi_dir / "tiktoken.model"))
-    return {t: first + i for i, t in SPECIALS.items()}
+    return {t: first + i for i, t in (SPECIALS | PLAIN_ADDED).items()}
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -167,13 +172,24 @@ def test_special_tokens_take_the_reserved_ids(kimi_dir: Path, model: TokenizerMo
     info = model.info
     assert info.vocab_size == first + NUM_RESERVED_SPECIAL_TOKENS
     by_text = {s.text: s.token_id for s in info.special_tokens}
-    assert {t: by_text[t] for t in SPECIALS.values()} == _specials(kimi_dir)
+    assert {t: by_text[t] for t in SPECIALS.values()} == {t: first + i for i, t in SPECIALS.items()}
     assert by_text[f"<|reserved_token_{first + 5}|>"] == first + 5
     assert info.bos_token_id == first
     assert first + 1 in info.stop_token_ids and first + 2 in info.stop_token_ids  # [EOS], <|im_end|>
     assert info.context_window == 4096
     ids = model.encode("a<|im_end|>b", add_special_tokens=False)
     assert model.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_added_tokens_marked_not_special_survive_skip_special_tokens(
+    kimi_dir: Path, model: TokenizerModel
+) -> None:
+    """A reasoning parser reads <think> in text decoded with skip_special_tokens."""
+    first = len(read_ranks(kimi_dir / "tiktoken.model"))
+    ids = model.encode("<think>hmm</think>ok<|im_end|>", add_special_tokens=False)
+    assert ids[0] == first + 22 and first + 23 in ids
+    assert model.decode(ids, skip_special_tokens=True) == "<think>hmm</think>ok"
+    assert "<think>" not in {s.text for s in model.info.special_tokens}
 
 
 def test_chat_template_renders_to_kimi_turn_tokens(model: TokenizerModel, kimi_dir: Path) -> None:
