@@ -6,6 +6,7 @@ field fails), and what the services need checked in what was rendered."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import helm_python as helm
@@ -23,6 +24,7 @@ GPU_VALUES = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
 # and the newest the validator knows.
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 STORE = {"store": {"url": "postgresql://cachet@db:5432/cachet"}}
+TLS = {"tls": {"secretName": "cachet-tls", "clientAuth": True}}
 
 
 def render(values: dict | None = None) -> list[dict]:
@@ -202,14 +204,60 @@ def test_a_model_claim_is_mounted_read_only_for_the_engines_and_the_tokenizer() 
         assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
 
 
+SCRAPE_JOBS = yaml.safe_load((ROOT / "deploy" / "prometheus" / "scrape-config.yaml").read_text())[
+    "scrape_configs"
+]
+
+
 def test_the_scrape_config_keeps_what_the_chart_annotates() -> None:
-    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "scrape-config.yaml").read_text())
-    (job,) = config["scrape_configs"]
-    sources = {label for rule in job["relabel_configs"] for label in rule["source_labels"]}
-    for annotation in ("scrape", "port", "path"):
-        assert f"__meta_kubernetes_pod_annotation_prometheus_io_{annotation}" in sources
-    keep = [rule for rule in job["relabel_configs"] if rule.get("action") == "keep"]
-    assert {rule["regex"] for rule in keep} == {"cachet", "true"}
+    assert [job["job_name"] for job in SCRAPE_JOBS] == ["cachet", "cachet-tls"]
+    for job in SCRAPE_JOBS:
+        sources = {label for rule in job["relabel_configs"] for label in rule["source_labels"]}
+        for annotation in ("scrape", "port", "path", "scheme"):
+            assert f"__meta_kubernetes_pod_annotation_prometheus_io_{annotation}" in sources
+
+
+def scraped_by(workload: dict) -> list[dict]:
+    """The scrape jobs whose keep rules keep this workload's pods (Prometheus's relabelling: each
+    rule's source labels joined by ';', the regex anchored at both ends, absent labels empty)."""
+    template = workload["spec"]["template"]["metadata"]
+    meta = {
+        f"__meta_kubernetes_pod_label_{name.replace('.', '_').replace('/', '_').replace('-', '_')}": value
+        for name, value in template["labels"].items()
+    } | {
+        f"__meta_kubernetes_pod_annotation_{name.replace('.', '_').replace('/', '_')}": value
+        for name, value in template["annotations"].items()
+    }
+    return [
+        job
+        for job in SCRAPE_JOBS
+        if all(
+            re.fullmatch(rule["regex"], ";".join(meta.get(label, "") for label in rule["source_labels"]))
+            for rule in job["relabel_configs"]
+            if rule.get("action") == "keep"
+        )
+    ]
+
+
+@pytest.mark.parametrize("values", [{}, TLS], ids=["plaintext", "tls"])
+def test_each_pod_is_scraped_by_one_job_over_https_with_the_cas_client_certificate_under_tls(
+    values: dict,
+) -> None:
+    docs = render(values)
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+    assert len(workloads) == 6
+    for name, workload in workloads.items():
+        (job,) = scraped_by(workload)
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        if values:
+            assert annotations["prometheus.io/scheme"] == job["scheme"] == "https", name
+            # Prometheus verifies the pods with the CA under the one name their certificate
+            # shares, and presents its own pair: gRPC services' /metrics ask for it under clientAuth.
+            assert set(job["tls_config"]) == {"ca_file", "cert_file", "key_file", "server_name"}
+            assert job["tls_config"]["server_name"] == "cachet-router"
+        else:
+            assert annotations["prometheus.io/scheme"] == job["scheme"] == "http", name
+            assert "tls_config" not in job
 
 
 def test_a_replica_across_hosts_is_a_leaderworkerset_group_under_torchrun() -> None:
@@ -250,9 +298,6 @@ def test_a_replica_across_hosts_is_a_leaderworkerset_group_under_torchrun() -> N
     assert json.loads(env(router)["CACHET_ROUTER_ENGINE_ADDRESSES"]) == [
         f"cachet-engine-{i}.cachet-engine.ai.svc.cluster.local:50061" for i in range(2)
     ]
-
-
-TLS = {"tls": {"secretName": "cachet-tls", "clientAuth": True}}
 
 
 def test_without_a_tls_secret_plaintext_between_pods_is_chosen_explicitly(docs: list[dict]) -> None:

@@ -139,6 +139,8 @@ pair and CA; without, plaintext beyond loopback is allowed explicitly (the servi
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ index (include "cachet.ports" .component | fromJsonArray) 1 | quote }}
 prometheus.io/path: /metrics
+{{/* Under TLS every /metrics is HTTPS (a gRPC service's with a client certificate under tls.clientAuth). */}}
+prometheus.io/scheme: {{ ternary "https" "http" (not (empty .root.Values.tls.secretName)) }}
 {{- end }}
 {{- end -}}
 
