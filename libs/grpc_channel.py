@@ -24,6 +24,8 @@ def create_channel(
     ]
     if spreads_calls(address):
         options.append(("grpc.lb_policy_name", "round_robin"))
+    if (authority := list_authority(address)) is not None:
+        options.append(("grpc.default_authority", authority))
     return aio_channel(address, tls, options, client_interceptors())
 
 
@@ -34,3 +36,17 @@ def spreads_calls(address: str) -> bool:
     whenever a connection drops. Not for one ``host:port``: round robin fails a call at once while
     its only connection waits out a reconnect backoff, where pick-first tries again."""
     return "," in address or address.startswith("dns:")
+
+
+def list_authority(address: str) -> str | None:
+    """The authority of an ``ipv4:a,b`` (or ``ipv6:``) list: its first address. gRPC's own is the
+    whole list, which is also the name TLS checks every server's certificate against, and which
+    no certificate names ("Hostname Verification Check failed"). gRPC checks one name for every
+    address of a channel: the servers of a list must all be certified for the first one's host
+    (routers sharing one certificate are, as run-local's all name 127.0.0.1; routers with a
+    certificate each go behind a ``dns:///`` name that each certificate carries). None: gRPC's
+    own authority is already the host to check (one address, a ``dns:`` name)."""
+    scheme, _, listed = address.partition(":")
+    if scheme not in ("ipv4", "ipv6") or "," not in listed:
+        return None
+    return listed.split(",")[0]
