@@ -9,12 +9,15 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachet.tls import TlsSettings, http_client_context
+
 Figures = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape(port: int, prefix: str = "cachet_") -> Figures:
-    """(sample name, sorted labels) -> value, for every family whose name starts with ``prefix``."""
-    text = exposition(port)
+def scrape(port: int, prefix: str = "cachet_", tls: TlsSettings | None = None) -> Figures:
+    """(sample name, sorted labels) -> value, for every family whose name starts with ``prefix``;
+    over HTTPS verified (and with the client certificate) of ``tls``, when given."""
+    text = exposition(port, tls)
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -72,8 +75,10 @@ def naming_problems(text: str) -> list[str]:
     return problems
 
 
-def exposition(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+def exposition(port: int, tls: TlsSettings | None = None) -> str:
+    context = http_client_context(tls) if tls is not None else None
+    url = f"{'https' if context else 'http'}://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10, context=context) as response:
         return response.read().decode()
 
 

@@ -48,7 +48,7 @@ def _replicas(stub: cache_pb2_grpc.CacheIndexServiceStub) -> list[cache_pb2.Repl
     return list(stub.ListReplicas(cache_pb2.ListReplicasRequest(), timeout=5).replicas)
 
 
-def _wait_https_health(bridge: ServiceProcess, verify: ssl.SSLContext, timeout: float = 60.0) -> None:
+def wait_https_health(bridge: ServiceProcess, verify: ssl.SSLContext, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert bridge.process.poll() is None, bridge.log_tail()
@@ -111,7 +111,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             port=port,
         )
         started.append(bridge)
-        _wait_https_health(bridge, http_client_context(pki.client(None)))
+        wait_https_health(bridge, http_client_context(pki.client(None)))
         yield Deployment(pki, router, bridge, cache)
     finally:
         for process in reversed(started):
