@@ -11,7 +11,7 @@ a value fails at start-up with the variable's name, not in the middle of a reque
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, AliasChoices, Field, model_validator
@@ -67,8 +67,17 @@ class ServiceSettings(BaseSettings):
     max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     # Seconds a SIGTERM'd server lets in-flight calls finish before cancelling them.
     drain_seconds: float = Field(default=10.0, ge=0)
-    # The listener's and the outgoing calls' TLS (cachet.tls): CACHET_TLS_*, one set per process.
+    # The listener's and the outgoing calls' TLS (cachet.tls): CACHET_TLS_*, one set per process,
+    # with the service's own pair where CACHET_<SERVICE>_TLS_CERT_FILE / _KEY_FILE name one.
     tls: TlsSettings = Field(default_factory=TlsSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_identity(cls, data: Any) -> Any:
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        if prefix and isinstance(data, dict) and "tls" not in data:
+            return {**data, "tls": TlsSettings.for_service(prefix)}
+        return data
 
     @model_validator(mode="after")
     def _no_plaintext_beyond_loopback(self) -> ServiceSettings:

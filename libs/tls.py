@@ -15,6 +15,11 @@ settings):
   its internal one here.
 - ``CACHET_TLS_CLIENT_AUTH=true``: the listener asks every caller for a certificate signed by
   ``CACHET_TLS_CA_FILE`` and refuses the handshake without one.
+- ``CACHET_<SERVICE>_TLS_CERT_FILE`` / ``_KEY_FILE`` (``CACHET_ROUTER_TLS_CERT_FILE``): that
+  service's own identity in place of the shared pair (``TlsSettings.for_service``), for
+  serving and, without a client pair, for calling: every service signed by the one CA, each
+  under its own name. A client-authenticating listener takes any certificate the CA signed,
+  whichever service it names (no allow-list of peer names).
 - ``CACHET_TLS_ALLOW_PLAINTEXT=true``: plaintext beyond loopback, for a network that encrypts
   and authenticates itself (a service mesh's sidecars). Without it, a service asked to listen
   on any other host than loopback without a certificate refuses to start.
@@ -28,6 +33,7 @@ plaintext on loopback only.
 from __future__ import annotations
 
 import ipaddress
+import os
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +73,18 @@ class TlsSettings(BaseSettings):
                 "CACHET_TLS_CA_FILE (what signs the clients' certificates)"
             )
         return self
+
+    @classmethod
+    def for_service(cls, env_prefix: str) -> TlsSettings:
+        """The shared ``CACHET_TLS_*``, with the pair under ``<env_prefix>TLS_CERT_FILE`` /
+        ``_KEY_FILE`` (``CACHET_ROUTER_TLS_...``) in its place where the service has its own."""
+        variables = (f"{env_prefix}TLS_CERT_FILE", f"{env_prefix}TLS_KEY_FILE")
+        cert, key = (os.environ.get(variable) for variable in variables)
+        if cert is None and key is None:
+            return cls()
+        if cert is None or key is None:
+            raise ValueError(f"{' and '.join(variables)} are set together")
+        return cls(cert_file=Path(cert), key_file=Path(key))
 
     @property
     def serves_tls(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +37,14 @@ def _write(folder: Path, stem: str, key: ec.EllipticCurvePrivateKey, cert: x509.
 @dataclass(frozen=True)
 class TestPki:
     """``ca.pem``; ``server.pem`` (loopback names, server and client use), ``client.pem``; and
-    ``stranger.pem``, a client certificate signed by another CA."""
+    ``stranger.pem``, a client certificate signed by another CA. ``identities``: one more
+    ``<name>.pem`` like ``server.pem`` each, named ``cachet <name>`` (a service's own)."""
 
     __test__ = False  # a helper, not a test class, despite its name
     folder: Path
 
     @classmethod
-    def create(cls, folder: Path) -> TestPki:
+    def create(cls, folder: Path, identities: Sequence[str] = ()) -> TestPki:
         folder.mkdir(parents=True, exist_ok=True)
         ca_key, ca_cert = _authority("Cachet test CA")
         _write(folder, "ca", ca_key, ca_cert)
@@ -53,6 +55,8 @@ class TestPki:
         ]
         both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
         _write(folder, "server", *_leaf("cachet service", names, both, ca_key, ca_cert))
+        for identity in identities:
+            _write(folder, identity, *_leaf(f"cachet {identity}", names, both, ca_key, ca_cert))
         _write(
             folder, "client", *_leaf("cachet client", [], [ExtendedKeyUsageOID.CLIENT_AUTH], ca_key, ca_cert)
         )
@@ -67,11 +71,11 @@ class TestPki:
     def path(self, stem: str, suffix: str = "pem") -> Path:
         return self.folder / f"{stem}.{suffix}"
 
-    def server(self, *, client_auth: bool = False) -> TlsSettings:
-        """A service's: serves with ``server.pem``, calls with the CA (and the same pair)."""
+    def server(self, *, client_auth: bool = False, stem: str = "server") -> TlsSettings:
+        """A service's: serves with ``stem``'s pair, calls with the CA (and the same pair)."""
         return TlsSettings(
-            cert_file=self.path("server"),
-            key_file=self.path("server", "key"),
+            cert_file=self.path(stem),
+            key_file=self.path(stem, "key"),
             ca_file=self.path("ca"),
             client_auth=client_auth,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
 import grpc
 import httpx
@@ -19,6 +20,9 @@ from cachet.grpc_server import create_server
 from cachet.metrics_endpoint import serve_metrics, serve_metrics_or_go_without
 from cachet.router.settings import RouterSettings
 from cachet.tls import PlaintextRefused, TlsSettings, add_port, blocking_channel, http_client_context
+from cachet.usage.settings import UsageSettings
+
+PEER = "cachet.test.v1.Peer"
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +194,57 @@ def test_plaintext_metrics_beyond_loopback_are_refused_like_grpc(host: str, pki:
         serve_metrics(0, host, tls=TlsSettings(allow_plaintext=False))
     with pytest.raises(PlaintextRefused):
         serve_metrics_or_go_without(0, host, tls=TlsSettings(allow_plaintext=False))
+
+
+def test_a_service_presents_its_own_identity_where_it_has_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pki = TestPki.create(tmp_path, identities=("router",))
+    for name, value in pki.env(client_auth=True).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CACHET_ROUTER_TLS_CERT_FILE", str(pki.path("router")))
+    monkeypatch.setenv("CACHET_ROUTER_TLS_KEY_FILE", str(pki.path("router", "key")))
+    # The router's pair replaces the shared one; the CA and mTLS stay shared, as do other services'.
+    assert RouterSettings().tls == pki.server(client_auth=True, stem="router")
+    assert UsageSettings().tls == pki.server(client_auth=True)
+    # Handed on as a plain settings object, it keeps the identity it was read with.
+    assert RouterSettings(**RouterSettings().model_dump()).tls.cert_file == pki.path("router")
+    monkeypatch.delenv("CACHET_ROUTER_TLS_KEY_FILE")
+    with pytest.raises(ValidationError, match="CACHET_ROUTER_TLS_CERT_FILE and CACHET_ROUTER_TLS_KEY_FILE"):
+        RouterSettings()
+
+
+async def _peer_name(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    return context.auth_context()["x509_common_name"][0]
+
+
+def _register_peer_name(server: grpc.aio.Server) -> None:
+    handler = grpc.unary_unary_rpc_method_handler(_peer_name, lambda b: b, lambda b: b)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PEER, {"Name": handler}),))
+
+
+async def test_a_client_authenticating_service_accepts_any_identity_the_ca_signed(tmp_path: Path) -> None:
+    """The usage service under its own identity, called by the router under its own: the CA is
+    what is checked, not which service the certificate names (there is no peer allow-list)."""
+    pki = TestPki.create(tmp_path, identities=("router", "usage"))
+    usage = pki.server(client_auth=True, stem="usage")
+    running = await create_server(
+        ServiceSettings(port=0, tls=usage), [_register_peer_name], [PEER], metrics_port=0
+    )
+    try:
+        async with create_channel(running.address, tls=pki.server(stem="router")) as channel:
+            assert await channel.unary_unary(f"/{PEER}/Name")(b"", timeout=5) == b"cachet router"
+        # It serves under its own name too (its /metrics port, with the same pair).
+        context = http_client_context(pki.server(stem="router"))
+
+        def served_name() -> str:
+            with (
+                socket.create_connection(("127.0.0.1", running.metrics_port), timeout=5) as raw,
+                context.wrap_socket(raw, server_hostname="127.0.0.1") as secured,
+            ):
+                subject = dict(pair for rdn in secured.getpeercert()["subject"] for pair in rdn)
+                return subject["commonName"]
+
+        assert await asyncio.to_thread(served_name) == "cachet usage"
+    finally:
+        await running.stop(grace=None)
