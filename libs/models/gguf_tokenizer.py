@@ -161,7 +161,7 @@ def read_gguf_tokenizer_data(gguf_path: Path) -> GGUFTokenizerData:
     )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))
@@ -187,7 +187,7 @@ def build_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
             f"only byte-level BPE GGUF vocabularies (tokenizer.ggml.model 'gpt2') are supported, "
             f"this file has {data.model_type!r}"
         )
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     # Every real token is already spelled in the byte alphabet; re-spell the odd one that is not
     # (a raw-text added token), exactly as transformers does, so ids line up with theirs.

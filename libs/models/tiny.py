@@ -4,6 +4,8 @@ A tiny model is a few MB and written in about a second, yet it is an ordinary Hu
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the chat template,
 generation_config.json), so every service loads it through the same code path as a real model. Its
 text is gibberish, but tokenization, chat templates and stop tokens are the real SmolLM2 ones.
+The tiny Kimi K2.5 ships its tokenizer as Moonshot does instead: a tiktoken rank file derived from
+SmolLM2's vocabulary, Kimi's added tokens and K2.5's chat template (``kimi_tiktoken``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from typing import Any
 from cachet.models._fs import atomic_directory, read_json, write_json
 from cachet.models.convert_gguf import MODEL_ID_KEY, find_default_gguf, generation_config
 from cachet.models.gguf_tokenizer import copy_tokenizer_files, extract_tokenizer, special_tokens_from_hf_dir
+from cachet.models.kimi_tiktoken import (
+    NUM_RESERVED_IDS,
+    added_token_ids,
+    ranks_from_byte_level_bpe,
+    write_kimi_tokenizer,
+)
 
 TINY_MODEL_IDS = {"llama": "tiny-llama", "kimi-k2": "tiny-kimi-k2", "kimi-k2.5": "tiny-kimi-k2.5"}
 
@@ -97,10 +105,10 @@ KIMI_K2_TEMPLATE = "kimi-k2-thinking.jinja"
 
 # Kimi K2.5 as Moonshot publishes it, in miniature: a kimi_k25 wrapper around the tiny K2 language
 # model (its tensors under ``language_model.``, routed experts INT4 as compressed-tensors
-# ``pack-quantized``), MoonViT and its projector beside it (bf16, as published), and the image
-# tokens K2.5's processor writes: <|media_begin|>image<|media_content|><|media_pad|>...<|media_end|>,
-# one <|media_pad|> per merged 2x2 block of 14-pixel patches.
-KIMI_K25_EXTRA_TOKENS = ("<|media_begin|>",)
+# ``pack-quantized``), MoonViT and its projector beside it (bf16, as published), its tiktoken
+# tokenizer and chat template (``kimi_tiktoken``), and the image tokens K2.5's processor writes:
+# <|media_begin|>image<|media_content|><|media_pad|>...<|media_end|>, one <|media_pad|> per merged
+# 2x2 block of 14-pixel patches.
 KIMI_K25_IMAGE_TOKEN = "<|media_pad|>"
 # The published vision_config's keys, at toy size: 32 wide (2 heads of 16: 2-D RoPE wants a head
 # width divisible by 4), 2 blocks, an 8x8 position table (resampled to each image's grid).
@@ -180,12 +188,7 @@ def write_tiny_model(
     tokenizer_dir = _tokenizer_source(vocab_from, tokenizer_cache_dir)
     out_dir = Path(out_dir)
     with atomic_directory(out_dir, overwrite=overwrite) as staging:
-        specials = copy_tokenizer_files(tokenizer_dir, staging)
-        if family == "kimi-k2":
-            _add_kimi_k2_tokens(staging)
-        elif family == "kimi-k2.5":
-            _add_kimi_k2_tokens(staging, extra_special=KIMI_K25_EXTRA_TOKENS)
-        vocab_size = _vocab_size(staging / "tokenizer.json")
+        specials, vocab_size = _write_tokenizer(family, tokenizer_dir, staging)
         writer = {"kimi-k2": _write_kimi_k2, "kimi-k2.5": _write_kimi_k25}.get(family, _write_llama)
         writer(staging, vocab_size=vocab_size, seed=seed, specials=specials, model_id=TINY_MODEL_IDS[family])
     return out_dir
@@ -198,15 +201,26 @@ def kimi_k2_chat_template() -> str:
     return (files("cachet.models") / "templates" / KIMI_K2_TEMPLATE).read_text(encoding="utf-8")
 
 
-def _add_kimi_k2_tokens(out_dir: Path, extra_special: tuple[str, ...] = ()) -> None:
-    """Append K2's chat tokens (and ``extra_special`` after them) to tokenizer.json and put K2's
-    template in tokenizer_config.json."""
+def _write_tokenizer(family: str, tokenizer_dir: Path, out_dir: Path) -> tuple[dict, int]:
+    """The family's tokenizer files in ``out_dir``, from the source in ``tokenizer_dir``; the
+    special-token description and the vocabulary size (added tokens included)."""
+    if family == "kimi-k2.5":
+        ranks = ranks_from_byte_level_bpe(tokenizer_dir / "tokenizer.json")
+        return write_kimi_tokenizer(out_dir, ranks), len(ranks) + NUM_RESERVED_IDS
+    specials = copy_tokenizer_files(tokenizer_dir, out_dir)
+    if family == "kimi-k2":
+        _add_kimi_k2_tokens(out_dir)
+    return specials, _vocab_size(out_dir / "tokenizer.json")
+
+
+def _add_kimi_k2_tokens(out_dir: Path) -> None:
+    """Append K2's chat tokens to tokenizer.json and put K2's template in tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
     # add_* skips tokens already present, so <|im_end|> keeps SmolLM2's id (its end-of-turn stop).
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in KIMI_K2_SPECIAL_TOKENS + extra_special]
+        [AddedToken(t, special=True, normalized=False) for t in KIMI_K2_SPECIAL_TOKENS]
     )
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in KIMI_K2_THINK_TOKENS])
     tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -288,7 +302,6 @@ def _write_kimi_k25(out_dir: Path, *, vocab_size: int, seed: int, specials: dict
     """The tiny K2 language model, rewritten into K2.5's published layout beside a tiny MoonViT."""
     import torch
     from safetensors.torch import load_file, save_file
-    from tokenizers import Tokenizer
 
     _write_kimi_k2(out_dir, vocab_size=vocab_size, seed=seed, specials=specials, model_id=model_id)
     text_config = read_json(out_dir / "config.json")
@@ -308,7 +321,7 @@ def _write_kimi_k25(out_dir: Path, *, vocab_size: int, seed: int, specials: dict
         stored.update(kimi_vision_tensors(vision))
     save_file(stored, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
-    image_token_id = Tokenizer.from_file(str(out_dir / "tokenizer.json")).token_to_id(KIMI_K25_IMAGE_TOKEN)
+    image_token_id = added_token_ids(vocab_size - NUM_RESERVED_IDS)[KIMI_K25_IMAGE_TOKEN]
     write_json(
         out_dir / "config.json",
         {

@@ -40,6 +40,7 @@ from cachet.engine_layout import (
 from cachet.logs import configure_logging, get_logger
 from cachet.models.catalog import ResolvedModel, ensure_model
 from cachet.startup_heap import freeze_startup_heap
+from cachet.tokenizer.tiktoken_files import has_tiktoken_files, tiktoken_tokenizer
 
 log = get_logger(__name__)
 _GIB = 1024**3
@@ -181,8 +182,7 @@ def build_core_loop(
         max_model_len=runner.max_model_len,
         packed_linears=runner.packed_linears,
     )
-    tokenizer_file = Path(model.path) / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
+    tokenizer = model_tokenizer(Path(model.path))
     core = EngineCore(
         runner=runner,
         model=model.model_id,
@@ -212,6 +212,17 @@ def build_core_loop(
         sampling_defaults=sampling_defaults,
     )
     return loop, description
+
+
+def model_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer, for stop strings and grammars: its tokenizer.json, else Kimi's
+    tiktoken files rebuilt as the tokenizer service rebuilds them (the same ids); None without
+    either (requests that need one are refused)."""
+    if (model_dir / "tokenizer.json").exists():
+        return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    if has_tiktoken_files(model_dir):
+        return tiktoken_tokenizer(model_dir)
+    return None
 
 
 def threads_per_rank(settings: EngineSettings) -> int:

@@ -23,10 +23,12 @@ from safetensors.torch import load_file, save_file
 from cachet.engine.attention import SequenceSpan, build_attention_metadata
 from cachet.engine.checkpoint_names import group_checkpoint_names
 from cachet.engine.image_embeddings import ImageEmbeddings
+from cachet.engine.loop_builder import model_tokenizer
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.models import ModelConfig
 from cachet.engine.models.config import PackedIntQuantization
 from cachet.engine.models.kimi_vision import KimiVisionTower, normalized_patches
+from cachet.engine.structured_output import GrammarCompiler, GrammarSpec
 from cachet.models.tiny import KIMI_K25_IMAGE_TOKEN, TINY_MODEL_IDS, write_tiny_model
 
 PATCH = 14
@@ -105,8 +107,6 @@ def reference(dequantized_dir: Path):
 
 
 def test_the_checkpoint_is_k25s_released_layout_in_miniature(k25_dir: Path) -> None:
-    from tokenizers import Tokenizer
-
     raw = json.loads((k25_dir / "config.json").read_text())
     assert raw["model_type"] == "kimi_k25" and raw["cachet_model_id"] == TINY_MODEL_IDS["kimi-k2.5"]
     config = ModelConfig.from_dict(raw)
@@ -117,7 +117,14 @@ def test_the_checkpoint_is_k25s_released_layout_in_miniature(k25_dir: Path) -> N
     vision = config.vision
     assert vision is not None and vision.text_hidden_size == config.hidden_size
     assert (vision.hidden_size, vision.num_hidden_layers, vision.pos_emb_grid) == (32, 2, (8, 8, 4))
-    tokenizer = Tokenizer.from_file(str(k25_dir / "tokenizer.json"))
+    # Kimi's tokenizer files: a tiktoken rank file, its added tokens, the chat template.
+    assert {"tiktoken.model", "tokenizer_config.json", "chat_template.jinja"} <= {
+        p.name for p in k25_dir.iterdir()
+    }
+    assert not (k25_dir / "tokenizer.json").exists()
+    tokenizer = model_tokenizer(k25_dir)
+    assert tokenizer is not None
+    assert config.vocab_size == tokenizer.get_vocab_size(with_added_tokens=True)
     assert vision.media_placeholder_token_id == tokenizer.token_to_id(KIMI_K25_IMAGE_TOKEN)
     specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
     assert {"<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"} <= specials
@@ -127,6 +134,27 @@ def test_the_checkpoint_is_k25s_released_layout_in_miniature(k25_dir: Path) -> N
     assert stored["language_model.model.layers.1.mlp.experts.3.up_proj.weight_packed"].dtype == torch.int32
     assert all(stored[n].dtype == torch.bfloat16 for n in names.vision)
     assert not any(".experts." in n and n.endswith(".weight") for n in stored)
+
+
+def test_the_engine_reads_its_tiktoken_tokenizer_for_stop_strings_and_grammars(k25_dir: Path) -> None:
+    """The engine rebuilds the rank file as the tokenizer service does: the same ids."""
+    from cachet.tokenizer.tokenizer_model import TokenizerModel
+
+    tokenizer = model_tokenizer(k25_dir)
+    assert tokenizer is not None
+    service = TokenizerModel.load(TINY_MODEL_IDS["kimi-k2.5"], k25_dir)
+    text = "<|im_user|>user<|im_middle|>Describe the picture, then stop.<|im_end|>"
+    assert tokenizer.encode(text, add_special_tokens=False).ids == service.encode(
+        text, add_special_tokens=False
+    )
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    compiler = GrammarCompiler(tokenizer, ModelConfig.from_model_dir(k25_dir).vocab_size, (im_end,))
+    try:
+        matcher = compiler.new_matcher(GrammarSpec("regex", "(yes|no) 图片")).result(timeout=60)
+    finally:
+        compiler.shutdown()
+    assert matcher.consume_tokens(service.encode("yes 图片", add_special_tokens=False))
+    assert matcher.consume_token(im_end) and matcher.is_stopped()
 
 
 def test_the_runner_loads_it_and_generates_text_greedily(k25_dir: Path) -> None:

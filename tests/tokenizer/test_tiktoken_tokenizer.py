@@ -5,7 +5,9 @@ small multilingual text, written as tiktoken's ``<base64> <rank>`` lines, with K
 layout of special tokens (the 258 ids after the ranks, some named). The service's
 tokenizer must encode as tiktoken does: checked against a plain-Python rendering of
 tiktoken's rule (split by Kimi's regex, then merge the lowest-rank adjacent pair) and,
-where the ``tiktoken`` package is installed, against tiktoken itself.
+where the ``tiktoken`` package is installed, against tiktoken itself. The tiny kimi-k2.5
+checkpoint's files (``cachet.models.kimi_tiktoken``: ranks from SmolLM2's vocabulary, K2.5's
+added tokens and chat template) are checked the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import pytest
 import regex
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from cachet.models import kimi_tiktoken
 from cachet.models.tiny import kimi_k2_chat_template
+from cachet.tokenizer.template_variables import ReasoningControls
 from cachet.tokenizer.tiktoken_files import (
     KIMI_SPLIT_PATTERN,
     NUM_RESERVED_SPECIAL_TOKENS,
@@ -241,3 +245,101 @@ def test_the_exported_rust_tokenizer_decodes_and_encodes_alike(model: TokenizerM
         ids = model.encode(text, add_special_tokens=False)
         assert exported.encode(text, add_special_tokens=False).ids == ids, text
         assert exported.decode(ids, skip_special_tokens=False) == text, text
+
+
+@pytest.fixture(scope="module")
+def tiny_k25_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny kimi-k2.5 checkpoint's tokenizer files, from the SmolLM2 vocabulary, without weights."""
+    path = tmp_path_factory.mktemp("tiny-k25-tokenizer")
+    kimi_tiktoken.write_kimi_tokenizer(
+        path, kimi_tiktoken.ranks_from_byte_level_bpe(tiny_model_dir / "tokenizer.json")
+    )
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v3", "max_position_embeddings": 2048})
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_k25(tiny_k25_dir: Path) -> TokenizerModel:
+    return TokenizerModel.load("tiny-kimi-k2.5", tiny_k25_dir)
+
+
+def test_the_tiny_kimi_k25_files_are_kimis_layout(tiny_k25_dir: Path, tiny_k25: TokenizerModel) -> None:
+    assert sorted(p.name for p in tiny_k25_dir.iterdir()) == [
+        "chat_template.jinja", "config.json", "tiktoken.model", "tokenizer_config.json"
+    ]  # fmt: skip
+    ranks = read_ranks(tiny_k25_dir / "tiktoken.model")
+    assert all(ranks[bytes([b])] == b for b in range(256))
+    assert ranks[b" the"] < ranks[b" question"]  # merged earlier: a lower rank
+    first = len(ranks)
+    by_text = {s.text: s.token_id for s in tiny_k25.info.special_tokens}
+    assert {t: by_text.get(t) for t in ("[BOS]", "<|im_end|>", "<|im_middle|>", "<|media_pad|>", "[PAD]")} == {
+        "[BOS]": first, "<|im_end|>": first + 2, "<|im_middle|>": first + 17, "<|media_pad|>": first + 21,
+        "[PAD]": first + 255,
+    }  # fmt: skip
+    assert "<think>" not in by_text
+    assert tiny_k25.encode("<think></think>", add_special_tokens=False) == [first + 22, first + 23]
+    assert tiny_k25.info.vocab_size == first + NUM_RESERVED_SPECIAL_TOKENS
+    assert set(tiny_k25.info.stop_token_ids) == {first + 1, first + 2}  # [EOS], <|im_end|>
+
+
+def test_the_tiny_kimi_k25_tokenizer_encodes_as_tiktoken(
+    tiny_k25_dir: Path, tiny_k25: TokenizerModel
+) -> None:
+    ranks = read_ranks(tiny_k25_dir / "tiktoken.model")
+    specials = kimi_tiktoken.added_token_ids(len(ranks))
+    for text in TEXTS:
+        ids = tiny_k25.encode(text, add_special_tokens=False)
+        assert ids == reference_encode(text, ranks, specials), text
+        assert tiny_k25.decode(ids, skip_special_tokens=False) == text
+    tiktoken = pytest.importorskip("tiktoken")
+    encoding = tiktoken.Encoding(
+        name="tiny-k25", pat_str=KIMI_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+    )
+    for text in TEXTS:
+        assert tiny_k25.encode(text, add_special_tokens=False) == encoding.encode(text, allowed_special="all")
+
+
+def test_the_tiny_kimi_k25_template_opens_a_think_block_unless_thinking_is_off(
+    tiny_k25: TokenizerModel,
+) -> None:
+    def render(messages: list[dict], tools: list[dict] = (), **reasoning: bool) -> str:
+        return tiny_k25.apply_chat_template(
+            messages,
+            list(tools),
+            add_generation_prompt=True,
+            continue_final_message=False,
+            reasoning=ReasoningControls(**reasoning),
+        ).prompt
+
+    user = {"role": "user", "content": "你好"}
+    turn = "<|im_user|>user<|im_middle|>你好<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    default_system = (
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    )
+    assert render([user]) == default_system + turn + "<think>"
+    assert render([user], thinking=True).endswith(turn + "<think>")
+    assert render([user], thinking=False).endswith(turn + "<think></think>")
+    # The last assistant turns keep their reasoning (unless thinking is off), older ones drop it.
+    answered = [
+        user,
+        {"role": "assistant", "content": "a", "reasoning_content": "r1"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "", "reasoning_content": "r2", "tool_calls": [
+            {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ]},
+        {"role": "tool", "tool_call_id": "functions.f:0", "content": "ok"},
+    ]  # fmt: skip
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    prompt = render(answered, [tool])
+    assert prompt.startswith(
+        '<|im_system|>tool_declare<|im_middle|>[{"function":{"name":"f","parameters":{"type":"object"}},'
+        '"type":"function"}]<|im_end|>' + default_system
+    )
+    assert "<|im_middle|><think></think>a<|im_end|>" in prompt
+    assert (
+        "<|im_middle|><think>r2</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0" in prompt
+    )
+    assert "<|im_system|>tool<|im_middle|>## Return of functions.f:0\nok<|im_end|>" in prompt
+    assert "<think>r2</think>" not in render(answered, [tool], thinking=False)
