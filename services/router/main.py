@@ -31,6 +31,7 @@ from cachet.router.readiness import ReadinessPublisher
 from cachet.router.replica_set import ReplicaSet
 from cachet.router.replica_status import ReplicaStatusReader
 from cachet.router.request_pipeline import RequestPipeline
+from cachet.router.response_retention import ResponseRetention
 from cachet.router.servicer import SERVICE_NAME, InferenceServicer
 from cachet.router.session_directory import SessionDirectory
 from cachet.router.settings import RouterSettings
@@ -59,6 +60,7 @@ class RouterClients:
     webhooks: WebhookSender | None = None
     loop_lag: EventLoopLagMonitor | None = None
     limits: KeyLimiter | None = None
+    retention: ResponseRetention | None = None
 
     async def close(self, drain_seconds: float) -> None:
         if self.loop_lag is not None:
@@ -71,6 +73,8 @@ class RouterClients:
         await self.usage.drain(drain_seconds)
         if self.limits is not None:
             await self.limits.close()
+        if self.retention is not None:
+            await self.retention.stop()
         if self.queue is not None:
             await self.queue.close()
         await self.replicas.close()
@@ -165,6 +169,7 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
         log.warning("serving before every engine reported", engines=settings.engine_addresses)
     clients.webhooks.start()
     clients.dispatcher.start()
+    clients.retention = _retention(clients.queue, settings)
     clients.loop_lag = EventLoopLagMonitor(metrics.EVENT_LOOP_LAG)
     clients.loop_lag.start()
     queue = BatchQueue(
@@ -256,6 +261,17 @@ def _dispatcher(
         max_in_flight=options.batch_max_in_flight,
         on_batch_finished=webhooks.kick,
     )
+
+
+def _retention(store: QueueStore, options: RouterSettings) -> ResponseRetention | None:
+    """The stored Responses' purge, started; None where they are kept until deleted."""
+    if not options.responses_retention_days:
+        return None
+    retention = ResponseRetention(
+        store, options.responses_retention_days, options.responses_purge_interval_seconds
+    )
+    retention.start()
+    return retention
 
 
 async def _serve(settings: RouterSettings) -> None:

@@ -177,6 +177,13 @@ CREATE TABLE stored_response_items (
 );
 """,
     ),
+    (
+        4,
+        """
+-- The retention purge (response_retention.py) takes the oldest responses first.
+CREATE INDEX stored_responses_by_age ON stored_responses (created_at);
+""",
+    ),
 ]
 
 

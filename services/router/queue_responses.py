@@ -3,13 +3,14 @@
 A response is one row (the JSON as answered, kept unread, and the session a follow-up
 runs under); its conversation's input items are one row each, in order, so that a page
 of ``input_items`` reads only its rows. Both stores run the same statements, except
-how the items go in.
+how the items go in. Responses older than the router's retention are purged
+(``response_retention.py``), a batch of them at a time.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cachet.durable_postgres import PostgresPool, Row, rows_affected
 from cachet.durable_sqlite import SqliteWorker, for_sqlite
@@ -27,6 +28,12 @@ _GET = (
 _ITEMS = "SELECT item_id, item FROM stored_response_items WHERE account_id = $1 AND response_id = $2 ORDER BY position"
 _DELETE = "DELETE FROM stored_responses WHERE account_id = $1 AND response_id = $2"
 _OF_RESPONSE = "account_id = $1 AND response_id = $2"
+# The oldest responses created before $1, at most $2 of them (the created_at index walks them in order).
+_EXPIRED = (
+    "SELECT account_id, response_id FROM stored_responses WHERE created_at < $1 ORDER BY created_at LIMIT $2"
+)
+_PURGE_ITEMS = f"DELETE FROM stored_response_items WHERE (account_id, response_id) IN ({_EXPIRED})"
+_PURGE = f"DELETE FROM stored_responses WHERE (account_id, response_id) IN ({_EXPIRED})"
 
 
 def _page_start(newest_first: bool) -> str:
@@ -58,6 +65,7 @@ class SqliteResponses:
     """The SQLite store's stored responses; ``SqliteQueueStore`` supplies the worker."""
 
     _worker: SqliteWorker
+    _clock_ms: Callable[[], int]
 
     async def put_response(self, account_id: str, response: StoredResponse) -> None:
         """Store ``response`` with its input items, replacing one of the same id; durable once this returns."""
@@ -123,11 +131,24 @@ class SqliteResponses:
 
         return await self._worker.run(page)
 
+    async def purge_responses(self, max_age_seconds: int, limit: int) -> int:
+        """Delete up to ``limit`` of the oldest responses created more than ``max_age_seconds`` ago
+        (by the store's clock), with their items; how many went."""
+        bound = (self._clock_ms() // 1000 - max_age_seconds, limit)
+
+        def purge(db: sqlite3.Connection) -> int:
+            # Items first: the responses' rows are what names them.
+            db.execute(for_sqlite(_PURGE_ITEMS), bound)
+            return db.execute(for_sqlite(_PURGE), bound).rowcount
+
+        return await self._worker.write(purge)
+
 
 class PostgresResponses:
     """The PostgreSQL store's stored responses; ``PostgresQueueStore`` supplies the pool."""
 
     _pool: PostgresPool
+    _clock_ms: Callable[[], int]
 
     async def put_response(self, account_id: str, response: StoredResponse) -> None:
         """Store ``response`` with its input items, replacing one of the same id; durable once this returns."""
@@ -180,3 +201,12 @@ class PostgresResponses:
                 return None
             rows = await db.fetch(_page(newest_first, bounded=True), *key, start, limit + 1)
         return _items_page(rows, limit)
+
+    async def purge_responses(self, max_age_seconds: int, limit: int) -> int:
+        """Delete up to ``limit`` of the oldest responses created more than ``max_age_seconds`` ago
+        (by the store's clock), with their items; how many went."""
+        bound = (self._clock_ms() // 1000 - max_age_seconds, limit)
+        async with self._pool.transaction() as db:
+            await db.execute(_PURGE_ITEMS, *bound)
+            status = await db.execute(_PURGE, *bound)
+        return rows_affected(status)

@@ -165,6 +165,8 @@ class QueueStore(Protocol):
         self, account_id: str, response_id: str, *, newest_first: bool, after: str, limit: int
     ) -> tuple[list[ResponseItem], bool] | None: ...
 
+    async def purge_responses(self, max_age_seconds: int, limit: int) -> int: ...
+
 
 async def open_queue_store(options: RouterSettings) -> QueueStore:
     """PostgreSQL when ``store_url`` names a database, else the SQLite file under the data directory."""

@@ -114,6 +114,10 @@ class RouterSettings(ServiceSettings):
     # ...and never while any replica has an interactive request waiting. At most this many
     # queued jobs run at once from this router, whatever the headroom (0: no cap).
     batch_max_in_flight: int = Field(default=0, ge=0)
+    # Stored Responses (`store: true`) older than this are purged (response_retention.py), as
+    # OpenAI keeps them 30 days; 0: kept until deleted. Checked every purge interval.
+    responses_retention_days: float = Field(default=30.0, ge=0)
+    responses_purge_interval_seconds: float = Field(default=3600.0, gt=0)
     # HMAC-SHA256 key of webhook signatures; empty: a key made at first start and kept in
     # <data_dir>/webhook_secret (webhook_secret.py). Webhooks are always signed.
     webhook_secret: str = ""

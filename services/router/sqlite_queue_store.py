@@ -140,6 +140,8 @@ CREATE TABLE IF NOT EXISTS stored_responses (
     response BLOB NOT NULL,
     PRIMARY KEY (account_id, response_id)
 );
+-- The retention purge takes the oldest first (added after version 1: IF NOT EXISTS is the migration).
+CREATE INDEX IF NOT EXISTS stored_responses_by_age ON stored_responses (created_at);
 -- A stored response's input items, one row each in conversation order, so a page of
 -- input_items reads only its rows.
 CREATE TABLE IF NOT EXISTS stored_response_items (

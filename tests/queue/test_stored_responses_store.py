@@ -1,17 +1,23 @@
 """The Responses API's stored responses in the queue store, on SQLite and on PostgreSQL: kept per
-account with their input items, replaced by id, deleted with them, paged either way."""
+account with their input items, replaced by id, deleted with them, paged either way, purged with
+them past the router's retention."""
 
 from __future__ import annotations
+
+import asyncio
 
 import asyncpg
 import pytest
 from queue_backends import QueueBackend
+from settable_clock import Clock
 
 from cachet.durable_postgres import migrate
 from cachet.errors import InvalidArgument, NotFound
+from cachet.router import response_retention
 from cachet.router.caller import Caller
 from cachet.router.postgres_queue_store import MIGRATIONS, STORE, PostgresQueueStore
 from cachet.router.queue_store import QueueStore, ResponseItem, StoredResponse
+from cachet.router.response_retention import ResponseRetention
 from cachet.router.stored_responses import StoredResponses
 from cachet.router.v1 import router_pb2
 
@@ -142,3 +148,71 @@ async def test_the_rpcs_are_scoped_to_the_caller_s_account(store: QueueStore) ->
     assert (await rpcs.delete(named, owner)).id == "resp_1"
     with pytest.raises(NotFound):
         await rpcs.get(named, owner)
+
+
+DAY = 86_400
+NOW = 1_700_000_000  # the store's clock, in seconds, for the retention tests
+
+
+def created(response_id: str, seconds_ago: int, *ids: str) -> StoredResponse:
+    return StoredResponse(response_id, NOW - seconds_ago, "s1", b'{"output":[]}', items(*ids))
+
+
+async def test_responses_past_the_retention_are_purged_with_their_items(
+    store: QueueStore, clock: Clock
+) -> None:
+    clock.now_ms = NOW * 1000
+    await store.put_response("acct-a", created("resp_old", 30 * DAY + 1, "msg_1", "msg_2"))
+    await store.put_response("acct-b", created("resp_old", 31 * DAY, "msg_1"))
+    kept = created("resp_new", 30 * DAY, "msg_3")  # exactly the retention: not past it
+    await store.put_response("acct-a", kept)
+    assert await store.purge_responses(30 * DAY, limit=100) == 2
+    for account in ("acct-a", "acct-b"):
+        assert await store.response(account, "resp_old") is None
+        # No item rows are left behind either.
+        page = await store.response_items(account, "resp_old", newest_first=False, after="", limit=5)
+        assert page == ([], False)
+    assert await store.response("acct-a", "resp_new", with_items=True) == kept
+    assert await store.purge_responses(30 * DAY, limit=100) == 0
+    # Time passes: the kept one expires in its turn.
+    clock.now_ms += 1000
+    assert await store.purge_responses(30 * DAY, limit=100) == 1
+    assert await store.response("acct-a", "resp_new") is None
+
+
+async def test_a_purge_takes_the_oldest_first_up_to_its_limit(store: QueueStore, clock: Clock) -> None:
+    clock.now_ms = NOW * 1000
+    for age in range(5):
+        await store.put_response("acct-a", created(f"resp_{age}", 40 * DAY + age, "msg_1"))
+    assert await store.purge_responses(30 * DAY, limit=2) == 2
+    left = [await store.response("acct-a", f"resp_{age}") is not None for age in range(5)]
+    assert left == [True, True, True, False, False]
+    assert await store.purge_responses(30 * DAY, limit=2) == 2
+    assert await store.purge_responses(30 * DAY, limit=2) == 1
+
+
+async def test_the_routers_retention_purges_in_batches_at_start_and_then_on_its_interval(
+    store: QueueStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(response_retention, "PURGE_BATCH", 2)
+    clock.now_ms = NOW * 1000
+    for n in range(5):
+        await store.put_response("acct-a", created(f"resp_{n}", 31 * DAY, "msg_1"))
+    await store.put_response("acct-a", created("resp_young", DAY))
+    retention = ResponseRetention(store, retention_days=30, interval_seconds=0.05)
+    retention.start()
+    try:
+        await wait_for(lambda: store.response("acct-a", "resp_4"), gone=True)
+        assert all([await store.response("acct-a", f"resp_{n}") is None for n in range(5)])
+        # The next purge, an interval later, finds what has expired since.
+        clock.now_ms += 30 * DAY * 1000
+        await wait_for(lambda: store.response("acct-a", "resp_young"), gone=True)
+    finally:
+        await retention.stop()
+
+
+async def wait_for(read, *, gone: bool, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (await read() is None) != gone:
+        assert asyncio.get_running_loop().time() < deadline, "the purge never came"
+        await asyncio.sleep(0.02)
