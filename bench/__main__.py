@@ -16,6 +16,7 @@ from bench.engine_bench import run_engine_bench
 from bench.kv_tier_bench import run_kv_tier_bench
 from bench.linear_packing_bench import run_linear_packing_bench
 from bench.queue_bench import REAL_MODEL_WINDOW_SECONDS, run_queue_bench
+from bench.queue_rates_bench import run_queue_rates_bench
 from bench.replay_bench import run_replay_bench
 from bench.service_chain_bench import run_service_chain_bench
 from bench.serving_bench import run_serving_bench
@@ -81,6 +82,9 @@ def main() -> None:
             model=args.model or DEFAULT_MODEL_ID,
             window_seconds=None if args.quick else REAL_MODEL_WINDOW_SECONDS,
         ),
+        # Queue submission and drain through the routers' gRPC, SQLite against PostgreSQL (one and
+        # two routers; max_tokens=1 on the tiny model), and the ledger through the usage service's.
+        "queue_rates": lambda: run_queue_rates_bench(quick=args.quick),
         # TP=2 vs TP=1 in spawned rank processes (fp32, one thread per rank).
         "tensor_parallel": lambda: run_tensor_parallel_bench(model=args.model, quick=args.quick),
         # Image input on the tiny Kimi K2.5 (fp32: its tower is the reference's dtype): preparing
