@@ -225,10 +225,10 @@ def _cap(node: Any) -> None:
                 node[name] = _MAX_TOKENS
             else:
                 _cap(value)
-        # A request that leaves its limit out would run to the model's window.
-        if "input" in node and "max_output_tokens" not in node:
+        # A request that leaves its limit out (or null) would run to the model's window.
+        if "input" in node and node.get("max_output_tokens") is None:
             node["max_output_tokens"] = _MAX_TOKENS
-        elif ("messages" in node or "prompt" in node) and not _LIMIT_FIELDS.intersection(node):
+        elif ("messages" in node or "prompt" in node) and all(node.get(f) is None for f in _LIMIT_FIELDS):
             node["max_tokens"] = _MAX_TOKENS
 
 
