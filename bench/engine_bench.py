@@ -64,6 +64,7 @@ class EngineHarness:
         kv_cache_gib: float = 1.0,
         host_kv_gib: float = 0.0,
         shared_kv_dir: Path | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.runner = ModelRunner(
             model_dir,
@@ -77,6 +78,7 @@ class EngineHarness:
             host_kv_bytes=int(host_kv_gib * _GIB),
             shared_kv_dir=shared_kv_dir,
             shared_kv_bytes=4 * _GIB,
+            batch_invariant=batch_invariant,
         )
         self.model_id = model_id
         self.max_batched_tokens = max_batched_tokens

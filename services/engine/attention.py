@@ -23,6 +23,13 @@ On a CPU, decodes skip the gather: ``paged_decode_kernel`` reads each request's 
 place, all decodes of a step in one call whatever their lengths (``decode_in_place``). The
 gather + SDPA path stays as the reference, for prefill chunks, and for CUDA (whose decode
 steps are CUDA graphs).
+
+Batch-invariant steps (``every_token_in_place``) send prefill tokens through the same kernel,
+each as a query of its own that sees the keys up to its position: a token's attention is then
+one fixed sum over its keys (256-key pieces from position 0, merged in order) whether it is
+computed in a prompt chunk, as a decode, or beside other requests, so greedy decoding gives
+the same tokens cold, from the prefix cache and in any batch. SDPA's prefill kernel picks its
+pieces by the call's lengths, so the same token's sum is ordered differently from call to call.
 """
 
 from __future__ import annotations
@@ -107,12 +114,18 @@ class SequenceSpan:
 
 
 def build_attention_metadata(
-    spans: list[SequenceSpan], block_size: int, device: torch.device, *, decode_in_place: bool = False
+    spans: list[SequenceSpan],
+    block_size: int,
+    device: torch.device,
+    *,
+    decode_in_place: bool = False,
+    every_token_in_place: bool = False,
 ) -> AttentionMetadata:
     """Lay out the flat token axis in ``spans`` order and group requests for attention.
 
     ``decode_in_place``: the step's decodes form one group read through the paged decode
-    kernel (no padding, so no cut by length and no mask).
+    kernel (no padding, so no cut by length and no mask). ``every_token_in_place``: every
+    token of the step does, prefill tokens too (batch-invariant steps; needs the kernel).
 
     Index lists are built as Python ints and become one tensor each: a handful of small
     tensor ops per request cost ~70 us apiece, which at 32 decoding requests was a few
@@ -138,6 +151,14 @@ def build_attention_metadata(
         if span.sample:
             # The last token of a span is the one whose logits predict the next token.
             sample.append(offset - 1)
+    if every_token_in_place:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            token_seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            groups=[_per_token_group(spans, block_size, device)] if spans else [],
+            sample_indices=torch.tensor(sample, dtype=torch.int64, device=device),
+            decode_in_place=True,
+        )
     decode = [i for i, s in enumerate(spans) if s.num_new == 1]
     prefill = [i for i, s in enumerate(spans) if s.num_new > 1]
     decode_groups = [decode] if decode_in_place else _decode_buckets(spans, decode)
@@ -173,6 +194,30 @@ def _decode_buckets(spans: list[SequenceSpan], decode: list[int]) -> list[list[i
             longest = length
         buckets[-1].append(i)
     return buckets
+
+
+def _per_token_group(spans: list[SequenceSpan], block_size: int, device: torch.device) -> AttentionGroup:
+    """Every token of the step as a one-query row that sees its request's keys up to its own
+    position, read in place by the paged decode kernel."""
+    max_blocks = max(-(-(s.num_computed + s.num_new) // block_size) for s in spans)
+    table: list[list[int]] = []
+    seq_lens: list[int] = []
+    for span in spans:
+        needed = -(-(span.num_computed + span.num_new) // block_size)
+        row = span.block_ids[:needed] + [0] * (max_blocks - needed)
+        table.extend([row] * span.num_new)
+        seq_lens.extend(range(span.num_computed + 1, span.num_computed + span.num_new + 1))
+    tokens = torch.arange(len(seq_lens), dtype=torch.int64, device=device)
+    return AttentionGroup(
+        token_index=tokens,
+        padded_index=tokens,
+        block_table=torch.tensor(table, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        mask=None,
+        batch_size=len(seq_lens),
+        max_query_len=1,
+        max_kv_len=max(seq_lens),
+    )
 
 
 def _build_group(

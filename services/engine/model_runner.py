@@ -89,6 +89,7 @@ class ModelRunner:
         pack_weights: bool = True,
         cuda_graphs: bool = False,
         paged_decode_kernel: bool = True,
+        batch_invariant: bool = False,
         max_decode_batch: int = 64,
         host_kv_bytes: int = 0,
         shared_kv_dir: Path | None = None,
@@ -101,7 +102,12 @@ class ModelRunner:
         CUDA graphs on a CUDA device and run eagerly elsewhere; ignored for models that opt
         out and for tensor-parallel replicas. ``paged_decode_kernel``: on a CPU, decodes read
         the KV cache in place (``paged_decode_kernel``) rather than through a gather, where the
-        kernel builds and the model's cache layout allows. ``host_kv_bytes``: this rank's host tier
+        kernel builds and the model's cache layout allows. ``batch_invariant``: a token's logits
+        do not depend on what shares its step, nor on whether its prefix was cached (greedy is
+        reproducible): bf16 linears on one kernel at every row count, and on a CPU every
+        token's attention through the paged decode kernel (``attention``); where that kernel
+        cannot serve (CUDA, MLA models) the log says greedy is not batch-invariant there.
+        ``host_kv_bytes``: this rank's host tier
         (``host_kv_tier``), 0 for none. ``shared_kv_dir``: the shared file tier's root
         (``shared_kv_tier``), kept under ``shared_kv_bytes``; it loads into the host tier,
         so it needs one, and a tensor-parallel replica has none (its ranks' shards would
@@ -120,7 +126,7 @@ class ModelRunner:
             tp=tp.model_rank if tp is not None else SINGLE_RANK,
         )
         self.packed_linears = (
-            pack_linear_weights(self.model)
+            pack_linear_weights(self.model, batch_invariant)
             if pack_weights and packs_linear_weights(self.device, dtype)
             else 0
         )
@@ -146,6 +152,14 @@ class ModelRunner:
             and getattr(self.model, "supports_paged_decode_kernel", True)
             and load_paged_decode_kernel() is not None
         )
+        self.every_token_in_place = batch_invariant and self.decode_in_place
+        if batch_invariant and not self.every_token_in_place:
+            log.warning(
+                "greedy decoding is not batch-invariant here: prefill attention runs SDPA, whose "
+                "sums are ordered by each call's lengths",
+                device=self.device.type,
+                paged_decode_kernel=self.decode_in_place,
+            )
         # The fixed-shape decode steps write padding rows into one block past those reported.
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks + (1 if use_graphs else 0))
         for layer_cache, attention in zip(self.kv_cache, self.model.attention_layers(), strict=True):
@@ -319,7 +333,11 @@ class ModelRunner:
             logits = self.decode_graphs.run(shape, spans, input_ids)
         else:
             meta = build_attention_metadata(
-                spans, self.block_size, self.device, decode_in_place=self.decode_in_place
+                spans,
+                self.block_size,
+                self.device,
+                decode_in_place=self.decode_in_place,
+                every_token_in_place=self.every_token_in_place,
             )
             with torch.inference_mode():
                 logits = self.model(

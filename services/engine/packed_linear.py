@@ -23,6 +23,12 @@ instructions win (23.6 against 53.0 ms). So there a bf16 linear keeps the kernel
 beside oneDNN's weight and runs a product of up to ``SMALL_BATCH_ROWS`` rows on them (one to
 four decodes: an agent's turn decoding alone), at the cost of a second copy of the bf16 weights.
 
+Each kernel computes a row's product in one fixed order whatever the batch, but the two orders
+differ: a token's bf16 product rounds one way among one to four rows and another among more, so
+greedy tokens would depend on what shares the step. Batch-invariant packing (the engine's
+default: ``EngineSettings.batch_invariant``) therefore keeps bf16 weights in the panels alone
+and runs every product on them, at every row count, with one copy of the weights.
+
 A packed weight cannot be read as a plain tensor (oneDNN's is opaque, of the same shape; the
 panels are [out / 16, in, 16]), so a model that reads a linear's weight itself (absorbed MLA attention)
 marks that linear ``pack_weight = False``. A tied head gets a packed copy of its own;
@@ -68,15 +74,16 @@ class PackableLinear(nn.Linear):
             return _bf16_kernel().bf16_weight_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
-    def pack_(self) -> bool:
+    def pack_(self, batch_invariant: bool = False) -> bool:
         """Pack the weight for oneDNN or the bf16 kernel, once (``pack_weight`` allowing);
-        whether it was now."""
+        whether it was now. ``batch_invariant``: bf16 weights go to the kernel's panels alone."""
         if not self.pack_weight or self.weight.is_mkldnn or self.bf16_panels:
             return False
         weight = self.weight.detach().contiguous()
         # A new parameter, not a write into the old one: a tied head's old one is the
         # embedding's table, which lookups still read plain.
-        if _bf16_kernel_packs(weight.device, weight.dtype):
+        panels_only = batch_invariant and _small_batch_panels_help(weight) and weight.device.type == "cpu"
+        if panels_only or _bf16_kernel_packs(weight.device, weight.dtype):
             if weight.shape[0] % _PANEL:
                 return False
             self.weight = nn.Parameter(_bf16_kernel().pack_bf16_weight(weight), requires_grad=False)
@@ -125,8 +132,10 @@ def _bf16_kernel_packs(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, batch_invariant: bool = False) -> int:
     """Reorder every packable linear's weight in place; returns how many were packed.
 
     Call after the weights are loaded (and tied): loading writes plain tensors."""
-    return sum(module.pack_() for module in model.modules() if isinstance(module, PackableLinear))
+    return sum(
+        module.pack_(batch_invariant) for module in model.modules() if isinstance(module, PackableLinear)
+    )

@@ -92,3 +92,26 @@ def test_where_onednn_packs_bf16_small_batches_run_on_the_panels_beside_it(kerne
         x = torch.randn(SMALL_BATCH_ROWS + 1, 40).bfloat16()
         onednn = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
         assert torch.equal(layer(x), onednn)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 48), (37, 16), (576, 1536)])
+def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(
+    kernel, in_features: int, out_features: int
+) -> None:
+    """One summation order for every tile (two chains, even and odd features), so greedy decoding
+    does not depend on what shares a step."""
+    generator = torch.Generator().manual_seed(in_features)
+    packed = kernel.pack_bf16_weight(torch.randn(out_features, in_features, generator=generator).bfloat16())
+    x = torch.randn(40, in_features, generator=generator)
+    alone = torch.cat([kernel.bf16_weight_linear(x[i : i + 1], packed, None) for i in range(40)])
+    for rows in (2, 3, 4, 5, 6, 7, 12, 13, 40):
+        assert torch.equal(kernel.bf16_weight_linear(x[:rows], packed, None), alone[:rows]), rows
+
+
+def test_batch_invariant_packing_keeps_bf16_weights_in_the_panels_alone(kernel) -> None:
+    layer = ColumnParallelLinear(40, 48, range(48), bias=True).bfloat16()
+    assert layer.pack_(batch_invariant=True)
+    assert layer.bf16_panels and not layer.weight.is_mkldnn and layer.small_batch_panels is None
+    with torch.inference_mode():
+        x = torch.randn(9, 40).bfloat16()
+        assert torch.equal(layer(x)[3:4], layer(x[3:4]))

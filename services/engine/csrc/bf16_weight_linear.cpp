@@ -12,6 +12,10 @@
 // broadcasts 6 activations and does 12 fused multiply-adds, the classic GEMM register tile.
 // Panels are split between threads (OpenMP); every row of x is applied to a panel while it is
 // in cache, so each weight is read from memory once per call.
+//
+// Every output is summed in one order whatever the batch: the even input features in one chain,
+// the odd ones in another, then the two added. A row's result is therefore the same bits alone
+// or in a tile of six, which is what makes greedy decoding batch-invariant (docs/ARCHITECTURE.md).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -40,8 +44,10 @@ inline __m256 widen(__m128i raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(
 // out[r, 0:16] = x[r, :] . panel for r < Rows (<= kTileRows). The accumulators are named
 // variables, not an array: GCC kept an array of vectors in memory, storing all twelve every
 // step (3x slower from 6 rows). With 2 rows or fewer, two input features go per step into two
-// sets of accumulators (rows r and r + 3), so that a one-row product (one decode) is not bound
-// by the latency of one chain of fused multiply-adds (3 rows would need more than 16 registers).
+// sets of accumulators (rows r and r + 3, the even and the odd chain), so that a one-row product
+// (one decode) is not bound by the latency of one chain of fused multiply-adds. Three rows and
+// more would need more than 16 registers for both chains at once, so they run the even chain
+// over the panel, set its sums aside, then the odd chain: the same sums in the same order.
 template <int Rows>
 void tile(const uint16_t* panel, const float* x, int64_t k, int64_t x_stride, float* out, int64_t out_stride) {
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0,
@@ -66,22 +72,49 @@ void tile(const uint16_t* panel, const float* x, int64_t k, int64_t x_stride, fl
         CACHET_FMA(1, 4, i + 1, o_low, o_high)
       }
     }
-  }
-  for (; i < k; ++i) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + i * kPanel));
-    const __m256 w_low = widen(_mm256_castsi256_si128(raw)), w_high = widen(_mm256_extracti128_si256(raw, 1));
-    CACHET_FMA(0, 0, i, w_low, w_high)
-    if constexpr (Rows > 1) CACHET_FMA(1, 1, i, w_low, w_high)
-    if constexpr (Rows > 2) CACHET_FMA(2, 2, i, w_low, w_high)
-    if constexpr (Rows > 3) CACHET_FMA(3, 3, i, w_low, w_high)
-    if constexpr (Rows > 4) CACHET_FMA(4, 4, i, w_low, w_high)
-    if constexpr (Rows > 5) CACHET_FMA(5, 5, i, w_low, w_high)
-  }
-#undef CACHET_FMA
-  if constexpr (Rows <= 2) {
+    // k odd: its last feature is even, and ends the even chain.
+    for (; i < k; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + i * kPanel));
+      const __m256 w_low = widen(_mm256_castsi256_si128(raw)), w_high = widen(_mm256_extracti128_si256(raw, 1));
+      CACHET_FMA(0, 0, i, w_low, w_high)
+      if constexpr (Rows > 1) CACHET_FMA(1, 1, i, w_low, w_high)
+    }
     l0 = _mm256_add_ps(l0, l3), h0 = _mm256_add_ps(h0, h3);
     l1 = _mm256_add_ps(l1, l4), h1 = _mm256_add_ps(h1, h4);
+  } else {
+    alignas(32) float even[Rows][kPanel];
+    for (int64_t parity = 0; parity < 2; ++parity) {
+      for (i = parity; i < k; i += 2) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + i * kPanel));
+        const __m256 w_low = widen(_mm256_castsi256_si128(raw)), w_high = widen(_mm256_extracti128_si256(raw, 1));
+        CACHET_FMA(0, 0, i, w_low, w_high)
+        CACHET_FMA(1, 1, i, w_low, w_high)
+        CACHET_FMA(2, 2, i, w_low, w_high)
+        if constexpr (Rows > 3) CACHET_FMA(3, 3, i, w_low, w_high)
+        if constexpr (Rows > 4) CACHET_FMA(4, 4, i, w_low, w_high)
+        if constexpr (Rows > 5) CACHET_FMA(5, 5, i, w_low, w_high)
+      }
+      if (parity == 0) {
+#define CACHET_SET_ASIDE(r)                                 \
+  if constexpr (Rows > r) {                                 \
+    _mm256_store_ps(even[r], l##r);                         \
+    _mm256_store_ps(even[r] + 8, h##r);                     \
+    l##r = _mm256_setzero_ps(), h##r = _mm256_setzero_ps(); \
   }
+        CACHET_SET_ASIDE(0) CACHET_SET_ASIDE(1) CACHET_SET_ASIDE(2) CACHET_SET_ASIDE(3) CACHET_SET_ASIDE(4)
+        CACHET_SET_ASIDE(5)
+#undef CACHET_SET_ASIDE
+      }
+    }
+#define CACHET_JOIN(r)                                          \
+  if constexpr (Rows > r) {                                     \
+    l##r = _mm256_add_ps(_mm256_load_ps(even[r]), l##r);        \
+    h##r = _mm256_add_ps(_mm256_load_ps(even[r] + 8), h##r);    \
+  }
+    CACHET_JOIN(0) CACHET_JOIN(1) CACHET_JOIN(2) CACHET_JOIN(3) CACHET_JOIN(4) CACHET_JOIN(5)
+#undef CACHET_JOIN
+  }
+#undef CACHET_FMA
 #define CACHET_STORE(r)                                               \
   if constexpr (Rows > r) {                                           \
     _mm256_storeu_ps(out + r * out_stride, l##r);                     \
