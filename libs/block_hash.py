@@ -42,8 +42,13 @@ def _digest(*parts: bytes) -> int:
     return int.from_bytes(hasher.digest(), "little")
 
 
-def hash_seed(model: str, cache_salt: str = "") -> int:
-    """Seed of a model's hash chain; anything that changes the KV belongs in it."""
+def hash_seed(model: str, cache_salt: str = "", *, reproducible: bool = False) -> int:
+    """Seed of a model's hash chain; anything that changes the KV belongs in it.
+    ``reproducible``: KV computed in batch-invariant steps (greedy and seeded requests), which
+    a cold run of the same request computes bit for bit; other steps' KV may differ in its last
+    bits, so the two never share blocks."""
+    if reproducible:
+        return _digest(b"cachet-block-hash-v1", model.encode(), cache_salt.encode(), b"batch-invariant")
     return _digest(b"cachet-block-hash-v1", model.encode(), cache_salt.encode())
 
 
@@ -83,12 +88,13 @@ def block_hashes(
     cache_salt: str = "",
     start_parent: int = _NO_PARENT,
     images: Sequence[ImageSpan] = (),
+    reproducible: bool = False,
 ) -> list[int]:
     """Chained hashes of every full block of ``token_ids``, block 0 first; ``images``: the
     prompt's images (their placeholder tokens are in ``token_ids``)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    seed = hash_seed(model, cache_salt)
+    seed = hash_seed(model, cache_salt, reproducible=reproducible)
     hashes: list[int] = []
     parent = start_parent
     for start in range(0, len(token_ids) - block_size + 1, block_size):

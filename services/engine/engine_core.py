@@ -82,6 +82,7 @@ class EngineCore:
             host_tier=HostTierIndex(host_slots) if host_slots else None,
             shared_tier=getattr(self.runner, "shared_kv", None),
             block_bytes=getattr(getattr(self.runner, "host_kv", None), "bytes_per_block", 0),
+            batch_invariant=getattr(self.runner, "batch_invariant", False),
         )
         self.scheduler = Scheduler(kv, self.scheduler_config)
         if kv.shared_tier is not None:

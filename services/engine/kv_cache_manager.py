@@ -68,12 +68,15 @@ class KVCacheManager:
         shared_tier: SharedKvFiles | None = None,
         block_bytes: int = 0,
         clock: Callable[[], float] = time.time,
+        batch_invariant: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = pool
         self.model = model
         self.block_size = block_size
+        # Greedy and seeded requests' KV comes from batch-invariant steps: named apart.
+        self.batch_invariant = batch_invariant
         self.host_tier = host_tier if pool.enable_caching else None
         if shared_tier is not None and self.host_tier is None:
             raise ValueError("a shared KV tier loads into the host tier: it needs one")
@@ -384,7 +387,8 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         if len(request.block_hashes) >= num_full:
             return
-        seed = hash_seed(self.model, request.cache_salt)
+        reproducible = self.batch_invariant and request.sampling.reproducible
+        seed = hash_seed(self.model, request.cache_salt, reproducible=reproducible)
         tokens = request.all_token_ids
         parent = request.block_hashes[-1] if request.block_hashes else 0
         spans = [image.span for image in request.images]

@@ -15,6 +15,7 @@ through ``accept_sampled`` (see ``distributed``, which owns DeepSpeed).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from cachet.engine.host_kv_blocks import HostKvBlocks
 from cachet.engine.image_embeddings import ImageEmbeddings, ImageEncoder, ScheduledSpan
 from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
-from cachet.engine.packed_linear import pack_linear_weights, packs_linear_weights
+from cachet.engine.packed_linear import invariant_rows, pack_linear_weights, packs_linear_weights
 from cachet.engine.paged_decode_kernel import load_paged_decode_kernel
 from cachet.engine.prompt_images import ImageInputSpec, PromptImage
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
@@ -102,11 +103,12 @@ class ModelRunner:
         CUDA graphs on a CUDA device and run eagerly elsewhere; ignored for models that opt
         out and for tensor-parallel replicas. ``paged_decode_kernel``: on a CPU, decodes read
         the KV cache in place (``paged_decode_kernel``) rather than through a gather, where the
-        kernel builds and the model's cache layout allows. ``batch_invariant``: a token's logits
-        do not depend on what shares its step, nor on whether its prefix was cached (greedy is
-        reproducible): bf16 linears on one kernel at every row count, and on a CPU every
-        token's attention through the paged decode kernel (``attention``); where that kernel
-        cannot serve (CUDA, MLA models) the log says greedy is not batch-invariant there.
+        kernel builds and the model's cache layout allows. ``batch_invariant``: a step holding a
+        greedy or seeded request runs batch-invariant, so such a request's logits do not depend
+        on what shares its steps, nor on whether its prefix was cached: bf16 products on one
+        kernel at every row count (``packed_linear.invariant_rows``), and on a CPU every token's
+        attention through the paged decode kernel (``attention``); where that kernel cannot
+        serve (CUDA, MLA models) the log says greedy is not batch-invariant there.
         ``host_kv_bytes``: this rank's host tier
         (``host_kv_tier``), 0 for none. ``shared_kv_dir``: the shared file tier's root
         (``shared_kv_tier``), kept under ``shared_kv_bytes``; it loads into the host tier,
@@ -126,7 +128,7 @@ class ModelRunner:
             tp=tp.model_rank if tp is not None else SINGLE_RANK,
         )
         self.packed_linears = (
-            pack_linear_weights(self.model, batch_invariant)
+            pack_linear_weights(self.model)
             if pack_weights and packs_linear_weights(self.device, dtype)
             else 0
         )
@@ -152,8 +154,8 @@ class ModelRunner:
             and getattr(self.model, "supports_paged_decode_kernel", True)
             and load_paged_decode_kernel() is not None
         )
-        self.every_token_in_place = batch_invariant and self.decode_in_place
-        if batch_invariant and not self.every_token_in_place:
+        self.batch_invariant = batch_invariant
+        if batch_invariant and not self.decode_in_place:
             log.warning(
                 "greedy decoding is not batch-invariant here: prefill attention runs SDPA, whose "
                 "sums are ordered by each call's lengths",
@@ -328,6 +330,9 @@ class ModelRunner:
         """Compute the plan's KV and the logits of its sampling positions (ids in ``samplers``)."""
         spans, input_ids, positions, samplers = self._prepare(plan)
         images = self._image_rows(plan)
+        invariant = self.batch_invariant and any(
+            self._requests[rid].sampling.reproducible for rid in plan.num_scheduled_tokens
+        )
         shape = self.decode_graphs.shape_for(spans) if self.decode_graphs is not None else None
         if shape is not None and images is None:
             logits = self.decode_graphs.run(shape, spans, input_ids)
@@ -337,9 +342,10 @@ class ModelRunner:
                 self.block_size,
                 self.device,
                 decode_in_place=self.decode_in_place,
-                every_token_in_place=self.every_token_in_place,
+                every_token_in_place=invariant and self.decode_in_place,
             )
-            with torch.inference_mode():
+            products = invariant_rows() if invariant else contextlib.nullcontext()
+            with torch.inference_mode(), products:
                 logits = self.model(
                     torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                     torch.cat(positions).to(self.device),

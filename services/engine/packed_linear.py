@@ -25,9 +25,9 @@ four decodes: an agent's turn decoding alone), at the cost of a second copy of t
 
 Each kernel computes a row's product in one fixed order whatever the batch, but the two orders
 differ: a token's bf16 product rounds one way among one to four rows and another among more, so
-greedy tokens would depend on what shares the step. Batch-invariant packing (the engine's
-default: ``EngineSettings.batch_invariant``) therefore keeps bf16 weights in the panels alone
-and runs every product on them, at every row count, with one copy of the weights.
+greedy tokens would depend on what shares the step. A batch-invariant step (``invariant_rows``:
+a step holding a greedy or seeded request, ``ModelRunner``) therefore runs every product on the
+panels, at every row count.
 
 A packed weight cannot be read as a plain tensor (oneDNN's is opaque, of the same shape; the
 panels are [out / 16, in, 16]), so a model that reads a linear's weight itself (absorbed MLA attention)
@@ -36,6 +36,10 @@ the embedding keeps the plain table its lookups need.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -49,6 +53,24 @@ _PANEL = 16
 # Most rows a product runs on the bf16 kernel's panels beside oneDNN's bf16 weight (above:
 # oneDNN), from the measurements in the module docstring.
 SMALL_BATCH_ROWS = 4
+
+
+class _Products(threading.local):
+    invariant = False
+
+
+_products = _Products()
+
+
+@contextmanager
+def invariant_rows() -> Iterator[None]:
+    """Products inside run on one kernel at every row count: a row's result is the same bits
+    whatever else is in the batch."""
+    before, _products.invariant = _products.invariant, True
+    try:
+        yield
+    finally:
+        _products.invariant = before
 
 
 class PackableLinear(nn.Linear):
@@ -66,7 +88,9 @@ class PackableLinear(nn.Linear):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
-        if self.small_batch_panels is not None and x.numel() <= SMALL_BATCH_ROWS * x.shape[-1]:
+        if self.small_batch_panels is not None and (
+            _products.invariant or x.numel() <= SMALL_BATCH_ROWS * x.shape[-1]
+        ):
             return _bf16_kernel().bf16_weight_linear(x, self.small_batch_panels, bias)
         if self.weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
@@ -74,16 +98,15 @@ class PackableLinear(nn.Linear):
             return _bf16_kernel().bf16_weight_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
-    def pack_(self, batch_invariant: bool = False) -> bool:
+    def pack_(self) -> bool:
         """Pack the weight for oneDNN or the bf16 kernel, once (``pack_weight`` allowing);
-        whether it was now. ``batch_invariant``: bf16 weights go to the kernel's panels alone."""
+        whether it was now."""
         if not self.pack_weight or self.weight.is_mkldnn or self.bf16_panels:
             return False
         weight = self.weight.detach().contiguous()
         # A new parameter, not a write into the old one: a tied head's old one is the
         # embedding's table, which lookups still read plain.
-        panels_only = batch_invariant and _small_batch_panels_help(weight) and weight.device.type == "cpu"
-        if panels_only or _bf16_kernel_packs(weight.device, weight.dtype):
+        if _bf16_kernel_packs(weight.device, weight.dtype):
             if weight.shape[0] % _PANEL:
                 return False
             self.weight = nn.Parameter(_bf16_kernel().pack_bf16_weight(weight), requires_grad=False)
@@ -132,10 +155,8 @@ def _bf16_kernel_packs(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linear_weights(model: nn.Module, batch_invariant: bool = False) -> int:
+def pack_linear_weights(model: nn.Module) -> int:
     """Reorder every packable linear's weight in place; returns how many were packed.
 
     Call after the weights are loaded (and tied): loading writes plain tensors."""
-    return sum(
-        module.pack_(batch_invariant) for module in model.modules() if isinstance(module, PackableLinear)
-    )
+    return sum(module.pack_() for module in model.modules() if isinstance(module, PackableLinear))

@@ -40,6 +40,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def reproducible(self) -> bool:
+        """Greedy or seeded: the same request must give the same tokens, so it runs in
+        batch-invariant steps (``ModelRunner``) and names its KV blocks apart."""
+        return self.greedy or self.seed is not None
+
     def validate(self) -> None:
         checks = [
             (self.temperature >= 0.0, "temperature must be >= 0"),

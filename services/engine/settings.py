@@ -89,10 +89,11 @@ class EngineSettings(ServiceSettings):
     # (cachet.engine.paged_decode_kernel) rather than gathering it for SDPA; false: the
     # gather + SDPA reference path.
     paged_decode_kernel: bool = True
-    # Greedy (and seeded) decoding gives the same tokens whether a prefix came from the cache or
-    # was computed, whatever else shares the step: every product and attention sum in one fixed
-    # order (cachet.engine.attention, cachet.engine.packed_linear). false: the faster kernels
-    # that pick their order by the step's shape (measured in docs/benchmarks.md).
+    # Greedy and seeded requests give the same tokens whether their prefix came from the cache
+    # or was computed, whatever else shares their steps: a step holding one sums every product
+    # and attention in one fixed order (cachet.engine.attention, cachet.engine.packed_linear),
+    # and their KV blocks are named apart from other requests'. false: every step runs the
+    # faster kernels that pick their order by the step's shape (the cost: docs/benchmarks.md).
     batch_invariant: bool = True
     # Sampling values a request leaves unset come from the model's generation_config.json
     # (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; false: the API's

@@ -103,6 +103,14 @@ class GenerationRequest:
     images: tuple[common_pb2.ImageInput, ...] = ()
 
     @property
+    def reproducible(self) -> bool:
+        """Greedy or seeded, as the engine will see it: its KV blocks are named apart (they come
+        from batch-invariant steps). A request that leaves temperature to the model's default is
+        taken as sampled; where that default is greedy only placement is the poorer for it."""
+        sampling = self.sampling
+        return (sampling.HasField("temperature") and sampling.temperature == 0.0) or sampling.HasField("seed")
+
+    @property
     def image_spans(self) -> list[ImageSpan]:
         return [ImageSpan(i.token_offset, i.num_tokens, i.content_hash) for i in self.images]
 
@@ -344,7 +352,11 @@ class RequestPipeline:
         )
         cached = (
             await self._cached_prefix_tokens(
-                engine, request.prompt_token_ids, request.cache_salt, request.image_spans
+                engine,
+                request.prompt_token_ids,
+                request.cache_salt,
+                request.image_spans,
+                request.reproducible,
             )
             if len(self._replicas.addresses_serving(request.model)) > 1
             else {}  # one replica: where the prefix lives cannot change the choice
@@ -449,12 +461,18 @@ class RequestPipeline:
         prompt: Sequence[int],
         cache_salt: str,
         images: Sequence[ImageSpan] = (),
+        reproducible: bool = False,
     ) -> dict[str, float]:
         block_size = engine.block_size or DEFAULT_BLOCK_SIZE
         # The engine names its blocks with the same salt and images, so the index holds these
         # very hashes.
         hashes = block_hashes(
-            prompt, engine.model, block_size=block_size, cache_salt=cache_salt, images=images
+            prompt,
+            engine.model,
+            block_size=block_size,
+            cache_salt=cache_salt,
+            images=images,
+            reproducible=reproducible,
         )
         if not hashes:
             return {}

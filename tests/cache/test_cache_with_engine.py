@@ -99,7 +99,7 @@ async def test_the_index_mirrors_a_real_engine_and_forgets_it_when_killed(engine
     info = await engine_stub.GetEngineInfo(
         engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120
     )
-    chain = block_hashes(PROMPT, info.model, block_size=info.block_size)
+    chain = block_hashes(PROMPT, info.model, block_size=info.block_size, reproducible=True)
     assert len(chain) == 64 // info.block_size
 
     # Nothing is cached before the first request. (Whether the cache subscribed before or after
@@ -179,7 +179,10 @@ async def test_the_index_follows_blocks_into_the_host_and_shared_tiers(tmp_path)
         )
         assert info.total_kv_blocks == 5
         first, second = PROMPT, list(range(2000, 2064))
-        chains = [block_hashes(p, info.model, block_size=info.block_size) for p in (first, second)]
+        chains = [
+            block_hashes(p, info.model, block_size=info.block_size, reproducible=True)
+            for p in (first, second)
+        ]
 
         async def generate(request_id: str, prompt: list[int]) -> None:
             request = engine_pb2.GenerateRequest(

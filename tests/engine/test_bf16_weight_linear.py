@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cachet.engine.cpu_kernels import load_cpu_kernel
-from cachet.engine.packed_linear import SMALL_BATCH_ROWS
+from cachet.engine.packed_linear import SMALL_BATCH_ROWS, invariant_rows
 from cachet.engine.tensor_parallel import ColumnParallelLinear
 
 pytestmark = pytest.mark.skipif(
@@ -108,10 +108,13 @@ def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(
         assert torch.equal(kernel.bf16_weight_linear(x[:rows], packed, None), alone[:rows]), rows
 
 
-def test_batch_invariant_packing_keeps_bf16_weights_in_the_panels_alone(kernel) -> None:
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU"
+)
+def test_invariant_rows_run_every_product_on_the_panels(kernel) -> None:
     layer = ColumnParallelLinear(40, 48, range(48), bias=True).bfloat16()
-    assert layer.pack_(batch_invariant=True)
-    assert layer.bf16_panels and not layer.weight.is_mkldnn and layer.small_batch_panels is None
-    with torch.inference_mode():
-        x = torch.randn(9, 40).bfloat16()
+    assert layer.pack_() and layer.weight.is_mkldnn and layer.small_batch_panels is not None
+    x = torch.randn(9, 40).bfloat16()
+    with torch.inference_mode(), invariant_rows():
         assert torch.equal(layer(x)[3:4], layer(x[3:4]))
+        assert torch.equal(layer(x), kernel.bf16_weight_linear(x, layer.small_batch_panels, layer.bias))

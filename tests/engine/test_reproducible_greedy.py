@@ -64,7 +64,7 @@ class Engine:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_greedy_is_the_same_cold_cached_and_in_a_batch_of_16(model_dir: Path, dtype: torch.dtype) -> None:
     engine = Engine(model_dir, dtype)
-    assert engine.runner.every_token_in_place, "the paged decode kernel did not build here"
+    assert engine.runner.decode_in_place, "the paged decode kernel did not build here"
     vocab = engine.runner.vocab_size
     target = prompts(1, 150, seed=1, vocab=vocab)[0]
     ((cold, cached_tokens),) = engine.greedy([target])
@@ -92,3 +92,28 @@ def test_batch_invariant_steps_still_give_transformers_tokens(model_dir: Path) -
             torch.tensor([target]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
         )
     assert [token for token, _ in ours] == out[0, len(target) :].tolist()
+
+
+def test_greedy_and_seeded_requests_share_kv_with_each_other_but_not_with_sampled_ones(
+    model_dir: Path,
+) -> None:
+    """A sampled request's steps run the faster kernels, whose KV may differ in its last bits from
+    what a cold greedy run computes: the two kinds name their blocks apart."""
+    engine = Engine(model_dir, torch.bfloat16)
+    prompt = prompts(1, 100, seed=4, vocab=engine.runner.vocab_size)[0]
+
+    def cached_tokens(**sampling: object) -> int:
+        engine._ids += 1
+        rid = f"s{engine._ids}"
+        params = SamplingParams(max_tokens=2, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+        engine.core.add_request(Request(rid, prompt, params, max_tokens=2))
+        cached = 0
+        while engine.core.has_unfinished_requests():
+            for output in engine.core.step():
+                cached = max(cached, output.num_cached_tokens)
+        return cached
+
+    assert cached_tokens(temperature=1.0) == 0
+    assert cached_tokens(temperature=0.0) == 0
+    assert cached_tokens(temperature=1.0, seed=7) == 96
+    assert cached_tokens(temperature=0.7) == 96

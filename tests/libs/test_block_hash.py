@@ -86,3 +86,10 @@ def test_images_in_block_takes_every_image_a_block_overlaps_in_order() -> None:
     assert images_in_block([first, second], 0, 16) == b"ab"
     assert images_in_block([first, second], 16, 32) == b"b"
     assert images_in_block([first, second], 32, 48) == b""
+
+
+def test_batch_invariant_kv_has_a_chain_of_its_own() -> None:
+    tokens = list(range(32))
+    assert block_hashes(tokens, MODEL, reproducible=False) == block_hashes(tokens, MODEL)
+    assert set(block_hashes(tokens, MODEL, reproducible=True)).isdisjoint(block_hashes(tokens, MODEL))
+    assert hash_seed(MODEL, reproducible=True) != hash_seed(MODEL)

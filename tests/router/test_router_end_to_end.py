@@ -164,7 +164,7 @@ async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cach
         )
         # The engine names blocks with the caller's cache salt, so the index holds the salted chain.
         salt = CacheScopes().salt_for(ANONYMOUS_ACCOUNT)
-        hashes = block_hashes(list(rendered.token_ids), TINY_MODEL_ID, cache_salt=salt)
+        hashes = block_hashes(list(rendered.token_ids), TINY_MODEL_ID, cache_salt=salt, reproducible=True)
         cache = cache_pb2_grpc.CacheIndexServiceStub(cache_channel)
 
         async def holders(hashes: list[int]) -> set[str]:
@@ -178,7 +178,7 @@ async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cach
 
         await until(indexed, 10, "the cache index to hold the first prompt")
         # Unsalted, the same prompt names nothing: no other account can find it.
-        assert not await holders(block_hashes(list(rendered.token_ids), TINY_MODEL_ID))
+        assert not await holders(block_hashes(list(rendered.token_ids), TINY_MODEL_ID, reproducible=True))
     # Let a load report (every 200 ms) show the holder idle again: a busy holder may lose on load.
     await asyncio.sleep(0.6)
 
