@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.batch_invariance_bench import run_batch_invariance_bench
 from bench.cache_index_bench import run_cache_index_bench
 from bench.cuda_graph_bench import run_cuda_graph_bench
 from bench.disagg_bench import run_disagg_bench
@@ -61,6 +62,10 @@ def main() -> None:
         ),
         "engine": lambda: run_engine_bench(model=args.model, dtype=args.dtype, quick=args.quick),
         # TTFT of a prompt copied back from the host KV tier, against cold and the engine's pool.
+        # Reproducible greedy's cost: batch-invariant steps against the faster kernels, same process.
+        "batch_invariance": lambda: run_batch_invariance_bench(
+            model=args.model, dtype=args.dtype, quick=args.quick
+        ),
         "kv_tiers": lambda: run_kv_tier_bench(model=args.model, dtype=args.dtype, quick=args.quick),
         # Eager decode against CUDA-graph replay on a GPU; says it is skipped without one.
         "cuda_graphs": lambda: run_cuda_graph_bench(model=args.model, dtype=args.dtype, quick=args.quick),

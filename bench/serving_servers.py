@@ -127,6 +127,10 @@ def cachet_server(port: int, data_dir: Path, log: Path, dtype: str) -> Iterator[
     # Settings from the caller's shell (API keys, another model) would change what is measured.
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
     env |= {"CACHET_PORT": str(port), "CACHET_DTYPE": dtype, "CACHET_DATA_DIR": str(data_dir)}
+    # The clients run greedy, and vLLM's greedy is not batch-invariant (its batch-invariant
+    # mode is opt-in): like against like. What Cachet's reproducible greedy costs is the
+    # batch_invariance section's.
+    env["CACHET_ENGINE_BATCH_INVARIANT"] = "false"
     announced = re.compile(rf"Cachet REST API on http://127\.0\.0\.1:{port}\b")
 
     def ready() -> bool:
