@@ -227,8 +227,15 @@ def test_forced_tool_call_streamed_and_whole_then_a_tool_result_turn(platform: P
             ],
         },
     ]
+    # Sampled like the first turn: a greedy turn's KV is named apart from a sampled one's
+    # (reproducible greedy, docs/ARCHITECTURE.md), so it would not read the first turn's blocks.
     second = client(platform, session).messages.create(
-        model=TINY_MODEL_ID, system=prompt, messages=result_turn, tools=TOOLS, **GREEDY
+        model=TINY_MODEL_ID,
+        system=prompt,
+        messages=result_turn,
+        tools=TOOLS,
+        max_tokens=6,
+        extra_body={"temperature": 1.0},
     )
     assert prompt_tokens(second.usage) > prompt_tokens(whole.usage)
     # The first turn's whole blocks come from the cache.
