@@ -37,6 +37,7 @@ from cachet.engine.host_kv_blocks import HostKvBlocks
 from cachet.engine.image_embeddings import ImageEmbeddings, ImageEncoder, ScheduledSpan
 from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
+from cachet.engine.models.kimi_vision import normalized_patches
 from cachet.engine.packed_linear import invariant_rows, pack_linear_weights, packs_linear_weights
 from cachet.engine.paged_decode_kernel import load_paged_decode_kernel
 from cachet.engine.prompt_images import ImageInputSpec, PromptImage
@@ -184,8 +185,6 @@ class ModelRunner:
         tower = getattr(self.model, "vision_tower", None)
         if vision is None or tower is None or vision.media_placeholder_token_id is None:
             return None, None
-        from cachet.engine.models.kimi_vision import normalized_patches
-
         spec = ImageInputSpec(vision.media_placeholder_token_id, vision.patch_size, vision.merge_kernel_size)
         return spec, ImageEncoder(tower, normalized_patches, vision.patch_size, self.device)
 
