@@ -19,6 +19,7 @@ from bench.linear_packing_bench import run_linear_packing_bench
 from bench.queue_bench import REAL_MODEL_WINDOW_SECONDS, run_queue_bench
 from bench.queue_rates_bench import run_queue_rates_bench
 from bench.replay_bench import run_replay_bench
+from bench.schema_coverage_bench import run_schema_coverage_bench
 from bench.service_chain_bench import run_service_chain_bench
 from bench.serving_bench import run_serving_bench
 from bench.structured_output_bench import run_structured_output_bench
@@ -55,6 +56,11 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        help="schema_coverage: DIR/<category>/*.json (default: $CACHET_SCHEMA_CORPUS)",
+    )
     args = parser.parse_args()
     sections = {
         "engine_memory": lambda: run_memory_bench(
@@ -74,6 +80,8 @@ def main() -> None:
         "structured_output": lambda: run_structured_output_bench(
             model=args.model, dtype=args.dtype, quick=args.quick
         ),
+        # No model: real-world JSON schemas through the json_schema compile path; skipped without --corpus.
+        "schema_coverage": lambda: run_schema_coverage_bench(args.corpus),
         # No model: placement policies replayed on prefix-reuse traces (~25 s).
         "replay": run_replay_bench,
         # The platform's own overheads, on the tiny model whatever --model says.
