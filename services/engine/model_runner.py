@@ -363,8 +363,9 @@ class ModelRunner:
         scheduled, offset = [], 0
         for rid, num_new in plan.num_scheduled_tokens.items():
             state = self._requests[rid]
-            if state.images:
-                start = state.num_computed_tokens
+            start = state.num_computed_tokens
+            # Past its last image (every decode of it), a request has no image rows to look for.
+            if state.images and start < state.images[-1].end:
                 scheduled.append(ScheduledSpan(offset, start, start + num_new, state.images))
             offset += num_new
         return self.image_encoder.step_rows(scheduled) if scheduled else None
