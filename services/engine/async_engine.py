@@ -176,10 +176,16 @@ class AsyncEngine:
     # ------------------------------------------------------------- requests
 
     async def generate(
-        self, request: Request, *, grammar_spec: GrammarSpec | None = None, first_and_final: bool = False
+        self,
+        request: Request,
+        *,
+        grammar_spec: GrammarSpec | None = None,
+        grammar_starts_after: int | None = None,
+        first_and_final: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request until its terminal one; leaving early aborts it.
 
+        ``grammar_starts_after``: the grammar holds the output after this token only.
         ``first_and_final``: only the first output and then one with every later token."""
         outputs = OutputSink(
             interactive=request.interactive,
@@ -189,7 +195,7 @@ class AsyncEngine:
         self._outputs[request.request_id] = outputs
         finished = False
         try:
-            await self._call(AddRequest(request, grammar_spec))
+            await self._call(AddRequest(request, grammar_spec, grammar_starts_after))
             while True:
                 output = await outputs.get()
                 if output.status is RequestStatus.FINISHED_ERROR and self.failure is not None:

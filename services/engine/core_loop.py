@@ -88,7 +88,9 @@ class CoreLoop:
                     raise InvalidRequest(
                         "response_format needs a tokenizer, and this engine's model has none"
                     )
-                request.grammar = RequestGrammar.create(compiler, command.grammar_spec)
+                request.grammar = RequestGrammar.create(
+                    compiler, command.grammar_spec, starts_after=command.grammar_starts_after
+                )
             self.core.add_request(request)
             return None
         if isinstance(command, AbortRequest):

@@ -204,7 +204,8 @@ class EngineCore:
                 # After a preemption the request re-prefills its output: the matcher must stand
                 # after exactly those tokens (it does; sync verifies and repairs if not).
                 request.grammar.sync(request.output_token_ids)
-                grammars[request_id] = request.grammar
+                if request.grammar.constraining:
+                    grammars[request_id] = request.grammar
         return self._masks.start(grammars) if grammars else None
 
     def _reap_failed_grammars(self) -> None:

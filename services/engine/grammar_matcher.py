@@ -10,6 +10,9 @@ Contract with the engine loop (the only thread that touches a ``RequestGrammar``
   sync is the safety net for anything that rewinds output (it resets and replays).
 - ``accept(token)`` after each sampled token; ``is_terminated`` then says the grammar admits no
   further token, which ends the request with FINISH_REASON_STOP.
+- A grammar that ``starts_after`` a token (the ``</think>`` of a think block the prompt opened)
+  is not ``constraining`` until that token is sampled: the model reasons freely, and only the
+  answer after the block is held to the grammar (as vLLM does with a reasoning parser).
 """
 
 from __future__ import annotations
@@ -27,17 +30,28 @@ from cachet.engine.structured_output import GrammarCompiler, GrammarSpec
 class RequestGrammar:
     """The matcher of one request, from its (pending) construction to its last accepted token."""
 
-    def __init__(self, spec: GrammarSpec, matcher: concurrent.futures.Future[llguidance.LLMatcher]) -> None:
+    def __init__(
+        self,
+        spec: GrammarSpec,
+        matcher: concurrent.futures.Future[llguidance.LLMatcher],
+        *,
+        starts_after: int | None = None,
+    ) -> None:
         self.spec = spec
         self._future = matcher
         self._matcher: llguidance.LLMatcher | None = None
-        # Tokens consumed since the last reset; compared with the request's output by ``sync``.
+        self._starts_after = starts_after
+        # Output tokens looked at since the last reset (the matcher consumed those after the
+        # start); compared with the request's output by ``sync``.
         self.num_accepted = 0
+        self.constraining = starts_after is None
 
     @classmethod
-    def create(cls, compiler: GrammarCompiler, spec: GrammarSpec) -> RequestGrammar:
+    def create(
+        cls, compiler: GrammarCompiler, spec: GrammarSpec, *, starts_after: int | None = None
+    ) -> RequestGrammar:
         """Start compiling (or reuse the cached compile) and building this request's matcher."""
-        return cls(spec, compiler.new_matcher(spec))
+        return cls(spec, compiler.new_matcher(spec), starts_after=starts_after)
 
     @property
     def ready(self) -> bool:
@@ -68,6 +82,7 @@ class RequestGrammar:
             return
         self.matcher.reset()
         self.num_accepted = 0
+        self.constraining = self._starts_after is None
         if output_token_ids:
             self._consume(list(output_token_ids))
 
@@ -77,9 +92,20 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         """No token but end-of-sequence can follow: the output is complete."""
-        return self.matcher.is_stopped()
+        return self.constraining and self.matcher.is_stopped()
 
     def _consume(self, token_ids: list[int]) -> None:
+        if not self.constraining:
+            try:
+                start = token_ids.index(self._starts_after) + 1
+            except ValueError:
+                self.num_accepted += len(token_ids)
+                return
+            self.num_accepted += start
+            self.constraining = True
+            token_ids = token_ids[start:]
+            if not token_ids:
+                return
         # consume_tokens answers whether every token was accepted (a bool, not a count).
         if not self.matcher.consume_tokens(token_ids) or self.matcher.is_error():
             # Tokens came from masked logits, so this is an engine bug, not a user error.

@@ -27,6 +27,8 @@ class AddRequest:
     request: Request
     # Compiled where the loop runs: a compiled grammar cannot cross a process boundary.
     grammar_spec: GrammarSpec | None = None
+    # The grammar holds only the output after this token (engine.proto's constrain_after_token_id).
+    grammar_starts_after: int | None = None
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         domain = self._to_request(request)
         grammar_spec = grammar_spec_from_proto(request.response_format)
+        starts_after = self._constrain_after(request)
         first = True
         # aclosing: when the client goes away this generator is closed, and the engine's
         # must close at once too (that is what aborts the request), not whenever GC runs.
         first_and_final = request.output_kind == engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL
         async with contextlib.aclosing(
-            self._engine.generate(domain, grammar_spec=grammar_spec, first_and_final=first_and_final)
+            self._engine.generate(
+                domain,
+                grammar_spec=grammar_spec,
+                grammar_starts_after=starts_after,
+                first_and_final=first_and_final,
+            )
         ) as outputs:
             async for output in outputs:
                 if output.error:
@@ -152,6 +158,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"prefilled.first_token_id={request.prefilled.first_token_id} is not in this model's "
                 f"{self._vocab_size}-token vocabulary"
             )
+
+    def _constrain_after(self, request: engine_pb2.GenerateRequest) -> int | None:
+        if not request.HasField("constrain_after_token_id"):
+            return None
+        token = request.constrain_after_token_id
+        if self._vocab_size and token >= self._vocab_size:
+            raise InvalidRequest(
+                f"constrain_after_token_id={token} is not in this model's {self._vocab_size}-token vocabulary"
+            )
+        return token
 
     def _load_report(self) -> engine_pb2.LoadReport:
         decode_rate, prefill_rate = self._engine.throughput.rates()

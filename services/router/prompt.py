@@ -18,6 +18,7 @@ from cachet.engine.v1 import engine_pb2
 from cachet.errors import InvalidArgument
 from cachet.router.cache_retention import breakpoint_messages, validate_breakpoints, validate_retention
 from cachet.router.cache_scope import validate_cache_salt
+from cachet.router.tool_parsers.reasoning import PromptReasoning, prompt_reasoning
 from cachet.router.upstream_errors import domain_error
 from cachet.router.v1 import router_pb2
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -118,6 +119,8 @@ class ChatPrompt:
     token_ids: list[int]
     breakpoints: list[tuple[int, router_pb2.CacheRetention.ValueType]]
     images: tuple[common_pb2.ImageInput, ...] = ()
+    # Whether the generation prompt opened (or wrote empty) the model's think block.
+    reasoning: PromptReasoning = PromptReasoning.UNOPENED
 
 
 class PromptBuilder:
@@ -149,7 +152,9 @@ class PromptBuilder:
         # A tokenizer older than breakpoints answers no counts: then they retain nothing.
         ends = dict(zip(counts, rendered.prefix_token_counts, strict=False))
         breakpoints = [(ends.get(b.messages, 0), b.retention) for b in request.cache_breakpoints]
-        return ChatPrompt(list(rendered.token_ids), breakpoints, tuple(rendered.images))
+        return ChatPrompt(
+            list(rendered.token_ids), breakpoints, tuple(rendered.images), prompt_reasoning(rendered.prompt)
+        )
 
     async def completion(self, request: router_pb2.CompletionRequest) -> list[int]:
         if request.prompt_token_ids:

@@ -52,6 +52,7 @@ from cachet.router.replica_set import Replica, ReplicaSet
 from cachet.router.session_directory import SessionDirectory
 from cachet.router.stop_strings import StopStringFilter
 from cachet.router.tool_parsers.model_family import ModelFamilies
+from cachet.router.tool_parsers.reasoning import PromptReasoning
 from cachet.router.tool_parsers.selection import PLAIN_TEXT, OutputSetup, output_setup_for
 from cachet.router.tool_parsers.tool_choice import plan_tools
 from cachet.router.upstream_errors import domain_error
@@ -101,6 +102,8 @@ class GenerationRequest:
     kv_retention: tuple[engine_pb2.KvRetention, ...] = ()
     # The prompt's images (their placeholder tokens are in prompt_token_ids).
     images: tuple[common_pb2.ImageInput, ...] = ()
+    # response_format holds only the output after this token (engine.proto).
+    constrain_after_token_id: int | None = None
 
     @property
     def reproducible(self) -> bool:
@@ -198,17 +201,22 @@ class RequestPipeline:
                 prompt.token_ids,
                 request.sampling,
                 # Forced calls and strict tools under auto are grammars of their own (see tool_choice).
-                tools.constraint_for(family) or request.response_format,
+                tools.constraint_for(family, prompt.reasoning) or request.response_format,
                 caller,
                 "assistant",
                 arrived,
                 priority,
-                output_setup_for(family, tools),
+                output_setup_for(family, tools, prompt.reasoning),
                 stream,
                 self._cache_scopes.salt_for(caller.account_id, request.cache_salt),
                 choices=max(request.n, 1),
                 kv_retention=self._retention(request.cache_retention, caller, prompt.breakpoints),
                 images=prompt.images,
+                # A think block the prompt opened is the model's own: a constraint holds the answer
+                # after it.
+                constrain_after_token_id=family.think_close_token_id
+                if prompt.reasoning is PromptReasoning.OPEN
+                else None,
             )
             return await self._start_choices(generation, engine)
 
@@ -517,6 +525,7 @@ class RequestPipeline:
                 kv_retention=request.kv_retention,
                 prefilled=prefilled,
                 images=request.images,
+                constrain_after_token_id=request.constrain_after_token_id,
             )
         )
         replica.enter(request.priority)

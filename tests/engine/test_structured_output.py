@@ -126,6 +126,53 @@ def test_without_the_grammar_the_tiny_model_emits_no_json(
             json.loads(text_of(outputs, tokenizer))
 
 
+def test_a_grammar_that_starts_after_a_token_leaves_the_output_free_up_to_it(
+    model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer
+):
+    """A think block the prompt opened: the model reasons freely until it writes the closing token,
+    and only what follows is held to the grammar. Seeded, so the free part is the free run's own."""
+    free_engine = make_engine(model_dir, compiler)
+    free_engine.add_request(make_request("free", None, seed=3, max_tokens=12))
+    free = [t for o in run(free_engine)["free"] for t in o.new_token_ids]
+    # The closing token: the first one the free run writes only once it has written two others.
+    position = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    closing = free[position]
+
+    schema = SCHEMAS["tags"]
+    engine = make_engine(model_dir, compiler)
+    grammar = RequestGrammar.create(compiler, schema_spec(schema), starts_after=closing)
+    engine.add_request(make_request("thinks", grammar, seed=3))
+    outputs = run(engine)["thinks"]
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    assert tokens[: position + 1] == free[: position + 1], "the mask touched the free part"
+    assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    answer = [t for t in tokens[position + 1 :] if t != 2]
+    jsonschema.validate(json.loads(tokenizer.decode(answer)), schema)
+
+
+def test_a_grammar_waiting_for_its_start_token_replays_after_a_rewind(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+):
+    spec = schema_spec(SCHEMAS["tags"])
+    answer = tokenizer.encode('{"tags":["ab"', add_special_tokens=False).ids
+    closing = 7
+    assert closing not in answer
+    grammar = RequestGrammar(spec, _done(compiler, spec), starts_after=closing)
+    for token in (11, 12):
+        grammar.accept(token)
+    assert not grammar.constraining and not grammar.is_terminated
+    for token in (closing, *answer):
+        grammar.accept(token)
+    assert grammar.constraining and grammar.num_accepted == 3 + len(answer)
+    grammar.sync([11, 12])  # a preemption rewound the output into the free part
+    assert not grammar.constraining and grammar.num_accepted == 2
+    grammar.sync([11, 12, closing, *answer[:2]])
+    fresh = RequestGrammar(spec, _done(compiler, spec))
+    fresh.sync(answer[:2])
+    masks = MaskBuilder(compiler.vocab_size)
+    assert torch.equal(masks.build({"x": grammar})["x"], masks.build({"x": fresh})["x"])
+
+
 def test_json_object_always_parses(model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer):
     """Any-object JSON is unbounded, so a random model may run out of tokens; what finishes parses."""
     spec = grammar_spec_from_proto(common_pb2.ResponseFormat(json_object=common_pb2.JsonObjectFormat()))

@@ -15,7 +15,7 @@ from cachet.router.output_parser import PlainTextParser
 from cachet.router.tool_parsers.hermes import HermesToolParser
 from cachet.router.tool_parsers.kimi_k2 import KimiK2ToolParser
 from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat, family_of
-from cachet.router.tool_parsers.reasoning import ReasoningParser
+from cachet.router.tool_parsers.reasoning import PromptReasoning, ReasoningParser, prompt_reasoning
 from cachet.router.tool_parsers.selection import output_parser_for, output_setup_for
 from cachet.router.tool_parsers.tool_choice import ToolMode, plan_tools
 from cachet.router.v1 import router_pb2
@@ -189,3 +189,53 @@ def test_think_token_turns_on_reasoning_for_hermes_models() -> None:
     # Forced calls are read by the family's own parser (the grammar writes its format).
     parser = output_parser_for(family, forced)
     assert isinstance(parser, ReasoningParser) and isinstance(parser._inner, HermesToolParser)
+
+
+# ---------------------------------------------------------------- a think block the prompt opened
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("<|im_assistant|>assistant<|im_middle|><think>", PromptReasoning.OPEN),
+        ("...<think>\n", PromptReasoning.OPEN),
+        ("...<|im_middle|><think></think>", PromptReasoning.CLOSED),
+        ("...<think>\n</think>\n\n", PromptReasoning.CLOSED),
+        ("...<|im_start|>assistant\n", PromptReasoning.UNOPENED),
+        # An earlier turn's block, closed with its reasoning, leaves the answer free to open one.
+        ("<think>it is 4</think>4<|im_end|><|im_start|>assistant\n", PromptReasoning.UNOPENED),
+    ],
+)
+def test_the_rendered_prompt_says_where_the_think_block_stands(prompt: str, expected: PromptReasoning) -> None:
+    assert prompt_reasoning(prompt) is expected
+
+
+def test_a_prompt_that_opened_the_block_starts_the_parser_inside_it() -> None:
+    family = family_of(info("<think>", "</think>"))
+    assert family.think_close_token_id == 1
+    parser = output_parser_for(family, plan_tools(request()), PromptReasoning.OPEN)
+    out = parser.feed("weighing it</think>\n\nSunny.")
+    assert (out.reasoning, out.content) == ("weighing it", "Sunny.")
+    unopened = output_parser_for(family, plan_tools(request()))
+    assert unopened.feed("weighing it</think>Sunny.").content == "weighing it</think>Sunny."
+
+
+def test_forced_kimi_calls_open_their_own_empty_block_only_where_the_prompt_did_not() -> None:
+    family = family_of(info("<|im_end|>", "<|tool_calls_section_begin|>", "</think>"))
+    forced = plan_tools(request(common_pb2.ToolChoice(function_name="ping")))
+    unopened = forced.constraint_for(family)
+    assert unopened is not None and "start: <think> </think> section" in unopened.ebnf
+    for prompt in (PromptReasoning.OPEN, PromptReasoning.CLOSED):
+        constraint = forced.constraint_for(family, prompt)
+        assert constraint is not None and "start: section" in constraint.ebnf, prompt
+        assert "<think>" not in constraint.ebnf
+
+
+def test_strict_auto_lets_the_answer_think_only_where_the_prompt_has_not() -> None:
+    family = family_of(info("<think>", "</think>"))
+    strict = [common_pb2.Tool(name="get_weather", parameters_schema_json=json.dumps(WEATHER), strict=True)]
+    plan = plan_tools(router_pb2.ChatCompletionRequest(model="m", tools=strict))
+    unopened = plan.constraint_for(family)
+    opened = plan.constraint_for(family, PromptReasoning.OPEN)
+    assert unopened is not None and "think?" in unopened.ebnf
+    assert opened is not None and "<think>" not in opened.ebnf

@@ -96,6 +96,7 @@ class GenerateRequest(_message.Message):
     HAND_OFF_KV_FIELD_NUMBER: _builtins.int
     PREFILLED_FIELD_NUMBER: _builtins.int
     IMAGES_FIELD_NUMBER: _builtins.int
+    CONSTRAIN_AFTER_TOKEN_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen unique id; the same id is used for abort and usage."""
     model: _builtins.str
@@ -110,6 +111,12 @@ class GenerateRequest(_message.Message):
     """Disaggregated prefill, on a prefill replica: the request's last message (its one sampled
     token) is sent only once every full block of the prompt's KV is in the shared KV tier,
     where the decode replica the router names loads it. Needs CACHET_KV_SHARED_DIR.
+    """
+    constrain_after_token_id: _builtins.int
+    """response_format constrains only the output after the first token with this id: a
+    reasoning model whose generation prompt opened a think block thinks freely, and the
+    constraint starts once it closes the block (the id of its `</think>`). Unset: from the
+    first output token.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -155,12 +162,15 @@ class GenerateRequest(_message.Message):
         hand_off_kv: _builtins.bool = ...,
         prefilled: Global___PrefilledElsewhere | None = ...,
         images: _abc.Iterable[_common_pb2.ImageInput] | None = ...,
+        constrain_after_token_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prefilled", b"prefilled", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_constrain_after_token_id", b"_constrain_after_token_id", "constrain_after_token_id", b"constrain_after_token_id", "prefilled", b"prefilled", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "hand_off_kv", b"hand_off_kv", "images", b"images", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "prefilled", b"prefilled", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_after_token_id", b"_constrain_after_token_id", "cache_salt", b"cache_salt", "constrain_after_token_id", b"constrain_after_token_id", "hand_off_kv", b"hand_off_kv", "images", b"images", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "prefilled", b"prefilled", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__constrain_after_token_id: _TypeAlias = _typing.Literal["constrain_after_token_id"]  # noqa: Y015
+    _WhichOneofArgType__constrain_after_token_id: _TypeAlias = _typing.Literal["_constrain_after_token_id", b"_constrain_after_token_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__constrain_after_token_id) -> _WhichOneofReturnType__constrain_after_token_id | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 

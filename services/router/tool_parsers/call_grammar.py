@@ -13,7 +13,10 @@ then closed.
 - Kimi K2: its markers are special tokens, which text lexemes never match: the
   section can only be written through the grammar's own rule.
 - Reasoning families may open with one ``<think>...</think>`` block (llguidance
-  sees those added tokens as special, so the grammar names them).
+  sees those added tokens as special, so the grammar names them), unless the
+  generation prompt already wrote the block's opening (or the whole block): then
+  the grammar is the answer alone, and where the prompt left the block open the
+  engine applies it from the token after ``</think>`` (``constrain_after_token_id``).
 
 Forced calls (``tool_choice`` named or required, ``forced_grammar``) are written
 in the family's format too, exactly as its chat template renders a turn of calls
@@ -49,7 +52,11 @@ ToolSchemas = Sequence[tuple[common_pb2.Tool, dict[str, Any]]]
 
 
 def strict_auto_grammar(
-    family: ModelFamily, tools: ToolSchemas, *, parallel: bool
+    family: ModelFamily,
+    tools: ToolSchemas,
+    *,
+    parallel: bool,
+    prompt: reasoning.PromptReasoning = reasoning.PromptReasoning.UNOPENED,
 ) -> common_pb2.ResponseFormat:
     """``tools``: each offered tool with its parameters schema (as ``tool_choice`` reads it)."""
     rules = _kimi_k2_rules if family.tool_format is ToolFormat.KIMI_K2 else _hermes_rules
@@ -57,7 +64,7 @@ def strict_auto_grammar(
     answer, body = rules(arguments, parallel)
     # Special tokens are named as they are spelled (<|...|>, <think>): Lark's token syntax.
     start = [f"start: {answer}"]
-    if family.reasoning:
+    if family.reasoning and prompt is reasoning.PromptReasoning.UNOPENED:
         start = [
             f"start: think? {answer}",
             f"think: {reasoning.THINK_OPEN} THOUGHT {reasoning.THINK_CLOSE}",
@@ -66,14 +73,23 @@ def strict_auto_grammar(
     return common_pb2.ResponseFormat(ebnf="\n".join(["%llguidance {}", *start, *body]) + "\n")
 
 
-def forced_grammar(family: ModelFamily, tools: ToolSchemas, *, parallel: bool) -> common_pb2.ResponseFormat:
+def forced_grammar(
+    family: ModelFamily,
+    tools: ToolSchemas,
+    *,
+    parallel: bool,
+    prompt: reasoning.PromptReasoning = reasoning.PromptReasoning.UNOPENED,
+) -> common_pb2.ResponseFormat:
     """Output that is only calls of ``tools`` (each schema enforced), written as the family's template
     renders a turn of calls: one call, or with ``parallel`` one or more."""
     if family.tool_format is ToolFormat.KIMI_K2:
         _, rules = _kimi_k2_rules(tools, parallel)
-        # K2's template writes an empty think block before the calls of a turn without reasoning;
-        # rules[0] is the free-text lexeme, not needed when the answer is the section alone.
-        start = f"start: {reasoning.THINK_OPEN} {reasoning.THINK_CLOSE} section"
+        # K2's template writes an empty think block before the calls of a turn without reasoning
+        # (where its generation prompt has not already begun one); rules[0] is the free-text
+        # lexeme, not needed when the answer is the section alone.
+        start = "start: section"
+        if prompt is reasoning.PromptReasoning.UNOPENED:
+            start = f"start: {reasoning.THINK_OPEN} {reasoning.THINK_CLOSE} section"
         rules = rules[1:]
     else:
         # The generic rendering: each call "<tool_call>\n{...}\n</tool_call>", calls joined by "\n".

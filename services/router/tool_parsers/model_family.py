@@ -42,10 +42,13 @@ class ModelFamily:
     reasoning: bool
     keep_special_tokens: bool  # detokenize with special tokens: the parser's markers are ones
     stop_token_ids: frozenset[int]
+    # The id of ``</think>`` where the vocabulary has it as a token: a constraint on the answer
+    # of a prompt that opened a think block starts after it.
+    think_close_token_id: int | None = None
 
 
 def family_of(info: tokenizer_pb2.ModelInfo) -> ModelFamily:
-    specials = {token.text for token in info.special_tokens}
+    specials = {token.text: token.token_id for token in info.special_tokens}
     kimi = kimi_k2.SECTION_BEGIN in specials
     thinks = kimi or reasoning.THINK_CLOSE in specials
     return ModelFamily(
@@ -53,6 +56,7 @@ def family_of(info: tokenizer_pb2.ModelInfo) -> ModelFamily:
         reasoning=thinks,
         keep_special_tokens=kimi or reasoning.THINK_CLOSE in specials,
         stop_token_ids=frozenset(info.stop_token_ids),
+        think_close_token_id=specials.get(reasoning.THINK_CLOSE),
     )
 
 

@@ -4,12 +4,14 @@ Wraps the parser of the answer: text inside the think block goes out as
 ``reasoning`` (streamed as it comes, less a possible half tag), the rest is fed
 to the inner parser. A block counts only at the start of the output (after
 whitespace), which is where these models write it; ``starts_in_reasoning`` is
-for templates whose generation prompt already opened the block. A block never
-closed (max_tokens) is all reasoning, as in vLLM's parsers.
+for templates whose generation prompt already opened the block (Kimi K2.5 with
+thinking on: ``prompt_reasoning`` reads that off the rendered prompt). A block
+never closed (max_tokens) is all reasoning, as in vLLM's parsers.
 """
 
 from __future__ import annotations
 
+import re
 from enum import Enum, auto
 
 from cachet.router.output_parser import OutputDelta, OutputParser, merge_deltas
@@ -17,6 +19,27 @@ from cachet.router.tool_parsers.text_scan import partial_marker_length
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+
+
+class PromptReasoning(Enum):
+    """Where the generation prompt leaves the model's think block."""
+
+    UNOPENED = auto()  # the output may open one itself
+    OPEN = auto()  # the prompt ends inside one: the output starts as reasoning
+    CLOSED = auto()  # the prompt wrote an empty one (thinking off): the output is the answer
+
+
+_ENDS_OPEN = re.compile(re.escape(THINK_OPEN) + r"\s*\Z")
+_ENDS_CLOSED = re.compile(re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + r"\s*\Z")
+
+
+def prompt_reasoning(prompt: str) -> PromptReasoning:
+    """Read off the end of a rendered chat prompt (its generation prompt)."""
+    if _ENDS_OPEN.search(prompt):
+        return PromptReasoning.OPEN
+    if _ENDS_CLOSED.search(prompt):
+        return PromptReasoning.CLOSED
+    return PromptReasoning.UNOPENED
 
 
 class _State(Enum):

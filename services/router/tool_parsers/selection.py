@@ -23,11 +23,13 @@ from cachet.router.output_parser import OutputParser, PlainTextParser
 from cachet.router.tool_parsers.hermes import HermesToolParser
 from cachet.router.tool_parsers.kimi_k2 import KimiK2ToolParser
 from cachet.router.tool_parsers.model_family import ModelFamily, ToolFormat
-from cachet.router.tool_parsers.reasoning import ReasoningParser
+from cachet.router.tool_parsers.reasoning import PromptReasoning, ReasoningParser
 from cachet.router.tool_parsers.tool_choice import ToolMode, ToolPlan
 
 
-def output_parser_for(family: ModelFamily, plan: ToolPlan) -> OutputParser:
+def output_parser_for(
+    family: ModelFamily, plan: ToolPlan, prompt: PromptReasoning = PromptReasoning.UNOPENED
+) -> OutputParser:
     names = {plan.forced_name} if plan.mode is ToolMode.NAMED else plan.tool_names
     parser: OutputParser
     if plan.mode is ToolMode.NONE:
@@ -36,7 +38,9 @@ def output_parser_for(family: ModelFamily, plan: ToolPlan) -> OutputParser:
         parser = KimiK2ToolParser(names)
     else:
         parser = HermesToolParser(names)
-    return ReasoningParser(parser) if family.reasoning else parser
+    if not family.reasoning:
+        return parser
+    return ReasoningParser(parser, starts_in_reasoning=prompt is PromptReasoning.OPEN)
 
 
 @dataclass(frozen=True)
@@ -53,9 +57,11 @@ class OutputSetup:
 PLAIN_TEXT = OutputSetup()
 
 
-def output_setup_for(family: ModelFamily, plan: ToolPlan) -> OutputSetup:
+def output_setup_for(
+    family: ModelFamily, plan: ToolPlan, prompt: PromptReasoning = PromptReasoning.UNOPENED
+) -> OutputSetup:
     return OutputSetup(
-        new_parser=lambda: output_parser_for(family, plan),
+        new_parser=lambda: output_parser_for(family, plan, prompt),
         keep_special_tokens=family.keep_special_tokens,
         stop_token_ids=family.stop_token_ids,
     )

@@ -37,6 +37,7 @@ from cachet.common.v1 import common_pb2
 from cachet.errors import InvalidArgument
 from cachet.router.tool_parsers.call_grammar import forced_grammar, strict_auto_grammar
 from cachet.router.tool_parsers.model_family import ModelFamily
+from cachet.router.tool_parsers.reasoning import PromptReasoning
 from cachet.router.v1 import router_pb2
 
 
@@ -58,12 +59,15 @@ class ToolPlan:
     strict_auto: bool = False  # AUTO with strict tools: calls are checked by grammar
     parallel: bool = True  # parallel_tool_calls (a NAMED plan makes one call)
 
-    def constraint_for(self, family: ModelFamily) -> common_pb2.ResponseFormat | None:
-        """The grammar the engine enforces for this plan on a model of ``family``; None for free text."""
+    def constraint_for(
+        self, family: ModelFamily, prompt: PromptReasoning = PromptReasoning.UNOPENED
+    ) -> common_pb2.ResponseFormat | None:
+        """The grammar the engine enforces for this plan on a model of ``family`` after a prompt that
+        leaves reasoning ``prompt``; None for free text."""
         if self.mode in (ToolMode.NAMED, ToolMode.REQUIRED):
-            return forced_grammar(family, self.call_schemas, parallel=self.parallel)
+            return forced_grammar(family, self.call_schemas, parallel=self.parallel, prompt=prompt)
         if self.strict_auto:
-            return strict_auto_grammar(family, self.call_schemas, parallel=self.parallel)
+            return strict_auto_grammar(family, self.call_schemas, parallel=self.parallel, prompt=prompt)
         return None
 
 
