@@ -474,10 +474,10 @@ class Scheduler:
         token = request.output_token_ids[-1]
         sampling = request.sampling
         eos = () if sampling.ignore_eos else (*self.config.eos_token_ids, *sampling.extra_stop_token_ids)
-        if token in sampling.stop_token_ids or token in eos:
-            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-        elif matched_stop is not None:
-            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, matched_stop)
+        if token in sampling.stop_token_ids or token in eos or matched_stop is not None:
+            # A stop token whose text also completes a stop string still names it: the router cuts
+            # the text there (it matches none itself).
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, matched_stop or "")
         elif (
             len(request.output_token_ids) >= request.max_tokens
             or request.num_tokens >= self.config.max_model_len

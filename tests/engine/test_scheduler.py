@@ -413,6 +413,17 @@ def test_matched_stop_string_finishes_with_its_reason():
     assert scheduler.schedule().finished_request_ids == {"a"}
 
 
+def test_a_stop_token_that_completes_a_stop_string_still_names_it():
+    # The router cuts the text only where the engine names a stop string (it matches none itself).
+    first = reference_output([1, 2], 1)[0]
+    scheduler, runner = make_scheduler()
+    request = make_request("a", [1, 2], 10, stop_token_ids=(first,))
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    scheduler.update_from_step(plan, runner.execute(plan), {"a": "###"})
+    assert request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason == "###"
+
+
 def test_abort_frees_blocks_at_once_and_unknown_ids_raise():
     scheduler, runner = make_scheduler(num_blocks=8)
     scheduler.add_request(make_request("running", [1] * 9, 10))
