@@ -1,4 +1,9 @@
-"""Incremental stop-string matching over generated tokens.
+"""Incremental stop-string matching over generated tokens: the one place stop strings are matched.
+
+The engine must stop at the token that completes a stop string, so it matches them, and names
+the one matched in its last message (``matched_stop``); the router, which turns tokens into
+text for the caller, only holds back and cuts that text where it is told
+(``cachet.router.stop_strings``), and matches nothing itself.
 
 The engine samples token ids; stop strings are text. A stop string may span
 several tokens ("end" + "ing"), and a token may end in the middle of a

@@ -6,7 +6,7 @@
       salted by the caller's cache scope: cache_scope.py)
       → MatchPrefix (cache index; down → score by load alone) → choose a replica
       → engine Generate stream → detokenize (in process, the tokenizer's own tokenizer)
-      → stop strings → output parser → chunks
+      → stop strings (held back, cut where the engine matched one) → output parser → chunks
       → usage recorded once, in the recorder's next RecordUsageBatch (request id is the ledger key)
 
 ``RequestPipeline.start_*`` runs everything up to the engine's first message, so
@@ -50,7 +50,7 @@ from cachet.router.prefill_handoff import PrefillHandOff
 from cachet.router.prompt import PromptBuilder, check_context_window, validate_chat, validate_completion
 from cachet.router.replica_set import Replica, ReplicaSet
 from cachet.router.session_directory import SessionDirectory
-from cachet.router.stop_strings import StopStringFilter
+from cachet.router.stop_strings import StopStringHoldBack
 from cachet.router.tool_parsers.model_family import ModelFamilies
 from cachet.router.tool_parsers.reasoning import PromptReasoning
 from cachet.router.tool_parsers.selection import PLAIN_TEXT, OutputSetup, output_setup_for
@@ -572,7 +572,7 @@ class Generation:
         self._call = call
         self._first = first
         self._detokenizer = detokenizer
-        self._stop = StopStringFilter(request.sampling.stop)
+        self._stop = StopStringHoldBack(request.sampling.stop)
         self._parser = request.output.new_parser()
         # A schema decoding approximates (oneOf) is checked whole once the answer stops.
         self._answer_check = AnswerCheck.for_format(request.response_format)
@@ -662,23 +662,15 @@ class Generation:
         while True:
             self._completion_tokens += len(response.token_ids)
             finish = response.finish_reason
-            text = ""
-            if response.token_ids or finish:
-                token_ids = self._answer_tokens(response)
-                text = self._detokenizer.add(token_ids)
-                if finish:
-                    text += self._detokenizer.flush()
-                text = self._stop.feed(text)
+            text = self._detokenizer.add(self._answer_tokens(response)) if response.token_ids else ""
             if finish:
                 self._engine_done = True
                 self._pipeline.in_background(self._read_engine_eof())
+                # The engine matched any stop string (stop_strings.py): cut where it says.
+                text = self._stop.finish(text + self._detokenizer.flush(), response.matched_stop)
                 yield await self._last_chunk(text, finish, response)
                 return
-            if self._stop.matched is not None:
-                # We saw the stop string before the engine did: end here (close() aborts the engine).
-                yield await self._last_chunk(text, common_pb2.FINISH_REASON_STOP, None)
-                return
-            chunk = self._chunk(self._parser.feed(text), response.logprobs)
+            chunk = self._chunk(self._parser.feed(self._stop.feed(text)), response.logprobs)
             if chunk is not None:
                 yield chunk
             response = await self._read()
@@ -721,13 +713,10 @@ class Generation:
         self,
         text: str,
         finish: common_pb2.FinishReason.ValueType,
-        last: engine_pb2.GenerateResponse | None,
+        last: engine_pb2.GenerateResponse,
     ) -> router_pb2.ChatCompletionChunk:
-        if self._stop.matched is None:
-            # No stop string after all: release the tail held back in case it became one.
-            text += self._stop.flush()
         delta = merge_deltas(self._parser.feed(text), self._parser.finish())
-        if last is not None and last.HasField("usage"):
+        if last.HasField("usage"):
             self._cached_tokens = last.usage.cached_tokens
             self._completion_tokens = max(self._completion_tokens, last.usage.completion_tokens)
         self._finished = True
@@ -742,7 +731,7 @@ class Generation:
         self._submit_usage()
         if finish == common_pb2.FINISH_REASON_STOP and (self._made_tool_calls or delta.tool_calls):
             finish = common_pb2.FINISH_REASON_TOOL_CALLS  # OpenAI's reason for a turn that called tools
-        chunk = self._chunk(delta, last.logprobs if last is not None else (), finish)
+        chunk = self._chunk(delta, last.logprobs, finish)
         assert chunk is not None  # a finish reason always makes a chunk
         chunk.usage.CopyFrom(usage)
         if self._answer_check is not None and finish == common_pb2.FINISH_REASON_STOP:

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cachet.engine.stop_strings import StopMatch, StopStringChecker
 from cachet.incremental_detokenizer import IncrementalDetokenizer
+from cachet.router.stop_strings import StopStringHoldBack
 
 CORPUS = ["the end is near, the end is here. hello world! Stop here.", "STOP. héllo wörld"] * 10
 
@@ -125,3 +126,29 @@ def test_incremental_matches_brute_force(tokenizer, seed):
         assert (token_index, match.stop, match.text_end) == expected[:3], (text, stops)
         previous_len = expected[3]
         assert match.keep_chars == max(0, match.text_end - previous_len)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_router_shows_exactly_the_text_before_the_engines_match(tokenizer, seed):
+    """One matcher: the engine stops and names the stop string, the router (which matches none)
+    holds back and cuts its own decoding of the same tokens; streamed token by token or sent
+    whole, the caller sees the text before the match, and a stream never more than that."""
+    rng = random.Random(seed)
+    alphabet = "abé 🙂."
+    for _ in range(60):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        stops = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
+        ]
+        ids = tokenizer.encode(text).ids
+        stopped = feed(StopStringChecker(stops, tokenizer.decode), ids)
+        # The engine's stream: every token up to the one that matched, which names its stop string.
+        sent, matched_stop = (ids[: stopped[0] + 1], stopped[1].stop) if stopped else (ids, "")
+        visible = tokenizer.decode(sent)[: stopped[1].text_end] if stopped else tokenizer.decode(sent)
+        streamed = [[token] for token in sent]
+        first_and_final = [sent[:1], sent[1:]] if len(sent) > 1 else [sent]
+        for messages in (streamed, first_and_final):
+            decoder, hold_back = IncrementalDetokenizer(tokenizer.decode), StopStringHoldBack(stops)
+            shown = [hold_back.feed(decoder.add(tokens)) for tokens in messages[:-1]]
+            shown.append(hold_back.finish(decoder.add(messages[-1]) + decoder.flush(), matched_stop))
+            assert "".join(shown) == visible, (text, stops, messages)
