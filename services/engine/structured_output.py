@@ -36,12 +36,14 @@ GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
 # Compact separators, no free whitespace: with flexible whitespace a weak (or random) model can
 # spend its whole token budget on spaces and newlines inside a perfectly "valid" object.
 # oneOf is decoded as anyOf (llguidance cannot express "exactly one"): real-world schemas use it
-# where their alternatives rarely overlap, and the router checks the finished answer against the
-# whole schema (cachet.router.answer_check), so an answer matching two alternatives is an error
-# the caller sees, never passed off as valid.
-_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}
-# The warning llguidance gives for that approximation: no reason to refuse a strict schema, as
-# the answer is checked afterwards.
+# where their alternatives rarely overlap. ``lenient``: keywords llguidance does not implement
+# (``not``, ``dependencies``, ``uniqueItems``...) are left out of the grammar and unknown
+# ``format``s decode as plain strings, each named in a warning instead of failing the compile.
+# Either way the router checks the finished answer against the whole schema
+# (cachet.router.answer_check), so an answer in the difference is an error the caller sees,
+# never passed off as valid. A strict schema is held to more: see ``GrammarCompiler._compile``.
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True, "lenient": True}
+# The warning llguidance gives for the oneOf approximation: the one a strict schema may carry.
 _ONE_OF_WARNING = "oneOf not fully supported"
 # "Any JSON object" is the empty object schema: llguidance expands it to the full JSON value grammar.
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
@@ -172,7 +174,9 @@ class GrammarCompiler:
             raise InvalidRequest(f"invalid {_describe(spec)}: {messages[0]}")
         unsupported = [message for message in messages if not message.startswith(_ONE_OF_WARNING)]
         if spec.strict and unsupported:
-            # OpenAI's strict mode promises the whole schema is enforced: an ignored keyword breaks that.
+            # OpenAI's strict mode promises the whole schema is enforced while decoding: an ignored
+            # keyword or format breaks that, so strict refuses them all, by name. Not strict, they
+            # are decoded leniently and the router checks the answer (see _JSON_OPTIONS).
             raise InvalidRequest(f"{_describe(spec)} uses unsupported features: {'; '.join(unsupported)}")
         return CompiledGrammar(spec, grammar)
 

@@ -337,3 +337,47 @@ def test_an_answer_valid_for_more_than_one_alternative_is_an_error_the_client_se
     finishes = [c["finish_reason"] for e in events if e != "[DONE]" for c in json.loads(e).get("choices", [])]
     assert not any(finishes)
     assert any("answer_schema_mismatch" in event for event in events), events
+
+
+# ---------------------------------------------------------------- what the grammar leaves out
+
+# The one answer the grammar allows is [7,7,7]: uniqueItems, which llguidance leaves out of the
+# grammar (a non-strict schema compiles leniently), forbids it.
+REPEATED = {"type": "array", "items": {"const": 7}, "minItems": 3, "maxItems": 3, "uniqueItems": True}
+# Unknown formats decode as plain strings.
+DATED = {
+    "type": "object",
+    "properties": {"when": {"type": "string", "format": "datetime", "maxLength": 6}},
+    "required": ["when"],
+    "additionalProperties": False,
+}
+
+
+def test_a_keyword_left_out_of_the_grammar_is_checked_and_refused_when_strict(platform: Platform) -> None:
+    lenient = chat(max_tokens=10, response_format=_schema_format(REPEATED, strict=False)) | {
+        "ignore_eos": False
+    }
+    response = platform.post("/v1/chat/completions", lenient)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "answer_schema_mismatch"
+    assert error["param"] == "response_format.json_schema.schema"
+    assert "`uniqueItems`" in error["message"]
+    strict = platform.post("/v1/chat/completions", lenient | {"response_format": _schema_format(REPEATED)})
+    assert strict.status_code == 400, strict.text
+    assert (
+        'uses unsupported features: Unimplemented keys: ["uniqueItems"]' in strict.json()["error"]["message"]
+    )
+
+
+def test_an_unknown_format_decodes_as_a_string_unless_strict(platform: Platform) -> None:
+    body = chat(max_tokens=30, response_format=_schema_format(DATED, strict=False)) | {"ignore_eos": False}
+    response = platform.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    document = json.loads(choice["message"]["content"])
+    assert list(document) == ["when"] and len(document["when"]) <= 6
+    strict = platform.post("/v1/chat/completions", body | {"response_format": _schema_format(DATED)})
+    assert strict.status_code == 400, strict.text
+    assert "uses unsupported features: Unknown format: datetime" in strict.json()["error"]["message"]

@@ -424,12 +424,76 @@ def test_one_of_is_decoded_as_any_of_even_under_strict(compiler: GrammarCompiler
     assert compiler.compile(spec).result(timeout=30).grammar
 
 
-def test_strict_still_refuses_keywords_it_would_ignore(compiler: GrammarCompiler):
-    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}
+# What llguidance can only leave out of a grammar: the four JSONSchemaBench sample schemas it
+# declined (docs/benchmarks.md, "Schema coverage") used one each.
+LEFT_OUT = {
+    "datetime": ({"type": "string", "format": "datetime"}, "Unknown format: datetime"),
+    "jsonpath": ({"type": "string", "format": "jsonpath"}, "Unknown format: jsonpath"),
+    "not": ({"type": "string", "not": {"const": "x"}}, 'Unimplemented keys: ["not"]'),
+    "dependencies": (
+        {"type": "object", "dependencies": {"a": ["b"]}},
+        'Unimplemented keys: ["dependencies"]',
+    ),
+}
+
+
+def json_schema_spec(schema: dict, strict: bool) -> GrammarSpec:
     fmt = common_pb2.ResponseFormat(
-        json_schema=common_pb2.JsonSchemaFormat(schema_json=json.dumps(schema), strict=True)
+        json_schema=common_pb2.JsonSchemaFormat(schema_json=json.dumps(schema), strict=strict)
     )
     spec = grammar_spec_from_proto(fmt)
     assert spec is not None
-    with pytest.raises(InvalidRequest):
-        compiler.compile(spec).result(timeout=30)
+    return spec
+
+
+@pytest.mark.parametrize("name", LEFT_OUT)
+def test_what_the_grammar_leaves_out_compiles_leniently_unless_strict(compiler: GrammarCompiler, name: str):
+    fragment, warning = LEFT_OUT[name]
+    schema = {"type": "object", "properties": {"x": fragment}, "required": ["x"]}
+    assert compiler.compile(json_schema_spec(schema, strict=False)).result(timeout=30).grammar
+    with pytest.raises(InvalidRequest) as refused:
+        compiler.compile(json_schema_spec(schema, strict=True)).result(timeout=30)
+    assert str(refused.value) == f"response_format.json_schema.schema uses unsupported features: {warning}"
+
+
+def test_strict_names_every_unsupported_feature_at_once(compiler: GrammarCompiler):
+    schema = {"type": "object", "properties": {name: LEFT_OUT[name][0] for name in LEFT_OUT}}
+    with pytest.raises(InvalidRequest) as refused:
+        compiler.compile(json_schema_spec(schema, strict=True)).result(timeout=30)
+    for _, warning in LEFT_OUT.values():
+        assert warning in str(refused.value)
+
+
+def test_lenient_decoding_still_refuses_what_is_wrong(compiler: GrammarCompiler):
+    # Lenient ignores what llguidance does not implement, not what is broken.
+    for schema, message in [
+        ({"type": "strin", "format": "datetime"}, "strin"),
+        ({"type": "string", "format": "datetime", "pattern": "(?<=a)b"}, "look-around"),
+    ]:
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            compiler.compile(json_schema_spec(schema, strict=False)).result(timeout=30)
+
+
+# Unknown formats decode as plain strings; the keywords beside them still bind.
+UNKNOWN_FORMATS = {
+    "type": "object",
+    "properties": {
+        "when": {"type": "string", "format": "datetime", "maxLength": 8},
+        "path": {"type": "string", "format": "jsonpath", "pattern": "^[$](\\.[a-z]{1,4}){1,3}$"},
+    },
+    "required": ["when", "path"],
+    "additionalProperties": False,
+}
+
+
+def test_a_schema_with_unknown_formats_generates_valid_json(
+    model_dir: Path, compiler: GrammarCompiler, tokenizer: Tokenizer
+):
+    engine = make_engine(model_dir, compiler)
+    results = generate_all(engine, compiler, {"event": json_schema_spec(UNKNOWN_FORMATS, strict=False)})
+    assert len(results) == len(FEW_SEEDS)
+    for request_id, outputs in results.items():
+        assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_STOP, request_id
+        document = json.loads(text_of(outputs, tokenizer))
+        jsonschema.validate(document, UNKNOWN_FORMATS)
+    engine.scheduler.check_invariants()
