@@ -221,6 +221,24 @@ def test_streamed_choices_carry_their_index_and_usage_comes_once(platform: Platf
     assert usage[0].completion_tokens == 6
 
 
+def test_a_stop_string_ends_each_choice_before_it_streamed_or_whole(platform: Platform) -> None:
+    # Seeded: the stopped choices sample what the unstopped ones did, up to the stop string.
+    body = chat(n=2, temperature=1.0, seed=41, max_tokens=16)
+    texts = [c.message.content or "" for c in platform.client().chat.completions.create(**_sdk(body)).choices]
+    assert len(texts[1]) >= 4, texts
+    stop = texts[1][len(texts[1]) // 2 : len(texts[1]) // 2 + 2]
+    expected = [(t[: t.find(stop)], "stop") if stop in t else (t, "length") for t in texts]
+    whole = platform.client().chat.completions.create(**_sdk(body | {"stop": [stop]}))
+    assert [(c.message.content or "", c.finish_reason) for c in whole.choices] == expected
+    stream = platform.client().chat.completions.create(**_sdk(body | {"stop": [stop], "stream": True}))
+    deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
+    streamed = []
+    for index in (0, 1):
+        mine = [delta for delta in deltas if delta.index == index]
+        streamed.append(("".join(delta.delta.content or "" for delta in mine), mine[-1].finish_reason))
+    assert streamed == expected
+
+
 def test_text_completions_take_n_too(platform: Platform) -> None:
     prompt = f"[{uuid.uuid4().hex}] Once upon a time, in a land far away, there lived a"
     body = {"model": TINY_MODEL_ID, "prompt": prompt, "n": 2, "max_tokens": 3, "ignore_eos": True}

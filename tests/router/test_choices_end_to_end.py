@@ -85,6 +85,36 @@ async def test_streamed_choices_interleave_by_index_with_one_usage(inference) ->
     assert chunks[-1].usage.completion_tokens == 10
 
 
+async def test_each_choice_ends_at_the_stop_string_its_engine_request_matched(inference) -> None:
+    # Seeded choices sample the same tokens again (each from its own seed), so the stopped
+    # answers are the unstopped ones cut where the stop string first appears, or whole.
+    request = chat(2, max_tokens=16, temperature=1.0, seed=23)
+    request.session_id = f"choices-stop-{uuid.uuid4().hex}"
+    texts = [
+        choice.content for choice in (await inference.CreateChatCompletion(request, timeout=TIMEOUT)).choices
+    ]
+    assert len(texts[1]) >= 4, texts
+    stop = texts[1][len(texts[1]) // 2 : len(texts[1]) // 2 + 2]  # in choice 1's answer, maybe not in 0's
+    request.sampling.stop.append(stop)
+    expected = [
+        (text[: text.find(stop)], common_pb2.FINISH_REASON_STOP)
+        if stop in text
+        else (text, common_pb2.FINISH_REASON_LENGTH)
+        for text in texts
+    ]
+    answer = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
+    assert [(choice.content, choice.finish_reason) for choice in answer.choices] == expected
+    chunks = [chunk async for chunk in inference.StreamChatCompletion(request, timeout=TIMEOUT)]
+    streamed = [
+        (
+            "".join(chunk.content_delta for chunk in chunks if chunk.index == index),
+            next(chunk.finish_reason for chunk in chunks if chunk.index == index and chunk.finish_reason),
+        )
+        for index in (0, 1)
+    ]
+    assert streamed == expected
+
+
 async def test_a_queued_job_with_choices_stores_them_all_and_is_billed_once(inference, usage) -> None:
     session = f"queued-choices-{uuid.uuid4().hex}"
     request = chat(2, max_tokens=3)
