@@ -10,6 +10,10 @@
    merge windows (patch * merge pixels). The pixels travel as uint8; the engine normalises them
    (mean = std = 0.5), so padding with 0 here is the processor's padding before normalisation.
 
+Steps 2 and 3 are the costly ones (tens of milliseconds for a screenshot), and agents send the
+same pictures again every turn: ``image_cache.PreparedImageCache`` keeps their result by the
+SHA-256 of the bytes of step 1, so a picture already seen is only read and hashed.
+
 Every failure is an ``InvalidArgument`` naming the part (``messages[2].content[1].image_url``):
 the REST bridge answers 400, never 500.
 """
@@ -26,6 +30,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
@@ -34,6 +39,9 @@ from PIL import Image, ImageOps
 from cachet.common.v1 import common_pb2
 from cachet.errors import InvalidArgument
 from cachet.tokenizer.model_info import VisionInfo
+
+if TYPE_CHECKING:  # image_cache imports PreparedImage from here
+    from cachet.tokenizer.image_cache import PreparedImageCache
 
 # What Pillow may decode: the formats OpenAI accepts. Naming them keeps Pillow's rarer
 # decoders (and their bugs) out of reach of request bodies.
@@ -81,17 +89,50 @@ def content_hash(grid_height: int, grid_width: int, pixels: bytes) -> bytes:
     return hashlib.sha256(struct.pack("<II", grid_height, grid_width) + pixels).digest()
 
 
+@dataclass(frozen=True, repr=False)
+class PreparedImage:
+    """An image at the model's resolution, as the engine reads it. Immutable (``pixels`` is
+    ``bytes``): one cached copy is shared by every request that sends the picture."""
+
+    num_tokens: int
+    grid_height: int
+    grid_width: int
+    # RGB rows, top to bottom: [grid_height * patch, grid_width * patch, 3], uint8.
+    pixels: bytes
+    content_hash: bytes
+
+    def __repr__(self) -> str:  # the pixels stay out of logs
+        return f"PreparedImage({self.grid_height}x{self.grid_width} patches, {self.content_hash.hex()[:12]})"
+
+    def to_proto(self, *, with_pixels: bool = True) -> common_pb2.ImageInput:
+        """A new ``ImageInput`` (the caller sets its ``token_offset``); without pixels for a
+        caller that only counts tokens."""
+        return common_pb2.ImageInput(
+            num_tokens=self.num_tokens,
+            grid_height=self.grid_height,
+            grid_width=self.grid_width,
+            pixels=self.pixels if with_pixels else b"",
+            content_hash=self.content_hash,
+        )
+
+
 def prompt_images(
-    parts: Sequence[tuple[str, str]], vision: VisionInfo, limits: ImageLimits
+    parts: Sequence[tuple[str, str]],
+    vision: VisionInfo,
+    limits: ImageLimits,
+    cache: PreparedImageCache | None = None,
+    *,
+    with_pixels: bool = True,
 ) -> list[common_pb2.ImageInput]:
     """Each ``(field, url)`` image part of a request as an ``ImageInput``, in order, within the
-    request's caps (the part that crosses one is named)."""
+    request's caps (the part that crosses one is named). Without pixels, the same images are
+    accepted and refused (the pixel cap included): a count is what the request would be billed."""
     images: list[common_pb2.ImageInput] = []
     total = 0
     for number, (field, url) in enumerate(parts):
         if number == limits.max_images:
             raise _invalid(field, f"more than {limits.max_images} images in one request")
-        image = image_input(url, field, vision, limits)
+        image = prepared_image(url, field, vision, limits, cache)
         total += len(image.pixels)
         if total > limits.max_total_pixel_bytes:
             raise _invalid(
@@ -99,17 +140,22 @@ def prompt_images(
                 f"the request's images come to over {limits.max_total_pixel_bytes:,} bytes of pixels "
                 "at the model's resolution",
             )
-        images.append(image)
+        images.append(image.to_proto(with_pixels=with_pixels))
     return images
 
 
-def image_input(url: str, field: str, vision: VisionInfo, limits: ImageLimits) -> common_pb2.ImageInput:
-    """One image part as the engine reads it; ``token_offset`` is left for the caller to fill."""
-    image = decode_rgb(image_bytes(url, field, limits), field, limits)
-    return resized_input(image, vision)
+def prepared_image(
+    url: str, field: str, vision: VisionInfo, limits: ImageLimits, cache: PreparedImageCache | None = None
+) -> PreparedImage:
+    """One image part read, decoded and resized; with a cache, decoded and resized only the
+    first time its bytes are seen (a URL is fetched every time: what it names may change)."""
+    data = image_bytes(url, field, limits)
+    if cache is None:
+        return resized_input(decode_rgb(data, field, limits), vision)
+    return cache.prepared(data, vision, lambda: resized_input(decode_rgb(data, field, limits), vision))
 
 
-def resized_input(image: Image.Image, vision: VisionInfo) -> common_pb2.ImageInput:
+def resized_input(image: Image.Image, vision: VisionInfo) -> PreparedImage:
     """An RGB image resized and padded to the model's patch grid."""
     (height, width), (padded_h, padded_w) = navit_size(image.height, image.width, vision)
     if (height, width) != (image.height, image.width):
@@ -121,7 +167,7 @@ def resized_input(image: Image.Image, vision: VisionInfo) -> common_pb2.ImageInp
     pixels = image.tobytes()  # RGB rows, top to bottom: [padded_h, padded_w, 3]
     grid_h, grid_w = padded_h // vision.patch_size, padded_w // vision.patch_size
     merge_h, merge_w = vision.merge_kernel
-    return common_pb2.ImageInput(
+    return PreparedImage(
         num_tokens=grid_h * grid_w // (merge_h * merge_w),
         grid_height=grid_h,
         grid_width=grid_w,

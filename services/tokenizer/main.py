@@ -17,7 +17,9 @@ from cachet.models.catalog import (
     ensure_model,
     resolve_model,
 )
+from cachet.tokenizer.image_cache import PreparedImageCache
 from cachet.tokenizer.images import ImageLimits
+from cachet.tokenizer.metrics import ImageCacheCollector
 from cachet.tokenizer.model_registry import ModelRegistry
 from cachet.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from cachet.tokenizer.settings import TokenizerSettings
@@ -76,10 +78,20 @@ async def start(settings: TokenizerSettings, *, metrics_port: int | None = None)
     """Load the models and start serving; ``settings.port`` 0 picks a free port; ``metrics_port``
     (0: a free one) also serves Prometheus /metrics."""
     registry = await asyncio.to_thread(load_registry, settings)
+    image_cache = PreparedImageCache(settings.image_cache_bytes)
     servicer = TokenizerServicer(
-        registry, max_input_chars=settings.max_input_chars, image_limits=image_limits(settings)
+        registry,
+        max_input_chars=settings.max_input_chars,
+        image_limits=image_limits(settings),
+        image_cache=image_cache,
     )
-    return await create_server(settings, [servicer.register], [SERVICE_NAME], metrics_port=metrics_port)
+    return await create_server(
+        settings,
+        [servicer.register],
+        [SERVICE_NAME],
+        metrics_port=metrics_port,
+        metrics_collectors=[ImageCacheCollector(image_cache)],
+    )
 
 
 async def _serve(settings: TokenizerSettings) -> None:

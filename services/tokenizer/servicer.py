@@ -20,6 +20,7 @@ from cachet.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from cachet.errors import InvalidArgument
 from cachet.tokenizer.chat_messages import image_parts, messages_to_dicts, tools_to_dicts
 from cachet.tokenizer.detokenize_session import DetokenizeSession
+from cachet.tokenizer.image_cache import PreparedImageCache
 from cachet.tokenizer.image_placeholders import expand_placeholders
 from cachet.tokenizer.images import ImageLimits, prompt_images
 from cachet.tokenizer.model_info import ModelInfo
@@ -70,14 +71,22 @@ def _model_info_proto(info: ModelInfo) -> tokenizer_pb2.ModelInfo:
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
-    """Thin adapter over a ``ModelRegistry``; holds no per-call state of its own."""
+    """Thin adapter over a ``ModelRegistry`` and a ``PreparedImageCache``; holds no per-call state
+    of its own."""
 
     def __init__(
-        self, registry: ModelRegistry, *, max_input_chars: int, image_limits: ImageLimits | None = None
+        self,
+        registry: ModelRegistry,
+        *,
+        max_input_chars: int,
+        image_limits: ImageLimits | None = None,
+        image_cache: PreparedImageCache | None = None,
     ) -> None:
         self._registry = registry
         self._max_input_chars = max_input_chars
         self._image_limits = image_limits or ImageLimits()
+        # Shared by every call (the worker threads too): it holds prepared images, not requests.
+        self._image_cache = image_cache if image_cache is not None else PreparedImageCache()
 
     def register(self, server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(self, server)
@@ -128,7 +137,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         vision = model.info.vision
         messages = messages_to_dicts(request.messages, vision.placeholder_text if vision else None)
         tools = tools_to_dicts(request.tools)
-        images = prompt_images(image_parts(request.messages), vision, self._image_limits) if vision else []
+        images = (
+            prompt_images(image_parts(request.messages), vision, self._image_limits, self._image_cache)
+            if vision
+            else []
+        )
         rendered = model.apply_chat_template(
             messages,
             tools,

@@ -29,3 +29,8 @@ class TokenizerSettings(ServiceSettings):
     # empty: only data: URLs. Fetches follow no redirects and are capped by image_max_bytes.
     image_url_hosts: list[str] = Field(default_factory=list)
     image_fetch_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Prepared images (decoded and resized) kept by the SHA-256 of their bytes, so that a picture
+    # sent again (agents resend the whole conversation every turn) is not decoded again: at most
+    # this many bytes of pixels, least recently used out first; 0 keeps none. A 1280x800
+    # screenshot at Kimi K2.5's resolution is 3.1 MB.
+    image_cache_bytes: int = Field(default=256 * 1024 * 1024, ge=0)

@@ -4,6 +4,7 @@ gRPC servicer, the caps and every bad image named by its part. Nothing here reac
 from __future__ import annotations
 
 import ast
+import asyncio
 import base64
 import io
 import json
@@ -19,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 import transformers
+from metrics_scrape import exposition, naming_problems
 from PIL import Image
 
 from cachet.common.v1 import common_pb2
@@ -26,7 +28,9 @@ from cachet.errors import InvalidArgument, error_info_from_metadata
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import RunningServer, create_server
 from cachet.models.tiny import write_tiny_model
+from cachet.tokenizer.image_cache import PreparedImageCache
 from cachet.tokenizer.images import ImageLimits, decode_rgb, image_bytes, navit_size, resized_input
+from cachet.tokenizer.main import start
 from cachet.tokenizer.model_info import SpecialToken, VisionInfo, vision_info
 from cachet.tokenizer.model_registry import ModelRegistry
 from cachet.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
@@ -234,11 +238,20 @@ LIMITS = ImageLimits(
 
 
 @pytest.fixture
+def image_cache() -> PreparedImageCache:
+    """The servicer's prepared-image cache: a fresh one per test."""
+    return PreparedImageCache()
+
+
+@pytest.fixture
 async def stub(
-    vision_model: TokenizerModel, text_model: TokenizerModel
+    vision_model: TokenizerModel, text_model: TokenizerModel, image_cache: PreparedImageCache
 ) -> AsyncIterator[tokenizer_pb2_grpc.TokenizerServiceStub]:
     servicer = TokenizerServicer(
-        ModelRegistry([vision_model, text_model]), max_input_chars=1_000_000, image_limits=LIMITS
+        ModelRegistry([vision_model, text_model]),
+        max_input_chars=1_000_000,
+        image_limits=LIMITS,
+        image_cache=image_cache,
     )
     running: RunningServer = await create_server(
         TokenizerSettings(port=0, models=[]), [servicer.register], [SERVICE_NAME]
@@ -277,7 +290,7 @@ def user(*parts: common_pb2.ContentPart) -> common_pb2.ChatMessage:
 
 
 SMALL = data_url(png(_random_image(40, 60, seed=1)))  # 6 tokens
-TALL = data_url(png(_random_image(100, 30, seed=2)))  # 104x56: 8x4 patches, 8 tokens
+TALL = data_url(png(_random_image(100, 30, seed=2)))  # 112x56: 8x4 patches, 8 tokens
 
 
 async def test_placeholders_expand_at_each_images_place(
@@ -365,6 +378,99 @@ async def test_counting_through_the_template_counts_image_tokens(
     # CountTokens of a chat (the router's and the Anthropic count_tokens path) is len(token_ids):
     # the prompt's own tokens with the one placeholder standing for the image's 8.
     assert len(reply.token_ids) == len(vision_model.encode(reply.prompt, add_special_tokens=False)) + 8 - 1
+
+
+class PillowOpens:
+    """Counts ``Image.open`` calls: one per image decoded (the service runs in this process)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = Image.open
+
+        def counting_open(*args: Any, **kwargs: Any) -> Image.Image:
+            self.count += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(Image, "open", counting_open)
+
+
+async def test_a_picture_sent_again_is_not_decoded_again(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+    image_cache: PreparedImageCache,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opens = PillowOpens(monkeypatch)
+    first = await stub.ApplyChatTemplate(request(user(text("look"), image(TALL))))
+    # The next turn: the whole conversation again, the picture at the same place and a new one after.
+    again = await stub.ApplyChatTemplate(
+        request(
+            user(text("look"), image(TALL)),
+            common_pb2.ChatMessage(role="assistant", content=[text("a tall picture")]),
+            user(text("and this one?"), image(SMALL)),
+        )
+    )
+    assert opens.count == 2  # TALL once, SMALL once
+    assert (image_cache.figures.hits, image_cache.figures.misses) == (1, 2)
+    kept, new = again.images
+    assert kept.pixels == first.images[0].pixels and kept.content_hash == first.images[0].content_hash
+    assert (kept.grid_height, kept.grid_width, kept.num_tokens) == (8, 4, 8)
+    assert new.content_hash != kept.content_hash and new.num_tokens == 6
+    # Each request got its own ImageInput: the second's placeholders start elsewhere.
+    assert first.images[0].token_offset == kept.token_offset < new.token_offset
+    # The same picture encoded otherwise is other bytes: decoded again.
+    as_webp = data_url(png(_random_image(100, 30, seed=2), "WEBP"), "image/webp")
+    await stub.ApplyChatTemplate(request(user(text("look"), image(as_webp))))
+    assert opens.count == 3 and image_cache.figures.misses == 3
+    image_cache.check_invariants()
+
+
+async def test_a_url_is_fetched_every_time_and_decoded_once_per_content(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+    image_cache: PreparedImageCache,
+    image_server: ImageServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opens = PillowOpens(monkeypatch)
+    before = image_server.requests.count("/changing.png")
+    image_server.routes["/changing.png"] = (200, {}, png(_random_image(40, 60, seed=5)))
+    url = image_server.url("/changing.png")
+    first = await stub.ApplyChatTemplate(request(user(image(url))))
+    second = await stub.ApplyChatTemplate(request(user(image(url))))
+    assert opens.count == 1 and second.images[0].pixels == first.images[0].pixels
+    # What the URL names changes: the new content is decoded, never the old one served.
+    image_server.routes["/changing.png"] = (200, {}, png(_random_image(40, 60, seed=6)))
+    changed = await stub.ApplyChatTemplate(request(user(image(url))))
+    assert opens.count == 2 and changed.images[0].content_hash != first.images[0].content_hash
+    assert image_server.requests.count("/changing.png") - before == 3
+
+
+async def test_the_service_keeps_images_within_its_setting_and_counts_them_on_metrics(
+    vision_dir: Path,
+) -> None:
+    # Room for one of TALL (112x56 pixels as resized) or SMALL (56x84), not both.
+    settings = TokenizerSettings(port=0, models=[str(vision_dir)], image_cache_bytes=20_000)
+    running = await start(settings, metrics_port=0)
+    try:
+        async with create_channel(running.address) as channel:
+            service = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            (model,) = (await service.ListModels(pb.ListModelsRequest())).models
+            for picture in (TALL, TALL, SMALL, TALL):  # a hit, then each evicts the other
+                await service.ApplyChatTemplate(request(user(image(picture)), model=model.model))
+        assert running.metrics_port is not None
+        exposed = await asyncio.to_thread(exposition, running.metrics_port)
+    finally:
+        await running.stop(grace=None)
+    assert naming_problems(exposed) == []
+    figures = {
+        line.split()[0]: float(line.split()[1])
+        for line in exposed.splitlines()
+        if line.startswith("cachet_tokenizer_")
+    }
+    assert figures["cachet_tokenizer_image_cache_hits_total"] == 1
+    assert figures["cachet_tokenizer_image_cache_misses_total"] == 3
+    assert figures["cachet_tokenizer_image_cache_evictions_total"] == 2
+    assert figures["cachet_tokenizer_image_cache_bytes"] == 112 * 56 * 3 + 32
+    assert figures["cachet_tokenizer_image_cache_capacity_bytes"] == 20_000
 
 
 def _bad_cases(image_server: ImageServer) -> list[tuple[list[common_pb2.ChatMessage], str, str, str]]:
