@@ -110,7 +110,8 @@ def count_tokens_request_to_proto(
     body: anthropic.CountTokensBody,
 ) -> tokenizer_pb2.ApplyChatTemplateRequest:
     """The prompt the router would render for this conversation (it offers no tools under
-    ``tool_choice: none``), so the count is the one a message would be billed."""
+    ``tool_choice: none``), so the count is the one a message would be billed; count only:
+    the images' pixels stay in the tokenizer."""
     chat = convert.chat_request_to_proto(chat_body(body))
     offered = chat.tool_choice.mode != common_pb2.TOOL_CHOICE_MODE_NONE
     return tokenizer_pb2.ApplyChatTemplateRequest(
@@ -119,6 +120,7 @@ def count_tokens_request_to_proto(
         tools=chat.tools if offered else [],
         add_generation_prompt=True,
         reasoning=chat.reasoning,
+        count_only=True,
     )
 
 

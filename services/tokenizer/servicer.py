@@ -138,7 +138,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         messages = messages_to_dicts(request.messages, vision.placeholder_text if vision else None)
         tools = tools_to_dicts(request.tools)
         images = (
-            prompt_images(image_parts(request.messages), vision, self._image_limits, self._image_cache)
+            prompt_images(
+                image_parts(request.messages),
+                vision,
+                self._image_limits,
+                self._image_cache,
+                with_pixels=not request.count_only,
+            )
             if vision
             else []
         )

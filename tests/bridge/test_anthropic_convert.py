@@ -192,6 +192,8 @@ def test_count_tokens_renders_the_prompt_the_router_would() -> None:
     template = anthropic_convert.count_tokens_request_to_proto(CountTokensBody(**body))
     chat = anthropic_convert.messages_request_to_proto(MessagesBody(**anthropic_request()))
     assert template.add_generation_prompt
+    # Only the count comes back: the images' pixels stay in the tokenizer.
+    assert template.count_only
     assert list(template.messages) == list(chat.messages)
     assert list(template.tools) == list(chat.tools)
     # tool_choice none: the router offers no tools, so they are not counted.

@@ -7,6 +7,7 @@ import ast
 import asyncio
 import base64
 import io
+import itertools
 import json
 import math
 import threading
@@ -444,6 +445,28 @@ async def test_a_url_is_fetched_every_time_and_decoded_once_per_content(
     assert image_server.requests.count("/changing.png") - before == 3
 
 
+async def test_count_only_returns_the_same_tokens_and_no_pixels(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+) -> None:
+    messages = (
+        common_pb2.ChatMessage(role="system", content=[text("Be brief.")]),
+        user(text("Compare"), image(SMALL), text("with"), image(TALL)),
+    )
+    full = await stub.ApplyChatTemplate(request(*messages, prefix_message_counts=[1, 2]))
+    counted = await stub.ApplyChatTemplate(request(*messages, prefix_message_counts=[1, 2], count_only=True))
+    assert list(counted.token_ids) == list(full.token_ids)
+    assert list(counted.prefix_token_counts) == list(full.prefix_token_counts)
+    assert counted.prompt == full.prompt
+    assert all(item.pixels for item in full.images)
+    assert [item.pixels for item in counted.images] == [b"", b""]
+    without_pixels = [common_pb2.ImageInput() for _ in full.images]
+    for target, item in zip(without_pixels, full.images, strict=True):
+        target.CopyFrom(item)
+        target.ClearField("pixels")
+    assert list(counted.images) == without_pixels
+    assert counted.ByteSize() < full.ByteSize() // 10
+
+
 async def test_the_service_keeps_images_within_its_setting_and_counts_them_on_metrics(
     vision_dir: Path,
 ) -> None:
@@ -533,11 +556,14 @@ def _bad_cases(image_server: ImageServer) -> list[tuple[list[common_pb2.ChatMess
 async def test_every_bad_image_is_invalid_argument_naming_its_part(
     stub: tokenizer_pb2_grpc.TokenizerServiceStub, image_server: ImageServer
 ) -> None:
-    for messages, model, field, word in _bad_cases(image_server):
+    # Counting only refuses what a request to generate would: a count is what it would be billed.
+    for (messages, model, field, word), count_only in itertools.product(
+        _bad_cases(image_server), (False, True)
+    ):
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await stub.ApplyChatTemplate(request(*messages, model=model))
+            await stub.ApplyChatTemplate(request(*messages, model=model, count_only=count_only))
         error = raised.value
-        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, word, error.details())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, word, count_only, error.details())
         assert error.details().startswith(f"{field}: ") and word in error.details(), error.details()
         assert error_info_from_metadata(error.trailing_metadata()).param == field
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cachet.common.v1 import common_pb2 as cachet_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#cachet/tokenizer/v1/tokenizer.proto\x12\x13\x63\x61\x63het.tokenizer.v1\x1a\x1d\x63\x61\x63het/common/v1/common.proto\"H\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"N\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x97\x02\n\x18\x41pplyChatTemplateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.cachet.common.v1.ChatMessage\x12%\n\x05tools\x18\x03 \x03(\x0b\x32\x16.cachet.common.v1.Tool\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12\x36\n\treasoning\x18\x06 \x01(\x0b\x32#.cachet.common.v1.ReasoningControls\x12\x1d\n\x15prefix_message_counts\x18\x07 \x03(\r\"\x89\x01\n\x19\x41pplyChatTemplateResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13prefix_token_counts\x18\x03 \x03(\r\x12,\n\x06images\x18\x04 \x03(\x0b\x32\x1c.cachet.common.v1.ImageInput\"\x81\x01\n\x17\x44\x65tokenizeStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\x12\r\n\x05\x66lush\x18\x05 \x01(\x08\"G\n\x18\x44\x65tokenizeStreamResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x17\n\x0ftokens_consumed\x18\x02 \x01(\r\"\'\n\x16\x45xportTokenizerRequest\x12\r\n\x05model\x18\x01 \x01(\t\"T\n\x17\x45xportTokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"1\n\x12\x43ountTokensRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"$\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"^\n\x12\x42lockHashesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"?\n\x13\x42lockHashesResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\nblock_size\x18\x02 \x01(\r\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xe6\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x39\n\x0especial_tokens\x18\x05 \x03(\x0b\x32!.cachet.tokenizer.v1.SpecialToken\x12\x1f\n\x17template_supports_tools\x18\x06 \x01(\x08\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_bos_token_id\".\n\x0cSpecialToken\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"D\n\x12ListModelsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.cachet.tokenizer.v1.ModelInfo2\x8c\x07\n\x10TokenizerService\x12Q\n\x06\x45ncode\x12\".cachet.tokenizer.v1.EncodeRequest\x1a#.cachet.tokenizer.v1.EncodeResponse\x12Q\n\x06\x44\x65\x63ode\x12\".cachet.tokenizer.v1.DecodeRequest\x1a#.cachet.tokenizer.v1.DecodeResponse\x12r\n\x11\x41pplyChatTemplate\x12-.cachet.tokenizer.v1.ApplyChatTemplateRequest\x1a..cachet.tokenizer.v1.ApplyChatTemplateResponse\x12s\n\x10\x44\x65tokenizeStream\x12,.cachet.tokenizer.v1.DetokenizeStreamRequest\x1a-.cachet.tokenizer.v1.DetokenizeStreamResponse(\x01\x30\x01\x12l\n\x0f\x45xportTokenizer\x12+.cachet.tokenizer.v1.ExportTokenizerRequest\x1a,.cachet.tokenizer.v1.ExportTokenizerResponse\x12`\n\x0b\x43ountTokens\x12\'.cachet.tokenizer.v1.CountTokensRequest\x1a(.cachet.tokenizer.v1.CountTokensResponse\x12`\n\x0b\x42lockHashes\x12\'.cachet.tokenizer.v1.BlockHashesRequest\x1a(.cachet.tokenizer.v1.BlockHashesResponse\x12X\n\x0cGetModelInfo\x12(.cachet.tokenizer.v1.GetModelInfoRequest\x1a\x1e.cachet.tokenizer.v1.ModelInfo\x12]\n\nListModels\x12&.cachet.tokenizer.v1.ListModelsRequest\x1a\'.cachet.tokenizer.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#cachet/tokenizer/v1/tokenizer.proto\x12\x13\x63\x61\x63het.tokenizer.v1\x1a\x1d\x63\x61\x63het/common/v1/common.proto\"H\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"N\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xab\x02\n\x18\x41pplyChatTemplateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.cachet.common.v1.ChatMessage\x12%\n\x05tools\x18\x03 \x03(\x0b\x32\x16.cachet.common.v1.Tool\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12\x36\n\treasoning\x18\x06 \x01(\x0b\x32#.cachet.common.v1.ReasoningControls\x12\x1d\n\x15prefix_message_counts\x18\x07 \x03(\r\x12\x12\n\ncount_only\x18\x08 \x01(\x08\"\x89\x01\n\x19\x41pplyChatTemplateResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13prefix_token_counts\x18\x03 \x03(\r\x12,\n\x06images\x18\x04 \x03(\x0b\x32\x1c.cachet.common.v1.ImageInput\"\x81\x01\n\x17\x44\x65tokenizeStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\x12\r\n\x05\x66lush\x18\x05 \x01(\x08\"G\n\x18\x44\x65tokenizeStreamResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x17\n\x0ftokens_consumed\x18\x02 \x01(\r\"\'\n\x16\x45xportTokenizerRequest\x12\r\n\x05model\x18\x01 \x01(\t\"T\n\x17\x45xportTokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"1\n\x12\x43ountTokensRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"$\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"^\n\x12\x42lockHashesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"?\n\x13\x42lockHashesResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\nblock_size\x18\x02 \x01(\r\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xe6\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x39\n\x0especial_tokens\x18\x05 \x03(\x0b\x32!.cachet.tokenizer.v1.SpecialToken\x12\x1f\n\x17template_supports_tools\x18\x06 \x01(\x08\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_bos_token_id\".\n\x0cSpecialToken\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"D\n\x12ListModelsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.cachet.tokenizer.v1.ModelInfo2\x8c\x07\n\x10TokenizerService\x12Q\n\x06\x45ncode\x12\".cachet.tokenizer.v1.EncodeRequest\x1a#.cachet.tokenizer.v1.EncodeResponse\x12Q\n\x06\x44\x65\x63ode\x12\".cachet.tokenizer.v1.DecodeRequest\x1a#.cachet.tokenizer.v1.DecodeResponse\x12r\n\x11\x41pplyChatTemplate\x12-.cachet.tokenizer.v1.ApplyChatTemplateRequest\x1a..cachet.tokenizer.v1.ApplyChatTemplateResponse\x12s\n\x10\x44\x65tokenizeStream\x12,.cachet.tokenizer.v1.DetokenizeStreamRequest\x1a-.cachet.tokenizer.v1.DetokenizeStreamResponse(\x01\x30\x01\x12l\n\x0f\x45xportTokenizer\x12+.cachet.tokenizer.v1.ExportTokenizerRequest\x1a,.cachet.tokenizer.v1.ExportTokenizerResponse\x12`\n\x0b\x43ountTokens\x12\'.cachet.tokenizer.v1.CountTokensRequest\x1a(.cachet.tokenizer.v1.CountTokensResponse\x12`\n\x0b\x42lockHashes\x12\'.cachet.tokenizer.v1.BlockHashesRequest\x1a(.cachet.tokenizer.v1.BlockHashesResponse\x12X\n\x0cGetModelInfo\x12(.cachet.tokenizer.v1.GetModelInfoRequest\x1a\x1e.cachet.tokenizer.v1.ModelInfo\x12]\n\nListModels\x12&.cachet.tokenizer.v1.ListModelsRequest\x1a\'.cachet.tokenizer.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,35 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODERESPONSE']._serialized_start=282
   _globals['_DECODERESPONSE']._serialized_end=312
   _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=315
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=594
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=597
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=734
-  _globals['_DETOKENIZESTREAMREQUEST']._serialized_start=737
-  _globals['_DETOKENIZESTREAMREQUEST']._serialized_end=866
-  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_start=868
-  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_end=939
-  _globals['_EXPORTTOKENIZERREQUEST']._serialized_start=941
-  _globals['_EXPORTTOKENIZERREQUEST']._serialized_end=980
-  _globals['_EXPORTTOKENIZERRESPONSE']._serialized_start=982
-  _globals['_EXPORTTOKENIZERRESPONSE']._serialized_end=1066
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=1068
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=1117
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1119
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1155
-  _globals['_BLOCKHASHESREQUEST']._serialized_start=1157
-  _globals['_BLOCKHASHESREQUEST']._serialized_end=1251
-  _globals['_BLOCKHASHESRESPONSE']._serialized_start=1253
-  _globals['_BLOCKHASHESRESPONSE']._serialized_end=1316
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1318
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1354
-  _globals['_MODELINFO']._serialized_start=1357
-  _globals['_MODELINFO']._serialized_end=1587
-  _globals['_SPECIALTOKEN']._serialized_start=1589
-  _globals['_SPECIALTOKEN']._serialized_end=1635
-  _globals['_LISTMODELSREQUEST']._serialized_start=1637
-  _globals['_LISTMODELSREQUEST']._serialized_end=1656
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1658
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1726
-  _globals['_TOKENIZERSERVICE']._serialized_start=1729
-  _globals['_TOKENIZERSERVICE']._serialized_end=2637
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=614
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=617
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=754
+  _globals['_DETOKENIZESTREAMREQUEST']._serialized_start=757
+  _globals['_DETOKENIZESTREAMREQUEST']._serialized_end=886
+  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_start=888
+  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_end=959
+  _globals['_EXPORTTOKENIZERREQUEST']._serialized_start=961
+  _globals['_EXPORTTOKENIZERREQUEST']._serialized_end=1000
+  _globals['_EXPORTTOKENIZERRESPONSE']._serialized_start=1002
+  _globals['_EXPORTTOKENIZERRESPONSE']._serialized_end=1086
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=1088
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=1137
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1139
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1175
+  _globals['_BLOCKHASHESREQUEST']._serialized_start=1177
+  _globals['_BLOCKHASHESREQUEST']._serialized_end=1271
+  _globals['_BLOCKHASHESRESPONSE']._serialized_start=1273
+  _globals['_BLOCKHASHESRESPONSE']._serialized_end=1336
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1338
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1374
+  _globals['_MODELINFO']._serialized_start=1377
+  _globals['_MODELINFO']._serialized_end=1607
+  _globals['_SPECIALTOKEN']._serialized_start=1609
+  _globals['_SPECIALTOKEN']._serialized_end=1655
+  _globals['_LISTMODELSREQUEST']._serialized_start=1657
+  _globals['_LISTMODELSREQUEST']._serialized_end=1676
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1678
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1746
+  _globals['_TOKENIZERSERVICE']._serialized_start=1749
+  _globals['_TOKENIZERSERVICE']._serialized_end=2657
 # @@protoc_insertion_point(module_scope)

@@ -140,12 +140,19 @@ class ApplyChatTemplateRequest(_message.Message):
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
     PREFIX_MESSAGE_COUNTS_FIELD_NUMBER: _builtins.int
+    COUNT_ONLY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     add_generation_prompt: _builtins.bool
     """End with the assistant's turn header so the model answers."""
     continue_final_message: _builtins.bool
     """Leave the final assistant message open so the model continues it."""
+    count_only: _builtins.bool
+    """Only the token count is wanted (Anthropic's count_tokens): token_ids as without it, images
+    expanded into them, but each of the response's images comes without its pixels (its grid,
+    num_tokens, token_offset and content_hash are set). The same images are accepted and refused
+    as without it, so the count is what the conversation would be billed.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
         """The conversation, oldest first; at least one message."""
@@ -175,10 +182,11 @@ class ApplyChatTemplateRequest(_message.Message):
         continue_final_message: _builtins.bool = ...,
         reasoning: _common_pb2.ReasoningControls | None = ...,
         prefix_message_counts: _abc.Iterable[_builtins.int] | None = ...,
+        count_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "model", b"model", "prefix_message_counts", b"prefix_message_counts", "reasoning", b"reasoning", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "count_only", b"count_only", "messages", b"messages", "model", b"model", "prefix_message_counts", b"prefix_message_counts", "reasoning", b"reasoning", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -211,7 +219,8 @@ class ApplyChatTemplateResponse(_message.Message):
     @_builtins.property
     def images(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]:
         """The prompt's images in order, each already expanded into its placeholder tokens in
-        token_ids (models with a vision encoder only; others refuse image parts).
+        token_ids (models with a vision encoder only; others refuse image parts). Without pixels
+        when the request was count_only.
         """
 
     def __init__(
