@@ -96,6 +96,7 @@ class RequestGrammar:
 
     def _consume(self, token_ids: list[int]) -> None:
         if not self.constraining:
+            assert self._starts_after is not None  # only a grammar that starts after a token waits
             try:
                 start = token_ids.index(self._starts_after) + 1
             except ValueError:

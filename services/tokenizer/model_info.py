@@ -78,6 +78,8 @@ class ModelInfo:
     bos_token_id: int | None
     # None: no vision encoder, image parts are refused.
     vision: VisionInfo | None = None
+    # Added tokens that are not special (decoded as text): a reasoning model's <think> markers.
+    added_tokens: tuple[SpecialToken, ...] = ()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -123,6 +125,15 @@ def special_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[SpecialToken, ..
         if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == text:
             found.setdefault(token_id, text)
     return tuple(SpecialToken(text=text, token_id=token_id) for token_id, text in sorted(found.items()))
+
+
+def added_text_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[SpecialToken, ...]:
+    """Tokens added to the vocabulary but not special, by id."""
+    return tuple(
+        SpecialToken(text=added.content, token_id=token_id)
+        for token_id, added in sorted(tokenizer.added_tokens_decoder.items())
+        if not added.special
+    )
 
 
 def stop_token_ids(
@@ -238,4 +249,5 @@ def read_model_info(
         template_supports_tools=template_supports_tools,
         bos_token_id=bos_token_id(config, generation_config, tokenizer),
         vision=vision_info(config, _read_json(path / "preprocessor_config.json"), specials),
+        added_tokens=added_text_tokens(tokenizer),
     )

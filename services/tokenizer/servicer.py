@@ -67,6 +67,9 @@ def _model_info_proto(info: ModelInfo) -> tokenizer_pb2.ModelInfo:
         ],
         template_supports_tools=info.template_supports_tools,
         bos_token_id=info.bos_token_id,
+        added_tokens=[
+            tokenizer_pb2.SpecialToken(text=t.text, token_id=t.token_id) for t in info.added_tokens
+        ],
     )
 
 

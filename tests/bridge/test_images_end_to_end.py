@@ -6,6 +6,9 @@ The image is a data URL of a PNG this test draws. Usage counts its placeholder t
 tokens; the same picture in the next request is read from the prefix cache, a picture that
 differs in one pixel is not (past the block before it); tool calls and structured outputs keep
 working with an image in the conversation; a broken image is a 400 naming the part.
+
+K2.5's generation prompt opens a think block unless thinking is off: then the output starts as
+reasoning, and a constraint holds only the answer after ``</think>``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from cachet.models.tiny import TINY_MODEL_IDS, write_tiny_model
 MODEL = TINY_MODEL_IDS["kimi-k2.5"]
 TIMEOUT = 120.0
 GREEDY = {"temperature": 0.0, "max_tokens": 4}
+# The template's switch: the generation prompt writes an empty think block, the answer follows.
+THINKING_OFF = {"extra_body": {"chat_template_kwargs": {"thinking": False}}}
 
 
 @dataclass
@@ -125,6 +130,7 @@ def test_tool_calls_and_structured_outputs_work_with_a_picture_in_the_conversati
         temperature=1.0,
         seed=3,
         max_tokens=60,
+        **THINKING_OFF,
     )
     call = called.choices[0].message.tool_calls[0]
     assert call.function.name == "describe"
@@ -146,8 +152,40 @@ def test_tool_calls_and_structured_outputs_work_with_a_picture_in_the_conversati
         temperature=1.0,
         seed=4,
         max_tokens=60,
+        **THINKING_OFF,
     )
     assert set(json.loads(structured.choices[0].message.content)) == {"answer"}
+
+
+def test_with_thinking_on_the_output_starts_as_reasoning_and_the_schema_waits_for_the_answer(
+    vision: VisionPlatform,
+) -> None:
+    """The tiny model's random weights never close the block in a few tokens: all of it is
+    reasoning, free text the schema does not hold (the engine's tests pin what follows ``</think>``)."""
+    client = vision.client()
+    conversation = messages(f"[{uuid.uuid4().hex}] Think first.", png())
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    thought = client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        temperature=0.0,
+        max_tokens=12,
+    )
+    message = thought.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and not message.content, message
+    assert not reasoning.lstrip().startswith("{"), "the schema held the reasoning"
+    assert thought.choices[0].finish_reason == "length"
+    off = client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        temperature=0.0,
+        max_tokens=12,
+        **THINKING_OFF,
+    )
+    assert off.choices[0].message.content.startswith("{"), off.choices[0].message
 
 
 @pytest.mark.parametrize(

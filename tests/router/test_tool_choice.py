@@ -206,7 +206,9 @@ def test_think_token_turns_on_reasoning_for_hermes_models() -> None:
         ("<think>it is 4</think>4<|im_end|><|im_start|>assistant\n", PromptReasoning.UNOPENED),
     ],
 )
-def test_the_rendered_prompt_says_where_the_think_block_stands(prompt: str, expected: PromptReasoning) -> None:
+def test_the_rendered_prompt_says_where_the_think_block_stands(
+    prompt: str, expected: PromptReasoning
+) -> None:
     assert prompt_reasoning(prompt) is expected
 
 

@@ -194,6 +194,9 @@ def test_added_tokens_marked_not_special_survive_skip_special_tokens(
     assert ids[0] == first + 22 and first + 23 in ids
     assert model.decode(ids, skip_special_tokens=True) == "<think>hmm</think>ok"
     assert "<think>" not in {s.text for s in model.info.special_tokens}
+    # Still named in the model's description: the router constrains an answer after </think>.
+    added = {s.text: s.token_id for s in model.info.added_tokens}
+    assert (added["<think>"], added["</think>"]) == (first + 22, first + 23)
 
 
 def test_chat_template_renders_to_kimi_turn_tokens(model: TokenizerModel, kimi_dir: Path) -> None:

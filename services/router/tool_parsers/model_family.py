@@ -10,8 +10,8 @@ The rule, in order:
    Hermes- / Qwen-trained models write on their own.
 
 Reasoning (``<think>...</think>``) is read when the vocabulary has ``</think>`` as
-a token the tokenizer knows specially, or the family is Kimi K2 (its thinking
-models open every answer with a think block).
+a token of its own (special, or added as text as Kimi and Qwen3 add it), or the
+family is Kimi K2 (its thinking models open every answer with a think block).
 
 Markers that are special tokens only reach the parser when detokenization keeps
 special tokens; then the end-of-turn token that stopped the generation must be
@@ -49,14 +49,15 @@ class ModelFamily:
 
 def family_of(info: tokenizer_pb2.ModelInfo) -> ModelFamily:
     specials = {token.text: token.token_id for token in info.special_tokens}
+    whole_tokens = {token.text: token.token_id for token in info.added_tokens} | specials
     kimi = kimi_k2.SECTION_BEGIN in specials
-    thinks = kimi or reasoning.THINK_CLOSE in specials
+    thinks = kimi or reasoning.THINK_CLOSE in whole_tokens
     return ModelFamily(
         tool_format=ToolFormat.KIMI_K2 if kimi else ToolFormat.HERMES,
         reasoning=thinks,
         keep_special_tokens=kimi or reasoning.THINK_CLOSE in specials,
         stop_token_ids=frozenset(info.stop_token_ids),
-        think_close_token_id=specials.get(reasoning.THINK_CLOSE),
+        think_close_token_id=whole_tokens.get(reasoning.THINK_CLOSE),
     )
 
 

@@ -510,6 +510,7 @@ class ModelInfo(_message.Message):
     SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPLATE_SUPPORTS_TOOLS_FIELD_NUMBER: _builtins.int
     BOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    ADDED_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     context_window: _builtins.int
@@ -528,6 +529,12 @@ class ModelInfo(_message.Message):
     def special_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecialToken]:
         """Special tokens by text."""
 
+    @_builtins.property
+    def added_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecialToken]:
+        """Tokens added to the vocabulary that are not special: never split, and decoded as text even
+        where special tokens are skipped (Kimi's and Qwen3's <think> and </think>).
+        """
+
     def __init__(
         self,
         *,
@@ -538,10 +545,11 @@ class ModelInfo(_message.Message):
         special_tokens: _abc.Iterable[Global___SpecialToken] | None = ...,
         template_supports_tools: _builtins.bool = ...,
         bos_token_id: _builtins.int | None = ...,
+        added_tokens: _abc.Iterable[Global___SpecialToken] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "context_window", b"context_window", "model", b"model", "special_tokens", b"special_tokens", "stop_token_ids", b"stop_token_ids", "template_supports_tools", b"template_supports_tools", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "added_tokens", b"added_tokens", "bos_token_id", b"bos_token_id", "context_window", b"context_window", "model", b"model", "special_tokens", b"special_tokens", "stop_token_ids", b"stop_token_ids", "template_supports_tools", b"template_supports_tools", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015
