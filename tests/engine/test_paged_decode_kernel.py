@@ -93,6 +93,32 @@ def test_a_request_gets_the_same_bits_whatever_shares_its_batch() -> None:
         assert torch.equal(alone[0], together[row])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_tokens_read_together_get_each_tokens_own_bits(dtype: torch.dtype) -> None:
+    """A chunk's tokens (consecutive rows of one request, one key more each) share their key reads
+    in tiles; each row still gets the bits it gets alone, as a decode, and as part of a chunk cut
+    elsewhere: a token's attention is the same computed cold, from the prefix cache, or decoding."""
+    prompt, block_size = 600, 12
+    k_cache, v_cache, table = scattered_cache([prompt], block_size, 3, 64, dtype)
+    lens = torch.arange(1, prompt + 1)
+    q = torch.randn(prompt, 9, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    rows = table.expand(prompt, -1).contiguous()
+    whole = paged_decode_attention(q, k_cache, v_cache, rows, lens, 0.125)
+    for start, stop in ((0, 7), (250, 270), (590, 600)):
+        chunk = paged_decode_attention(
+            q[start:stop], k_cache, v_cache, rows[start:stop], lens[start:stop], 0.125
+        )
+        assert torch.equal(chunk, whole[start:stop]), (start, stop)
+    for row in (0, 255, 256, 599):
+        alone = paged_decode_attention(
+            q[row : row + 1], k_cache, v_cache, rows[row : row + 1], lens[row : row + 1], 0.125
+        )
+        assert torch.equal(alone[0], whole[row]), row
+    expected = dense_reference(q[::37], k_cache, v_cache, rows[::37], lens[::37].tolist())
+    atol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(whole[::37].float(), expected, atol=atol, rtol=0)
+
+
 def test_bad_input_is_a_clear_error() -> None:
     k_cache, v_cache, table = scattered_cache([20], 16, 2, 8, torch.float32)
     q = torch.randn(1, 4, 8)
