@@ -39,5 +39,9 @@ def test_the_dashboard_is_well_formed_and_covers_serving_cache_queue_load_and_co
         "cachet_engine_requests_running",  # replica load
         "cachet_usage_cost_usd_total",  # cost
         "cachet_usage_cache_savings_usd_total",  # savings
+        "cachet_engine_kv_block_copy_bytes_total",  # KV moved between tiers
+        "cachet_engine_kv_retained_blocks",  # retention
+        "cachet_router_prefill_handoffs_total",  # disaggregated prefill
+        "cachet_tokenizer_image_cache_hits_total",  # images not prepared again
     ):
         assert series in queries, series
