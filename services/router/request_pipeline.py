@@ -574,7 +574,8 @@ class Generation:
         self._detokenizer = detokenizer
         self._stop = StopStringHoldBack(request.sampling.stop)
         self._parser = request.output.new_parser()
-        # A schema decoding approximates (oneOf) is checked whole once the answer stops.
+        # A schema decoding only approximates (oneOf as anyOf, keywords llguidance leaves out) is
+        # checked whole once the answer stops.
         self._answer_check = AnswerCheck.for_format(request.response_format)
         self._made_tool_calls = False
         self._prompt_tokens = len(request.prompt_token_ids)
