@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
 
-from cachet.bridge.schemas import UINT32_MAX, ThinkingConfig
+from cachet.bridge.schemas import UINT32_MAX, ThinkingConfig, sampling_field
 
 # Anthropic's and Cachet's tool-name rule (common.proto's Tool.name).
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -281,12 +281,13 @@ class MessagesBody(MessagesInput):
     """The body of ``POST /v1/messages``."""
 
     # Required, as Anthropic requires it.
-    max_tokens: int = Field(ge=1, le=UINT32_MAX)
+    max_tokens: int = sampling_field("max_tokens", default=..., wire_max=UINT32_MAX)
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
+    # Anthropic's range, narrower than the platform's [0, 2].
     temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, le=UINT32_MAX)
+    top_p: float | None = sampling_field("top_p")
+    top_k: int | None = sampling_field("top_k", wire_max=UINT32_MAX)
     # Accepted and ignored: they change who is billed how, or where and how fast it runs, at
     # Anthropic, not the answer.
     metadata: dict[str, Any] | None = None

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cachet.bridge.schemas import UINT32_MAX, PromptCacheRetention, ReasoningEffort
+from cachet.bridge.schemas import UINT32_MAX, PromptCacheRetention, ReasoningEffort, sampling_field
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -259,9 +259,9 @@ class ResponsesBody(BaseModel):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_output_tokens: int | None = sampling_field("max_tokens", wire_max=UINT32_MAX)
+    temperature: float | None = sampling_field("temperature")
+    top_p: float | None = sampling_field("top_p")
     reasoning: ReasoningConfig | None = None
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None

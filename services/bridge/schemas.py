@@ -1,14 +1,14 @@
 """Pydantic models of the REST bodies the bridge accepts and the JSON it answers.
 
 Request models validate what OpenAI (and Workers AI) validate, so a bad request
-is refused here with the field named, before it costs a gRPC hop. A field of
-OpenAI's that would change the answer but that Cachet cannot honour is refused
-naming it; one that changes nothing here (``store``, ``metadata``...) is accepted,
-and a field OpenAI does not have either (another vendor's) is ignored with a log
-line. Response models exist so that
-``/openapi.json`` describes what the converters really produce; they forbid
-extra fields so the tests that validate converter output against them fail
-when the two drift apart.
+is refused here with the field named, before it costs a gRPC hop; sampling values are bounded
+by the ranges the router validates with (``cachet.sampling_ranges``, through
+``sampling_field``), not by a copy of them. A field of OpenAI's that would change the answer
+but that Cachet cannot honour is refused naming it; one that changes nothing here (``store``,
+``metadata``...) is accepted, and a field OpenAI does not have either (another vendor's) is
+ignored with a log line. Response models exist so that ``/openapi.json`` describes what the
+converters really produce; they forbid extra fields so the tests that validate converter output
+against them fail when the two drift apart.
 """
 
 from __future__ import annotations
@@ -27,11 +27,22 @@ from pydantic import (
     model_validator,
 )
 
+from cachet.sampling_ranges import MAX_CHOICES, SAMPLING_RANGES
+
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
 # A prompt's token id: the proto's uint32, so one outside it is a 400 here rather than a failed conversion
 # (ids past the model's vocabulary are the engine's to refuse, naming their place).
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+
+
+def sampling_field(name: str, *, default: Any = None, wire_max: int | None = None) -> Any:
+    """A sampling value's field, bounded by its range in ``SAMPLING_RANGES``; ``wire_max``: its
+    proto type's largest value, for a range with no upper end. ``default=...``: required."""
+    allowed = SAMPLING_RANGES[name]
+    return Field(
+        default=default, gt=allowed.gt, ge=allowed.ge, le=allowed.le if allowed.le is not None else wire_max
+    )
 
 
 class _Body(BaseModel):
@@ -182,8 +193,6 @@ class ThinkingConfig(_Body):
 # bool and 1 an int rather than one turning into the other).
 TemplateValue = StrictBool | StrictInt | StrictFloat | StrictStr
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
-# Most choices one request may ask for: each holds a seat of one replica while it runs.
-MAX_CHOICES = 16
 
 # Fields of OpenAI's API that would change the answer but that Cachet cannot honour: a 400
 # naming the field, never a silent answer to another question.
@@ -212,15 +221,15 @@ class _SamplingBody(_Body):
     # Fields no model here knows are kept (model_extra) so the route can log them, then ignored.
     model_config = ConfigDict(extra="allow")
 
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, le=UINT32_MAX)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    temperature: float | None = sampling_field("temperature")
+    top_p: float | None = sampling_field("top_p")
+    top_k: int | None = sampling_field("top_k", wire_max=UINT32_MAX)
+    min_p: float | None = sampling_field("min_p")
+    repetition_penalty: float | None = sampling_field("repetition_penalty")
     # vLLM's extension: generate past end-of-sequence (benchmarks, fixed-length tests).
     ignore_eos: bool = False
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = sampling_field("presence_penalty")
+    frequency_penalty: float | None = sampling_field("frequency_penalty")
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     stop: str | list[str] | None = None
     # Choices sharing one prompt (its KV computed once, on one replica).
@@ -240,11 +249,11 @@ class _SamplingBody(_Body):
 class ChatCompletionBody(_SamplingBody):
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_tokens: int | None = sampling_field("max_tokens", wire_max=UINT32_MAX)
     # OpenAI's newer name for max_tokens; it wins when both are given.
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: int | None = sampling_field("max_tokens", wire_max=UINT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = sampling_field("top_logprobs")
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -289,7 +298,7 @@ class CompletionBody(_SamplingBody):
     # Text, a one-element list of texts, or token ids; one prompt per request.
     prompt: str | list[str] | list[TokenId] = Field(min_length=1)
     # OpenAI's legacy default for /v1/completions.
-    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
+    max_tokens: int | None = sampling_field("max_tokens", default=16, wire_max=UINT32_MAX)
     # The legacy API's logprobs is a count of alternatives (0-5), not a flag.
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: Literal[False] = False
@@ -343,14 +352,17 @@ class WorkersAIRunBody(_Body):
     raw: bool = False
     stream: bool = False
     # Workers AI's documented default for text generation.
-    max_tokens: int = Field(default=256, ge=1, le=UINT32_MAX)
+    max_tokens: int = sampling_field("max_tokens", default=256, wire_max=UINT32_MAX)
+    # Workers AI's documented ranges, wider than the platform's: the router refuses a temperature
+    # past 2 or a top_p past 1 with its own 400 naming the field.
     temperature: float | None = Field(default=None, ge=0, le=5)
     top_p: float | None = Field(default=None, gt=0, le=2)
-    top_k: int | None = Field(default=None, ge=0, le=UINT32_MAX)
+    top_k: int | None = sampling_field("top_k", wire_max=UINT32_MAX)
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    # Workers AI's own ceiling, inside the platform's (> 0).
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = sampling_field("frequency_penalty")
+    presence_penalty: float | None = sampling_field("presence_penalty")
     stop: str | list[str] | None = None
     tools: list[WorkersAITool] | None = None
     # OpenAI's shapes: "none" / "auto" / "required" or {"type": "function", "function": {"name": ...}}.

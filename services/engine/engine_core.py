@@ -22,7 +22,6 @@ from cachet.engine.kv_cache_manager import KVCacheManager
 from cachet.engine.kv_handoff import KvHandOffs
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.request_output import RequestOutput
-from cachet.engine.sampling_params import InvalidSamplingParams
 from cachet.engine.scheduler import Scheduler, SchedulerConfig
 from cachet.engine.step_plan import SampledToken, StepPlan, StepResult
 from cachet.engine.stop_strings import StopStringChecker
@@ -95,10 +94,6 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises InvalidRequest or EngineOverloaded."""
-        try:
-            request.sampling.validate()
-        except InvalidSamplingParams as exc:
-            raise InvalidRequest(str(exc)) from exc
         if request.sampling.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need the engine to have a tokenizer")
         if request.grammar is not None and self._masks is None:

@@ -1,4 +1,9 @@
-"""Sampling parameters as the engine uses them: validated, defaults filled in."""
+"""Sampling parameters as the engine uses them: validated, defaults filled in.
+
+The ranges are ``cachet.sampling_ranges``'s, the same the router validates a request with: a
+request through the router is never refused here, and a direct gRPC client's value out of range
+is INVALID_ARGUMENT naming the field, where the sampler would take it and sample nonsense.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachet.common.v1 import common_pb2
-
-MAX_TOP_LOGPROBS = 20
-
-
-class InvalidSamplingParams(ValueError):
-    """A parameter is out of range; the message names it."""
+from cachet.sampling_ranges import SAMPLING_RANGES, check_stop, check_value
 
 
 @dataclass(frozen=True)
@@ -46,22 +46,14 @@ class SamplingParams:
         batch-invariant steps (``ModelRunner``) and names its KV blocks apart."""
         return self.greedy or self.seed is not None
 
-    def validate(self) -> None:
-        checks = [
-            (self.temperature >= 0.0, "temperature must be >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (all(s for s in self.stop), "stop strings must not be empty"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidSamplingParams(message)
+    def __post_init__(self) -> None:
+        """Validated when built, so no SamplingParams out of range exists (the step plan's
+        broadcast unpickles without calling this: those were checked on rank 0)."""
+        for name in SAMPLING_RANGES:
+            value = getattr(self, name)
+            if value is not None:
+                check_value(name, value)
+        check_stop(self.stop)
 
     @classmethod
     def from_proto(
@@ -70,7 +62,7 @@ class SamplingParams:
         """``defaults``: the model's own values for what a request leaves unset
         (``model_sampling_defaults``), as vLLM applies a model's generation_config.json."""
         defaults = defaults or {}
-        params = cls(
+        return cls(
             temperature=proto.temperature
             if proto.HasField("temperature")
             else defaults.get("temperature", 1.0),
@@ -91,8 +83,6 @@ class SamplingParams:
             logprobs=proto.logprobs or proto.top_logprobs > 0,
             top_logprobs=proto.top_logprobs,
         )
-        params.validate()
-        return params
 
 
 # generation_config.json keys that set a sampling default (vLLM reads the same ones).

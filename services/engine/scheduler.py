@@ -41,6 +41,7 @@ from cachet.engine.step_plan import (
     StepResult,
 )
 from cachet.engine.waiting_queue import WaitingQueue
+from cachet.sampling_ranges import check_context_window, check_value
 
 
 @dataclass(frozen=True)
@@ -267,13 +268,9 @@ class Scheduler:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         if not request.prompt_token_ids:
             raise InvalidRequest("the prompt is empty")
-        if request.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be >= 1")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise InvalidRequest(
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room in the "
-                f"{self.config.max_model_len}-token context window"
-            )
+        # In-process callers (tests, benches, replay) skip the servicer: the same rules again.
+        check_value("max_tokens", request.max_tokens)
+        check_context_window(request.num_prompt_tokens, None, self.config.max_model_len, model=self.kv.model)
         # The last sampled token is never computed, so KV is needed for one token less.
         max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
         if not self.kv.can_ever_fit(max_len - 1):

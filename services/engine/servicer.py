@@ -20,9 +20,10 @@ from cachet.engine.request import Request
 from cachet.engine.request_output import RequestOutput
 from cachet.engine.request_spans import record_request_spans
 from cachet.engine.request_timeline import RequestTimeline
-from cachet.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.structured_output import grammar_spec_from_proto
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.sampling_ranges import check_context_window
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
@@ -109,25 +110,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequest(
                 f"model {request.model!r} is not served here; this replica serves {self._info.model!r}"
             )
-        try:
-            sampling = SamplingParams.from_proto(request.sampling, self._sampling_defaults)
-        except InvalidSamplingParams as error:
-            raise InvalidRequest(str(error)) from error
+        # The router checked all of this already; a direct client's mistakes are refused here
+        # with the same rules (cachet.sampling_ranges), naming the field.
+        sampling = SamplingParams.from_proto(request.sampling, self._sampling_defaults)
         window = self._info.context_window
-        prompt_tokens = len(request.prompt_token_ids)
-        if prompt_tokens >= window:
-            raise InvalidRequest(
-                f"prompt of {prompt_tokens} tokens does not fit the {window}-token context window"
-            )
         prompt_token_ids = list(request.prompt_token_ids)
+        check_context_window(len(prompt_token_ids), sampling.max_tokens, window, model=self._info.model)
         self._check_token_ids(request, prompt_token_ids)
         images = prompt_images(request.images, prompt_token_ids, self._image_input)
-        room = window - prompt_tokens
-        if sampling.max_tokens is not None and sampling.max_tokens > room:
-            raise InvalidRequest(
-                f"max_tokens={sampling.max_tokens} plus the {prompt_tokens}-token prompt exceeds the "
-                f"{window}-token context window"
-            )
+        room = window - len(prompt_token_ids)
         return Request(
             request_id=request.request_id,
             prompt_token_ids=prompt_token_ids,

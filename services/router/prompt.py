@@ -1,9 +1,9 @@
 """Requests checked and turned into prompt token ids.
 
-Validation here covers what the router itself relies on (a model, messages, a
-prompt, sampling values it forwards) and the context window; everything the
-engine checks again (penalties, top-k...) it is left to report, with its own
-message, as INVALID_ARGUMENT.
+The router is the boundary that validates a request: a model, messages, a prompt, every
+sampling value and the context window, each refusal INVALID_ARGUMENT naming its field. The
+ranges and the window rule are ``cachet.sampling_ranges``'s, which the engine applies again
+to what reaches it directly, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from cachet import sampling_ranges
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2
 from cachet.errors import InvalidArgument
@@ -21,12 +22,10 @@ from cachet.router.cache_scope import validate_cache_salt
 from cachet.router.tool_parsers.reasoning import PromptReasoning, prompt_reasoning
 from cachet.router.upstream_errors import domain_error
 from cachet.router.v1 import router_pb2
+from cachet.sampling_ranges import MAX_CHOICES, check_sampling
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MAX_STOP_STRINGS = 16
-# Choices of one request: each holds a seat of the one replica that serves them all.
-MAX_CHOICES = 16
 
 
 def validate_model(model: str) -> None:
@@ -44,7 +43,7 @@ def validate_chat(request: router_pb2.ChatCompletionRequest) -> None:
                 f"messages[{index}].role must be one of {', '.join(sorted(ROLES))}; got {message.role!r}",
                 param=f"messages[{index}].role",
             )
-    validate_sampling(request.sampling)
+    check_sampling(request.sampling)
     validate_cache_salt(request.cache_salt)
     validate_choices(request.n)
     validate_retention(request.cache_retention)
@@ -55,7 +54,7 @@ def validate_completion(request: router_pb2.CompletionRequest) -> None:
     validate_model(request.model)
     if bool(request.prompt) == bool(request.prompt_token_ids):
         raise InvalidArgument("give exactly one of prompt and prompt_token_ids", param="prompt")
-    validate_sampling(request.sampling)
+    check_sampling(request.sampling)
     validate_cache_salt(request.cache_salt)
     validate_choices(request.n)
     validate_retention(request.cache_retention)
@@ -64,19 +63,6 @@ def validate_completion(request: router_pb2.CompletionRequest) -> None:
 def validate_choices(n: int) -> None:
     if n > MAX_CHOICES:
         raise InvalidArgument(f"n must be at most {MAX_CHOICES}", param="n")
-
-
-def validate_sampling(sampling: common_pb2.SamplingParams) -> None:
-    if sampling.HasField("temperature") and not 0.0 <= sampling.temperature <= 2.0:
-        raise InvalidArgument("temperature must be in [0, 2]", param="temperature")
-    if sampling.HasField("top_p") and not 0.0 < sampling.top_p <= 1.0:
-        raise InvalidArgument("top_p must be in (0, 1]", param="top_p")
-    if sampling.HasField("max_tokens") and sampling.max_tokens < 1:
-        raise InvalidArgument("max_tokens must be at least 1", param="max_tokens")
-    if len(sampling.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
-    if any(not stop for stop in sampling.stop):
-        raise InvalidArgument("stop strings must not be empty", param="stop")
 
 
 def check_context_window(
@@ -94,20 +80,14 @@ def check_context_window(
     agents send their own model's output limit (OpenCode: 32,000) whatever model serves them,
     and a refusal fails their very first request. Off, it is OpenAI's 400."""
     window = engine.context_window
-    if window and prompt_tokens >= window:
-        raise InvalidArgument(
-            f"the prompt is {prompt_tokens} tokens; {engine.model}'s context window is {window}",
-            param=prompt_param,
-        )
-    if window and sampling.HasField("max_tokens") and prompt_tokens + sampling.max_tokens > window:
-        if clamp_max_tokens:
-            sampling.max_tokens = window - prompt_tokens
-            return
-        raise InvalidArgument(
-            f"prompt ({prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) exceeds "
-            f"{engine.model}'s context window of {window}",
-            param="max_tokens",
-        )
+    if not window:
+        return
+    if clamp_max_tokens and sampling.HasField("max_tokens") and prompt_tokens < window:
+        sampling.max_tokens = min(sampling.max_tokens, window - prompt_tokens)
+    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else None
+    sampling_ranges.check_context_window(
+        prompt_tokens, max_tokens, window, model=engine.model, prompt_param=prompt_param
+    )
 
 
 @dataclass(frozen=True)

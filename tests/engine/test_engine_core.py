@@ -18,6 +18,7 @@ from cachet.engine.request_output import RequestOutput
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.step_plan import SampledToken, StepPlan, StepResult
+from cachet.errors import InvalidArgument
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,8 @@ def test_stop_strings_need_a_tokenizer():
     engine, _ = make_engine()
     with pytest.raises(InvalidRequest, match="tokenizer"):
         engine.add_request(make_request("a", PROMPT, stop=("x",)))
-    with pytest.raises(InvalidRequest, match="temperature"):
+    # Out of range, SamplingParams cannot even be built (cachet.sampling_ranges).
+    with pytest.raises(InvalidArgument, match="temperature"):
         engine.add_request(make_request("b", PROMPT, temperature=-1.0))
     assert not engine.has_unfinished_requests()
 

@@ -13,6 +13,7 @@ from service_processes import ServiceProcess, free_port, start_service
 from cachet.block_hash import block_hashes
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
+from cachet.errors import error_info_from_metadata
 from cachet.models.tiny import write_tiny_model
 
 MAX_WAITING = 2
@@ -179,6 +180,8 @@ async def test_overload_is_refused_at_once(engine: ServiceProcess) -> None:
         ({"prompt_token_ids": [1, 2, 10**6]}, "prompt_token_ids[2]=1000000 is not in"),
         ({"prefilled": engine_pb2.PrefilledElsewhere(first_token_id=10**6)}, "first_token_id"),
         ({"hand_off_kv": True}, "CACHET_KV_SHARED_DIR"),
+        ({"sampling": common_pb2.SamplingParams(temperature=-1)}, "temperature must be in [0, 2]"),
+        ({"sampling": common_pb2.SamplingParams(min_p=float("nan"))}, "min_p must be in [0, 1]"),
     ],
 )
 async def test_bad_input_is_invalid_argument(
@@ -198,6 +201,22 @@ async def test_bad_input_is_invalid_argument(
             await _collect(engine_pb2_grpc.EngineServiceStub(channel), request)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in bad.value.details()
+
+
+async def test_a_direct_clients_bad_sampling_value_is_refused_naming_it_and_harms_nothing(
+    engine: ServiceProcess,
+) -> None:
+    # The router validates every request; a client calling the engine itself gets the same rules
+    # (cachet.sampling_ranges), and the replica goes on serving.
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await _collect(stub, _request("bad-temperature", [1, 2, 3], temperature=-1))
+        assert error_info_from_metadata(bad.value.trailing_metadata()).param == "temperature"
+        good = await _collect(stub, _request("after-bad", [1, 2, 3], max_tokens=2, ignore_eos=True))
+        assert [t for r in good for t in r.token_ids] and good[
+            -1
+        ].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 async def test_a_retained_request_leaves_its_blocks_under_retention(engine: ServiceProcess) -> None:

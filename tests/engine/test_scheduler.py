@@ -16,12 +16,13 @@ import pytest
 from test_block_pool import replay
 
 from cachet.engine.block_pool import BlockPool
-from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
+from cachet.engine.errors import EngineOverloaded, RequestNotFound
 from cachet.engine.kv_cache_manager import KVCacheManager
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import Scheduler, SchedulerConfig
 from cachet.engine.step_plan import SampledToken, StepPlan, StepResult
+from cachet.errors import InvalidArgument
 
 BS = 4
 EOS = 0
@@ -191,7 +192,8 @@ def test_full_waiting_queue_raises_engine_overloaded():
 def test_invalid_requests_are_rejected_up_front(request_, message):
     scheduler, _ = make_scheduler(num_blocks=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
     scheduler.add_request(make_request("a", [1]))
-    with pytest.raises(InvalidRequest, match=message):
+    # InvalidArgument: the window and max_tokens rules are cachet.sampling_ranges' (InvalidRequest's base).
+    with pytest.raises(InvalidArgument, match=message):
         scheduler.add_request(request_)
     scheduler.add_request(make_request("fits", [1] * 20, max_tokens=13))
 
