@@ -1,9 +1,12 @@
+import random
+
 import pytest
 
 from cachet.block_hash import (
     DEFAULT_BLOCK_SIZE,
     ImageSpan,
     block_hashes,
+    chain_hashes,
     hash_block,
     hash_seed,
     images_in_block,
@@ -55,6 +58,37 @@ def test_chain_is_incremental() -> None:
         parent = hash_block(seed, parent, tokens[i * 16 : (i + 1) * 16])
         assert parent == expected
     assert block_hashes(tokens[32:], MODEL, start_parent=full[1]) == full[2:]
+
+
+def test_an_images_golden_values() -> None:
+    # Pinned like the plain ones (computed with hash_block before chain_hashes packed the prompt once).
+    red = ImageSpan(token_offset=20, num_tokens=16, content_hash=b"r" * 32)
+    assert block_hashes([7] * 48, "m", images=[red]) == [
+        3151676359135897593,
+        4481191575425731490,
+        11435249559094364419,
+    ]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("first_block", [0, 1, 5])
+def test_chain_hashes_is_hash_block_chained(block_size: int, first_block: int) -> None:
+    # The engine extends a request's chain from where it stopped; the router hashes from block 0.
+    rng = random.Random(block_size * 10 + first_block)
+    tokens = [rng.randrange(2**32) for _ in range(7 * block_size + 3)]
+    images = [ImageSpan(2, 3 * block_size, b"a" * 32), ImageSpan(5 * block_size, 1, b"b")]
+    seed = hash_seed(MODEL, "salt")
+    parent, expected = 0, []
+    for i in range(len(tokens) // block_size):
+        start, end = i * block_size, (i + 1) * block_size
+        parent = hash_block(seed, parent, tokens[start:end], images_in_block(images, start, end))
+        expected.append(parent)
+    start_parent = expected[first_block - 1] if first_block else 0
+    got = chain_hashes(
+        seed, start_parent, tokens, block_size=block_size, first_block=first_block, images=images
+    )
+    assert got == expected[first_block:]
+    assert chain_hashes(seed, 0, tokens[: block_size - 1], block_size=block_size) == []
 
 
 def test_hashes_fit_uint64() -> None:
