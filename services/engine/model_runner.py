@@ -190,10 +190,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """``[layers, ...]``: K/V per KV head, unless the model caches its own per-token layout."""
-        if hasattr(self.model, "kv_cache_shape_per_token"):
+        per_token = self.model.kv_cache_shape_per_token()
+        if per_token is not None:
             # MLA: one latent per token, ``[layers, num_blocks, block_size, *per_token]``; zeroed for
             # the same reason as allocate_kv_cache (padded gathers read unused slots).
-            shape = (num_blocks, self.block_size, *self.model.kv_cache_shape_per_token())
+            shape = (num_blocks, self.block_size, *per_token)
             return torch.zeros(self.config.num_hidden_layers, *shape, dtype=self.dtype, device=self.device)
         return allocate_kv_cache(
             self.config.num_hidden_layers,
@@ -209,7 +210,7 @@ class ModelRunner:
         if host_kv_bytes <= 0:
             return None
         # The pool's block axis: [layers, blocks, ...] for MLA's latent, [layers, 2, blocks, ...] else.
-        block_dim = 1 if hasattr(self.model, "kv_cache_shape_per_token") else 2
+        block_dim = 1 if self.model.kv_cache_shape_per_token() is not None else 2
         num_slots = host_kv_bytes // self._kv_cache_bytes_per_block()
         if tp is not None:
             num_slots = tp.min_over_ranks(num_slots)
@@ -250,9 +251,11 @@ class ModelRunner:
         return graphs
 
     def _kv_cache_bytes_per_block(self) -> int:
-        if hasattr(self.model, "kv_cache_shape_per_token"):
-            per_token = math.prod(self.model.kv_cache_shape_per_token())
-            return self.config.num_hidden_layers * self.block_size * per_token * self.dtype.itemsize
+        per_token = self.model.kv_cache_shape_per_token()
+        if per_token is not None:
+            return (
+                self.config.num_hidden_layers * self.block_size * math.prod(per_token) * self.dtype.itemsize
+            )
         return kv_cache_bytes_per_block(
             self.config.num_hidden_layers,
             self.block_size,
@@ -334,6 +337,7 @@ class ModelRunner:
         )
         shape = self.decode_graphs.shape_for(spans) if self.decode_graphs is not None else None
         if shape is not None and images is None:
+            assert self.decode_graphs is not None  # a shape comes only from the graphs
             logits = self.decode_graphs.run(shape, spans, input_ids)
         else:
             meta = build_attention_metadata(
@@ -382,7 +386,7 @@ class ModelRunner:
     def _store_shared(self, block_id: int, block_hash: int) -> None:
         """Copy a pool block out for the shared tier's writer; on CUDA into pinned memory without
         waiting, the writer waiting on the copy's event instead."""
-        if self.shared_kv is None:
+        if self.shared_kv is None or self.host_kv is None:
             raise ValueError("the plan stores KV blocks in a shared tier this runner does not have")
         source = self.host_kv.pool_block(block_id)
         if source.device.type != "cuda":

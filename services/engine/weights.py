@@ -38,6 +38,7 @@ from cachet.engine.checkpoint_names import (
 from cachet.engine.int4_linear import Int4Linear, int4_kernel_available
 from cachet.engine.models import ModelConfig, model_class
 from cachet.engine.models.config import Fp8BlockQuantization, PackedIntQuantization
+from cachet.engine.models.decoder import CausalLM
 from cachet.engine.quantized_weights import (
     QuantizedTensorError,
     dequantize_fp8_block,
@@ -83,19 +84,19 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallelRank = SINGLE_RANK,
-) -> nn.Module:
+) -> CausalLM:
     """This rank's part of the model (all of it for a lone rank), filled from the checkpoint."""
     if isinstance(config.quantization, PackedIntQuantization) and int4_kernel_available(device, dtype):
         config = replace(config, quantization=replace(config.quantization, keep_packed=True))
     with torch.device("meta"):
         model = model_class(config)(config, tp)
     model = model.to(dtype=dtype)
-    # The decoders' own methods: nn.Module's __getattr__ types any attribute it does not know as
-    # Tensor | Module, hence the ignores.
+    # DeepSeek-V3's own method: nn.Module's __getattr__ types any attribute it does not know as
+    # Tensor | Module, hence the ignore.
     if hasattr(model, "keep_fp32_"):
         model.keep_fp32_()  # type: ignore[operator]  # parameters whose precision decides behaviour (MoE routing biases)
     model = model.to_empty(device=device)
-    model.tie_weights()  # type: ignore[operator]
+    model.tie_weights()
     load_weights(model, model_dir)
     for module in model.modules():
         if isinstance(module, Int4Linear):

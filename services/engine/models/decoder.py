@@ -14,6 +14,7 @@ Parameter names match Hugging Face checkpoints, so loading is name for name.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -38,10 +39,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class SelfAttention(Protocol):
+    """What the decoder and the runner use of a family's attention module."""
+
+    # The paged attention that owns this layer's slice of the KV cache (the runner binds it).
+    @property
+    def attn(self) -> nn.Module: ...
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+
 class DecoderLayer(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x)); ``self_attn`` owns its paged cache (``.attn``)."""
 
-    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, self_attn: SelfAttention, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self_attn
@@ -99,13 +112,22 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank caches, for families whose cache is per head (MLA's is one latent:
+        ``kv_cache_shape_per_token`` instead)."""
+        raise NotImplementedError(f"{type(self).__name__} has no per-head KV cache")
+
+    def kv_cache_shape_per_token(self) -> tuple[int, ...] | None:
+        """A family's own per-token cache layout (MLA's one latent); None: K and V per KV head."""
+        return None
+
     def tied_parameter_aliases(self) -> dict[str, str]:
         """Checkpoint names that may hold a tied parameter, mapped to the name that owns it."""
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
 
     def attention_layers(self) -> list[nn.Module]:
         """Each layer's paged attention, for the runner to bind its slice of the KV cache."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [cast(DecoderLayer, layer).self_attn.attn for layer in self.model.layers]
 
     def forward(
         self,

@@ -9,6 +9,8 @@ never reads head counts from the config: the local count is whatever the
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,7 +79,9 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config, DecoderModel(config, layers, config.head_dim, tp), tp)
 
     def num_local_kv_heads(self) -> int:
-        return self.model.layers[0].self_attn.num_local_kv_heads
+        # Every layer's attention is this family's own (built above).
+        layer = cast(DecoderLayer, self.model.layers[0])
+        return cast(Attention, layer.self_attn).num_local_kv_heads
 
 
 __all__ = ["MLP", "Attention", "LlamaForCausalLM", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
