@@ -142,6 +142,16 @@ def replay(
     shared_blocks: Annotated[
         int, typer.Option(min=0, help="One KV tier all replicas share, in blocks (fed by every write).")
     ] = 0,
+    session_retention_seconds: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=86_400,
+            help="Retention of a request with a session id and none of its own, in trace seconds "
+            "(the router's CACHET_ROUTER_SESSION_CACHE_RETENTION; in_memory = 600; 0 = none). "
+            "Every policy is also replayed with no retention at all.",
+        ),
+    ] = 600.0,
     seed: Annotated[int, typer.Option(help="Seed of the random policy.")] = 0,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of a table.")
@@ -159,6 +169,7 @@ def replay(
         block_tokens=block_tokens,
         host_blocks_per_replica=host_blocks_per_replica,
         shared_blocks=shared_blocks,
+        session_retention_s=session_retention_seconds,
         seed=seed,
     )
     report = run_replay(read_trace(trace), config)

@@ -37,6 +37,15 @@ Tiers (``--host-blocks-per-replica``, ``--shared-blocks``): each replica's pool
 demotes what it evicts to a host tier of its own, and every replica writes what it
 computes to one shared tier; a prefix found there is loaded, not recomputed (see
 ``simulated_replica.py``).
+
+Retention (``--session-retention-seconds``): a request with a session id and no retention of
+its own is retained for the operator's session default (the router's
+``CACHET_ROUTER_SESSION_CACHE_RETENTION``, ``in_memory`` = 600 s unless told otherwise); one
+whose trace line says ``retention_seconds`` gets that instead (0: none). Its whole blocks are
+then kept in preference to others until it would finish plus that long, in trace time, as the
+engine keeps them (see ``simulated_replica.py``). Every policy is replayed twice, with
+retention and with none at all (plain LRU everywhere): ``without_retention`` holds the
+second run's figures, the same object as the first when no request is retained.
 """
 
 from __future__ import annotations
@@ -49,8 +58,11 @@ from dataclasses import dataclass, field, replace
 
 from cachet.cache.prefix_index import PrefixIndex
 from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
+from cachet.engine.kv_retention import MAX_RETENTION_SECONDS
+from cachet.router.cache_retention import RETENTION_SECONDS
 from cachet.router.placement import PlacementPolicy, ReplicaLoad, choose_replica
 from cachet.router.session_directory import SessionDirectory
+from cachet.router.v1 import router_pb2
 from cachet.tools.lru_tier import LruTier
 from cachet.tools.simulated_replica import ServiceTimeModel, SimulatedReplica
 from cachet.tools.trace import TraceRequest
@@ -62,6 +74,9 @@ MODEL = "replay"
 DEFAULT_BLOCK_TOKENS = 512
 # 4,096 blocks of 512 tokens = 2M tokens of KV per replica (a GPU's HBM plus a host-memory tier).
 DEFAULT_BLOCKS_PER_REPLICA = 4096
+# The router's default for a request with a session id that asks no retention of its own
+# (CACHET_ROUTER_SESSION_CACHE_RETENTION = in_memory): 10 minutes.
+DEFAULT_SESSION_RETENTION_SECONDS = float(RETENTION_SECONDS[router_pb2.CACHE_RETENTION_IN_MEMORY])
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,10 @@ class ReplayConfig:
     # Tiers below the pools: a host tier per replica, one shared tier; 0 = none.
     host_blocks_per_replica: int = 0
     shared_blocks: int = 0
+    # Retention of a request with a session id and none of its own; 0 = none.
+    session_retention_s: float = DEFAULT_SESSION_RETENTION_SECONDS
+    # False: no request is retained, whatever it asked (plain LRU in every tier).
+    retention: bool = True
     price: ModelPrice = ModelPrice()
     # Seeds the ``random`` policy only; every other policy is deterministic.
     seed: int = 0
@@ -83,6 +102,8 @@ class ReplayConfig:
             raise ValueError("replicas, blocks_per_replica and block_tokens must be positive")
         if self.host_blocks_per_replica < 0 or self.shared_blocks < 0:
             raise ValueError("host_blocks_per_replica and shared_blocks cannot be negative")
+        if not 0 <= self.session_retention_s <= MAX_RETENTION_SECONDS:
+            raise ValueError(f"session_retention_s must be in [0, {MAX_RETENTION_SECONDS}]")
 
 
 @dataclass(frozen=True)
@@ -118,36 +139,67 @@ class ReplayReport:
     requests: int
     input_tokens: int
     ideal_cached_token_ratio: float
+    # Each policy with retention as configured, and with none at all.
     policies: Mapping[str, PolicyFigures]
+    without_retention: Mapping[str, PolicyFigures]
+    # Requests that were retained (a session default or their own retention), and the default.
+    retained_requests: int = 0
+    session_retention_s: float = DEFAULT_SESSION_RETENTION_SECONDS
 
     def to_json(self) -> dict[str, object]:
         """The ``cachet replay --json`` object: exactly these keys, nothing else."""
         return {
             "ideal_cached_token_ratio": self.ideal_cached_token_ratio,
+            "session_retention_seconds": self.session_retention_s,
+            "retained_requests": self.retained_requests,
             "policies": {
                 name: {
-                    "cached_token_ratio": figures.cached_token_ratio,
-                    "max_load_over_mean": figures.max_load_over_mean,
-                    "cost_usd": figures.cost_usd,
-                    "saving_usd": figures.saving_usd,
+                    **_figures_json(figures),
+                    "without_retention": _figures_json(self.without_retention[name]),
                 }
                 for name, figures in self.policies.items()
             },
         }
 
 
+def _figures_json(figures: PolicyFigures) -> dict[str, float]:
+    return {
+        "cached_token_ratio": figures.cached_token_ratio,
+        "max_load_over_mean": figures.max_load_over_mean,
+        "cost_usd": figures.cost_usd,
+        "saving_usd": figures.saving_usd,
+    }
+
+
 def replay(
     trace: Sequence[TraceRequest], config: ReplayConfig = ReplayConfig(), policies: Sequence[str] = POLICIES
 ) -> ReplayReport:
-    """Replay ``trace`` once per policy, each on fresh replicas and a fresh index."""
+    """Replay ``trace`` once per policy, each on fresh replicas and a fresh index; once more
+    without retention when any request is retained."""
     ordered = in_time_order(trace)
     input_tokens = sum(request.input_length for request in ordered)
+    retained = sum(1 for request in ordered if retention_seconds(request, config) > 0)
+    figures = _replay_policies(ordered, policies, config)
     return ReplayReport(
         requests=len(ordered),
         input_tokens=input_tokens,
         ideal_cached_token_ratio=_ratio(ideal_cached_tokens(ordered, config.block_tokens), input_tokens),
-        policies=_replay_policies(ordered, policies, config),
+        policies=figures,
+        without_retention=(
+            _replay_policies(ordered, policies, replace(config, retention=False)) if retained else figures
+        ),
+        retained_requests=retained,
+        session_retention_s=config.session_retention_s if config.retention else 0.0,
     )
+
+
+def retention_seconds(request: TraceRequest, config: ReplayConfig) -> float:
+    """How long a request's KV is retained: its own ask, else the session default if it has a session."""
+    if not config.retention:
+        return 0.0
+    if request.retention_seconds is not None:
+        return request.retention_seconds
+    return config.session_retention_s if request.session_id else 0.0
 
 
 def _replay_policies(
@@ -204,7 +256,13 @@ def replay_policy(trace: Sequence[TraceRequest], policy: str, config: ReplayConf
         address, reason = choose(request, loads, index)
         reasons[reason] += 1
         replica = by_address[address]
-        replica.serve(request.hash_ids, request.input_length, request.output_length, request.timestamp_ms)
+        replica.serve(
+            request.hash_ids,
+            request.input_length,
+            request.output_length,
+            request.timestamp_ms,
+            retention_s=retention_seconds(request, config),
+        )
         publish(index, address, replica.take_events())
     computed = tuple(replica.computed_tokens for replica in replicas)
     cached = sum(replica.cached_tokens for replica in replicas)
@@ -305,20 +363,24 @@ def format_report(report: ReplayReport, config: ReplayConfig) -> str:
         f"{report.requests} requests, {report.input_tokens} prompt tokens; {config.replicas} replicas × "
         f"{config.blocks_per_replica} blocks of {config.block_tokens} tokens{tiers}",
         f"ideal cached-token ratio (one unlimited cache): {ideal:.4f}",
+        f"retained: {report.retained_requests} requests (session default {report.session_retention_s:g} s)",
         "",
         f"{'policy':<13}{'cached ratio':>13}{'× ideal':>9}{'from host':>10}{'from shared':>12}"
-        f"{'load max/mean':>15}{'cost $':>10}{'saved $':>10}  placements",
+        f"{'load max/mean':>15}{'cost $':>10}{'saved $':>10}{'no retention':>13}{'cost $':>10}  placements",
     ]
     for figures in report.policies.values():
         of_ideal = figures.cached_token_ratio / ideal if ideal else 0.0
+        without = report.without_retention[figures.policy]
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(figures.reasons.items()))
         lines.append(
             f"{figures.policy:<13}{figures.cached_token_ratio:>13.4f}{of_ideal:>9.3f}"
             f"{_ratio(figures.host_cached_tokens, report.input_tokens):>10.4f}"
             f"{_ratio(figures.shared_cached_tokens, report.input_tokens):>12.4f}"
-            f"{figures.max_load_over_mean:>15.3f}{figures.cost_usd:>10.2f}{figures.saving_usd:>10.2f}  {reasons}"
+            f"{figures.max_load_over_mean:>15.3f}{figures.cost_usd:>10.2f}{figures.saving_usd:>10.2f}"
+            f"{without.cached_token_ratio:>13.4f}{without.cost_usd:>10.2f}  {reasons}"
         )
     lines.append("")
     lines.append("load = tokens a replica computed (uncached prompt + generated); 1.0 = perfectly even")
     lines.append("from host / shared: share of all prompt tokens loaded from that tier (counted as cached)")
+    lines.append("no retention: the cached ratio and cost of the same replay with no request retained")
     return "\n".join(lines)

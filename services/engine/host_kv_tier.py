@@ -138,6 +138,11 @@ class HostTierIndex:
         """Every held hash as one stored event, for a new follower."""
         return snapshot("host", [*self._slots, *self._retained_slots])
 
+    def eviction_order(self) -> list[int]:
+        """Held hashes, the first to give up its slot first (the unretained least recently used
+        first, then the retained, earliest retention end first); for tests and debugging."""
+        return [*self._slots, *self._retained.eviction_order()]
+
     def _slot_of(self, block_hash: int) -> int:
         slot = self._slots.get(block_hash)
         return self._retained_slots[block_hash] if slot is None else slot

@@ -124,10 +124,19 @@ def test_exact_random(exact_report) -> None:
 
 def test_json_has_exactly_the_promised_keys(exact_report) -> None:
     document = exact_report.to_json()
-    assert set(document) == {"ideal_cached_token_ratio", "policies"}
+    assert set(document) == {
+        "ideal_cached_token_ratio",
+        "session_retention_seconds",
+        "retained_requests",
+        "policies",
+    }
+    # Six of the seven requests have a session, so the router's default retains them.
+    assert (document["session_retention_seconds"], document["retained_requests"]) == (600.0, 6)
     assert list(document["policies"]) == list(POLICIES)
+    figure_keys = {"cached_token_ratio", "max_load_over_mean", "cost_usd", "saving_usd"}
     for figures in document["policies"].values():
-        assert set(figures) == {"cached_token_ratio", "max_load_over_mean", "cost_usd", "saving_usd"}
+        assert set(figures) == {*figure_keys, "without_retention"}
+        assert set(figures["without_retention"]) == figure_keys
     assert document["policies"]["affinity"]["cost_usd"] == pytest.approx(68e-6)
     assert document["policies"]["affinity"]["saving_usd"] == pytest.approx(25e-6)
 
@@ -186,12 +195,13 @@ def test_evicted_blocks_are_demoted_to_the_host_tier_and_loaded_back() -> None:
     replica.serve([1, 2], 20, 0, now_ms=0)
     # The pool evicts the first prompt tail first (2, then 1): both are demoted, in that order.
     replica.serve([3, 4], 20, 0, now_ms=1)
-    assert replica.host.lru_order() == [2, 1]
+    assert replica.host.eviction_order() == [2, 1]
     served = replica.serve([1, 2, 5], 25, 0, now_ms=2)
-    # 1 and 2 come back from the host (the pool has room for two blocks: 5 is not stored);
-    # evicting 4 then 3 pushes 1 and 2, the least recently used, out of the host tier.
+    # 1 and 2 come back from the host (the pool has room for two blocks: 5 is not stored). As in
+    # the engine, their slots are locked while the step copies them back, so 4 and 3, evicted to
+    # make room, find no slot and are dropped.
     assert (served.cached_tokens, served.host_tokens, served.shared_tokens) == (20, 20, 0)
-    assert replica.host.lru_order() == [4, 3]
+    assert replica.host.eviction_order() == [1, 2]
     assert replica.pool.cached_hashes() == {1, 2}
     assert (replica.cached_tokens, replica.host_tokens) == (20, 20)
 

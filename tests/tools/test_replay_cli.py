@@ -25,12 +25,20 @@ def test_generate_then_replay_as_json(tmp_path) -> None:
     )
     assert replayed.exit_code == 0, replayed.output
     document = json.loads(replayed.output)
-    assert set(document) == {"ideal_cached_token_ratio", "policies"}
+    assert set(document) == {
+        "ideal_cached_token_ratio",
+        "session_retention_seconds",
+        "retained_requests",
+        "policies",
+    }
     assert set(document["policies"]) == {"affinity", "cache-aware", "round-robin", "random"}
+    figure_keys = {"cached_token_ratio", "max_load_over_mean", "cost_usd", "saving_usd"}
     for figures in document["policies"].values():
-        assert set(figures) == {"cached_token_ratio", "max_load_over_mean", "cost_usd", "saving_usd"}
-        assert 0.0 <= figures["cached_token_ratio"] <= document["ideal_cached_token_ratio"]
-        assert 1.0 <= figures["max_load_over_mean"] <= 2.0
+        assert set(figures) == {*figure_keys, "without_retention"}
+        assert set(figures["without_retention"]) == figure_keys
+        for run in (figures, figures["without_retention"]):
+            assert 0.0 <= run["cached_token_ratio"] <= document["ideal_cached_token_ratio"]
+            assert 1.0 <= run["max_load_over_mean"] <= 2.0
 
 
 def test_tiers_from_the_command_line(tmp_path) -> None:
