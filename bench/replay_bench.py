@@ -13,9 +13,14 @@
 - the Mooncake conversation trace (``../shared/traces/`` beside the checkout; no
   sessions, so affinity places exactly as cache-aware), skipped when absent;
   once more with 4x the KV per replica, to show how much of the gap to the ideal
-  is capacity rather than placement.
+  is capacity rather than placement; and mixed with 256 Claude Code sessions
+  (512-token blocks, started over the trace's hour) on the same replicas: agent
+  sessions beside chat traffic without a session key, where retention decides
+  whose KV goes first.
 
-Runs in about a minute on one core.
+Every replay retains requests with a session id for the router's default (600 s) and
+is run again with no retention: the "no retention" column. Runs in about four minutes
+on one core.
 """
 
 from __future__ import annotations
@@ -79,7 +84,22 @@ def run_replay_bench() -> dict[str, dict]:
     # 4x the KV per replica: how much of the gap to the ideal is capacity rather than placement.
     roomy = replace(CONFIG, blocks_per_replica=4 * CONFIG.blocks_per_replica)
     results["mooncake_4x_capacity"] = _timed("mooncake", mooncake, roomy, Targets())
+    mixed = _mixed(mooncake, claude_code_trace(shapes, MIXED_SESSIONS, seed=0))
+    results["mooncake_with_claude_code_256"] = _timed(
+        "Mooncake chat + Claude Code, 256 sessions", mixed, CONFIG, Targets()
+    )
     return results
+
+
+# Claude Code sessions in the Mooncake trace's block size, started over its hour.
+MIXED_SESSIONS = ClaudeCodeTraceShape(sessions=256, block_tokens=512, start_window_ms=3_300_000)
+
+
+def _mixed(chat: list[TraceRequest], sessions: list[TraceRequest]) -> list[TraceRequest]:
+    """Both traces as one, in time order; the sessions' block ids moved past every chat id."""
+    offset = 1 + max((block for request in chat for block in request.hash_ids), default=0)
+    moved = [replace(r, hash_ids=tuple(block + offset for block in r.hash_ids)) for r in sessions]
+    return sorted([*chat, *moved], key=lambda request: request.timestamp_ms)
 
 
 def _timed(name: str, trace: list[TraceRequest], config: ReplayConfig, targets: Targets) -> dict:
@@ -116,14 +136,17 @@ def _print_table(name: str, report: ReplayReport, config: ReplayConfig, targets:
     tier = f" + {config.host_blocks_per_replica} host blocks" if config.host_blocks_per_replica else ""
     print(
         f"\nReplay: {name} trace, {report.requests} requests, {config.replicas} replicas × "
-        f"{config.blocks_per_replica} blocks{tier} of {config.block_tokens} tokens"
+        f"{config.blocks_per_replica} blocks{tier} of {config.block_tokens} tokens; "
+        f"{report.retained_requests} retained for {report.session_retention_s:g} s"
     )
     print(
-        f"{'policy':<14}{'cached ratio':>13}{'× ideal':>9}{'load max/mean':>15}{'cost $':>10}{'saved $':>10}  target"
+        f"{'policy':<14}{'cached ratio':>13}{'× ideal':>9}{'load max/mean':>15}{'cost $':>10}{'saved $':>10}"
+        f"{'no retention':>13}{'cost $':>10}  target"
     )
-    print("-" * 90)
-    print(f"{'ideal':<14}{ideal:>13.4f}{1.0:>9.3f}{'':>35}  one unlimited cache")
+    print("-" * 113)
+    print(f"{'ideal':<14}{ideal:>13.4f}{1.0:>9.3f}{'':>58}  one unlimited cache")
     for policy, figures in report.policies.items():
+        without = report.without_retention[policy]
         ratio = figures.cached_token_ratio
         if policy == "round-robin":
             target = "the floor"
@@ -133,5 +156,6 @@ def _print_table(name: str, report: ReplayReport, config: ReplayConfig, targets:
             target = f"{ratio - floor:+.4f} over the floor"
         print(
             f"{policy:<14}{ratio:>13.4f}{ratio / ideal if ideal else 0.0:>9.3f}"
-            f"{figures.max_load_over_mean:>15.3f}{figures.cost_usd:>10.2f}{figures.saving_usd:>10.2f}  {target}"
+            f"{figures.max_load_over_mean:>15.3f}{figures.cost_usd:>10.2f}{figures.saving_usd:>10.2f}"
+            f"{without.cached_token_ratio:>13.4f}{without.cost_usd:>10.2f}  {target}"
         )
