@@ -51,6 +51,7 @@ CACHE_RETENTIONS: dict[str | None, router_pb2.CacheRetention.ValueType] = {
     None: router_pb2.CACHE_RETENTION_UNSPECIFIED,
     "in_memory": router_pb2.CACHE_RETENTION_IN_MEMORY,
     "24h": router_pb2.CACHE_RETENTION_24H,
+    "none": router_pb2.CACHE_RETENTION_NONE,
 }
 
 

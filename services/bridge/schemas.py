@@ -208,8 +208,9 @@ UNSUPPORTED_CHAT_FIELDS = (
 # without a word. Any other field Cachet does not know is a vendor's, ignored with a log line.
 QUIET_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier"})
 # OpenAI's prompt_cache_retention: how long the prompt's cached prefix is kept in preference to
-# other KV (docs/ARCHITECTURE.md, "KV retention"): "in_memory" 10 minutes, "24h" a day.
-PromptCacheRetention = Literal["in_memory", "24h"]
+# other KV (docs/ARCHITECTURE.md, "KV retention"): "in_memory" 10 minutes, "24h" a day; and
+# Cachet's "none" (OpenAI has no opt-out): nothing kept, not even the router's session default.
+PromptCacheRetention = Literal["in_memory", "24h", "none"]
 
 
 # ---------------------------------------------------------------- request bodies

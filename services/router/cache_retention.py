@@ -18,6 +18,10 @@ A whole-prompt retention covers every token of the request, its answer too (an a
 starts with it). A breakpoint covers the tokens the tools and the messages before it render to
 (the tokenizer's ``prefix_token_counts``). Any retention the request gives replaces the
 session default; none is refused for lack of room (``kv_retention`` in the engine).
+
+``CACHE_RETENTION_NONE`` (``prompt_cache_retention: "none"``, Cachet's own value: OpenAI has
+no opt-out) asks for no retention at all: a request with a session id so opts out of the
+operator's default, its blocks left to plain LRU.
 """
 
 from __future__ import annotations
@@ -46,10 +50,14 @@ SETTING_VALUES: dict[str, router_pb2.CacheRetention.ValueType] = {
 MAX_BREAKPOINTS = 4
 
 
+# Whole-prompt values that name no length: nothing asked, or "none" asked.
+_NO_LENGTH = (router_pb2.CACHE_RETENTION_UNSPECIFIED, router_pb2.CACHE_RETENTION_NONE)
+
+
 def validate_retention(
     retention: router_pb2.CacheRetention.ValueType, param: str = "cache_retention"
 ) -> None:
-    if retention != router_pb2.CACHE_RETENTION_UNSPECIFIED and retention not in RETENTION_SECONDS:
+    if retention not in _NO_LENGTH and retention not in RETENTION_SECONDS:
         raise InvalidArgument(f"{param}: unknown cache retention {retention}", param=param)
 
 
@@ -66,8 +74,8 @@ def validate_breakpoints(request: router_pb2.ChatCompletionRequest) -> None:
                 f"{param}.messages: {breakpoint.messages} is past the {len(request.messages)} messages",
                 param=f"{param}.messages",
             )
-        if breakpoint.retention == router_pb2.CACHE_RETENTION_UNSPECIFIED:
-            raise InvalidArgument(f"{param}.retention: required", param=f"{param}.retention")
+        if breakpoint.retention in _NO_LENGTH:
+            raise InvalidArgument(f"{param}.retention: a length is required", param=f"{param}.retention")
         validate_retention(breakpoint.retention, f"{param}.retention")
 
 
@@ -84,7 +92,8 @@ def engine_retention(
     has_session: bool = False,
 ) -> tuple[engine_pb2.KvRetention, ...]:
     """The engine's spans for a whole-prompt ``retention`` and ``breakpoints`` given as (prompt
-    tokens up to the breakpoint, retention); a breakpoint that covers no token retains nothing."""
+    tokens up to the breakpoint, retention); a breakpoint that covers no token retains nothing,
+    and ``CACHE_RETENTION_NONE`` asks for no whole-prompt span, the session default's included."""
     if retention == router_pb2.CACHE_RETENTION_UNSPECIFIED and not breakpoints and has_session:
         retention = session_default
     spans = [
@@ -92,6 +101,6 @@ def engine_retention(
         for tokens, kept in breakpoints
         if tokens > 0
     ]
-    if retention != router_pb2.CACHE_RETENTION_UNSPECIFIED:
+    if retention not in _NO_LENGTH:
         spans.append(engine_pb2.KvRetention(seconds=RETENTION_SECONDS[retention]))
     return tuple(spans)

@@ -45,7 +45,7 @@ async def test_an_unknown_prompt_cache_retention_is_openais_400_naming_the_field
         "prompt_cache_retention",
         "invalid_value",
     )
-    assert "'in_memory' or '24h'" in error["message"]
+    assert "'in_memory', '24h' or 'none'" in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -87,6 +87,7 @@ async def test_a_bad_cache_control_is_anthropics_400_naming_the_field(body: dict
         (None, router_pb2.CACHE_RETENTION_UNSPECIFIED),
         ("in_memory", router_pb2.CACHE_RETENTION_IN_MEMORY),
         ("24h", router_pb2.CACHE_RETENTION_24H),
+        ("none", router_pb2.CACHE_RETENTION_NONE),
     ],
 )
 def test_prompt_cache_retention_is_the_routers_cache_retention(value: str | None, retention: int) -> None:

@@ -90,6 +90,24 @@ def test_prompt_cache_retention_reaches_the_engine(platform: Platform) -> None:
     assert block_retentions(platform) - before == (kept.usage.prompt_tokens + 6 - 1) // 16
 
 
+def test_a_session_is_retained_by_default_unless_it_asks_none(platform: Platform) -> None:
+    session = {"ignore_eos": True, "prompt_cache_key": f"key-{uuid.uuid4().hex}"}
+    before = block_retentions(platform)
+    # "none" (Cachet's opt-out) turns the router's default for sessions off.
+    platform.client().chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=messages(),
+        temperature=0,
+        max_tokens=6,
+        extra_body=session | {"prompt_cache_retention": "none"},
+    )
+    assert block_retentions(platform) == before
+    kept = platform.client().chat.completions.create(
+        model=TINY_MODEL_ID, messages=messages(), temperature=0, max_tokens=6, extra_body=session
+    )
+    assert block_retentions(platform) - before == (kept.usage.prompt_tokens + 6 - 1) // 16
+
+
 def test_chat_completion_reports_usage_and_cached_tokens(platform: Platform) -> None:
     prompt = messages()
     first = platform.client().chat.completions.create(model=TINY_MODEL_ID, messages=prompt, **GREEDY)

@@ -19,6 +19,7 @@ IN_MEMORY = router_pb2.CACHE_RETENTION_IN_MEMORY
 DAY = router_pb2.CACHE_RETENTION_24H
 FIVE_MINUTES = router_pb2.CACHE_RETENTION_5M
 HOUR = router_pb2.CACHE_RETENTION_1H
+NONE = router_pb2.CACHE_RETENTION_NONE
 
 
 def span(seconds: int, num_tokens: int = 0) -> engine_pb2.KvRetention:
@@ -49,6 +50,13 @@ def test_the_session_default_applies_only_to_a_session_that_asks_nothing() -> No
         span(3600, 64),
     )
     assert engine_retention(unspecified, session_default=SETTING_VALUES["none"], has_session=True) == ()
+
+
+def test_none_opts_a_session_out_of_the_default() -> None:
+    assert engine_retention(NONE, session_default=IN_MEMORY, has_session=True) == ()
+    assert engine_retention(NONE, session_default=DAY, has_session=False) == ()
+    validate_chat(chat(cache_retention=NONE))
+    validate_completion(router_pb2.CompletionRequest(model="m", prompt="x", cache_retention=NONE))
 
 
 def test_the_operator_default_is_a_setting_spelled_as_the_apis_spell_it(monkeypatch) -> None:
@@ -85,6 +93,10 @@ def chat(**fields: object) -> router_pb2.ChatCompletionRequest:
             "cache_breakpoints[0].messages",
         ),
         ({"cache_breakpoints": [router_pb2.CacheBreakpoint(messages=1)]}, "cache_breakpoints[0].retention"),
+        (
+            {"cache_breakpoints": [router_pb2.CacheBreakpoint(messages=1, retention=NONE)]},
+            "cache_breakpoints[0].retention",
+        ),
         (
             {"cache_breakpoints": [router_pb2.CacheBreakpoint(messages=1, retention=HOUR)] * 5},
             "cache_breakpoints",

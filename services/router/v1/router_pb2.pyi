@@ -41,6 +41,10 @@ class _CacheRetentionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CacheR
     """Anthropic's "5m" (its default ttl): 5 minutes."""
     CACHE_RETENTION_1H: _CacheRetention.ValueType  # 4
     """Anthropic's "1h": 1 hour."""
+    CACHE_RETENTION_NONE: _CacheRetention.ValueType  # 5
+    """Cachet's "none" (OpenAI has no such value): keep nothing in preference, not even the
+    router's default for sessions. Whole-prompt only: a breakpoint must name a length.
+    """
 
 class CacheRetention(_CacheRetention, metaclass=_CacheRetentionEnumTypeWrapper):
     """How long a cached prefix is kept in preference to other KV after the request that last used
@@ -57,6 +61,10 @@ CACHE_RETENTION_5M: CacheRetention.ValueType  # 3
 """Anthropic's "5m" (its default ttl): 5 minutes."""
 CACHE_RETENTION_1H: CacheRetention.ValueType  # 4
 """Anthropic's "1h": 1 hour."""
+CACHE_RETENTION_NONE: CacheRetention.ValueType  # 5
+"""Cachet's "none" (OpenAI has no such value): keep nothing in preference, not even the
+router's default for sessions. Whole-prompt only: a breakpoint must name a length.
+"""
 Global___CacheRetention: _TypeAlias = CacheRetention  # noqa: Y015
 
 class _BatchStatus:
@@ -328,7 +336,7 @@ class ChatCompletionRequest(_message.Message):
     cache_retention: Global___CacheRetention.ValueType
     """How long the whole prompt's cached prefix (and the answer's) is kept in preference to
     other KV (OpenAI's prompt_cache_retention; Anthropic's top-level cache_control).
-    Unspecified: the router's default for a request with a session id, else none.
+    Unspecified: the router's default for a request with a session id, else none; NONE: none.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
