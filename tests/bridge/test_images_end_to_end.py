@@ -165,26 +165,24 @@ def test_with_thinking_on_the_output_starts_as_reasoning_and_the_schema_waits_fo
     client = vision.client()
     conversation = messages(f"[{uuid.uuid4().hex}] Think first.", png())
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    thought = client.chat.completions.create(
-        model=MODEL,
-        messages=conversation,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-        temperature=0.0,
-        max_tokens=12,
-    )
+
+    def ask(**switch: object):
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=conversation,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            temperature=0.0,
+            max_tokens=12,
+            **switch,
+        )
+
+    thought = ask()
     message = thought.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
     assert reasoning and not message.content, message
     assert not reasoning.lstrip().startswith("{"), "the schema held the reasoning"
     assert thought.choices[0].finish_reason == "length"
-    off = client.chat.completions.create(
-        model=MODEL,
-        messages=conversation,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-        temperature=0.0,
-        max_tokens=12,
-        **THINKING_OFF,
-    )
+    off = ask(**THINKING_OFF)
     assert off.choices[0].message.content.startswith("{"), off.choices[0].message
 
 

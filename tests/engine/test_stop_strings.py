@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -98,15 +99,21 @@ def test_empty_stop_strings_are_refused(tokenizer):
         StopStringChecker([""], tokenizer.decode)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_incremental_matches_brute_force(tokenizer, seed):
+def random_cases(seed: int, count: int = 60) -> Iterator[tuple[str, list[str]]]:
+    """Texts and stop strings drawn from a few characters, multi-byte ones among them."""
     rng = random.Random(seed)
     alphabet = "abé 🙂."
-    for _ in range(60):
+    for _ in range(count):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
         stops = [
             "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
         ]
+        yield text, stops
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_matches_brute_force(tokenizer, seed):
+    for text, stops in random_cases(seed):
         ids = tokenizer.encode(text).ids
         got = feed(StopStringChecker(stops, tokenizer.decode), ids)
         # Brute force: the first prefix of tokens whose text holds any stop string.
@@ -133,13 +140,7 @@ def test_the_router_shows_exactly_the_text_before_the_engines_match(tokenizer, s
     """One matcher: the engine stops and names the stop string, the router (which matches none)
     holds back and cuts its own decoding of the same tokens; streamed token by token or sent
     whole, the caller sees the text before the match, and a stream never more than that."""
-    rng = random.Random(seed)
-    alphabet = "abé 🙂."
-    for _ in range(60):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
-        stops = [
-            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
-        ]
+    for text, stops in random_cases(seed):
         ids = tokenizer.encode(text).ids
         stopped = feed(StopStringChecker(stops, tokenizer.decode), ids)
         # The engine's stream: every token up to the one that matched, which names its stop string.
