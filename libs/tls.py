@@ -163,10 +163,15 @@ def aio_channel(
 # A probe polls a server that is still starting: gRPC's default reconnect backoff (1 s, growing
 # by 1.6x) would let it notice a server up for seconds already (measured: an engine serving
 # after 6 s was seen after 9.5 s).
+# Each probe's channel gets its own connection: channels with the same target and options
+# otherwise share one from gRPC's global subchannel pool, so a failure seen while the server was
+# down could carry over to later probes (suspected in one loaded run, where a restarted engine
+# its peers already reached stayed unhealthy to run-local's probe for 240 s).
 _PROBE_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
