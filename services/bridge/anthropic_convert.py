@@ -297,16 +297,28 @@ def message_to_json(completion: router_pb2.ChatCompletion) -> Json:
     if completion.content:
         content.append({"type": "text", "text": completion.content})
     content.extend(tool_use_block(c.id, c.name, tool_input(c.arguments_json)) for c in completion.tool_calls)
+    stop_reason, stop_sequence = stop_of(completion.finish_reason, completion.matched_stop)
     return message_json(
-        completion.id,
-        completion.model,
-        content,
-        STOP_REASONS[completion.finish_reason],
-        usage_to_json(completion.usage),
+        completion.id, completion.model, content, stop_reason, usage_to_json(completion.usage), stop_sequence
     )
 
 
-def message_json(id: str, model: str, content: list[Json], stop_reason: str | None, usage: Json) -> Json:
+def stop_of(finish_reason: int, matched_stop: str) -> tuple[str | None, str | None]:
+    """Anthropic's stop_reason and stop_sequence: "stop_sequence" names which of the request's
+    stop_sequences ended the answer."""
+    if matched_stop:
+        return "stop_sequence", matched_stop
+    return STOP_REASONS[finish_reason], None
+
+
+def message_json(
+    id: str,
+    model: str,
+    content: list[Json],
+    stop_reason: str | None,
+    usage: Json,
+    stop_sequence: str | None = None,
+) -> Json:
     return {
         "id": id,
         "type": "message",
@@ -314,7 +326,7 @@ def message_json(id: str, model: str, content: list[Json], stop_reason: str | No
         "model": model,
         "content": content,
         "stop_reason": stop_reason,
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence,
         "usage": usage,
     }
 

@@ -96,6 +96,7 @@ class MessageStream:
         return [{"type": "content_block_stop", "index": self._index}]
 
     def _message_end(self, chunk: router_pb2.ChatCompletionChunk) -> list[Json]:
-        delta = {"stop_reason": anthropic_convert.STOP_REASONS[chunk.finish_reason], "stop_sequence": None}
+        stop_reason, stop_sequence = anthropic_convert.stop_of(chunk.finish_reason, chunk.matched_stop)
+        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         usage = anthropic_convert.usage_to_json(chunk.usage)
         return [{"type": "message_delta", "delta": delta, "usage": usage}, {"type": "message_stop"}]

@@ -624,6 +624,7 @@ class Generation:
             result.logprobs.extend(chunk.logprobs)
             if chunk.finish_reason:
                 result.finish_reason = chunk.finish_reason
+                result.matched_stop = chunk.matched_stop
             if chunk.HasField("usage"):
                 result.usage.CopyFrom(chunk.usage)
         result.content, result.reasoning_content = "".join(content), "".join(reasoning)
@@ -735,6 +736,8 @@ class Generation:
         chunk = self._chunk(delta, last.logprobs, finish)
         assert chunk is not None  # a finish reason always makes a chunk
         chunk.usage.CopyFrom(usage)
+        if finish == common_pb2.FINISH_REASON_STOP:
+            chunk.matched_stop = last.matched_stop
         if self._answer_check is not None and finish == common_pb2.FINISH_REASON_STOP:
             # A cut-short answer (length) says so itself; a stopped one must be what was asked for.
             self._answer_check.verify()

@@ -276,3 +276,28 @@ def test_errors_through_the_sdk(platform: Platform) -> None:
     assert window.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         sdk.messages.count_tokens(model="no-such-model", messages=QUESTION)
+
+
+def test_a_matched_stop_sequence_is_named_whole_and_streamed(platform: Platform) -> None:
+    """The engine matches stop strings and names the one that ended the answer; Anthropic's
+    stop_reason is then "stop_sequence" with that string, the text ending before it."""
+    prompt, longer = system(), {"max_tokens": 16, "extra_body": {"temperature": 0}}
+    free = client(platform).messages.create(model=TINY_MODEL_ID, system=prompt, messages=QUESTION, **longer)
+    text = "".join(block.text for block in free.content if block.type == "text")
+    assert text
+    # The first character the greedy answer writes for the first time past its start (the tiny
+    # model may write one character over and over: then its first).
+    start = next((i for i in range(1, len(text)) if text[i] not in text[:i]), 0)
+    stop = text[start]
+    stopped = client(platform).messages.create(
+        model=TINY_MODEL_ID, system=prompt, messages=QUESTION, stop_sequences=[stop, "\uffff"], **longer
+    )
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(b.text for b in stopped.content if b.type == "text") == text[:start]
+    with client(platform).messages.stream(
+        model=TINY_MODEL_ID, system=prompt, messages=QUESTION, stop_sequences=[stop], **longer
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text[:start]
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)

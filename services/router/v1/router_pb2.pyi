@@ -503,6 +503,7 @@ class ChatCompletion(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
+    MATCHED_STOP_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Request id ("chatcmpl-..." or "cmpl-...")."""
     model: _builtins.str
@@ -517,6 +518,8 @@ class ChatCompletion(_message.Message):
     """Why it ended."""
     replica_address: _builtins.str
     """Replica that served it (for operators and affinity debugging)."""
+    matched_stop: _builtins.str
+    """The stop string (of sampling.stop) that ended the answer; empty when none did."""
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]:
         """Tool calls parsed from the output."""
@@ -549,10 +552,11 @@ class ChatCompletion(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         replica_address: _builtins.str = ...,
         choices: _abc.Iterable[Global___ChatChoice] | None = ...,
+        matched_stop: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "content", b"content", "created", b"created", "finish_reason", b"finish_reason", "id", b"id", "logprobs", b"logprobs", "model", b"model", "reasoning_content", b"reasoning_content", "replica_address", b"replica_address", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "content", b"content", "created", b"created", "finish_reason", b"finish_reason", "id", b"id", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "model", b"model", "reasoning_content", b"reasoning_content", "replica_address", b"replica_address", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -621,6 +625,7 @@ class ChatCompletionChunk(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    MATCHED_STOP_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Request id, equal on every chunk."""
     model: _builtins.str
@@ -638,6 +643,10 @@ class ChatCompletionChunk(_message.Message):
     index: _builtins.int
     """The choice this chunk belongs to (0 unless n > 1). Each choice has its own role chunk and
     finish_reason; only the request's very last chunk carries usage.
+    """
+    matched_stop: _builtins.str
+    """On the chunk that ends the choice: the stop string (of sampling.stop) that ended it; empty
+    when none did.
     """
     @_builtins.property
     def tool_call_deltas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
@@ -665,10 +674,11 @@ class ChatCompletionChunk(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         index: _builtins.int = ...,
+        matched_stop: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_delta", b"content_delta", "created", b"created", "finish_reason", b"finish_reason", "id", b"id", "index", b"index", "logprobs", b"logprobs", "model", b"model", "reasoning_delta", b"reasoning_delta", "role", b"role", "tool_call_deltas", b"tool_call_deltas", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_delta", b"content_delta", "created", b"created", "finish_reason", b"finish_reason", "id", b"id", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "model", b"model", "reasoning_delta", b"reasoning_delta", "role", b"role", "tool_call_deltas", b"tool_call_deltas", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
