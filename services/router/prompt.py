@@ -22,7 +22,6 @@ from cachet.router.cache_scope import validate_cache_salt
 from cachet.router.tool_parsers.reasoning import PromptReasoning, prompt_reasoning
 from cachet.router.upstream_errors import domain_error
 from cachet.router.v1 import router_pb2
-from cachet.sampling_ranges import MAX_CHOICES, check_sampling
 from cachet.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -43,7 +42,7 @@ def validate_chat(request: router_pb2.ChatCompletionRequest) -> None:
                 f"messages[{index}].role must be one of {', '.join(sorted(ROLES))}; got {message.role!r}",
                 param=f"messages[{index}].role",
             )
-    check_sampling(request.sampling)
+    sampling_ranges.check_sampling(request.sampling)
     validate_cache_salt(request.cache_salt)
     validate_choices(request.n)
     validate_retention(request.cache_retention)
@@ -54,15 +53,15 @@ def validate_completion(request: router_pb2.CompletionRequest) -> None:
     validate_model(request.model)
     if bool(request.prompt) == bool(request.prompt_token_ids):
         raise InvalidArgument("give exactly one of prompt and prompt_token_ids", param="prompt")
-    check_sampling(request.sampling)
+    sampling_ranges.check_sampling(request.sampling)
     validate_cache_salt(request.cache_salt)
     validate_choices(request.n)
     validate_retention(request.cache_retention)
 
 
 def validate_choices(n: int) -> None:
-    if n > MAX_CHOICES:
-        raise InvalidArgument(f"n must be at most {MAX_CHOICES}", param="n")
+    if n > sampling_ranges.MAX_CHOICES:
+        raise InvalidArgument(f"n must be at most {sampling_ranges.MAX_CHOICES}", param="n")
 
 
 def check_context_window(
