@@ -80,7 +80,7 @@ class EngineCore:
             block_size=self.runner.block_size,
             host_tier=HostTierIndex(host_slots) if host_slots else None,
             shared_tier=getattr(self.runner, "shared_kv", None),
-            block_bytes=getattr(getattr(self.runner, "host_kv", None), "bytes_per_block", 0),
+            block_bytes=getattr(self.runner, "kv_block_bytes", 0),
             batch_invariant=getattr(self.runner, "batch_invariant", False),
         )
         self.scheduler = Scheduler(kv, self.scheduler_config)

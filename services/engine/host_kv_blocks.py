@@ -27,15 +27,18 @@ class HostKvBlocks:
         on_cuda = kv_cache.device.type == "cuda"
         self.blocks = torch.zeros(num_slots, *block_shape, dtype=kv_cache.dtype, pin_memory=on_cuda)
         self.non_blocking = on_cuda
-        self.bytes_per_block = self.blocks[0].numel() * self.blocks.element_size()
 
     def pool_block(self, block_id: int) -> torch.Tensor:
         return self.kv_cache.select(self.block_dim, block_id)
 
-    def apply(self, moves: KvBlockMoves) -> None:
-        """Demotions, then blocks loaded from the shared tier, then promotions (``KvBlockMoves``)."""
+    def copy_out(self, moves: KvBlockMoves) -> None:
+        """The demotions: they read pool blocks this step may overwrite, so they go first."""
         for block_id, slot in moves.demote:
             self.blocks[slot].copy_(self.pool_block(block_id), non_blocking=self.non_blocking)
+
+    def copy_in(self, moves: KvBlockMoves) -> None:
+        """Blocks loaded from the shared tier, then promotions (``KvBlockMoves``' order: after
+        ``copy_out`` and the pool's own duplicates)."""
         for slot, block in moves.fill:
             self.blocks[slot].copy_(block)
         for slot, block_id in moves.promote:

@@ -11,6 +11,15 @@ table, from ``allocate_slots`` until ``free``. A block is named (registered in
 the pool's hash map) only once it is full *and* its KV has been computed, so a
 cache hit never reads KV that a forward pass has not written yet.
 
+Copy-on-write of the block of a new request's last token: past its full hits, that block
+(a prompt's partial last block) may be computed, up to that token, by another live request
+with the same tokens: choice 0 of the same ``n`` > 1 request, whose first token the router
+waits for before it sends the other choices. That block is never a hit (a partial block is
+not named, and a named full block cannot take the request's own write of its last token),
+so rather than recompute its tokens the request copies it into a fresh block of its own
+(``KvBlockMoves.duplicate``) and computes only its last token, whose logits it samples its
+first token from. The copied tokens count as pool hits.
+
 With a host tier (``host_kv_tier``), blocks the pool evicts are copied down to it, and
 a prefix that continues in the host tier past the pool's hits is copied back into
 freshly allocated blocks: those tokens count as cached, like pool hits.
@@ -31,6 +40,7 @@ block can still be found, not only whether the pool holds it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -38,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from cachet.block_hash import DEFAULT_BLOCK_SIZE, chain_hashes, hash_seed
+from cachet.block_hash import DEFAULT_BLOCK_SIZE, ImageSpan, chain_hashes, hash_seed
 from cachet.engine.block_pool import BlockPool, KvEvent
 from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.request import Request
@@ -89,12 +99,18 @@ class KVCacheManager:
         # Hashes found in the host tier by the last get_computed_blocks, per request, for the
         # allocate_slots call that admits it.
         self._host_hits: dict[str, list[int]] = {}
+        # Likewise, the block another request computed that the admitting call copies, and the
+        # tokens of it that count as computed.
+        self._partial_hits: dict[str, tuple[int, int]] = {}
+        # Copy-on-write orders (source block, fresh block of the request that copies it) since
+        # the last plan.
+        self._duplicate: list[tuple[int, int]] = []
         # Per request, the hashes its prefetch filled into the host tier: their hits count as
         # the shared tier's.
         self._from_shared: dict[str, set[int]] = {}
         # Totals since start, for metrics (fixed keys: read from other threads).
         self.hit_tokens = {"engine": 0, "host": 0, "shared": 0}
-        self.block_copies = {"demote": 0, "promote": 0, "store": 0, "load": 0}
+        self.block_copies = {"demote": 0, "promote": 0, "store": 0, "load": 0, "duplicate": 0}
         # Bytes of one block's KV on this rank (0: unknown), which turns copies into bytes moved.
         self.block_bytes = block_bytes
         # Wall-clock seconds, which retention deadlines are in: the shared tier's files carry
@@ -144,7 +160,8 @@ class KVCacheManager:
 
     @property
     def block_copy_bytes(self) -> dict[str, int]:
-        """Bytes copied by direction since start (demote/promote: host tier, store/load: shared)."""
+        """Bytes copied by direction since start (demote/promote: host tier, store/load: shared,
+        duplicate: within the pool)."""
         return {direction: n * self.block_bytes for direction, n in self.block_copies.items()}
 
     def can_ever_fit(self, num_tokens: int) -> bool:
@@ -153,15 +170,18 @@ class KVCacheManager:
 
     # --------------------------------------------------------------- allocation
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request: Request, sources: Iterable[Request] = ()) -> tuple[list[int], int]:
         """Leading cached blocks of a request that holds none yet, and the tokens they cover.
 
         The request's last token is never taken from the cache: the forward pass
         must compute it to produce logits. So at most ``num_tokens - 1`` tokens
         come from the cache, rounded down to a block boundary. Takes no reference.
 
-        The token count includes the blocks that continue the prefix in the host tier; the
-        ``allocate_slots`` call that admits the request allocates and fills them.
+        The token count includes the blocks that continue the prefix in the host tier, and,
+        when those reach the block of the last token, that block's tokens before the last one
+        if one of ``sources`` has computed them (live requests whose computed tokens' KV is
+        written: none admitted in the plan being built, whose hits may not be copied in yet).
+        The ``allocate_slots`` call that admits the request allocates and fills them.
         """
         if not self.pool.enable_caching:
             return [], 0
@@ -181,7 +201,50 @@ class KVCacheManager:
                     break
                 host_hits.append(block_hash)
         self._host_hits[request.request_id] = host_hits
-        return hits, (len(hits) + len(host_hits)) * self.block_size
+        num_hit_tokens = (len(hits) + len(host_hits)) * self.block_size
+        self._partial_hits.pop(request.request_id, None)
+        if len(hits) + len(host_hits) == max_blocks:
+            partial = self._computed_elsewhere(request, max_blocks, sources)
+            if partial is not None:
+                self._partial_hits[request.request_id] = partial
+                num_hit_tokens += partial[1]
+        return hits, num_hit_tokens
+
+    def _computed_elsewhere(
+        self, request: Request, block_index: int, sources: Iterable[Request]
+    ) -> tuple[int, int] | None:
+        """(block id, tokens) of a source's block ``block_index`` whose KV holds the request's
+        tokens there, all but its last token; None when no source has computed them.
+
+        Sharing KV takes what a hit does: the same tokens after the same chain (model, cache
+        salt, batch-invariant or not, and every token and image before the block: one hash),
+        and the same images among the copied tokens, whose placeholder ids alone cannot tell
+        two images apart::
+
+            tokens:  [ ... hits: blocks < block_index ... | start ...... end | last token ]
+                                                            copied (< block_size)  computed
+        """
+        start, end = block_index * self.block_size, request.num_tokens - 1
+        if end <= start:
+            return None
+        chain = self._chain_before(request, block_index)
+        tokens = request.all_token_ids[start:end]
+        for source in sources:
+            table = self._tables.get(source.request_id)
+            if table is None or len(table) <= block_index or source.num_computed_tokens < end:
+                continue
+            self._update_block_hashes(source)
+            if (
+                self._chain_before(source, block_index) == chain
+                and source.all_token_ids[start:end] == tokens
+                and _image_spans(source, start, end) == _image_spans(request, start, end)
+            ):
+                return table[block_index], end - start
+        return None
+
+    def _chain_before(self, request: Request, block_index: int) -> int:
+        """The hash naming every token before block ``block_index`` (its chain's seed for 0)."""
+        return request.block_hashes[block_index - 1] if block_index else self._hash_seed(request)
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
@@ -198,8 +261,12 @@ class KVCacheManager:
             raise AssertionError(f"{request.request_id}: cache hits after blocks were allocated")
         self._end_retention()
         host_hits = self._host_hits.pop(request.request_id, []) if not table else []
+        partial = self._partial_hits.pop(request.request_id, None) if not table else None
+        num_copied = partial[1] if partial is not None else 0
         num_computed = (
-            request.num_computed_tokens + (len(new_computed_blocks) + len(host_hits)) * self.block_size
+            request.num_computed_tokens
+            + (len(new_computed_blocks) + len(host_hits)) * self.block_size
+            + num_copied
         )
         num_needed = (
             cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(new_computed_blocks)
@@ -219,7 +286,10 @@ class KVCacheManager:
             # allocation evicted cannot take those slots before the runner has read them.
             self.host_tier.promote(host_hits, new_blocks[: len(host_hits)])
             self.host_tier.demote(evicted)
-        self.hit_tokens["engine"] += len(new_computed_blocks) * self.block_size
+        if partial is not None:
+            # The block after the host hits: the one the request writes its last token into.
+            self._duplicate.append((partial[0], new_blocks[len(host_hits)]))
+        self.hit_tokens["engine"] += len(new_computed_blocks) * self.block_size + num_copied
         loaded = self._from_shared.pop(request.request_id, set())
         from_shared = sum(1 for h in host_hits if h in loaded)
         self.hit_tokens["host"] += (len(host_hits) - from_shared) * self.block_size
@@ -258,7 +328,12 @@ class KVCacheManager:
         table = self._tables.pop(request.request_id, [])
         self._num_named.pop(request.request_id, None)
         self._host_hits.pop(request.request_id, None)
+        self._partial_hits.pop(request.request_id, None)
         self._from_shared.pop(request.request_id, None)
+        # A request freed in the step that admitted it (preempted for a seat, aborted) drops its
+        # copy: the block it was to fill may go to another request in that same step.
+        freed = set(table)
+        self._duplicate = [(src, dst) for src, dst in self._duplicate if dst not in freed]
         self.pool.free(reversed(table))
 
     def reset_prefix_cache(self) -> bool:
@@ -282,10 +357,13 @@ class KVCacheManager:
         return self.shared_tier is not None and self.shared_tier.has_events
 
     def take_block_moves(self) -> KvBlockMoves:
-        """Copies between the pool and the host tier ordered since the last call, for the plan."""
+        """Block copies ordered since the last call, for the plan: within the pool, and between
+        the pool and the lower tiers."""
+        duplicate, self._duplicate = self._duplicate, []
+        self.block_copies["duplicate"] += len(duplicate)
         if self.host_tier is None:
-            return KvBlockMoves()
-        moves = self.host_tier.take_moves(self._store)
+            return KvBlockMoves(duplicate=duplicate)
+        moves = dataclasses.replace(self.host_tier.take_moves(self._store), duplicate=duplicate)
         self._store = []
         self.block_copies["demote"] += len(moves.demote)
         self.block_copies["promote"] += len(moves.promote)
@@ -395,16 +473,18 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         if len(request.block_hashes) >= num_full:
             return
-        reproducible = self.batch_invariant and request.sampling.reproducible
-        seed = hash_seed(self.model, request.cache_salt, reproducible=reproducible)
         request.block_hashes += chain_hashes(
-            seed,
+            self._hash_seed(request),
             request.block_hashes[-1] if request.block_hashes else 0,
             request.all_token_ids,
             block_size=self.block_size,
             first_block=len(request.block_hashes),
             images=[image.span for image in request.images],
         )
+
+    def _hash_seed(self, request: Request) -> int:
+        reproducible = self.batch_invariant and request.sampling.reproducible
+        return hash_seed(self.model, request.cache_salt, reproducible=reproducible)
 
     # -------------------------------------------------------------- invariants
 
@@ -424,6 +504,8 @@ class KVCacheManager:
             assert ref == count, f"block {block_id} has ref count {ref} but {count} tables hold it"
         for request in requests:
             self._check_request(request)
+        for source, destination in self._duplicate:
+            assert holders[destination], f"copy of block {source} into {destination}, which no request holds"
 
     def _check_request(self, request: Request) -> None:
         table = self._tables.get(request.request_id, [])
@@ -436,3 +518,8 @@ class KVCacheManager:
             assert block_hash in (None, request.block_hashes[i]), (
                 f"{rid}: block {block_id} at position {i} carries a foreign hash"
             )
+
+
+def _image_spans(request: Request, start: int, end: int) -> list[ImageSpan]:
+    """The spans of the request's images that hold any of its tokens ``[start, end)``."""
+    return [image.span for image in request.images if image.token_offset < end and image.end > start]

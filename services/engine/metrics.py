@@ -71,7 +71,8 @@ class SchedulerCollector(Collector):
         yield _by_label(
             CounterMetricFamily(
                 "cachet_engine_prefix_cache_hit_tokens",
-                "Prompt tokens served from a KV tier instead of computed (host: copied back).",
+                "Prompt tokens served from a KV tier instead of computed (host: copied back; engine: "
+                "pool hits, and last blocks copied from another live request, as n > 1 choices do).",
                 labels=["tier"],
             ),
             stats.cached_tokens_by_tier,
@@ -80,7 +81,8 @@ class SchedulerCollector(Collector):
             CounterMetricFamily(
                 "cachet_engine_kv_block_copies",
                 "KV blocks copied between the pool and the lower tiers (demote/promote: host tier; "
-                "store/load: shared file tier).",
+                "store/load: shared file tier), or within the pool (duplicate: a request's last "
+                "block copied from another live request that computed it).",
                 labels=["direction"],
             ),
             stats.kv_block_copies,
@@ -88,8 +90,8 @@ class SchedulerCollector(Collector):
         yield _by_label(
             CounterMetricFamily(
                 "cachet_engine_kv_block_copy_bytes",
-                "Bytes of KV moved between tiers on rank 0 (demote/promote: host tier; store/load: "
-                "shared file tier, payload only).",
+                "Bytes of KV copied on rank 0 (demote/promote: host tier; store/load: shared file "
+                "tier, payload only; duplicate: within the pool).",
                 labels=["direction"],
             ),
             stats.kv_block_copy_bytes,

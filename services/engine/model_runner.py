@@ -44,7 +44,7 @@ from cachet.engine.prompt_images import ImageInputSpec, PromptImage
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.shared_kv_tier import SharedKvFiles, layout_key
-from cachet.engine.step_plan import NewRequest, StepPlan, StepResult
+from cachet.engine.step_plan import KvBlockMoves, NewRequest, StepPlan, StepResult
 from cachet.engine.tensor_parallel import SINGLE_RANK
 from cachet.engine.weights import load_model
 
@@ -165,6 +165,10 @@ class ModelRunner:
             )
         # The fixed-shape decode steps write padding rows into one block past those reported.
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks + (1 if use_graphs else 0))
+        # The pool's block axis: [layers, blocks, ...] for MLA's latent, [layers, 2, blocks, ...] else.
+        self.kv_block_dim = 1 if self.model.kv_cache_shape_per_token() is not None else 2
+        # What copying one block moves on this rank (the engine's figures of KV copied).
+        self.kv_block_bytes = self._kv_cache_bytes_per_block()
         for layer_cache, attention in zip(self.kv_cache, self.model.attention_layers(), strict=True):
             attention.kv_cache = layer_cache
         self._requests: dict[str, _RequestState] = {}
@@ -209,12 +213,10 @@ class ModelRunner:
     def _allocate_host_kv(self, host_kv_bytes: int, tp: TensorParallel | None) -> HostKvBlocks | None:
         if host_kv_bytes <= 0:
             return None
-        # The pool's block axis: [layers, blocks, ...] for MLA's latent, [layers, 2, blocks, ...] else.
-        block_dim = 1 if self.model.kv_cache_shape_per_token() is not None else 2
         num_slots = host_kv_bytes // self._kv_cache_bytes_per_block()
         if tp is not None:
             num_slots = tp.min_over_ranks(num_slots)
-        return HostKvBlocks(self.kv_cache, block_dim, num_slots) if num_slots > 0 else None
+        return HostKvBlocks(self.kv_cache, self.kv_block_dim, num_slots) if num_slots > 0 else None
 
     def _open_shared_kv(
         self, root: Path, budget_bytes: int, model_name: str, tp: TensorParallel | None
@@ -302,7 +304,7 @@ class ModelRunner:
         """Run one step. ``logit_masks`` (request id -> bool [vocab], True = allowed) applies to
         requests that sample this step; masks for requests that do not are ignored."""
         self._apply_diffs(plan)
-        self._copy_kv_blocks(plan)
+        self._move_kv_blocks(plan.kv_moves)
         if not plan.num_scheduled_tokens:
             return StepResult()
         logits, samplers = self._forward(plan)
@@ -317,7 +319,7 @@ class ModelRunner:
         """A follower rank's step: the same forward as rank 0 (its collectives pair with rank 0's,
         down to the sharded lm_head), no sampling; rank 0's tokens come via ``accept_sampled``."""
         self._apply_diffs(plan)
-        self._copy_kv_blocks(plan)
+        self._move_kv_blocks(plan.kv_moves)
         if plan.num_scheduled_tokens:
             self._forward(plan)
 
@@ -374,21 +376,34 @@ class ModelRunner:
             offset += num_new
         return self.image_encoder.step_rows(scheduled) if scheduled else None
 
-    def _copy_kv_blocks(self, plan: StepPlan) -> None:
-        if not plan.kv_moves:
+    def _move_kv_blocks(self, moves: KvBlockMoves) -> None:
+        """The plan's KV block copies, in ``KvBlockMoves``' order, before its forward pass. Each
+        rank of a sharded replica copies its own shard of every block; on CUDA the copies are
+        queued on the compute stream, ahead of the forward that reads them."""
+        if not moves:
             return
-        if self.host_kv is None:
+        host_kv = self.host_kv
+        if host_kv is None and (moves.store or moves.demote or moves.fill or moves.promote):
             raise ValueError("the plan moves KV blocks to or from a host tier this runner does not have")
-        for block_id, block_hash in plan.kv_moves.store:
+        for block_id, block_hash in moves.store:
             self._store_shared(block_id, block_hash)
-        self.host_kv.apply(plan.kv_moves)
+        if host_kv is not None:
+            host_kv.copy_out(moves)
+        for source, destination in moves.duplicate:
+            self._pool_block(destination).copy_(self._pool_block(source))
+        if host_kv is not None:
+            host_kv.copy_in(moves)
+
+    def _pool_block(self, block_id: int) -> torch.Tensor:
+        """One block of every layer, a view into the pool."""
+        return self.kv_cache.select(self.kv_block_dim, block_id)
 
     def _store_shared(self, block_id: int, block_hash: int) -> None:
         """Copy a pool block out for the shared tier's writer; on CUDA into pinned memory without
         waiting, the writer waiting on the copy's event instead."""
-        if self.shared_kv is None or self.host_kv is None:
+        if self.shared_kv is None:
             raise ValueError("the plan stores KV blocks in a shared tier this runner does not have")
-        source = self.host_kv.pool_block(block_id)
+        source = self._pool_block(block_id)
         if source.device.type != "cuda":
             self.shared_kv.write_later(block_hash, source.clone())
             return

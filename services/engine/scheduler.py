@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 
 from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
@@ -370,7 +370,7 @@ class Scheduler:
     def _start_waiting(self, request: Request, plan: _PlanBuilder) -> bool:
         """Admit ``request`` with what the plan's budget holds, prefix hits first; False (and
         nothing changed) when the budget or the free blocks cannot take it."""
-        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request, self._computed_requests(plan))
         num_tokens = min(request.num_tokens - num_hit_tokens, plan.budget_for(request))
         if num_tokens <= 0 or self.kv.allocate_slots(request, num_tokens, hits) is None:
             return False
@@ -378,6 +378,12 @@ class Scheduler:
         self._admit(request, num_hit_tokens)
         plan.add_new(request, self.kv.block_ids(request.request_id), num_tokens)
         return True
+
+    def _computed_requests(self, plan: _PlanBuilder) -> Iterator[Request]:
+        """Running requests whose computed tokens' KV is in their blocks already, which a new
+        request may copy from: not those this plan admits (their hits from the host tier, or
+        copied from others, are filled in only when the runner carries out the plan)."""
+        return (request for request in self.running if request.request_id not in plan.new_requests)
 
     def _batch_seat_free(self) -> bool:
         limit = self.config.max_batch_running

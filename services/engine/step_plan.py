@@ -57,19 +57,26 @@ class RunningRequestDiff:
 
 @dataclass(frozen=True)
 class KvBlockMoves:
-    """Copies between the KV pool and the lower tiers, done before the step's forward pass, in
-    this order: those that read pool blocks about to be reused (``store`` (pool block id,
-    hash) to the shared file tier, ``demote`` (pool block id, host slot) to the host tier),
-    then ``fill`` (host slot, block tensor loaded from the shared tier), then ``promote``
-    (host slot, pool block id)."""
+    """Copies of KV blocks, done before the step's forward pass, in this order: those that read
+    pool blocks about to be reused (``store`` (pool block id, hash) to the shared file tier,
+    ``demote`` (pool block id, host slot) to the host tier), then ``duplicate`` (source pool
+    block id, destination pool block id: copy-on-write of a prompt's last block that another
+    live request computed, ``KVCacheManager.get_computed_blocks``), then ``fill`` (host slot,
+    block tensor loaded from the shared tier), then ``promote`` (host slot, pool block id).
+
+    A duplicate's destination is a fresh block, which may be one this step's allocations
+    evicted: it is written after the demotion that reads it. Its source may be freed and taken
+    again in the same step (its holder preempted after the order was given): it is read before
+    any promotion or forward pass writes it."""
 
     demote: list[tuple[int, int]] = field(default_factory=list)
     promote: list[tuple[int, int]] = field(default_factory=list)
     store: list[tuple[int, int]] = field(default_factory=list)
     fill: list[tuple[int, Any]] = field(default_factory=list)
+    duplicate: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.demote or self.promote or self.store or self.fill)
+        return bool(self.demote or self.promote or self.store or self.fill or self.duplicate)
 
 
 @dataclass(frozen=True)

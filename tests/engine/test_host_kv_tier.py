@@ -64,7 +64,7 @@ def test_evicted_blocks_are_demoted_and_a_later_hit_promotes_them():
     assert moves.promote == [(2, 0), (1, 1), (0, 2)]
     assert moves.demote == [(1, 3), (2, 4), (3, 5)]
     assert kv.hit_tokens == {"engine": 0, "host": 12, "shared": 0}
-    assert kv.block_copies == {"demote": 6, "promote": 3, "store": 0, "load": 0}
+    assert kv.block_copies == {"demote": 6, "promote": 3, "store": 0, "load": 0, "duplicate": 0}
 
 
 def test_the_host_tier_evicts_its_least_recently_used_block_and_never_a_locked_one():
@@ -107,9 +107,9 @@ def test_host_blocks_copy_whole_blocks_of_every_layer():
     cache = torch.arange(3 * 2 * 5 * 2 * 1 * 2, dtype=torch.float32).view(3, 2, 5, 2, 1, 2)
     original = cache.clone()
     host = HostKvBlocks(cache, block_dim=2, num_slots=2)
-    host.apply(KvBlockMoves(demote=[(4, 1)]))
+    host.copy_out(KvBlockMoves(demote=[(4, 1)]))
     cache[:, :, 4] = -1
-    host.apply(KvBlockMoves(promote=[(1, 0)]))
+    host.copy_in(KvBlockMoves(promote=[(1, 0)]))
     assert torch.equal(cache[:, :, 0], original[:, :, 4])
     assert torch.equal(cache[:, :, 1:4], original[:, :, 1:4])
 

@@ -10,6 +10,7 @@ from test_block_pool import replay
 from cachet.block_hash import block_hashes
 from cachet.engine.block_pool import BlockPool, BlocksRemoved, BlocksStored
 from cachet.engine.kv_cache_manager import KVCacheManager
+from cachet.engine.prompt_images import PromptImage
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 
@@ -21,8 +22,13 @@ def make_request(request_id: str, prompt: list[int], salt: str = "") -> Request:
     return Request(request_id, list(prompt), SamplingParams(), max_tokens=16, cache_salt=salt)
 
 
-def make_kv(num_blocks: int, *, caching: bool = True) -> KVCacheManager:
-    return KVCacheManager(BlockPool(num_blocks, enable_caching=caching), model=MODEL, block_size=BS)
+def make_kv(num_blocks: int, *, caching: bool = True, batch_invariant: bool = False) -> KVCacheManager:
+    return KVCacheManager(
+        BlockPool(num_blocks, enable_caching=caching),
+        model=MODEL,
+        block_size=BS,
+        batch_invariant=batch_invariant,
+    )
 
 
 def compute(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
@@ -82,6 +88,131 @@ def test_last_prompt_token_is_never_taken_from_cache(prompt_len, expected_hit_to
     admit(kv, make_request("a", PROMPT))
     _, num_hit = kv.get_computed_blocks(make_request("b", PROMPT[:prompt_len]))
     assert num_hit == expected_hit_tokens
+
+
+# ------------------------------------------------ copy-on-write of the last block (n > 1)
+
+
+def copying(kv: KVCacheManager, request: Request, sources: list[Request]) -> tuple[list[int], int, list[int]]:
+    """Admit ``request`` as the scheduler does, with ``sources`` to copy from: (hits, tokens
+    not to compute, new blocks); the copies ordered stay in ``kv``."""
+    hits, num_hit = kv.get_computed_blocks(request, sources)
+    new = kv.allocate_slots(request, request.num_tokens - num_hit, hits)
+    assert new is not None
+    request.num_computed_tokens = num_hit
+    kv.check_invariants([request, *sources])
+    return hits, num_hit, new
+
+
+def test_a_block_another_request_computed_is_copied_up_to_the_last_token():
+    kv = make_kv(8)
+    first = make_request("choice-0", PROMPT)  # blocks 0, 1 full, 2 holds tokens 8 and 9
+    admit(kv, first)
+    kv.take_block_moves()
+    other = make_request("choice-1", PROMPT)
+    # Token 8 is copied with block 2; token 9, the last, is computed for its logits.
+    assert copying(kv, other, [first]) == ([0, 1], 9, [3])
+    assert kv.take_block_moves().duplicate == [(2, 3)]
+    assert kv.block_ids("choice-1") == [0, 1, 3]
+    assert [kv.pool.ref_count(i) for i in range(4)] == [2, 2, 1, 1]
+    assert kv.hit_tokens["engine"] == 9 and kv.block_copies["duplicate"] == 1
+    assert kv.take_block_moves().duplicate == []  # each order goes into one plan
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "hits", "num_hit"),
+    [
+        (8, [0], 7),  # a whole-block prompt: its last block is named, but the last token is its own
+        (3, [], 2),  # no full block: the chain before block 0 is the seed (model, salt)
+        (9, [0, 1], 8),  # the last token starts a block: nothing to copy
+    ],
+)
+def test_the_copied_block_is_the_one_the_last_token_goes_in(prompt_len, hits, num_hit):
+    kv = make_kv(8)
+    first = make_request("choice-0", PROMPT[:prompt_len])
+    admit(kv, first)
+    other = make_request("choice-1", PROMPT[:prompt_len])
+    got_hits, got_num_hit, new = copying(kv, other, [first])
+    assert (got_hits, got_num_hit) == (hits, num_hit)
+    copied = kv.block_ids("choice-0")[len(hits)]
+    assert kv.take_block_moves().duplicate == ([(copied, new[0])] if num_hit % BS else [])
+
+
+def test_a_source_serves_while_it_decodes_past_the_prompt():
+    kv = make_kv(8)
+    first = make_request("choice-0", PROMPT)
+    admit(kv, first)
+    for token in (50, 51, 52):  # its answer fills block 2 and starts block 3
+        first.output_token_ids.append(token)
+        kv.allocate_slots(first, 1)
+        compute(kv, first, 1)
+    other = make_request("choice-1", PROMPT)
+    assert copying(kv, other, [first])[1] == 9
+    assert kv.take_block_moves().duplicate == [(2, 4)]
+
+
+@pytest.mark.parametrize(
+    "differs",
+    ["not computed yet", "another token", "another salt", "another image", "batch-invariant"],
+)
+def test_no_copy_from_a_request_whose_block_holds_other_kv(differs):
+    kv = make_kv(8)
+    first = make_request("choice-0", PROMPT, salt="s" if differs == "another salt" else "")
+    other = make_request("choice-1", PROMPT)
+    if differs == "another token":
+        first.prompt_token_ids[8] = 99
+    if differs == "another image":
+        first.images = (PromptImage(8, 1, 1, 1, b"", bytes(32)),)
+        other.images = (PromptImage(8, 1, 1, 1, b"", bytes([1]) * 32),)
+    if differs == "batch-invariant":
+        kv = make_kv(8, batch_invariant=True)
+        first.sampling = SamplingParams(temperature=0.0)
+    if differs == "not computed yet":
+        hits, _ = kv.get_computed_blocks(first)
+        kv.allocate_slots(first, 10, hits)
+        compute(kv, first, 8)  # token 8 is not
+    else:
+        admit(kv, first)
+    hits, num_hit = kv.get_computed_blocks(other, [first])
+    # The full blocks are still hits where the chain is the same.
+    assert num_hit == (0 if differs in ("another salt", "batch-invariant") else 8)
+    kv.allocate_slots(other, other.num_tokens - num_hit, hits)
+    assert kv.take_block_moves().duplicate == []
+
+
+@pytest.mark.parametrize("differs", ["salt", "batch-invariant"])
+def test_no_copy_of_a_first_block_from_another_chain(differs):
+    kv = make_kv(8, batch_invariant=differs == "batch-invariant")
+    first = make_request("choice-0", PROMPT[:3], salt="s" if differs == "salt" else "")
+    if differs == "batch-invariant":
+        first.sampling = SamplingParams(temperature=0.0)
+    admit(kv, first)
+    other = make_request("choice-1", PROMPT[:3])
+    assert kv.get_computed_blocks(other, [first]) == ([], 0)
+
+
+def test_a_request_freed_before_its_plan_drops_its_copy():
+    kv = make_kv(8)
+    first = make_request("choice-0", PROMPT)
+    admit(kv, first)
+    other = make_request("choice-1", PROMPT)
+    copying(kv, other, [first])
+    kv.free(other)  # preempted or aborted in the step that admitted it
+    kv.check_invariants([first])
+    assert kv.take_block_moves().duplicate == []
+
+
+def test_a_preempted_request_copies_from_one_whose_output_is_the_same():
+    kv = make_kv(12)
+    answer = [50, 51, 52, 53, 54]  # greedy choices answer alike: PROMPT + answer is 15 tokens
+    first = make_request("choice-0", PROMPT)
+    first.output_token_ids = list(answer)
+    admit(kv, first)
+    resumed = make_request("choice-1", PROMPT)
+    resumed.output_token_ids = list(answer)  # sampled before it lost its blocks
+    hits, num_hit, new = copying(kv, resumed, [first])
+    assert (hits, num_hit) == ([0, 1, 2], 14)
+    assert kv.take_block_moves().duplicate == [(3, new[0])]
 
 
 def test_cache_salt_and_model_isolate_caches():

@@ -9,6 +9,7 @@ a request's token history (test data), so any schedule gives the same text.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -71,6 +72,8 @@ class SimulatedRunner:
             seq = self.seqs[diff.request_id]
             assert diff.num_computed_tokens == seq.computed, f"{diff.request_id}: computed count drifted"
             seq.blocks += diff.new_block_ids
+        for source, destination in plan.kv_moves.duplicate:
+            self.slots[destination] = list(self._slot_row(source))
         sampled = {}
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             seq = self.seqs[request_id]
@@ -527,3 +530,71 @@ def test_batch_work_starts_only_below_its_seat_limit_and_waits_there_for_the_nex
 def test_a_batch_seat_limit_must_fit_the_seats():
     with pytest.raises(ValueError, match="max_batch_running"):
         SchedulerConfig(max_model_len=64, max_num_seqs=4, max_batch_running=5)
+
+
+# ------------------------------------------------------------- n choices
+
+
+def test_choices_copy_the_last_prompt_block_and_compute_only_their_last_token():
+    scheduler, runner = make_scheduler()
+    prompt = list(range(1, 12))  # 11 tokens: 2 full blocks and 3 tokens
+    first = make_request("c/0", prompt, max_tokens=6)
+    scheduler.add_request(first)
+    while not first.output_token_ids:
+        step(scheduler, runner)
+    # As the router does: the other choices once choice 0 has its first token.
+    others = [make_request(f"c/{i}", prompt, max_tokens=6) for i in (1, 2, 3)]
+    for request in others:
+        scheduler.add_request(request)
+    plan = step(scheduler, runner)
+    assert plan.num_scheduled_tokens == {"c/0": 1, "c/1": 1, "c/2": 1, "c/3": 1}
+    assert [new.num_computed_tokens for new in plan.new_requests] == [10, 10, 10]
+    partial = scheduler.kv.block_ids("c/0")[2]
+    assert [source for source, _ in plan.kv_moves.duplicate] == [partial] * 3
+    assert [scheduler.kv.block_ids(r.request_id)[2] for r in others] == [
+        b for _, b in plan.kv_moves.duplicate
+    ]
+    run_to_completion(scheduler, runner)
+    # The prompt once, and each other choice's last prompt token (3 x 3 tokens recomputed before).
+    assert scheduler.counts.computed_tokens["interactive", "prefill"] == 11 + 3
+    assert all(r.output_token_ids == reference_output(prompt, 6) for r in [first, *others])
+    assert [r.num_cached_tokens for r in others] == [10, 10, 10]
+    assert scheduler.kv.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_choices_under_preemption_hold_their_own_tokens(seed):
+    """Groups of choices of one prompt, choice 0 first and the others once it has a token, in a
+    pool small enough to preempt: the simulated KV check proves every copied block holds the
+    copying request's tokens, and the answers are what each prompt gives alone."""
+    rng = random.Random(seed)
+    num_blocks = 16
+    scheduler, runner = make_scheduler(
+        num_blocks=num_blocks, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=8, max_waiting=64
+    )
+    requests: list[Request] = []
+    pending: list[tuple[Request, list[Request]]] = []  # choice 0 has no token yet
+    preempted = 0
+    for i in itertools.count():
+        if i >= 300 and not pending:
+            break
+        if i < 300 and rng.random() < 0.2:
+            prompt = [rng.randrange(1, 50) for _ in range(rng.randint(1, 14))]
+            first = make_request(f"g{i}/0", prompt, rng.randint(2, 20))
+            others = [
+                make_request(f"g{i}/{n}", prompt, first.max_tokens) for n in range(1, rng.randint(2, 5))
+            ]
+            scheduler.add_request(first)
+            pending.append((first, others))
+            requests += [first, *others]
+        for group in [g for g in pending if g[0].output_token_ids]:
+            pending.remove(group)
+            for request in group[1]:
+                scheduler.add_request(request)
+        plan = step(scheduler, runner)
+        preempted += sum(1 for r in plan.finished_request_ids if scheduler.get_request(r))
+    run_to_completion(scheduler, runner)
+    for request in requests:
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.max_tokens)
+    assert scheduler.kv.num_free_blocks == num_blocks
+    assert preempted > 0 and scheduler.kv.block_copies["duplicate"] > 0
