@@ -12,6 +12,7 @@ import uuid
 
 import grpc
 import pytest
+from metrics_scrape import growth, scrape
 from service_processes import TINY_MODEL_ID, CachetStack
 
 from cachet.common.v1 import common_pb2
@@ -34,8 +35,8 @@ async def usage(stack: CachetStack):
         yield usage_pb2_grpc.UsageServiceStub(channel)
 
 
-def chat(n: int, max_tokens: int = 4, **sampling) -> router_pb2.ChatCompletionRequest:
-    nonce = uuid.uuid4().hex
+def chat(n: int, max_tokens: int = 4, nonce: str = "", **sampling) -> router_pb2.ChatCompletionRequest:
+    nonce = nonce or uuid.uuid4().hex
     text = f"[{nonce}] Be brief, and answer in a few words only, as a terse assistant would."
     messages = [
         common_pb2.ChatMessage(role="system", content=[common_pb2.ContentPart(text=text)]),
@@ -73,6 +74,43 @@ async def test_choices_of_a_sync_call_are_billed_as_one_request(inference, usage
     assert (row.requests, row.prompt_tokens, row.completion_tokens) == (1, answer.usage.prompt_tokens, 12)
     await asyncio.sleep(0.5)  # no second record arrives later (one per choice would be three)
     assert [row.requests for row in await ledger_rows(usage, session, 1)] == [1]
+
+
+async def test_choices_compute_the_prompt_once_and_answer_as_each_alone(
+    inference, stack: CachetStack
+) -> None:
+    """The other choices copy choice 0's last, partial prompt block on its replica and compute
+    only their last prompt token; each choice is what its seed gives alone."""
+    engines = [process for name, process in stack.processes.items() if name.startswith("engine")]
+    before = [scrape(engine.metrics_port) for engine in engines]
+    # A prompt of its own, of a length whose last block is partial (a random nonce could make it
+    # end a block: then no choice has anything to copy).
+    request = chat(3, temperature=1.0, seed=31, nonce="copy-on-write")
+    answer = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
+    prompt_tokens = answer.usage.prompt_tokens
+    assert (prompt_tokens - 1) % 16, f"{prompt_tokens} tokens: the last one starts a block"
+
+    def grew(name: str, **labels: str) -> float:
+        return sum(
+            growth(was, scrape(engine.metrics_port))(name, **labels)
+            for was, engine in zip(before, engines, strict=True)
+        )
+
+    deadline = time.monotonic() + 15  # the engines' figures come with their next step report
+    while grew("cachet_engine_generated_tokens_total", priority="interactive") < 12:
+        assert time.monotonic() < deadline, "the engines never counted the 12 tokens"
+        await asyncio.sleep(0.1)
+    assert (
+        grew("cachet_engine_computed_tokens_total", priority="interactive", phase="prefill")
+        == prompt_tokens + 2
+    )
+    assert grew("cachet_engine_kv_block_copies_total", direction="duplicate") == 2
+    alone = router_pb2.ChatCompletionRequest()
+    alone.CopyFrom(request)
+    alone.n = 1
+    for index, choice in enumerate(answer.choices):
+        alone.sampling.seed = 31 + index  # the router's seed for choice `index`
+        assert (await inference.CreateChatCompletion(alone, timeout=TIMEOUT)).content == choice.content
 
 
 async def test_streamed_choices_interleave_by_index_with_one_usage(inference) -> None:
