@@ -202,6 +202,34 @@ def _conversation(address: str) -> tuple[list[list[int]], list[int]]:
     return outputs, cached
 
 
+def _choices(address: str) -> tuple[list[list[int]], list[int]]:
+    """Greedy choices of a prompt of 2 blocks and 5 tokens, sent as the router sends them: choice 0,
+    then 3 more once it has its first token, which copy its partial last block (each rank its own
+    shard of it). Each choice's first 12 tokens, and how many prompt tokens each did not compute."""
+    prompt = [(11 * i + 5) % 5000 + 10 for i in range(37)]
+    with grpc.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        model = stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest()).model
+
+        def start(request_id: str, max_tokens: int):
+            request = engine_pb2.GenerateRequest(request_id=request_id, model=model, prompt_token_ids=prompt)
+            request.sampling.max_tokens = max_tokens
+            request.sampling.temperature = 0.0
+            request.sampling.ignore_eos = True
+            return stub.Generate(request, timeout=120)
+
+        first = start("choice-0", 500)  # still decoding when the others come
+        responses = [next(first)]
+        others = [start(f"choice-{i}", 12) for i in (1, 2, 3)]
+        answers = [[response for response in call] for call in others]
+        while sum(len(r.token_ids) for r in responses) < 12:
+            responses.append(next(first))
+        first.cancel()
+    tokens = [[t for r in rs for t in r.token_ids][:12] for rs in [responses, *answers]]
+    cached = [next(r.usage.cached_tokens for r in rs if r.HasField("usage")) for rs in [responses, *answers]]
+    return tokens, cached
+
+
 @pytest.mark.parametrize(("model_name", "ep"), [("tiny_model", 1), ("kimi_model", 2), ("kimi_model", 1)])
 def test_greedy_tokens_tp2_equal_tp1_over_grpc(
     model_name: str, ep: int, request: pytest.FixtureRequest, tmp_path: Path
@@ -210,6 +238,7 @@ def test_greedy_tokens_tp2_equal_tp1_over_grpc(
     single = _engine(tiny_model, tmp_path, 1, "engine-tp1")
     try:
         want, want_cached = _conversation(single.address)
+        want_choices = _choices(single.address)
     finally:
         single.stop()
     sharded = _engine(tiny_model, tmp_path, 2, "engine-tp2", ep=ep)
@@ -221,11 +250,16 @@ def test_greedy_tokens_tp2_equal_tp1_over_grpc(
         # CACHET_EP=1 cuts each expert across them.
         assert info.expert_parallel_size == ep
         got, got_cached = _conversation(sharded.address)
+        got_choices = _choices(sharded.address)
     finally:
         assert sharded.stop() == 0, sharded.log_tail()
     assert got == want
     assert got_cached == want_cached
     assert got_cached[1] >= 32, "the repeated prompt should come from the prefix cache"
+    assert got_choices == want_choices
+    tokens, cached = got_choices
+    assert tokens[1:] == [tokens[0]] * 3  # greedy: every choice is choice 0
+    assert cached == [0, 36, 36, 36]  # 2 blocks hit, 4 tokens copied: only the last one computed
 
 
 # ------------------------------------------------------------------- failure
