@@ -315,8 +315,9 @@ class RequestPipeline:
 
         Choice 0 is placed and started as any request; its first token means its prompt is
         computed, and the engine's prefix cache names every full block of it. The other
-        choices then go to that same replica, where the prompt is a cache hit up to its last
-        partial block: the prompt is prefilled once, not n times.
+        choices then go to that same replica, where the prompt's full blocks are cache hits and
+        the block of its last token is copied from choice 0's while that one still runs: the
+        prompt is prefilled once, not n times (each other choice computes its last token only).
         """
         first = await self._start(request, engine)
         if request.choices == 1:
