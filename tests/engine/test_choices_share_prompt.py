@@ -35,17 +35,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(root / "llama", family="llama", tokenizer_cache_dir=root / "tok")
 
 
-def engine(model_dir: Path, dtype: torch.dtype, num_blocks: int = 256) -> EngineCore:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def engine(model_dir: Path, dtype: torch.dtype, num_blocks: int = 256, device: str = "cpu") -> EngineCore:
     probe = ModelRunner(model_dir, dtype=dtype, device=torch.device("cpu"), kv_cache_bytes=1 << 20)
     runner = ModelRunner(
         model_dir,
         dtype=dtype,
-        device=torch.device("cpu"),
+        device=torch.device(device),
         kv_cache_bytes=num_blocks * probe.kv_block_bytes,
         block_size=BLOCK,
         batch_invariant=True,
     )
-    assert runner.decode_in_place, "the paged decode kernel did not build here"
+    assert runner.decode_in_place or device != "cpu", "the paged decode kernel did not build here"
     config = SchedulerConfig(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
     return EngineCore(runner, model="tiny", scheduler_config=config)
 
@@ -109,6 +112,21 @@ def test_choices_compute_the_prompt_once_and_answer_as_alone(
         assert len({tuple(answer) for answer in got}) == CHOICES  # not one answer four times
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_choices_copy_on_the_device_of_the_pool(model_dir: Path, device: str) -> None:
+    """The same torch copy on either device. CUDA steps are not batch-invariant (SDPA, not the CPU's
+    paged kernel), so logprobs are compared within rounding there."""
+    core = engine(model_dir, torch.float32, device=device)
+    prompt = torch.randint(3, 400, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
+    want = alone(core, prompt, "greedy", max_tokens=16)
+    prefill_before = core.scheduler.counts.computed_tokens["interactive", "prefill"]
+    got = as_choices(core, prompt, "greedy", max_tokens=16)
+    assert core.scheduler.counts.computed_tokens["interactive", "prefill"] - prefill_before == PROMPT_LEN + 3
+    for answer, alone_answer in zip(got, want, strict=True):
+        assert [token for token, _ in answer] == [token for token, _ in alone_answer]
+        assert [p for _, p in answer] == pytest.approx([p for _, p in alone_answer], abs=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_choices_preempted_and_recomputed_still_answer_as_alone(model_dir: Path, kind: str) -> None:
     # 12 blocks: the 4 choices' 77 tokens need 2 shared blocks and 3 more each at the end.
@@ -122,14 +140,15 @@ def test_choices_preempted_and_recomputed_still_answer_as_alone(model_dir: Path,
     core.scheduler.check_invariants()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("family", ["llama", "kimi-k2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_runner_copies_a_whole_block_of_every_layer(
-    family: str, dtype: torch.dtype, tmp_path: Path
+    family: str, dtype: torch.dtype, device: str, tmp_path: Path
 ) -> None:
     """K/V per head (``[layers, 2, blocks, ...]``) and MLA's latent (``[layers, blocks, ...]``)."""
     model = write_tiny_model(tmp_path / family, family=family, tokenizer_cache_dir=tmp_path / "tok")
-    runner = ModelRunner(model, dtype=dtype, device=torch.device("cpu"), kv_cache_bytes=4 << 20)
+    runner = ModelRunner(model, dtype=dtype, device=torch.device(device), kv_cache_bytes=4 << 20)
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=torch.Generator().manual_seed(0)))
     before = runner.kv_cache.clone()
     runner.execute(StepPlan(kv_moves=KvBlockMoves(duplicate=[(3, 5), (3, 1)])))
@@ -138,5 +157,5 @@ def test_the_runner_copies_a_whole_block_of_every_layer(
     for copy in (5, 1):
         assert torch.equal(runner.kv_cache.select(block, copy), before.select(block, 3))
     untouched = [b for b in range(runner.num_kv_blocks) if b not in (1, 5)]
-    kept = torch.tensor(untouched)
+    kept = torch.tensor(untouched, device=runner.device)
     assert torch.equal(runner.kv_cache.index_select(block, kept), before.index_select(block, kept))
