@@ -114,8 +114,9 @@ def test_choices_compute_the_prompt_once_and_answer_as_alone(
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_choices_copy_on_the_device_of_the_pool(model_dir: Path, device: str) -> None:
-    """The same torch copy on either device. CUDA steps are not batch-invariant (SDPA, not the CPU's
-    paged kernel), so logprobs are compared within rounding there."""
+    """The same torch copy on either device. CUDA steps are not batch-invariant (SDPA, and cuBLAS
+    picks its kernels by batch: 4 choices decode together, each alone request by itself), so
+    logprobs are compared within rounding there; a block copied wrong would be far off."""
     core = engine(model_dir, torch.float32, device=device)
     prompt = torch.randint(3, 400, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
     want = alone(core, prompt, "greedy", max_tokens=16)
@@ -124,7 +125,7 @@ def test_choices_copy_on_the_device_of_the_pool(model_dir: Path, device: str) ->
     assert core.scheduler.counts.computed_tokens["interactive", "prefill"] - prefill_before == PROMPT_LEN + 3
     for answer, alone_answer in zip(got, want, strict=True):
         assert [token for token, _ in answer] == [token for token, _ in alone_answer]
-        assert [p for _, p in answer] == pytest.approx([p for _, p in alone_answer], abs=1e-5)
+        assert [p for _, p in answer] == pytest.approx([p for _, p in alone_answer], abs=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
