@@ -395,7 +395,9 @@ async def test_client_cancel_aborts_the_engine_request_and_still_records_usage(
     grew = growth(before[replica], scrape(engines[replica].metrics_port))
     assert grew("cachet_engine_requests_finished_total", status="finished_aborted") == 1
     assert grew("cachet_engine_requests_finished_total", status="finished_length") == 0
-    generated = sum(grew("cachet_engine_generated_tokens_total", priority=p) for p in ("interactive", "batch"))
+    generated = sum(
+        grew("cachet_engine_generated_tokens_total", priority=p) for p in ("interactive", "batch")
+    )
     assert 10 <= generated < max_tokens
 
     async def recorded() -> list[usage_pb2.UsageRow]:
