@@ -149,10 +149,7 @@ class BlockPool:
         plain = min(num_blocks, len(self._free))
         block_ids = [self._free.popitem(last=False)[0] for _ in range(plain)]
         evicted = [EvictedBlock(b, h) for b in block_ids if (h := self._drop_hash(b)) is not None]
-        for _ in range(num_blocks - plain):
-            popped = self._retained.pop()
-            assert popped is not None, "the free count included retained blocks that are not there"
-            block_id, until = popped
+        for block_id, until in self._retained.pop_many(num_blocks - plain):
             block_hash = self._drop_hash(block_id)
             assert block_hash is not None, f"retained block {block_id} carries no hash"
             evicted.append(EvictedBlock(block_id, block_hash, until))

@@ -50,6 +50,7 @@ class HostTierIndex:
         self._retained_slots: dict[int, int] = {}  # retained hash -> slot
         self._retained = RetainedKeys()  # every retained hash, all evictable (locks aside)
         self._free_slots = list(range(num_slots - 1, -1, -1))
+        # Hashes whose slots this step's promotions read: their slots are not to be taken.
         self._locked: set[int] = set()
         self._demote: list[tuple[int, int]] = []
         self._promote: list[tuple[int, int]] = []
@@ -70,27 +71,37 @@ class HostTierIndex:
         return self._retained.until(block_hash)
 
     def demote(self, evicted: Iterable[Sequence[Any]]) -> None:
-        """Order copies of pool blocks being evicted: ``block_pool.EvictedBlock``s, or plain
-        (block id, hash) pairs for blocks without retention. A hash already held only becomes
-        most recent (and takes the longer retention); with no slot to take, the block is not kept."""
-        for block_id, block_hash, *retention in evicted:
+        """Order copies of pool blocks being evicted, oldest first: ``block_pool.EvictedBlock``s,
+        or plain (block id, hash) pairs for blocks without retention. A hash already held only
+        becomes most recent (and takes the longer retention); with no slot to take, the block is
+        not kept.
+
+        One call takes every block an allocation evicted and ends as one call per block would;
+        the retentions of the blocks it holds are entered together, and once no free or
+        unretained slot is left, the rest go to ``_demote_past_retained`` in one piece."""
+        blocks = list(evicted)
+        held: list[tuple[int, float]] = []  # retained blocks held by this call, not yet entered
+        for i, (block_id, block_hash, *retention) in enumerate(blocks):
             until = retention[0] if retention else 0.0
             if block_hash in self:
+                self._enter_retained(held)
                 self._refresh(block_hash, until)
                 continue
-            slot = self._take_slot(until)
+            slot = self._take_slot()
             if slot is None:
-                continue
-            self._hold(block_hash, slot, until)
+                self._enter_retained(held)
+                self._demote_past_retained(blocks[i:])
+                return
+            self._hold(block_hash, slot, until, held)
             self._demote.append((block_id, slot))
+        self._enter_retained(held)
 
     def promote(self, block_hashes: Iterable[int], block_ids: Iterable[int]) -> None:
         """Order copies of held blocks into the pool blocks allocated for them."""
         for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
             self._refresh(block_hash, 0.0)
-            slot = self._slot_of(block_hash)
-            self._locked.add(slot)
-            self._promote.append((slot, block_id))
+            self._locked.add(block_hash)
+            self._promote.append((self._slot_of(block_hash), block_id))
 
     def end_retention(self, now: float) -> None:
         """End the retentions due by ``now``: those blocks join the LRU as if used then, earliest
@@ -105,16 +116,16 @@ class HostTierIndex:
             if block_hash in self:
                 self._refresh(block_hash, 0.0)
                 continue
-            slot = self._take_slot(0.0)
+            slot = self._take_slot()
             if slot is None:
                 return
-            self._hold(block_hash, slot, 0.0)
-            self._locked.add(slot)
+            self._hold(block_hash, slot, 0.0, [])
+            self._locked.add(block_hash)
             self._fill.append((slot, block))
 
     def take_moves(self, store: list[tuple[int, int]] | None = None) -> KvBlockMoves:
         """This step's copy orders, oldest first, with ``store`` orders for the shared tier;
-        unlocks the slots they read."""
+        unlocks the blocks they read."""
         moves = KvBlockMoves(demote=self._demote, promote=self._promote, store=store or [], fill=self._fill)
         self._demote, self._promote, self._fill = [], [], []
         self._locked.clear()
@@ -147,14 +158,21 @@ class HostTierIndex:
         slot = self._slots.get(block_hash)
         return self._retained_slots[block_hash] if slot is None else slot
 
-    def _hold(self, block_hash: int, slot: int, until: float) -> None:
+    def _hold(self, block_hash: int, slot: int, until: float, held: list[tuple[int, float]]) -> None:
+        """A new block in ``slot``; a retained one's retention waits in ``held`` (``_enter_retained``)."""
         self._events.stored(block_hash)
         if until:
             self._retained_slots[block_hash] = slot
-            self._retained.retain([block_hash], until)
-            self._retained.park([block_hash])
+            held.append((block_hash, until))
         else:
             self._slots[block_hash] = slot
+
+    def _enter_retained(self, held: list[tuple[int, float]]) -> None:
+        """Enter the retentions of blocks ``demote`` holds, in the order it took them in; before
+        any step of it that reads them (a retained slot to take, a hash held again)."""
+        if held:
+            self._retained.hold(held)
+            held.clear()
 
     def _refresh(self, block_hash: int, until: float) -> None:
         """A held block was used again: most recent in the LRU, and retained at least until ``until``."""
@@ -168,27 +186,38 @@ class HostTierIndex:
         elif until:
             self._retained.retain([block_hash], until)
 
-    def _take_slot(self, until: float) -> int | None:
-        """A slot for a new block retained until ``until`` (0.0: not retained): a free one, else
-        the least recently used unretained block's, else, for a retained block only, that of the
-        retained block whose retention ends first if it ends no later. Locked slots are never taken."""
+    def _take_slot(self) -> int | None:
+        """A free slot, else the least recently used unretained block's (not a locked one)."""
         if self._free_slots:
             return self._free_slots.pop()
         for block_hash, slot in self._slots.items():
-            if slot not in self._locked:
+            if block_hash not in self._locked:
                 del self._slots[block_hash]
                 self._events.removed(block_hash)
                 return slot
-        if not until:
-            return None
-        popped = self._retained.pop(
-            until_at_most=until, skip=lambda block_hash: self._retained_slots[block_hash] in self._locked
-        )
-        if popped is None:
-            return None
-        block_hash, _ = popped
-        self._events.removed(block_hash)
-        return self._retained_slots.pop(block_hash)
+        return None
+
+    def _demote_past_retained(self, blocks: Sequence[Sequence[Any]]) -> None:
+        """``demote``'s blocks once every slot is held by a retained or a locked block (which
+        lasts the call: nothing here frees or unlocks a slot, or unretains a block): an unretained
+        block is not kept, a retained one takes the slot of the retained block whose retention
+        ends first, if that ends no later than its own."""
+        aside: list[tuple[float, int, int]] = []
+        skip = self._locked.__contains__
+        for block_id, block_hash, *retention in blocks:
+            until = retention[0] if retention else 0.0
+            if block_hash in self._slots or block_hash in self._retained_slots:
+                self._refresh(block_hash, until)
+                continue
+            out = self._retained.exchange(block_hash, until, skip, aside) if until else None
+            if out is None:
+                continue
+            self._events.removed(out)
+            slot = self._retained_slots.pop(out)
+            self._events.stored(block_hash)
+            self._retained_slots[block_hash] = slot
+            self._demote.append((block_id, slot))
+        self._retained.restore(aside)
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant."""

@@ -104,6 +104,13 @@ class RetainedKeys:
             heapq.heappush(queue, (until[key], number, key))
         self._compact()
 
+    def hold(self, keys: Iterable[tuple[int, float]]) -> None:
+        """New (key, deadline) pairs, each retained and evictable at once, in this order: as
+        ``retain`` then ``park`` of each in turn, for a tier taking in many blocks in one call."""
+        for key, until in keys:
+            self._add(key, until)
+        self._compact()
+
     def unpark(self, key: int) -> None:
         """``key`` is in use again; its retention stays and counts once it is parked again."""
         del self._evictable[key]
@@ -118,25 +125,44 @@ class RetainedKeys:
         """The evictable key to go first and its deadline; the key leaves this set. None when
         there is none, or when the first one's retention ends after ``until_at_most`` (it
         outranks the caller's block). Keys ``skip`` names (locked this step) stay."""
-        skipped = []
-        found = None
-        while self._queue:
-            until, sequence, key = entry = self._queue[0]
-            if self._evictable.get(key) != sequence:
-                heapq.heappop(self._queue)
-                continue
-            if until > until_at_most:
-                break
-            heapq.heappop(self._queue)
-            if skip is not None and skip(key):
-                skipped.append(entry)
-                continue
-            self.forget(key)
-            found = key, until
-            break
-        for entry in skipped:
-            heapq.heappush(self._queue, entry)
+        aside: list[tuple[float, int, int]] = []
+        found = self._pop(until_at_most, skip, aside)
+        self.restore(aside)
         return found
+
+    def pop_many(self, count: int) -> list[tuple[int, float]]:
+        """The ``count`` evictable keys to go first, in that order, with their deadlines: as that
+        many ``pop`` calls, all of which must find one."""
+        found = []
+        for _ in range(count):
+            popped = self._pop(math.inf, None, [])
+            if popped is None:
+                raise AssertionError(f"asked for {count} evictable keys, found {len(found)}")
+            found.append(popped)
+        return found
+
+    def exchange(
+        self, key: int, until: float, skip: Callable[[int], bool], aside: list[tuple[float, int, int]]
+    ) -> int | None:
+        """The evictable key that gives its place up to a new ``key`` retained until ``until`` (as
+        ``pop(until_at_most=until, skip=skip)``), ``key`` then held (as ``hold``); None when none
+        ends early enough, and ``key`` is not held.
+
+        The entries of skipped keys wait in ``aside`` until ``restore``, which the caller owes
+        this set after its last exchange of the step: a tier exchanging many blocks in one step
+        steps over each locked one once, not once per block."""
+        popped = self._pop(until, skip, aside)
+        if popped is None:
+            return None
+        self._add(key, until)
+        return popped[0]
+
+    def restore(self, aside: list[tuple[float, int, int]]) -> None:
+        """Put back the entries ``exchange`` set aside (stale ones are skipped as ever)."""
+        for entry in aside:
+            heapq.heappush(self._queue, entry)
+        aside.clear()
+        self._compact()
 
     def expire(self, now: float) -> list[int]:
         """End every retention whose deadline is not after ``now``; returns the evictable keys
@@ -165,6 +191,37 @@ class RetainedKeys:
             key
             for key, _ in sorted(self._evictable.items(), key=lambda item: (self._until[item[0]], item[1]))
         ]
+
+    def _add(self, key: int, until: float) -> None:
+        """A new key, retained until ``until`` and evictable at once (``_compact`` is the caller's)."""
+        if key in self._until:
+            raise AssertionError(f"key {key} held while already retained")
+        self._until[key] = until
+        heapq.heappush(self._deadlines, (until, key))
+        number = next(self._sequence)
+        self._evictable[key] = number
+        heapq.heappush(self._queue, (until, number, key))
+
+    def _pop(
+        self, until_at_most: float, skip: Callable[[int], bool] | None, aside: list[tuple[float, int, int]]
+    ) -> tuple[int, float] | None:
+        """``pop``'s search; the entries of skipped keys go to ``aside``, off the queue."""
+        queue, evictable = self._queue, self._evictable
+        while queue:
+            until, sequence, key = entry = queue[0]
+            if evictable.get(key) != sequence:
+                heapq.heappop(queue)
+                continue
+            if until > until_at_most:
+                return None
+            heapq.heappop(queue)
+            if skip is not None and skip(key):
+                aside.append(entry)
+                continue
+            del evictable[key]
+            del self._until[key]
+            return key, until
+        return None
 
     def _compact(self) -> None:
         live = len(self._until)

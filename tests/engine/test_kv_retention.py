@@ -47,6 +47,44 @@ def test_retained_keys_go_earliest_deadline_first_then_in_the_order_they_became_
     keys.check_invariants()
 
 
+def test_retained_keys_taken_in_bulk_end_as_one_by_one():
+    """hold, exchange (with locked keys set aside for a whole batch) and pop_many against retain,
+    park and pop one key at a time: same keys, deadlines and eviction order after every batch."""
+    rng = random.Random(11)
+    bulk, single = RetainedKeys(), RetainedKeys()
+    next_key = 0
+    for _ in range(400):
+        held = single.eviction_order()
+        locked = set(rng.sample(held, min(len(held), rng.randint(0, 3))))
+        batch = [(next_key + i, rng.choice([10.0, 20.0, 30.0])) for i in range(rng.randint(1, 6))]
+        next_key += len(batch)
+        if rng.random() < 0.3 or not held:
+            bulk.hold(batch)
+            for key, until in batch:
+                single.retain([key], until)
+                single.park([key])
+        else:
+            aside: list[tuple[float, int, int]] = []
+            gone = [bulk.exchange(key, until, locked.__contains__, aside) for key, until in batch]
+            bulk.restore(aside)
+            expected = []
+            for key, until in batch:
+                popped = single.pop(until_at_most=until, skip=locked.__contains__)
+                expected.append(None if popped is None else popped[0])
+                if popped is not None:
+                    single.retain([key], until)
+                    single.park([key])
+            assert gone == expected
+        if rng.random() < 0.2 and single.num_evictable:
+            count = rng.randint(1, single.num_evictable)
+            assert bulk.pop_many(count) == [single.pop() for _ in range(count)]
+        bulk.check_invariants()
+        assert bulk.eviction_order() == single.eviction_order()
+        assert [bulk.until(k) for k in range(next_key)] == [single.until(k) for k in range(next_key)]
+    with pytest.raises(AssertionError, match="found"):
+        bulk.pop_many(bulk.num_evictable + 1)
+
+
 # ---------------------------------------------------------------- the block pool
 
 
@@ -292,6 +330,81 @@ def test_a_block_held_again_with_retention_becomes_retained():
     assert tier.take_moves().demote == [(2, 0)]
     assert [h in tier for h in (111, 222, 333)] == [False, True, True]
     tier.check_invariants()
+
+
+def test_one_demote_of_a_batch_pushes_out_blocks_it_held_itself():
+    # Two slots of retained blocks that end at 10; three blocks ending at 50 take both, and the
+    # third pushes out the first of its own batch (it ends first among those held then).
+    tier = HostTierIndex(2)
+    tier.demote([EvictedBlock(0, 111, 10.0), EvictedBlock(1, 222, 10.0)])
+    tier.take_moves()
+    tier.demote([EvictedBlock(2, 333, 50.0), EvictedBlock(3, 444, 50.0), EvictedBlock(4, 555, 50.0)])
+    assert tier.take_moves().demote == [(2, 0), (3, 1), (4, 0)]
+    assert tier.eviction_order() == [444, 555]
+    assert [tier.retained_until(h) for h in (333, 444, 555)] == [None, 50.0, 50.0]
+    tier.check_invariants()
+
+
+def test_one_demote_steps_over_locked_retained_blocks_and_keeps_them():
+    tier = HostTierIndex(3)
+    tier.demote([EvictedBlock(0, 111, 10.0), EvictedBlock(1, 222, 20.0), EvictedBlock(2, 333, 30.0)])
+    tier.take_moves()
+    tier.promote([111, 222], [7, 8])
+    # Only 333's slot can be taken: the first block takes it; the second, ending before that
+    # one, finds none it outranks past the locked two.
+    tier.demote([EvictedBlock(3, 444, 40.0), EvictedBlock(4, 555, 35.0)])
+    moves = tier.take_moves()
+    assert moves.promote == [(0, 7), (1, 8)] and moves.demote == [(3, 2)]
+    assert tier.eviction_order() == [111, 222, 444]
+    tier.check_invariants()
+    # Unlocked next step, the locked blocks go first again, in their order.
+    tier.demote([EvictedBlock(5, 666, 40.0)])
+    assert tier.take_moves().demote == [(5, 0)]
+    assert tier.eviction_order() == [222, 444, 666]
+
+
+def test_one_demote_of_many_blocks_ends_as_one_demote_per_block_would():
+    """The batch drops, duplicates and reorders nothing: random traffic on a small tier (full of
+    retained and locked blocks, batches longer than the tier, hashes repeated in a batch), one
+    tier fed whole batches and one fed the same blocks one call each, compared after every step."""
+    rng = random.Random(25)
+    batched, single = HostTierIndex(6), HostTierIndex(6)
+    now = 0.0
+    seen = {"dropped": 0, "slot twice in a step": 0, "held again in its batch": 0, "locked": 0}
+    next_block = 0
+    for _ in range(1500):
+        if rng.random() < 0.3 and len(batched):
+            chosen = rng.sample(batched.eviction_order(), rng.randint(1, min(3, len(batched))))
+            blocks = list(range(next_block, next_block + len(chosen)))
+            next_block += len(chosen)
+            batched.promote(chosen, blocks)
+            single.promote(chosen, blocks)
+            seen["locked"] += 1
+        batch = []
+        for _ in range(rng.randint(1, 9)):
+            until = rng.choice([0.0, 0.0, now + 10, now + 20, now + 40])
+            batch.append(EvictedBlock(next_block, rng.randrange(40), until))
+            next_block += 1
+        hashes = [block.block_hash for block in batch]
+        seen["held again in its batch"] += len(hashes) != len(set(hashes))
+        batched.demote(batch)
+        for block in batch:
+            single.demote([block])
+        moves = batched.take_moves()
+        assert moves == single.take_moves()
+        slots = [slot for _, slot in moves.demote]
+        seen["slot twice in a step"] += len(slots) != len(set(slots))
+        seen["dropped"] += len(moves.demote) < len(batch) - sum(h in batched for h in hashes)
+        assert batched.take_events() == single.take_events()
+        order = batched.eviction_order()
+        assert order == single.eviction_order()
+        assert [batched.retained_until(h) for h in order] == [single.retained_until(h) for h in order]
+        batched.check_invariants()
+        if rng.random() < 0.2:
+            now += rng.choice([5.0, 15.0])
+            batched.end_retention(now)
+            single.end_retention(now)
+    assert all(seen.values()), seen
 
 
 @pytest.mark.parametrize(
