@@ -14,6 +14,7 @@ from bench.cache_index_bench import run_cache_index_bench
 from bench.cuda_graph_bench import run_cuda_graph_bench
 from bench.disagg_bench import run_disagg_bench
 from bench.engine_bench import run_engine_bench
+from bench.host_tier_copies_bench import run_host_tier_copies_bench
 from bench.kv_tier_bench import run_kv_tier_bench
 from bench.linear_packing_bench import run_linear_packing_bench
 from bench.queue_bench import REAL_MODEL_WINDOW_SECONDS, run_queue_bench
@@ -73,6 +74,8 @@ def main() -> None:
             model=args.model, dtype=args.dtype, quick=args.quick
         ),
         "kv_tiers": lambda: run_kv_tier_bench(model=args.model, dtype=args.dtype, quick=args.quick),
+        # No model: a step's host-tier copies of 256 default-model blocks, one by one and together.
+        "host_tier_copies": lambda: run_host_tier_copies_bench(quick=args.quick),
         # Eager decode against CUDA-graph replay on a GPU; says it is skipped without one.
         "cuda_graphs": lambda: run_cuda_graph_bench(model=args.model, dtype=args.dtype, quick=args.quick),
         # Packed linear weights against plain ones, same process (default model unless --model).

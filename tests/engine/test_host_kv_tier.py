@@ -3,6 +3,7 @@ and a prompt served from the host tier decodes exactly as the same prompt comput
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,65 @@ def test_host_blocks_copy_whole_blocks_of_every_layer():
     assert torch.equal(cache[:, :, 1:4], original[:, :, 1:4])
 
 
+def copy_one_by_one(cache: torch.Tensor, blocks: torch.Tensor, block_dim: int, moves: KvBlockMoves) -> None:
+    """The orders applied one block at a time, in turn: what the batched copies must equal."""
+    for block_id, slot in moves.demote:
+        blocks[slot].copy_(cache.select(block_dim, block_id))
+    for slot, block in moves.fill:
+        blocks[slot].copy_(block)
+    for slot, block_id in moves.promote:
+        cache.select(block_dim, block_id).copy_(blocks[slot])
+
+
+def random_orders(rng: random.Random, count: int, rows: int, other_rows: int) -> list[tuple[int, int]]:
+    """(read, written) orders: runs of consecutive written rows, scattered ones, rows written twice."""
+    written: list[int] = []
+    while len(written) < count:
+        start = rng.randrange(other_rows)
+        written += range(start, min(other_rows, start + rng.randint(1, 6)))
+        written.append(rng.randrange(other_rows))
+    return [(rng.randrange(rows), row) for row in written[:count]]
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize(
+    "pool_shape",
+    [(3, 2, 23, 4, 2, 8), (3, 23, 4, 12)],  # [layers, 2, blocks, ...] K/V; [layers, blocks, ...] MLA
+    ids=["kv", "mla"],
+)
+def test_a_steps_copies_together_end_as_copied_one_block_at_a_time(
+    device: str, pool_shape: tuple[int, ...]
+) -> None:
+    """Runs of slots and of blocks, scattered ones, a slot demoted twice and a block promoted
+    twice in one step (the last order wins), a slot promoted from after a demotion wrote it."""
+    block_dim = 2 if len(pool_shape) == 6 else 1
+    num_blocks, num_slots = pool_shape[block_dim], 17
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    cache = torch.randn(pool_shape, device=device)
+    host = HostKvBlocks(cache, block_dim, num_slots)
+    host.blocks.copy_(torch.randn(host.blocks.shape))
+    expected_cache, expected_blocks = cache.clone(), host.blocks.clone()
+    for _ in range(30):
+        demote = random_orders(rng, rng.randint(0, 12), num_blocks, num_slots)
+        promote = random_orders(rng, rng.randint(0, 12), num_slots, num_blocks)
+        fill = [(rng.randrange(num_slots), torch.randn(host.blocks.shape[1:]))] if rng.random() < 0.3 else []
+        moves = KvBlockMoves(demote=demote, promote=promote, fill=fill)
+        host.copy_out(moves)
+        host.copy_in(moves)
+        copy_one_by_one(expected_cache, expected_blocks, block_dim, moves)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(host.blocks, expected_blocks)
+        assert torch.equal(cache, expected_cache)
+        # The next step's blocks hold new KV: a block copied from a stale row would show.
+        cache.copy_(torch.randn(pool_shape))
+        expected_cache.copy_(cache)
+
+
 def greedy(
     engine: EngineCore, request_id: str, prompt: list[int], max_tokens: int
 ) -> tuple[list[int], list[float], int]:
@@ -131,9 +191,6 @@ def greedy(
             logprobs.extend(token.logprob for token in output.logprobs)
             cached = max(cached, output.num_cached_tokens)
     return tokens, logprobs, cached
-
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.mark.parametrize(
