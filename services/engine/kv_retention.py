@@ -133,7 +133,7 @@ class RetainedKeys:
     def pop_many(self, count: int) -> list[tuple[int, float]]:
         """The ``count`` evictable keys to go first, in that order, with their deadlines: as that
         many ``pop`` calls, all of which must find one."""
-        found = []
+        found: list[tuple[int, float]] = []
         for _ in range(count):
             popped = self._pop(math.inf, None, [])
             if popped is None:
