@@ -2,6 +2,11 @@
 promoted one block at a time, as before issue 25, and together (``HostKvBlocks``), same
 process, best of several runs; on one math thread, as the engine runs, and on CUDA where there
 is one. Slots in one run and blocks in runs (as replayed steps have them), and both scattered.
+
+And the index's side (``HostTierIndex``, no KV): steps of 256 retained evictions, a third of
+them held already, into a tier of 16,000 slots that retained blocks fill, 64 of them promoted
+(locked) each step; what ``cachet replay`` spends most of its time on with retention. Its
+figure before a change comes from the same function run against the older tree.
 `python -m bench.host_tier_copies_bench`.
 """
 
@@ -17,7 +22,9 @@ import torch
 from bench.engine_bench import one_math_thread
 from bench.progress import progress
 from cachet.block_hash import DEFAULT_BLOCK_SIZE
+from cachet.engine.block_pool import EvictedBlock
 from cachet.engine.host_kv_blocks import HostKvBlocks
+from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.model_runner import default_dtype
 from cachet.engine.step_plan import KvBlockMoves
 
@@ -33,7 +40,42 @@ def run_host_tier_copies_bench(quick: bool = False) -> dict:
         for device in devices:
             results[device] = _bench_device(torch.device(device), repeats=3 if quick else 7)
     _print_table(results)
-    return results
+    index_us = index_us_per_block(steps=100 if quick else 300)
+    print(f"\nHost tier index: {index_us:.2f} us per retained eviction (best of 3)")
+    return {**results, "index_us_per_evicted_block": index_us}
+
+
+def index_us_per_block(steps: int = 300, slots: int = 16_000, batch: int = 256) -> float:
+    """Microseconds per evicted block of ``HostTierIndex``'s step: promote, demote, take the
+    moves and events, end due retentions; best of three runs."""
+    best = float("inf")
+    for _ in range(3):
+        rng = random.Random(0)
+        tier = HostTierIndex(slots)
+        now, next_hash, spent = 0.0, 0, 0.0
+        held: list[int] = []
+        for step in range(steps):
+            if step % 50 == 0:
+                held = tier.eviction_order()
+            until = now + 600 + rng.randrange(60)
+            evicted = []
+            for i in range(batch):
+                if held and i % 3 == 0:
+                    block_hash = held[rng.randrange(len(held))]
+                else:
+                    block_hash, next_hash = next_hash, next_hash + 1
+                evicted.append(EvictedBlock(step * batch + i, block_hash, until))
+            promoted = [h for h in rng.sample(held, min(64, len(held))) if h in tier]
+            start = time.perf_counter()
+            tier.promote(promoted, range(len(promoted)))
+            tier.demote(evicted)
+            tier.take_moves()
+            tier.take_events()
+            tier.end_retention(now)
+            spent += time.perf_counter() - start
+            now += 5.0
+        best = min(best, spent)
+    return 1e6 * best / (steps * batch)
 
 
 def _bench_device(device: torch.device, repeats: int) -> dict[str, float]:
