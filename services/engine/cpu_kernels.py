@@ -5,7 +5,8 @@ it, into the environment's own extensions folder as DeepSpeed's ops are) and loa
 replica's start. Where one cannot be built (no compiler), the engine says so once and runs the
 reference path that kernel replaces.
 
-A build targets an instruction set the host has (AVX2 with FMA, or the compiler's baseline)
+A build targets an instruction set the host has (AVX2 with FMA, and AVX512-BF16 for a kernel
+with a path for it, or the compiler's baseline)
 rather than ``-march=native``, and is named by it: an environment copied to an older CPU (a
 container image) then builds its own instead of loading one that faults.
 """
@@ -31,18 +32,26 @@ KERNELS = {
 }
 
 
-def _isa_flags() -> tuple[str, list[str]]:
+# Kernels with a path for AVX512-BF16's dot products, built with them where the host has them.
+# Only these: the others gained nothing from 512-bit code on the dev box (a Zen 4 splits it).
+_BF16_DOT_PRODUCT_KERNELS = frozenset({"bf16_weight_linear"})
+
+
+def _isa_flags(name: str) -> tuple[str, list[str]]:
     flags = cpu_flags()
-    if "avx2" in flags and "fma" in flags:
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "base", []
+    if "avx2" not in flags or "fma" not in flags:
+        return "base", []
+    avx2 = ["-mavx2", "-mfma", "-mf16c"]
+    if name in _BF16_DOT_PRODUCT_KERNELS and {"avx512f", "avx512_bf16"} <= flags:
+        return "avx512bf16", [*avx2, "-mavx512f", "-mavx512bf16"]
+    return "avx2", avx2
 
 
 @functools.cache
 def load_cpu_kernel(name: str) -> ModuleType | None:
     """Kernel ``name`` of ``KERNELS`` (built first if this environment has none), or None where
     the build fails; the failure is logged once, with the compiler's message."""
-    isa, isa_flags = _isa_flags()
+    isa, isa_flags = _isa_flags(name)
     module = f"cachet_{name}_{isa}"
     folder = extensions_dir() / module
     folder.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,22 @@ def test_products_are_fp32_sums_of_the_bf16_weights(
     )
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 48), (64, 16), (576, 1536)])
+def test_bf16_activations_sum_in_fp32(kernel, rows: int, in_features: int, out_features: int) -> None:
+    """bf16 x bf16 products are exact in fp32: only the order of the fp32 sums may differ from
+    torch's (an odd number of panels ends on a tile of one)."""
+    generator = torch.Generator().manual_seed(rows + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    got = kernel.bf16_weight_linear(x.unsqueeze(0), kernel.pack_bf16_weight(weight), bias).squeeze(0)
+    expected = F.linear(x.float(), weight.float(), bias)
+    torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    exact = kernel.bf16_weight_linear(x.float(), kernel.pack_bf16_weight(weight), bias)
+    torch.testing.assert_close(exact, expected, rtol=1e-5, atol=1e-4)
+
+
 def test_bf16_activations_and_leading_dimensions_keep_their_shape_and_dtype(kernel) -> None:
     weight = torch.randn(32, 24).bfloat16()
     x = torch.randn(2, 3, 24).bfloat16()
@@ -94,15 +110,17 @@ def test_where_onednn_packs_bf16_small_batches_run_on_the_panels_beside_it(kerne
         assert torch.equal(layer(x), onednn)
 
 
+# bf16 activations take the bf16 dot-product path where the kernel was built with one.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 48), (37, 16), (576, 1536)])
 def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(
-    kernel, in_features: int, out_features: int
+    kernel, in_features: int, out_features: int, dtype: torch.dtype
 ) -> None:
-    """One summation order for every tile (two chains, even and odd features), so greedy decoding
-    does not depend on what shares a step."""
+    """One summation order for every tile (two chains, even and odd features; or pairs of
+    features in turn), so greedy decoding does not depend on what shares a step."""
     generator = torch.Generator().manual_seed(in_features)
     packed = kernel.pack_bf16_weight(torch.randn(out_features, in_features, generator=generator).bfloat16())
-    x = torch.randn(40, in_features, generator=generator)
+    x = torch.randn(40, in_features, generator=generator).to(dtype)
     alone = torch.cat([kernel.bf16_weight_linear(x[i : i + 1], packed, None) for i in range(40)])
     for rows in (2, 3, 4, 5, 6, 7, 12, 13, 40):
         assert torch.equal(kernel.bf16_weight_linear(x[:rows], packed, None), alone[:rows]), rows

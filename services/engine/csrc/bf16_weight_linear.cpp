@@ -16,6 +16,17 @@
 // Every output is summed in one order whatever the batch: the even input features in one chain,
 // the odd ones in another, then the two added. A row's result is therefore the same bits alone
 // or in a tile of six, which is what makes greedy decoding batch-invariant (docs/ARCHITECTURE.md).
+//
+// Built for a CPU with AVX512-BF16 (cpu_kernels selects the flags), bf16 activations take the
+// hardware's bf16 dot products instead: one instruction multiplies a pair of input features by
+// 16 outputs' pair of weights and adds both to fp32 sums, twice the products per cycle of the
+// widening FMA path, with no widening. The panels then hold each pair of input features
+// together, [out / 16][in / 2][16][2] (same size and shape), and a tile is 6 rows x 32 outputs
+// (two panels), 12 sums in registers. Each output is still one chain in one order (pairs of
+// features in turn) whatever the rows or panels beside it, so batch invariance holds; its bits
+// differ from the FMA path's, as any other CPU's kernel does. Used where oneDNN's bf16 products
+// are (AVX512-BF16 hosts), for a batch-invariant step's products at every row count: at 16 rows
+// the FMA path was 2.25x slower than oneDNN there.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -149,13 +160,131 @@ void tile_any(const uint16_t* panel, const float* x, int64_t rows, int64_t k, in
 #endif
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define CACHET_DPBF16 1
+
+constexpr int64_t kPairPanels = 2;  // panels per bf16 dot-product tile
+
+// out[r, 0:16 * Panels] = x[r, :] . panels, for r < Rows (<= kTileRows); x is bf16, k even.
+template <int Rows, int Panels>
+void pair_tile(const uint16_t* panel, int64_t panel_stride, const uint16_t* x, int64_t k, int64_t x_stride,
+               float* out, int64_t out_stride) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+  __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+  for (int64_t i = 0; i < k; i += 2) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + i * kPanel);
+    __m512bh w1 = w0;
+    if constexpr (Panels > 1) w1 = (__m512bh)_mm512_loadu_si512(panel + panel_stride + i * kPanel);
+#define CACHET_DOT(r)                                           \
+  if constexpr (Rows > r) {                                     \
+    int32_t pair;                                               \
+    std::memcpy(&pair, x + r * x_stride + i, sizeof(pair));     \
+    const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);      \
+    a##r = _mm512_dpbf16_ps(a##r, xr, w0);                      \
+    if constexpr (Panels > 1) b##r = _mm512_dpbf16_ps(b##r, xr, w1); \
+  }
+    CACHET_DOT(0) CACHET_DOT(1) CACHET_DOT(2) CACHET_DOT(3) CACHET_DOT(4) CACHET_DOT(5)
+#undef CACHET_DOT
+  }
+#define CACHET_STORE(r)                                                              \
+  if constexpr (Rows > r) {                                                          \
+    _mm512_storeu_ps(out + r * out_stride, a##r);                                    \
+    if constexpr (Panels > 1) _mm512_storeu_ps(out + r * out_stride + kPanel, b##r); \
+  }
+  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
+#undef CACHET_STORE
+}
+
+template <int Panels>
+void pair_tile_rows(const uint16_t* panel, int64_t panel_stride, const uint16_t* x, int64_t rows, int64_t k,
+                    int64_t x_stride, float* out, int64_t out_stride) {
+  switch (rows) {
+    case 6: return pair_tile<6, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride);
+    case 5: return pair_tile<5, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride);
+    case 4: return pair_tile<4, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride);
+    case 3: return pair_tile<3, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride);
+    case 2: return pair_tile<2, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride);
+    default: return pair_tile<1, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride);
+  }
+}
+#endif
+
+// Whether this build packs a weight of ``k`` input features in pairs (its bf16 dot products).
+bool packs_pairs(int64_t k) {
+#ifdef CACHET_DPBF16
+  return k % 2 == 0;
+#else
+  (void)k;
+  return false;
+#endif
+}
+
+// x @ w.T (+ bias) in fp32 on weights packed in pairs; x: [m, k].
+torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  const int64_t panels = packed.size(0), k = packed.size(1), n = panels * kPanel, m = x.size(0);
+  const bool with_bias = bias.has_value() && bias->defined();
+#ifdef CACHET_DPBF16
+  if (x.scalar_type() == torch::kBFloat16) {
+    const torch::Tensor rows = x.contiguous();
+    torch::Tensor out = torch::empty({m, n}, rows.options().dtype(torch::kFloat32));
+    const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+    const auto* xs = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
+    float* ys = out.data_ptr<float>();
+    const int64_t groups = (panels + kPairPanels - 1) / kPairPanels;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t p = g * kPairPanels;
+      const uint16_t* panel = w + p * k * kPanel;
+      for (int64_t r = 0; r < m; r += kTileRows) {
+        const int64_t tile_rows = std::min(kTileRows, m - r);
+        float* tile_out = ys + r * n + p * kPanel;
+        if (panels - p >= 2) {
+          pair_tile_rows<2>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n);
+        } else {
+          pair_tile_rows<1>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n);
+        }
+      }
+    }
+    if (with_bias) out.add_(bias->to(torch::kFloat32));
+    return out;
+  }
+#endif
+  // Activations in fp32 (never the engine's: its bf16 models' are bf16) keep their precision,
+  // in one order per output too (pairs of features in turn), slowly: no dot-product instruction.
+  const torch::Tensor rows = x.to(torch::kFloat32).contiguous();
+  torch::Tensor out = torch::empty({m, n}, rows.options());
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* xs = rows.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint16_t* panel = w + p * k * kPanel;
+    for (int64_t r = 0; r < m; ++r) {
+      float sums[kPanel] = {};
+      for (int64_t i = 0; i < k; i += 2) {
+        const float even = xs[r * k + i], odd = xs[r * k + i + 1];
+        for (int64_t j = 0; j < kPanel; ++j) {
+          sums[j] += even * bf16_to_float(panel[i * kPanel + 2 * j]) + odd * bf16_to_float(panel[i * kPanel + 2 * j + 1]);
+        }
+      }
+      std::memcpy(ys + r * n + p * kPanel, sums, sizeof(sums));
+    }
+  }
+  if (with_bias) out.add_(bias->to(torch::kFloat32));
+  return out;
+}
+
 }  // namespace
 
 // [out, in] bfloat16 -> [out / 16, in, 16]: the layout bf16_weight_linear reads.
 torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "a bfloat16 [out, in] weight");
   TORCH_CHECK(weight.size(0) % kPanel == 0, "out features must be a multiple of ", kPanel, ", got ", weight.size(0));
-  return weight.reshape({weight.size(0) / kPanel, kPanel, weight.size(1)}).transpose(1, 2).contiguous();
+  const int64_t out = weight.size(0), k = weight.size(1);
+  if (packs_pairs(k)) {
+    return weight.reshape({out / kPanel, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({out / kPanel, k, kPanel});
+  }
+  return weight.reshape({out / kPanel, kPanel, k}).transpose(1, 2).contiguous();
 }
 
 torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -169,13 +298,14 @@ torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& pa
   TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
   auto shape = x.sizes().vec();
   shape.back() = n;
+  const int64_t panels = packed.size(0);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  if (packs_pairs(k)) return pair_linear(x.reshape({-1, k}), packed, bias).view(shape).to(x.scalar_type());
   const torch::Tensor rows = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
   const int64_t m = rows.size(0);
   torch::Tensor out = torch::empty({m, n}, rows.options());
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* xs = rows.data_ptr<float>();
   float* ys = out.data_ptr<float>();
-  const int64_t panels = packed.size(0);
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t r = 0; r < m; r += kTileRows) {
