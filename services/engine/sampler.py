@@ -102,6 +102,14 @@ def apply_allowed_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> to
     return logits
 
 
+# How many of a row's most likely tokens its filters are looked for among, in turn, before the
+# whole vocabulary is sorted: ``topk`` finds them without sorting the rest. A full sort of 16
+# rows x 49,152 logits took longer on a CPU than the default model's whole forward pass
+# (62 ms against 2.4 for 256 candidates and 8 for 2,048); top_p = 0.9 (SmolLM2's generation
+# default) mostly keeps a few tokens, a flat distribution thousands.
+FILTER_CANDIDATES = (256, 2048)
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -110,19 +118,55 @@ def apply_top_k_top_p_min_p(
     top_p keeps the smallest prefix of the sorted distribution whose mass reaches
     top_p (measured after top_k); min_p drops tokens below min_p times the most
     likely token's probability. The most likely token always survives.
+
+    Each filter keeps a prefix of the sorted distribution, so a row whose cut falls among its
+    ``FILTER_CANDIDATES`` most likely tokens is decided by those alone; only a batch with a
+    row that keeps more (a flat distribution, a large top_k) sorts it all.
     """
     vocab = logits.shape[1]
+    unfiltered = (top_k <= 0) & (top_p >= 1.0) & (min_p <= 0.0)
+    log_normalizer = None
+    for width in FILTER_CANDIDATES:
+        if width < int(top_k.max()) or width >= vocab:
+            continue
+        if log_normalizer is None:
+            log_normalizer = torch.logsumexp(logits, -1, keepdim=True)
+        top_logits, order = logits.topk(width, dim=-1)
+        remove = _removed_suffix(top_logits, top_k, top_p, min_p, log_normalizer)
+        if bool((remove.any(dim=-1) | unfiltered).all()):
+            kept = torch.full_like(logits, float("-inf")).scatter_(
+                1, order, top_logits.masked_fill(remove, float("-inf"))
+            )
+            return torch.where(unfiltered[:, None], logits, kept)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    remove = _removed_suffix(sorted_logits, top_k, top_p, min_p)
+    return logits.masked_fill(torch.empty_like(remove).scatter_(1, order, remove), float("-inf"))
+
+
+def _removed_suffix(
+    sorted_logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    log_normalizer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """True where a filter drops the token, over a row's most likely tokens in order (all of
+    them, or a prefix with ``log_normalizer``, the logsumexp of the whole row, to weigh them)."""
+    width = sorted_logits.shape[1]
+    ranks = torch.arange(width, device=sorted_logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, width)[:, None]
     remove = ranks >= k
-    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    masked = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = masked.softmax(dim=-1)
+    if log_normalizer is not None:
+        # Without top_k a row's mass is over the whole vocabulary, not the prefix.
+        probs = torch.where((top_k > 0)[:, None], probs, (masked - log_normalizer).exp())
     # A row at top_p == 1 must keep everything: rounding can push cumsum past 1.0.
     p = torch.where(top_p < 1.0, top_p, 2.0)[:, None]
     remove |= (probs.cumsum(dim=-1) - probs) >= p
     remove |= probs < min_p[:, None] * probs[:, :1]
     remove[:, 0] = False
-    return logits.masked_fill(torch.empty_like(remove).scatter_(1, order, remove), float("-inf"))
+    return remove
 
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from cachet.engine import sampler
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.sampler import (
     SamplingRow,
@@ -74,6 +75,24 @@ def test_filter_function_masks_per_row() -> None:
         [True, True, True, False],
         [True, True, False, False],
     ]
+
+
+# Peaked: decided by the first candidates; less so: by the second; flat: sorted whole.
+@pytest.mark.parametrize("spread", [8.0, 4.0, 0.3])
+def test_filters_decided_by_the_most_likely_tokens_match_a_full_sort(
+    spread: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator = torch.Generator().manual_seed(int(spread * 10))
+    logits = torch.randn(6, 49_152, generator=generator) * spread
+    top_k = torch.tensor([0, 40, 0, 0, 0, 300])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 1.0, 0.95])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.2, 0.0, 0.0])  # row 4: no filter, keeps everything
+    filtered = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    monkeypatch.setattr(sampler, "FILTER_CANDIDATES", ())
+    sorted_whole = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    assert torch.equal(torch.isfinite(filtered), torch.isfinite(sorted_whole))
+    assert torch.isfinite(filtered[4]).all()
+    assert torch.equal(filtered[torch.isfinite(filtered)], logits[torch.isfinite(filtered)])
 
 
 def test_temperature_sampling_follows_softmax() -> None:
