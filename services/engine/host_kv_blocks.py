@@ -53,6 +53,10 @@ class HostKvBlocks:
     def copy_in(self, moves: KvBlockMoves) -> None:
         """Blocks loaded from the shared tier, then promotions (``KvBlockMoves``' order: after
         ``copy_out`` and the pool's own duplicates)."""
+        if moves.fill and self.on_cuda:
+            # A fill is the host's own write into a pinned slot, outside stream order: a
+            # demotion into that slot still queued from an earlier step would land after it.
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
         for slot, block in moves.fill:
             self.blocks[slot].copy_(block)
         if not moves.promote:
