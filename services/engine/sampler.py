@@ -189,6 +189,7 @@ def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     device = logits.device
     params = [rows[i].params for i in random_rows]
     scaled = logits[random_rows] / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    columns = None
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
         scaled = apply_top_k_top_p_min_p(
             scaled,
@@ -196,15 +197,25 @@ def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
             torch.tensor([p.top_p for p in params], device=device),
             torch.tensor([p.min_p for p in params], device=device),
         )
+        # Filtered rows keep a few of their most likely tokens: the draw runs over the columns
+        # some row keeps, not the vocabulary (16 rows x 49,152 draws cost more than the filters).
+        columns = torch.isfinite(scaled).any(dim=0).nonzero().squeeze(1)
+        scaled = scaled[:, columns]
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
     for row, i in enumerate(random_rows):
         generator = rows[i].generator
         if generator is not None:
-            noise[row] = torch.empty_like(probs[row]).exponential_(generator=generator)
+            # A whole vocabulary's draws, as skip_draws replays: a seeded token depends on its
+            # seed and its own history only, whatever the other rows keep.
+            drawn = torch.empty(logits.shape[1], dtype=probs.dtype, device=device).exponential_(
+                generator=generator
+            )
+            noise[row] = drawn if columns is None else drawn[columns]
     # A zero draw would turn 0/0 into NaN for a filtered token; clamp keeps it 0/tiny = 0.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    tokens[random_rows] = argmax_rows(probs / noise)
+    chosen = argmax_rows(probs / noise)
+    tokens[random_rows] = chosen if columns is None else columns[chosen]
     return tokens
 
 

@@ -105,12 +105,16 @@ def test_temperature_sampling_follows_softmax() -> None:
     torch.testing.assert_close(freq, (logits[0] / 2.0).softmax(-1), atol=0.015, rtol=0)
 
 
-def seeded_stream(seed: int, companions: int, steps: int = 8) -> list[int]:
+def seeded_stream(seed: int, companions: int, steps: int = 8, **filters: float) -> list[int]:
     logits = torch.randn(steps, 1, 64, generator=torch.Generator().manual_seed(3))
-    target = row(temperature=1.0, seed=seed)
-    # Companions: unseeded, differently seeded and greedy rows, in front of the target.
+    target = row(temperature=1.0, seed=seed, **filters)
+    # Companions: unseeded, differently seeded and greedy rows, in front of the target; with
+    # filters, their own (another row's support changes the columns a step draws over).
     others = [
-        row(temperature=0.7, seed=100 + i) if i % 2 else row(temperature=1.0) for i in range(companions)
+        row(temperature=0.7, seed=100 + i, top_k=3 + i)
+        if i % 2
+        else row(temperature=1.0, **({"min_p": 0.3} if filters else {}))
+        for i in range(companions)
     ]
     out = []
     for step in range(steps):
@@ -119,11 +123,12 @@ def seeded_stream(seed: int, companions: int, steps: int = 8) -> list[int]:
     return out
 
 
-def test_seed_reproduces_and_ignores_batch_companions() -> None:
-    alone = seeded_stream(seed=7, companions=0)
-    assert seeded_stream(seed=7, companions=3) == alone
-    assert seeded_stream(seed=7, companions=5) == alone
-    assert seeded_stream(seed=8, companions=0) != alone
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 5, "min_p": 0.05}])
+def test_seed_reproduces_and_ignores_batch_companions(filters: dict[str, float]) -> None:
+    alone = seeded_stream(seed=7, companions=0, **filters)
+    assert seeded_stream(seed=7, companions=3, **filters) == alone
+    assert seeded_stream(seed=7, companions=5, **filters) == alone
+    assert seeded_stream(seed=8, companions=0, **filters) != alone
 
 
 def test_skip_draws_replays_the_draws_of_sampling() -> None:
