@@ -9,18 +9,27 @@ A build targets an instruction set the host has (AVX2 with FMA, and AVX512-BF16 
 with a path for it, or the compiler's baseline)
 rather than ``-march=native``, and is named by it: an environment copied to an older CPU (a
 container image) then builds its own instead of loading one that faults.
+
+torch's builder guards a build folder with a lock *file* (its ``FileBaton``), taken at every
+load, even one with nothing to rebuild; a process killed while holding it leaves the file, and
+every later load waits on it forever. Processes here take an ``flock`` on the folder first
+(the kernel releases one whatever kills its holder), so a baton found while holding it is
+one a killed loader left behind, and is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import structlog
 
 from cachet.engine.cpu_features import cpu_flags
-from cachet.engine.deepspeed_ops import extensions_dir, wait_for_build_locks
+from cachet.engine.deepspeed_ops import extensions_dir
 
 log = structlog.get_logger(__name__)
 
@@ -55,21 +64,37 @@ def load_cpu_kernel(name: str) -> ModuleType | None:
     module = f"cachet_{name}_{isa}"
     folder = extensions_dir() / module
     folder.mkdir(parents=True, exist_ok=True)
-    wait_for_build_locks(folder)
     from torch.utils.cpp_extension import load
 
     try:
-        return load(
-            name=module,
-            sources=[str(_SOURCES / f"{name}.cpp")],
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with _only_loader(folder):
+            return load(
+                name=module,
+                sources=[str(_SOURCES / f"{name}.cpp")],
+                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError) as exc:
         log.warning(f"{name} kernel unavailable; {KERNELS[name]}", error=str(exc)[-2000:])
         return None
+
+
+@contextlib.contextmanager
+def _only_loader(folder: Path) -> Iterator[None]:
+    """While held, no other process of ours loads or builds into ``folder``; torch's baton
+    found then was left by a loader that was killed, and is removed."""
+    with open(folder / "cachet-loader.flock", "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            baton = folder / "lock"
+            if baton.exists():
+                log.warning("removing a kernel build lock left by a killed process", path=str(baton))
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def build_all() -> None:

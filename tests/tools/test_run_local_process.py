@@ -168,7 +168,9 @@ def _wait_restarted(
         if restarted and is_healthy(service):
             return
         time.sleep(0.5)
-    pytest.fail(f"{name.decode()} not back after {START_TIMEOUT_SECONDS} s")
+    # What it printed says where it stopped (a CI run once saw only this line).
+    tail = _read(log)[-6000:].decode(errors="replace")
+    pytest.fail(f"{name.decode()} not back after {START_TIMEOUT_SECONDS} s:\n{tail}")
 
 
 def _wait_until_free(ports: list[int], timeout: float = 30.0) -> None:

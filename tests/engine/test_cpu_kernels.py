@@ -1,0 +1,37 @@
+"""A kernel's build lock left by a process killed while loading it does not hang the next
+start: loads take an flock first, so a lock file found under it is a leftover."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cachet.engine.cpu_kernels import _isa_flags, load_cpu_kernel
+from cachet.engine.deepspeed_ops import extensions_dir
+
+
+def test_a_baton_left_by_a_killed_loader_is_removed_and_the_kernel_loads() -> None:
+    if load_cpu_kernel("paged_decode_attention") is None:
+        pytest.skip("no compiler here: the kernel does not build")
+    folder = extensions_dir() / f"cachet_paged_decode_attention_{_isa_flags('paged_decode_attention')[0]}"
+    baton = folder / "lock"
+    baton.touch()  # what torch's builder leaves when its process is killed mid-load
+    try:
+        loaded = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from cachet.engine.cpu_kernels import load_cpu_kernel; "
+                "assert load_cpu_kernel('paged_decode_attention') is not None",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,  # without the fix it waits on the baton forever
+        )
+        assert loaded.returncode == 0, loaded.stderr[-2000:]
+        assert "removing a kernel build lock left by a killed process" in loaded.stdout + loaded.stderr
+        assert not baton.exists()
+    finally:
+        baton.unlink(missing_ok=True)
