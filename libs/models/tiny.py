@@ -24,7 +24,12 @@ from cachet.models.kimi_tiktoken import (
     write_kimi_tokenizer,
 )
 
-TINY_MODEL_IDS = {"llama": "tiny-llama", "kimi-k2": "tiny-kimi-k2", "kimi-k2.5": "tiny-kimi-k2.5"}
+TINY_MODEL_IDS = {
+    "llama": "tiny-llama",
+    "kimi-k2": "tiny-kimi-k2",
+    "kimi-k2.5": "tiny-kimi-k2.5",
+    "gemma3": "tiny-gemma3",
+}
 
 # Small enough to write and load in well under a second, large enough to exercise grouped-query
 # attention (4 query heads over 2 KV heads) and more than one layer.
@@ -37,6 +42,32 @@ _LLAMA_SHAPE = {
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True,
+}
+
+# Gemma 3's text model at toy size, every one of its differences from Llama made to matter: a
+# window of 8 keys (prompts of tests run past it), local layers around a global one, each kind with
+# its own RoPE base, a head_dim (32) that is not hidden / heads (16), a query_pre_attn_scalar (24)
+# that is not head_dim, and soft-capped logits.
+_GEMMA3_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    # Wider than the 0.02 default so random logits sit far apart and greedy parity is not a coin toss.
+    "initializer_range": 0.1,
 }
 
 # Kimi K2's architecture (DeepSeek-V3: latent attention, grouped top-k MoE with shared experts) at toy
@@ -189,7 +220,8 @@ def write_tiny_model(
     out_dir = Path(out_dir)
     with atomic_directory(out_dir, overwrite=overwrite) as staging:
         specials, vocab_size = _write_tokenizer(family, tokenizer_dir, staging)
-        writer = {"kimi-k2": _write_kimi_k2, "kimi-k2.5": _write_kimi_k25}.get(family, _write_llama)
+        writers = {"kimi-k2": _write_kimi_k2, "kimi-k2.5": _write_kimi_k25, "gemma3": _write_gemma3}
+        writer = writers.get(family, _write_llama)
         writer(staging, vocab_size=vocab_size, seed=seed, specials=specials, model_id=TINY_MODEL_IDS[family])
     return out_dir
 
@@ -276,6 +308,24 @@ def _write_llama(out_dir: Path, *, vocab_size: int, seed: int, specials: dict, m
     _write_random_model(
         out_dir, LlamaConfig, LlamaForCausalLM, _LLAMA_SHAPE,
         vocab_size=vocab_size, seed=seed, specials=specials, model_id=model_id,
+    )  # fmt: skip
+
+
+def _write_gemma3(out_dir: Path, *, vocab_size: int, seed: int, specials: dict, model_id: str) -> None:
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    def offset_norms(model: Gemma3ForCausalLM) -> None:
+        # transformers starts Gemma's norm weights (offsets from one) at zero; random ones make
+        # a mix-up of the two conventions show.
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    parameter.normal_(0, 0.2)
+
+    _write_random_model(
+        out_dir, Gemma3TextConfig, Gemma3ForCausalLM, _GEMMA3_SHAPE,
+        vocab_size=vocab_size, seed=seed, specials=specials, model_id=model_id, initialise=offset_norms,
     )  # fmt: skip
 
 

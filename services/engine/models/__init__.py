@@ -7,6 +7,7 @@ from typing import Protocol
 from cachet.engine.models.config import ModelConfig, RopeConfig, UnsupportedModelError
 from cachet.engine.models.decoder import CausalLM
 from cachet.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from cachet.engine.models.gemma3 import Gemma3ForCausalLM
 from cachet.engine.models.llama import LlamaForCausalLM
 from cachet.engine.tensor_parallel import TensorParallelRank
 
@@ -24,6 +25,7 @@ MODEL_CLASSES: dict[str, ModelFamily] = {
     "qwen2": LlamaForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "kimi_k2": DeepseekV3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 
@@ -37,6 +39,7 @@ def model_class(config: ModelConfig) -> ModelFamily:
 __all__ = [
     "MODEL_CLASSES",
     "DeepseekV3ForCausalLM",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "ModelConfig",
     "RopeConfig",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v3", "kimi_k2", "gemma3_text")
 # Wrappers whose text_config is one of the types above and whose vision_config is Kimi's MoonViT.
 MULTIMODAL_MODEL_TYPES = ("kimi_k25",)
 # Where a kimi_k25 checkpoint keeps each part: the language model under one prefix, the
@@ -34,6 +34,12 @@ MLA_MOE_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Gemma 3's text model (interleaved sliding-window and global layers, QK-norm, GeGLU).
+GEMMA3_MODEL_TYPES = ("gemma3_text",)
+# Gemma 3's own defaults for keys an older config.json may leave out (transformers' Gemma3TextConfig).
+GEMMA3_GLOBAL_ROPE_THETA = 1_000_000.0
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
 
 
 class UnsupportedModelError(ValueError):
@@ -159,6 +165,23 @@ QuantizationConfig = PackedIntQuantization | Fp8BlockQuantization
 
 
 @dataclass(frozen=True)
+class Gemma3Config:
+    """What Gemma 3's text model adds to a decoder's shape (``models/gemma3.py``)."""
+
+    # A sliding layer's query at position p attends keys p - sliding_window + 1 .. p.
+    sliding_window: int
+    # One per layer: True where it is a sliding-window ("local") layer, False for a global one.
+    sliding_layers: tuple[bool, ...]
+    # Local layers rotate with their own base (``rope_local_base_freq``); ModelConfig.rope is the
+    # global layers'.
+    local_rope: RopeConfig
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5.
+    query_pre_attn_scalar: float
+    # logits = cap * tanh(logits / cap) where set.
+    final_logit_softcapping: float | None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -182,6 +205,8 @@ class ModelConfig:
     moe: MoEConfig | None = None
     quantization: QuantizationConfig | None = None
     vision: VisionConfig | None = None
+    # Set for the Gemma 3 family only.
+    gemma3: Gemma3Config | None = None
     # What the checkpoint puts before the text model's parameter names ("" for a text-only model).
     checkpoint_prefix: str = ""
 
@@ -201,6 +226,8 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES + MULTIMODAL_MODEL_TYPES)})"
             )
+        if model_type in GEMMA3_MODEL_TYPES:
+            return _gemma3_config(raw)
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("use_sliding_window", False):
@@ -403,6 +430,72 @@ def _deepseek_v3_config(raw: dict[str, Any]) -> ModelConfig:
         eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
         mla=mla,
         moe=moe,
+    )
+
+
+def _gemma3_config(raw: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's text model; both spellings of its settings: transformers >= 5's ``layer_types`` and
+    per-layer-type ``rope_parameters``, or the older ``sliding_window_pattern``, ``rope_theta``,
+    ``rope_local_base_freq`` and ``rope_scaling`` (the global layers')."""
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(
+            f"hidden_activation {activation!r} is not supported (only gelu_pytorch_tanh)"
+        )
+    if raw.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("attention logit softcapping (Gemma 2) is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
+    if raw.get("attention_bias", False):
+        raise UnsupportedModelError("attention_bias is not supported for Gemma 3")
+    layers = raw["num_hidden_layers"]
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+        pattern = pattern or GEMMA3_SLIDING_WINDOW_PATTERN
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+        ]
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown or len(layer_types) != layers:
+        raise UnsupportedModelError(f"layer_types {layer_types!r} do not describe {layers} layers")
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        global_params = {"rope_theta": GEMMA3_GLOBAL_ROPE_THETA, **(params.get("full_attention") or {})}
+        local_params = {"rope_theta": GEMMA3_LOCAL_ROPE_THETA, **(params.get("sliding_attention") or {})}
+    else:
+        global_params = {**params, "rope_theta": raw.get("rope_theta") or GEMMA3_GLOBAL_ROPE_THETA}
+        global_params |= raw.get("rope_scaling") or {}
+        local_params = {"rope_theta": raw.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA}
+    flat = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    num_heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+    gemma3 = Gemma3Config(
+        sliding_window=int(raw["sliding_window"]),
+        sliding_layers=tuple(kind == "sliding_attention" for kind in layer_types),
+        local_rope=_parse_rope({**flat, "rope_parameters": local_params}),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or head_dim),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+    )
+    return ModelConfig(
+        model_type=raw["model_type"],
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 131_072),
+        rope=_parse_rope({**flat, "rope_parameters": global_params}),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        qkv_bias=False,
+        o_proj_bias=False,
+        mlp_bias=False,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+        gemma3=gemma3,
     )
 
 
