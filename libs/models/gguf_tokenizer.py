@@ -175,6 +175,28 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars), strict=True))
 
 
+def build_sentencepiece_tokenizer(gguf_path: Path) -> Tokenizer:
+    """The `tokenizers.Tokenizer` of a SentencePiece ("llama") GGUF vocabulary, as transformers'
+    GGUF conversion builds it.
+
+    Left to transformers because the details are per model and subtle: Gemma's vocabulary lists no
+    merges, and they must be rebuilt in the order its tokens appear, not by their scores, and its
+    runs of spaces respelled as "▁" (transformers' `gemma_tokenizer`). Reads the file's metadata
+    again and takes ~20 s for Gemma 3's 262,144 tokens; done once per conversion.
+    """
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    gguf_path = Path(gguf_path)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return tokenizer.backend_tokenizer
+
+
 def build_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
     """A `tokenizers.Tokenizer` for a byte-level BPE ("gpt2") GGUF vocabulary.
 
@@ -295,10 +317,16 @@ def _cache_key(gguf_path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def write_tokenizer_files(data: GGUFTokenizerData, out_dir: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens.json into `out_dir`."""
+def write_tokenizer_files(data: GGUFTokenizerData, out_dir: Path, gguf_path: Path | None = None) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens.json into `out_dir`.
+
+    A SentencePiece ("llama") vocabulary is rebuilt from the file itself (`gguf_path`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(data).save(str(out_dir / "tokenizer.json"))
+    if data.model_type == "llama" and gguf_path is not None:
+        tokenizer = build_sentencepiece_tokenizer(gguf_path)
+    else:
+        tokenizer = build_tokenizer(data)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
     write_json(out_dir / "tokenizer_config.json", tokenizer_config(data))
     write_json(out_dir / "special_tokens.json", special_tokens(data))
 
@@ -315,7 +343,7 @@ def extract_tokenizer(gguf_path: Path, *, cache_dir: Path | None = None) -> Path
     cache_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_root))
     try:
-        write_tokenizer_files(read_gguf_tokenizer_data(gguf_path), staging)
+        write_tokenizer_files(read_gguf_tokenizer_data(gguf_path), staging, gguf_path)
         try:
             staging.rename(target)
         except OSError:
