@@ -30,6 +30,9 @@ one fixed sum over its keys (256-key pieces from position 0, merged in order) wh
 computed in a prompt chunk, as a decode, or beside other requests, so greedy decoding gives
 the same tokens cold, from the prefix cache and in any batch. SDPA's prefill kernel picks its
 pieces by the call's lengths, so the same token's sum is ordered differently from call to call.
+Where the kernel has AVX512-BF16 dot products for a bf16 cache, every step lays its tokens out so
+(the model runner's ``prefill_in_place``): a prompt chunk attends there in about half of SDPA's
+time, before counting SDPA's gather.
 """
 
 from __future__ import annotations
@@ -291,9 +294,12 @@ class PagedAttention(nn.Module):
     state dicts and out of DeepSpeed's parameter sharding.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 0) -> None:
         super().__init__()
         self.kv_cache: torch.Tensor | None = None
+        # A sliding-window layer's: the kernel reads a token's last ``window`` keys only; groups
+        # attended by SDPA come with the band in their mask (``models.sliding_window``).
+        self.window = window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -310,7 +316,7 @@ class PagedAttention(nn.Module):
             if meta.decode_in_place and group.max_query_len == 1:
                 queries = q[group.token_index].to(k_cache.dtype)
                 attended = paged_decode_attention(
-                    queries, k_cache, v_cache, group.block_table, group.seq_lens, head_dim**-0.5
+                    queries, k_cache, v_cache, group.block_table, group.seq_lens, head_dim**-0.5, self.window
                 )
                 out[group.token_index] = attended.to(q.dtype)
             else:

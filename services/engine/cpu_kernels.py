@@ -41,9 +41,9 @@ KERNELS = {
 }
 
 
-# Kernels with a path for AVX512-BF16's dot products, built with them where the host has them.
-# Only these: the others gained nothing from 512-bit code on the dev box (a Zen 4 splits it).
-_BF16_DOT_PRODUCT_KERNELS = frozenset({"bf16_weight_linear"})
+# Kernels with a path for AVX512-BF16's dot products, built with them where the host has them
+# (every kernel now; a new one joins when it has such a path).
+_BF16_DOT_PRODUCT_KERNELS = frozenset({"bf16_weight_linear", "paged_decode_attention"})
 
 
 def _isa_flags(name: str) -> tuple[str, list[str]]:

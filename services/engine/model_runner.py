@@ -39,7 +39,7 @@ from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.models.kimi_vision import normalized_patches
 from cachet.engine.packed_linear import invariant_rows, pack_linear_weights, packs_linear_weights
-from cachet.engine.paged_decode_kernel import load_paged_decode_kernel
+from cachet.engine.paged_decode_kernel import load_paged_decode_kernel, prefill_in_place_is_faster
 from cachet.engine.prompt_images import ImageInputSpec, PromptImage
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
@@ -154,6 +154,10 @@ class ModelRunner:
             and self.device.type == "cpu"
             and getattr(self.model, "supports_paged_decode_kernel", True)
             and load_paged_decode_kernel() is not None
+        )
+        # Prompt tokens through the kernel too, in every step, where it beats SDPA's prefill.
+        self.prefill_in_place = self.decode_in_place and prefill_in_place_is_faster(
+            self.dtype, self.config.head_dim
         )
         self.batch_invariant = batch_invariant
         if batch_invariant and not self.decode_in_place:
@@ -347,7 +351,7 @@ class ModelRunner:
                 self.block_size,
                 self.device,
                 decode_in_place=self.decode_in_place,
-                every_token_in_place=invariant and self.decode_in_place,
+                every_token_in_place=self.decode_in_place and (invariant or self.prefill_in_place),
             )
             products = invariant_rows() if invariant else contextlib.nullcontext()
             with torch.inference_mode(), products:

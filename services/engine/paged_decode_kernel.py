@@ -4,6 +4,9 @@ The reference path (``attention._attend_group``) gathers each request's blocks i
 copy and runs SDPA over it; at long contexts that copy was 40% of a decode step. The kernel is
 built and loaded by ``cpu_kernels``; where it cannot be built, the engine decodes through the
 reference path.
+
+Where it is built with AVX512-BF16's dot products, a bf16 prompt chunk also attends faster
+through it than through SDPA (``prefill_in_place_is_faster``), so every token takes it.
 """
 
 from __future__ import annotations
@@ -27,11 +30,20 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [batch, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim];
     block_table: [batch, blocks] int64; seq_lens: [batch] int64 keys per request (its cached
-    tokens and this step's one). Query head h reads KV head h // (heads / kv_heads)."""
+    tokens and this step's one). Query head h reads KV head h // (heads / kv_heads).
+    ``window`` > 0: each row attends its last ``window`` keys only (a sliding-window layer)."""
     kernel = load_paged_decode_kernel()
     if kernel is None:
         raise RuntimeError("the paged decode kernel is not built; see the engine's start-up log")
-    return kernel.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+    return kernel.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, window)
+
+
+def prefill_in_place_is_faster(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prompt tokens of this cache attend faster through the kernel than through SDPA:
+    a bf16 cache, on a build with AVX512-BF16 dot products for this head_dim."""
+    kernel = load_paged_decode_kernel()
+    return kernel is not None and dtype == torch.bfloat16 and bool(kernel.bf16_dot_products(head_dim))

@@ -130,3 +130,51 @@ def test_bad_input_is_a_clear_error() -> None:
         paged_decode_attention(torch.randn(1, 3, 8), k_cache, v_cache, table, torch.tensor([20]), 1.0)
     with pytest.raises(RuntimeError, match="at least one key"):
         paged_decode_attention(q, k_cache, v_cache, table, torch.tensor([0]), 1.0)
+
+
+def test_a_host_with_avx512_bf16_gets_the_dot_product_path() -> None:
+    """Where the CPU has AVX512-BF16, the kernel is built with its dot products for the head sizes
+    it has a path for, and prompt chunks of a bf16 cache go through it (the runner asks this)."""
+    from cachet.engine.cpu_features import cpu_flags
+    from cachet.engine.paged_decode_kernel import prefill_in_place_is_faster
+
+    kernel = load_paged_decode_kernel()
+    assert kernel is not None
+    has_dot_products = {"avx512f", "avx512_bf16"} <= cpu_flags()
+    assert kernel.bf16_dot_products(64) == has_dot_products
+    assert kernel.bf16_dot_products(128) == has_dot_products
+    assert not kernel.bf16_dot_products(32)
+    assert prefill_in_place_is_faster(torch.bfloat16, 64) == has_dot_products
+    assert not prefill_in_place_is_faster(torch.float32, 64)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 256)])
+def test_a_sliding_window_reads_each_rows_last_keys_with_its_own_bits(dtype: torch.dtype, head_dim: int) -> None:
+    """A sliding-window layer's rows (Gemma 3's local layers) attend their last ``window`` keys,
+    whose start need not fall on a split; a row's bits are still its own, alone or in a chunk."""
+    prompt, window = 700, 300
+    heads, kv_heads = (9, 3) if head_dim == 64 else (4, 1)
+    k_cache, v_cache, table = scattered_cache([prompt], 16, kv_heads, head_dim, dtype)
+    lens = torch.arange(1, prompt + 1)
+    q = torch.randn(prompt, heads, head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    rows = table.expand(prompt, -1).contiguous()
+    scale = head_dim**-0.5
+    whole = paged_decode_attention(q, k_cache, v_cache, rows, lens, scale, window)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for row in (0, 299, 300, 301, 511, 699):
+        first = max(0, row + 1 - window)
+        keys = k_cache[table[0]].flatten(0, 1)[first : row + 1].float()
+        values = v_cache[table[0]].flatten(0, 1)[first : row + 1].float()
+        expected = F.scaled_dot_product_attention(
+            q[row].float()[:, None, :],
+            keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+            values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+            scale=scale,
+        )[:, 0, :]
+        torch.testing.assert_close(whole[row].float(), expected, atol=atol, rtol=0)
+        alone = paged_decode_attention(
+            q[row : row + 1], k_cache, v_cache, rows[row : row + 1], lens[row : row + 1], scale, window
+        )
+        assert torch.equal(alone[0], whole[row]), row
+    chunk = paged_decode_attention(q[400:470], k_cache, v_cache, rows[400:470], lens[400:470], scale, window)
+    assert torch.equal(chunk, whole[400:470])

@@ -17,8 +17,9 @@ Llama's decoder with Gemma's differences, each from the checkpoint's config.json
   reference does), the head tied to them, and logits soft-capped where
   ``final_logit_softcapping`` is set.
 
-The paged attention knows no window: local layers get the step's metadata banded to it
-(``sliding_window``), and the query scale is folded into the queries.
+Local layers' attention reads a token's last ``sliding_window`` keys: the paged kernel by its
+window, SDPA's groups by the step's metadata banded to it (``sliding_window``). The query scale
+is folded into the queries.
 """
 
 from __future__ import annotations
@@ -56,13 +57,15 @@ class GemmaRMSNorm(RMSNorm):
 
 class Gemma3Attention(Attention):
     """Llama's grouped-query attention with QK-norm, Gemma's query scale and, on local layers,
-    the sliding window (which the model hands in as the metadata it passes)."""
+    the sliding window (the kernel's, and the banded metadata the model hands in)."""
 
     def __init__(
         self, config: ModelConfig, gemma3: Gemma3Config, sliding: bool, tp: TensorParallelRank
     ) -> None:
         super().__init__(config, tp)
         self.sliding = sliding
+        if sliding:
+            self.attn.window = gemma3.sliding_window
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         # The paged attention scales scores by head_dim ** -0.5; Gemma wants
