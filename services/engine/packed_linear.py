@@ -19,15 +19,18 @@ fp32 weights, where torch's emulated bf16 products streamed them slower than fp3
 oneDNN's own bf16 products (AVX512-BF16 or AMX hosts) are slow at one to four rows: a decode
 step of the default model's linears took 24.2 ms at one row, the kernel 13.4 (16.8 and 14.7 at
 four rows; AVX512-BF16 EPYC, two threads). So there a bf16 linear keeps the kernel's panels
-beside oneDNN's weight and runs a product of up to ``SMALL_BATCH_ROWS`` rows on them (one to
-four decodes: an agent's turn decoding alone), at the cost of a second copy of the bf16 weights.
+beside oneDNN's weight and runs a product of up to ``SMALL_BATCH_ROWS`` rows on them (an
+agent's turn decoding alone, or a few beside it), at the cost of a second copy of the bf16 weights.
 On such hosts the kernel is built with AVX512-BF16's dot products (``cpu_kernels``): one layer's
 products of the default model at 1 / 4 / 16 / 64 / 512 rows take 0.57 / 0.60 / 0.86 / 1.02 /
-1.10x oneDNN's time (the widening build: 0.83 / 1.63 / 2.74 / 3.63 / 4.01x). The threshold
-stays at four rows for AMX hosts, whose oneDNN tiles are faster still at many rows.
+1.10x oneDNN's time (the widening build: 0.83 / 1.63 / 2.74 / 3.63 / 4.01x). So without AMX the
+threshold is 16 rows: a whole decode step of the default model in process took 46.5 -> 40.7 ms at
+8 decodes, 65.0 -> 59.7 at 16, and 106.4 -> 111.7 at 32 had it been 32 (a Zen 4 EPYC, 2 threads;
+level on a Zen 5). It stays at four rows for AMX hosts, whose oneDNN tiles are faster still at
+many rows.
 
 Each kernel computes a row's product in one fixed order whatever the batch, but the two orders
-differ: a token's bf16 product rounds one way among one to four rows and another among more, so
+differ: a token's bf16 product rounds one way among up to ``SMALL_BATCH_ROWS`` rows and another among more, so
 greedy tokens would depend on what shares the step. A batch-invariant step (``invariant_rows``:
 a step holding a greedy or seeded request, ``ModelRunner``) therefore runs every product on the
 panels, at every row count.
@@ -48,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from cachet.engine.cpu_features import cpu_flags
 from cachet.engine.cpu_kernels import load_cpu_kernel
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,7 +59,7 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _PANEL = 16
 # Most rows a product runs on the bf16 kernel's panels beside oneDNN's bf16 weight (above:
 # oneDNN), from the measurements in the module docstring.
-SMALL_BATCH_ROWS = 4
+SMALL_BATCH_ROWS = 4 if "amx_bf16" in cpu_flags() else 16
 
 
 class _Products(threading.local):
