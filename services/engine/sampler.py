@@ -143,6 +143,38 @@ def apply_top_k_top_p_min_p(
     return logits.masked_fill(torch.empty_like(remove).scatter_(1, order, remove), float("-inf"))
 
 
+def kept_columns(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_top_k_top_p_min_p`` over the columns some row keeps: (columns, ascending; each
+    row's logits there, -inf where it drops the token).
+
+    Where every row is filtered and cut among its ``FILTER_CANDIDATES`` most likely tokens, the
+    kept tokens are placed straight into those few columns: building the vocabulary-wide tensor
+    and scanning it back took most of a sampled step's filtering (16 x 49,152 at top_p 0.9).
+    """
+    vocab = logits.shape[1]
+    filtered = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
+    if bool(filtered.all()):
+        log_normalizer = None
+        for width in FILTER_CANDIDATES:
+            if width < int(top_k.max()) or width >= vocab:
+                continue
+            if log_normalizer is None:
+                log_normalizer = torch.logsumexp(logits, -1, keepdim=True)
+            top_logits, order = logits.topk(width, dim=-1)
+            remove = _removed_suffix(top_logits, top_k, top_p, min_p, log_normalizer)
+            if bool(remove.any(dim=-1).all()):
+                columns = order[~remove].unique()
+                # A dropped token goes to a spare last column, so it never lands on a kept one.
+                place = torch.searchsorted(columns, order).masked_fill_(remove, columns.shape[0])
+                kept = logits.new_full((logits.shape[0], columns.shape[0] + 1), float("-inf"))
+                return columns, kept.scatter_(1, place, top_logits)[:, :-1]
+    full = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    columns = torch.isfinite(full).any(dim=0).nonzero().squeeze(1)
+    return columns, full[:, columns]
+
+
 def _removed_suffix(
     sorted_logits: torch.Tensor,
     top_k: torch.Tensor,
@@ -191,16 +223,14 @@ def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     scaled = logits[random_rows] / torch.tensor([p.temperature for p in params], device=device)[:, None]
     columns = None
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        scaled = apply_top_k_top_p_min_p(
+        # Filtered rows keep a few of their most likely tokens: the draw runs over the columns
+        # some row keeps, not the vocabulary (16 rows x 49,152 draws cost more than the filters).
+        columns, scaled = kept_columns(
             scaled,
             torch.tensor([p.top_k for p in params], device=device),
             torch.tensor([p.top_p for p in params], device=device),
             torch.tensor([p.min_p for p in params], device=device),
         )
-        # Filtered rows keep a few of their most likely tokens: the draw runs over the columns
-        # some row keeps, not the vocabulary (16 rows x 49,152 draws cost more than the filters).
-        columns = torch.isfinite(scaled).any(dim=0).nonzero().squeeze(1)
-        scaled = scaled[:, columns]
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
     for row, i in enumerate(random_rows):

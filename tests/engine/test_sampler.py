@@ -95,6 +95,28 @@ def test_filters_decided_by_the_most_likely_tokens_match_a_full_sort(
     assert torch.equal(filtered[torch.isfinite(filtered)], logits[torch.isfinite(filtered)])
 
 
+@pytest.mark.parametrize("spread", [8.0, 4.0, 0.3])
+@pytest.mark.parametrize("with_unfiltered_row", [False, True])
+def test_kept_columns_are_the_full_filter_restricted_to_the_kept_tokens(
+    spread: float, with_unfiltered_row: bool
+) -> None:
+    """What the draw runs over: exactly the columns some row keeps, ascending, each row's
+    filtered logits there, whichever way they were found (placed from the candidates, or the
+    vocabulary filtered and scanned)."""
+    generator = torch.Generator().manual_seed(int(spread * 10))
+    logits = torch.randn(6, 49_152, generator=generator) * spread
+    top_k = torch.tensor([0, 40, 0, 0, 5, 300])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 1.0, 0.95])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.2, 0.0, 0.0])
+    if with_unfiltered_row:
+        top_k[4] = 0
+    full = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    columns, kept = sampler.kept_columns(logits, top_k, top_p, min_p)
+    expected_columns = torch.isfinite(full).any(dim=0).nonzero().squeeze(1)
+    assert torch.equal(columns, expected_columns)
+    assert torch.equal(kept, full[:, expected_columns])
+
+
 def test_temperature_sampling_follows_softmax() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     n = 20000
