@@ -143,6 +143,7 @@ def test_a_host_with_avx512_bf16_gets_the_dot_product_path() -> None:
     has_dot_products = {"avx512f", "avx512_bf16"} <= cpu_flags()
     assert kernel.bf16_dot_products(64) == has_dot_products
     assert kernel.bf16_dot_products(128) == has_dot_products
+    assert kernel.bf16_dot_products(256) == has_dot_products  # Gemma 3
     assert not kernel.bf16_dot_products(32)
     assert prefill_in_place_is_faster(torch.bfloat16, 64) == has_dot_products
     assert not prefill_in_place_is_faster(torch.float32, 64)

@@ -431,16 +431,18 @@ inline void weigh_values(const uint32_t* const* weights, const uint32_t* values,
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc[q] + 16 * v, sums[q][v]);
 }
 
-// head_dims this path is built for (registers per query's totals: head_dim / 16).
-inline bool bf16_dot_path_fits(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+// head_dims this path is built for (registers per query's totals: head_dim / 16; 256: Gemma 3).
+inline bool bf16_dot_path_fits(int64_t head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 template <int NV>
 void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const at::BFloat16* queries, float scale,
                           const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* table,
                           const int64_t* lens, float* acc, float* maxes, float* sums, std::vector<float>& scores,
                           std::vector<uint32_t>& pairs) {
-  // Queries of one kv head handled together: their sums must fit the 32 registers.
-  constexpr int kQueriesPerPass = NV == 4 ? 6 : 3;
+  // Queries of one kv head scored together (two chains each), and weighing values together:
+  // their head_dim sums must fit the 32 registers.
+  constexpr int kScorePass = 6;
+  constexpr int kWeighPass = NV == 4 ? 6 : NV == 8 ? 3 : 1;
   const int64_t begin = split * kSplitTokens;
   int64_t end = begin;
   for (int64_t r = 0; r < tile.num_rows; ++r) end = std::max(end, std::min(begin + kSplitTokens, lens[tile.first_row + r]));
@@ -477,10 +479,10 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
         transpose_16x16(rows);
         for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(key_pairs + (c + i) * kKeyLanes, rows[i]);
       }
-      for (int64_t m = 0; m < count; m += kQueriesPerPass) {
-        const int n = static_cast<int>(std::min<int64_t>(kQueriesPerPass, count - m));
-        const uint32_t* qs[kQueriesPerPass];
-        float* outs[kQueriesPerPass];
+      for (int64_t m = 0; m < count; m += kScorePass) {
+        const int n = static_cast<int>(std::min<int64_t>(kScorePass, count - m));
+        const uint32_t* qs[kScorePass];
+        float* outs[kScorePass];
         for (int q = 0; q < n; ++q) {
           const auto [r, h] = members[m + q];
           qs[q] = reinterpret_cast<const uint32_t*>(queries + (tile.first_row + r) * heads_dim + h * s.head_dim);
@@ -529,10 +531,10 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
         _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, second_half, b));
       }
     }
-    for (int64_t m = 0; m < count; m += kQueriesPerPass) {
-      const int n = static_cast<int>(std::min<int64_t>(kQueriesPerPass, count - m));
-      const uint32_t* ws[kQueriesPerPass];
-      float* outs[kQueriesPerPass];
+    for (int64_t m = 0; m < count; m += kWeighPass) {
+      const int n = static_cast<int>(std::min<int64_t>(kWeighPass, count - m));
+      const uint32_t* ws[kWeighPass];
+      float* outs[kWeighPass];
       int64_t longest_pairs = 0;
       for (int q = 0; q < n; ++q) {
         const auto [r, h] = members[m + q];
@@ -542,13 +544,24 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
         ws[q] = reinterpret_cast<const uint32_t*>(probabilities + (m + q) * probability_stride);
         outs[q] = acc + (row * s.num_splits + split) * heads_dim + h * s.head_dim;
       }
-      switch (n) {
-        case 1: weigh_values<1, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
-        case 2: weigh_values<2, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
-        case 3: weigh_values<3, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
-        case 4: weigh_values<4, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
-        case 5: weigh_values<5, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
-        default: weigh_values<6, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+      // Only the counts a pass can hold are built: weigh_values<6, 16> would not fit.
+      if constexpr (kWeighPass == 1) {
+        weigh_values<1, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs);
+      } else if constexpr (kWeighPass == 3) {
+        switch (n) {
+          case 1: weigh_values<1, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+          case 2: weigh_values<2, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+          default: weigh_values<3, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+        }
+      } else {
+        switch (n) {
+          case 1: weigh_values<1, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+          case 2: weigh_values<2, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+          case 3: weigh_values<3, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+          case 4: weigh_values<4, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+          case 5: weigh_values<5, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+          default: weigh_values<6, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs); break;
+        }
       }
     }
   }
@@ -629,9 +642,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
           if (s.head_dim == 64) {
             attend_bf16_dot_impl<4>(tile, items[i].split, s, bf16_queries, static_cast<float>(scale), k_data, v_data,
                                     table, lens, acc.get(), maxes.get(), sums.get(), scores, pairs);
-          } else {
+          } else if (s.head_dim == 128) {
             attend_bf16_dot_impl<8>(tile, items[i].split, s, bf16_queries, static_cast<float>(scale), k_data, v_data,
                                     table, lens, acc.get(), maxes.get(), sums.get(), scores, pairs);
+          } else {
+            attend_bf16_dot_impl<16>(tile, items[i].split, s, bf16_queries, static_cast<float>(scale), k_data, v_data,
+                                     table, lens, acc.get(), maxes.get(), sums.get(), scores, pairs);
           }
         }
         return;
