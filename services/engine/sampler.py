@@ -123,8 +123,35 @@ def apply_top_k_top_p_min_p(
     ``FILTER_CANDIDATES`` most likely tokens is decided by those alone; only a batch with a
     row that keeps more (a flat distribution, a large top_k) sorts it all.
     """
-    vocab = logits.shape[1]
     unfiltered = (top_k <= 0) & (top_p >= 1.0) & (min_p <= 0.0)
+    decided = _decided_among_candidates(logits, top_k, top_p, min_p, unfiltered)
+    if decided is not None:
+        top_logits, order, remove = decided
+        kept = torch.full_like(logits, float("-inf")).scatter_(
+            1, order, top_logits.masked_fill(remove, float("-inf"))
+        )
+        return torch.where(unfiltered[:, None], logits, kept)
+    return _filtered_by_sorting(logits, top_k, top_p, min_p)
+
+
+def _filtered_by_sorting(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove = _removed_suffix(sorted_logits, top_k, top_p, min_p)
+    return logits.masked_fill(torch.empty_like(remove).scatter_(1, order, remove), float("-inf"))
+
+
+def _decided_among_candidates(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    unfiltered: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(candidates' logits, their columns, which the filters drop) for the first candidate
+    width where every filtered row's cut falls among them; None where some row keeps more."""
+    vocab = logits.shape[1]
     log_normalizer = None
     for width in FILTER_CANDIDATES:
         if width < int(top_k.max()) or width >= vocab:
@@ -134,13 +161,8 @@ def apply_top_k_top_p_min_p(
         top_logits, order = logits.topk(width, dim=-1)
         remove = _removed_suffix(top_logits, top_k, top_p, min_p, log_normalizer)
         if bool((remove.any(dim=-1) | unfiltered).all()):
-            kept = torch.full_like(logits, float("-inf")).scatter_(
-                1, order, top_logits.masked_fill(remove, float("-inf"))
-            )
-            return torch.where(unfiltered[:, None], logits, kept)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    remove = _removed_suffix(sorted_logits, top_k, top_p, min_p)
-    return logits.masked_fill(torch.empty_like(remove).scatter_(1, order, remove), float("-inf"))
+            return top_logits, order, remove
+    return None
 
 
 def kept_columns(
@@ -153,24 +175,18 @@ def kept_columns(
     kept tokens are placed straight into those few columns: building the vocabulary-wide tensor
     and scanning it back took most of a sampled step's filtering (16 x 49,152 at top_p 0.9).
     """
-    vocab = logits.shape[1]
-    filtered = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
-    if bool(filtered.all()):
-        log_normalizer = None
-        for width in FILTER_CANDIDATES:
-            if width < int(top_k.max()) or width >= vocab:
-                continue
-            if log_normalizer is None:
-                log_normalizer = torch.logsumexp(logits, -1, keepdim=True)
-            top_logits, order = logits.topk(width, dim=-1)
-            remove = _removed_suffix(top_logits, top_k, top_p, min_p, log_normalizer)
-            if bool(remove.any(dim=-1).all()):
-                columns = order[~remove].unique()
-                # A dropped token goes to a spare last column, so it never lands on a kept one.
-                place = torch.searchsorted(columns, order).masked_fill_(remove, columns.shape[0])
-                kept = logits.new_full((logits.shape[0], columns.shape[0] + 1), float("-inf"))
-                return columns, kept.scatter_(1, place, top_logits)[:, :-1]
-    full = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    unfiltered = (top_k <= 0) & (top_p >= 1.0) & (min_p <= 0.0)
+    if bool(unfiltered.any()):
+        full = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    elif (decided := _decided_among_candidates(logits, top_k, top_p, min_p, unfiltered)) is not None:
+        top_logits, order, remove = decided
+        columns = order[~remove].unique()
+        # A dropped token goes to a spare last column, so it never lands on a kept one.
+        place = torch.searchsorted(columns, order).masked_fill_(remove, columns.shape[0])
+        kept = logits.new_full((logits.shape[0], columns.shape[0] + 1), float("-inf"))
+        return columns, kept.scatter_(1, place, top_logits)[:, :-1]
+    else:
+        full = _filtered_by_sorting(logits, top_k, top_p, min_p)
     columns = torch.isfinite(full).any(dim=0).nonzero().squeeze(1)
     return columns, full[:, columns]
 
