@@ -203,18 +203,20 @@ def _per_token_group(spans: list[SequenceSpan], block_size: int, device: torch.d
     """Every token of the step as a one-query row that sees its request's keys up to its own
     position, read in place by the paged decode kernel."""
     max_blocks = max(-(-(s.num_computed + s.num_new) // block_size) for s in spans)
+    # One row per request, repeated for its tokens as a tensor: a chunk's rows as Python lists
+    # cost 5.6 ms a step at 1,800 tokens of context and 90 ms at 32,000.
     table: list[list[int]] = []
     seq_lens: list[int] = []
     for span in spans:
         needed = -(-(span.num_computed + span.num_new) // block_size)
-        row = span.block_ids[:needed] + [0] * (max_blocks - needed)
-        table.extend([row] * span.num_new)
+        table.append(span.block_ids[:needed] + [0] * (max_blocks - needed))
         seq_lens.extend(range(span.num_computed + 1, span.num_computed + span.num_new + 1))
     tokens = torch.arange(len(seq_lens), dtype=torch.int64, device=device)
+    repeats = torch.tensor([span.num_new for span in spans], dtype=torch.int64, device=device)
     return AttentionGroup(
         token_index=tokens,
         padded_index=tokens,
-        block_table=torch.tensor(table, dtype=torch.int64, device=device),
+        block_table=torch.tensor(table, dtype=torch.int64, device=device).repeat_interleave(repeats, dim=0),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         mask=None,
         batch_size=len(seq_lens),
