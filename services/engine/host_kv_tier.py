@@ -84,8 +84,7 @@ class HostTierIndex:
         for i, (block_id, block_hash, *retention) in enumerate(blocks):
             until = retention[0] if retention else 0.0
             if block_hash in self:
-                self._enter_retained(held)
-                self._refresh(block_hash, until)
+                self._refresh(block_hash, until, held)
                 continue
             slot = self._take_slot()
             if slot is None:
@@ -168,23 +167,25 @@ class HostTierIndex:
             self._slots[block_hash] = slot
 
     def _enter_retained(self, held: list[tuple[int, float]]) -> None:
-        """Enter the retentions of blocks ``demote`` holds, in the order it took them in; before
-        any step of it that reads them (a retained slot to take, a hash held again)."""
+        """Enter the retentions of blocks ``demote`` holds or holds again, in the order it took
+        them in; before any step of it that reads them (a retained slot to take)."""
         if held:
             self._retained.hold(held)
             held.clear()
 
-    def _refresh(self, block_hash: int, until: float) -> None:
-        """A held block was used again: most recent in the LRU, and retained at least until ``until``."""
-        if block_hash in self._slots:
-            if not until:
+    def _refresh(self, block_hash: int, until: float, held: list[tuple[int, float]] | None = None) -> None:
+        """A held block was used again: most recent in the LRU, and retained at least until
+        ``until``; that retention waits in ``held`` when ``demote`` passes its list."""
+        if not until:
+            if block_hash in self._slots:
                 self._slots.move_to_end(block_hash)
-                return
+            return
+        if block_hash in self._slots:
             self._retained_slots[block_hash] = self._slots.pop(block_hash)
-            self._retained.retain([block_hash], until)
-            self._retained.park([block_hash])
-        elif until:
-            self._retained.retain([block_hash], until)
+        if held is None:
+            self._retained.hold([(block_hash, until)])
+        else:
+            held.append((block_hash, until))
 
     def _take_slot(self) -> int | None:
         """A free slot, else the least recently used unretained block's (not a locked one)."""

@@ -52,17 +52,37 @@ class RetainedKeys:
     in the order they became evictable (a request's blocks are freed tail first, so its tail goes
     first and its prefix stays usable longest).
 
-    Both orders are heaps with stale entries skipped when popped, so each operation costs
-    O(log n); they are rebuilt when stale entries outnumber live ones.
+    Both orders are heaps of *runs*: one entry per call (a request's blocks, retained or parked
+    together, share a deadline), not one per key, since a request retains and frees its whole
+    prefix at once and an agent's next turn does it again. A run's keys are read in order from
+    a cursor; a key retained again, used or evicted leaves a stale copy in its old run that is
+    skipped when reached. So a call costs one heap push and O(1) per key, a key popped O(1)
+    plus its run's share of one heap pop; the heaps are rebuilt when stale keys outnumber live
+    ones three to one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, slack: int = 1024) -> None:
+        # Stale keys a heap may hold past three per live one before it is rebuilt (tests: 0).
+        self._slack = slack
         self._until: dict[int, float] = {}
-        # Evictable key -> the sequence number of its live entry in ``_queue``.
+        # Evictable key -> its sequence number: the one its copy in ``_queue`` carries.
         self._evictable: dict[int, int] = {}
-        self._queue: list[tuple[float, int, int]] = []  # (until, sequence, key)
-        self._deadlines: list[tuple[float, int]] = []  # (until, key), for expire()
+        # [until, sequence of keys[pos], pos, keys]: a run of keys with one deadline and
+        # consecutive sequence numbers, the ones before ``pos`` gone. Entries compare by
+        # (until, sequence), which no two share; only the root's cursor moves, and its
+        # sequence only grows past keys no other entry holds, so the heap stays a heap.
+        self._queue: list[list] = []
+        self._deadlines: list[tuple[float, int, list[int]]] = []  # (until, run number, keys), for expire()
         self._sequence = itertools.count()
+        self._runs = itertools.count()
+        # Keys in the heaps (live or stale), past the queue's cursors: what _compact weighs.
+        self._queued = 0
+        self._dated = 0
+        # The newest run of each heap while it is in the heap: keys that come after it with its
+        # deadline (a tier exchanging or holding blocks one by one) join it rather than
+        # become runs of their own.
+        self._newest_queued: list | None = None
+        self._newest_dated: tuple[float, int, list[int]] | None = None
 
     def __contains__(self, key: int) -> bool:
         return key in self._until
@@ -83,32 +103,54 @@ class RetainedKeys:
     def retain(self, keys: Iterable[int], until: float) -> None:
         """Keep each key until ``until`` at least: a retention only ever grows. An evictable key
         retained longer goes behind the others of its new deadline."""
-        current, deadlines, evictable = self._until, self._deadlines, self._evictable
-        longer = []
+        current, evictable = self._until, self._evictable
+        grown, longer = [], []
         for key in keys:
             if until <= current.get(key, -math.inf):
                 continue
             current[key] = until
-            heapq.heappush(deadlines, (until, key))
+            grown.append(key)
             if key in evictable:
                 longer.append(key)
+        self._date(grown, until)
         self.park(longer)
 
     def park(self, keys: Iterable[int]) -> None:
         """These retained keys became evictable (freed blocks, held host blocks), in this order."""
-        until, evictable, queue, sequence = self._until, self._evictable, self._queue, self._sequence
+        until, evictable, sequence = self._until, self._evictable, self._sequence
+        run: list[int] = []
+        run_until = 0.0
         for key in keys:
-            number = next(sequence)
-            evictable[key] = number
             # A key without a retention fails here: only retained keys are ordered by deadline.
-            heapq.heappush(queue, (until[key], number, key))
+            key_until = until[key]
+            if run and key_until != run_until:
+                self._queue_run(run, run_until)
+                run = []
+            run_until = key_until
+            evictable[key] = next(sequence)
+            run.append(key)
+        self._queue_run(run, run_until)
         self._compact()
 
     def hold(self, keys: Iterable[tuple[int, float]]) -> None:
-        """New (key, deadline) pairs, each retained and evictable at once, in this order: as
+        """(key, deadline) pairs of a tier whose retained keys are all evictable, in this order:
+        a new key is retained and evictable at once, a held one is retained until the deadline
+        at least, and either goes behind the others of its deadline when its retention grew; as
         ``retain`` then ``park`` of each in turn, for a tier taking in many blocks in one call."""
+        current = self._until
+        run: list[int] = []
+        run_until = 0.0
         for key, until in keys:
-            self._add(key, until)
+            held = current.get(key)
+            if held is not None and until <= held:
+                continue
+            if run and until != run_until:
+                self._add_run(run, run_until)
+                run = []
+            current[key] = until
+            run_until = until
+            run.append(key)
+        self._add_run(run, run_until)
         self._compact()
 
     def unpark(self, key: int) -> None:
@@ -154,28 +196,38 @@ class RetainedKeys:
         popped = self._pop(until, skip, aside)
         if popped is None:
             return None
-        self._add(key, until)
+        if key in self._until:
+            raise AssertionError(f"key {key} held while already retained")
+        self._until[key] = until
+        self._add_run([key], until)
         return popped[0]
 
     def restore(self, aside: list[tuple[float, int, int]]) -> None:
         """Put back the entries ``exchange`` set aside (stale ones are skipped as ever)."""
-        for entry in aside:
-            heapq.heappush(self._queue, entry)
+        for until, sequence, key in aside:
+            heapq.heappush(self._queue, [until, sequence, 0, [key]])
+        self._queued += len(aside)
         aside.clear()
         self._compact()
 
     def expire(self, now: float) -> list[int]:
         """End every retention whose deadline is not after ``now``; returns the evictable keys
         among them in their eviction order (they rejoin their tier's plain LRU)."""
+        current, evictable, deadlines = self._until, self._evictable, self._deadlines
         ended = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            until, key = heapq.heappop(self._deadlines)
-            if self._until.get(key) != until:
-                continue
-            del self._until[key]
-            sequence = self._evictable.pop(key, None)
-            if sequence is not None:
-                ended.append((until, sequence, key))
+        while deadlines and deadlines[0][0] <= now:
+            entry = heapq.heappop(deadlines)
+            until, _, keys = entry
+            self._dated -= len(keys)
+            if entry is self._newest_dated:
+                self._newest_dated = None
+            for key in keys:
+                if current.get(key) != until:
+                    continue
+                del current[key]
+                sequence = evictable.pop(key, None)
+                if sequence is not None:
+                    ended.append((until, sequence, key))
         # In the order they would have been evicted: equal deadlines by when they became evictable.
         return [key for _, _, key in sorted(ended)]
 
@@ -184,6 +236,8 @@ class RetainedKeys:
         self._evictable.clear()
         self._queue.clear()
         self._deadlines.clear()
+        self._queued = self._dated = 0
+        self._newest_queued = self._newest_dated = None
 
     def eviction_order(self) -> list[int]:
         """Evictable keys, first to go first; for tests and debugging."""
@@ -192,15 +246,45 @@ class RetainedKeys:
             for key, _ in sorted(self._evictable.items(), key=lambda item: (self._until[item[0]], item[1]))
         ]
 
-    def _add(self, key: int, until: float) -> None:
-        """A new key, retained until ``until`` and evictable at once (``_compact`` is the caller's)."""
-        if key in self._until:
-            raise AssertionError(f"key {key} held while already retained")
-        self._until[key] = until
-        heapq.heappush(self._deadlines, (until, key))
-        number = next(self._sequence)
-        self._evictable[key] = number
-        heapq.heappush(self._queue, (until, number, key))
+    def _date(self, keys: list[int], until: float) -> None:
+        """Enter ``keys``' new deadline ``until`` in the deadline heap, as one run."""
+        if not keys:
+            return
+        self._dated += len(keys)
+        newest = self._newest_dated
+        if newest is not None and newest[0] == until:
+            newest[2].extend(keys)
+            return
+        # A copy: the caller may queue ``keys`` as a run too, and each heap extends its own.
+        entry = (until, next(self._runs), list(keys))
+        heapq.heappush(self._deadlines, entry)
+        self._newest_dated = entry
+
+    def _queue_run(self, keys: list[int], until: float) -> None:
+        """Queue evictable ``keys`` (just numbered, in order) as one run, or at the end of the
+        newest run when they carry on its deadline and sequence numbers."""
+        if not keys:
+            return
+        self._queued += len(keys)
+        sequence = self._evictable[keys[0]]
+        newest = self._newest_queued
+        if newest is not None and newest[0] == until and newest[1] + len(newest[3]) - newest[2] == sequence:
+            newest[3].extend(keys)
+            return
+        entry = [until, sequence, 0, keys]
+        heapq.heappush(self._queue, entry)
+        self._newest_queued = entry
+
+    def _add_run(self, keys: list[int], until: float) -> None:
+        """Keys just given ``until`` in ``_until``, evictable from now in this order (a key
+        already queued leaves a stale copy behind; ``_compact`` is the caller's)."""
+        if not keys:
+            return
+        self._date(keys, until)
+        evictable, sequence = self._evictable, self._sequence
+        for key in keys:
+            evictable[key] = next(sequence)
+        self._queue_run(keys, until)
 
     def _pop(
         self, until_at_most: float, skip: Callable[[int], bool] | None, aside: list[tuple[float, int, int]]
@@ -208,15 +292,23 @@ class RetainedKeys:
         """``pop``'s search; the entries of skipped keys go to ``aside``, off the queue."""
         queue, evictable = self._queue, self._evictable
         while queue:
-            until, sequence, key = entry = queue[0]
-            if evictable.get(key) != sequence:
-                heapq.heappop(queue)
-                continue
-            if until > until_at_most:
+            entry = queue[0]
+            until, sequence, pos, keys = entry
+            key = keys[pos]
+            if evictable.get(key) == sequence and until > until_at_most:
                 return None
-            heapq.heappop(queue)
+            # The root's cursor moves past ``key``, live or stale.
+            self._queued -= 1
+            if pos + 1 == len(keys):
+                if heapq.heappop(queue) is self._newest_queued:
+                    self._newest_queued = None
+            else:
+                entry[1] = sequence + 1
+                entry[2] = pos + 1
+            if evictable.get(key) != sequence:
+                continue
             if skip is not None and skip(key):
-                aside.append(entry)
+                aside.append((until, sequence, key))
                 continue
             del evictable[key]
             del self._until[key]
@@ -225,20 +317,52 @@ class RetainedKeys:
 
     def _compact(self) -> None:
         live = len(self._until)
-        if len(self._deadlines) > 2 * live + 64:
-            self._deadlines = [(until, key) for key, until in self._until.items()]
+        if self._dated > 4 * live + self._slack:
+            by_until: dict[float, list[int]] = {}
+            for key, until in self._until.items():
+                by_until.setdefault(until, []).append(key)
+            self._deadlines = [(until, next(self._runs), keys) for until, keys in by_until.items()]
+            self._newest_dated = None
             heapq.heapify(self._deadlines)
-        if len(self._queue) > 2 * len(self._evictable) + 64:
-            self._queue = [(self._until[key], seq, key) for key, seq in self._evictable.items()]
-            heapq.heapify(self._queue)
+            self._dated = live
+        if self._queued > 4 * len(self._evictable) + self._slack:
+            self._queue = self._queue_runs()
+            self._newest_queued = None
+            self._queued = len(self._evictable)
+
+    def _queue_runs(self) -> list[list]:
+        """The queue without its stale keys: each run's live keys, split where stale ones were
+        (a run's sequence numbers must stay consecutive); no sort, the runs keep their order."""
+        evictable = self._evictable
+        runs: list[list] = []
+        for until, sequence, pos, keys in self._queue:
+            run: list[int] = []
+            for i in range(pos, len(keys)):
+                key = keys[i]
+                if evictable.get(key) == sequence + i - pos:
+                    if not run:
+                        runs.append([until, sequence + i - pos, 0, run])
+                    run.append(key)
+                elif run:
+                    run = []
+        heapq.heapify(runs)
+        return runs
 
     def check_invariants(self) -> None:
         assert set(self._evictable) <= set(self._until), (
             f"evictable keys without a retention: {sorted(set(self._evictable) - set(self._until))}"
         )
-        queued = {(key, seq) for _, seq, key in self._queue}
+        queued = {
+            (key, sequence + i) for _, sequence, pos, keys in self._queue for i, key in enumerate(keys[pos:])
+        }
         missing = [key for key, seq in self._evictable.items() if (key, seq) not in queued]
         assert not missing, f"evictable keys missing from the eviction queue: {missing}"
-        dated = {(key, until) for until, key in self._deadlines}
+        assert self._queued == sum(len(keys) - pos for _, _, pos, keys in self._queue), (
+            "the count of queued keys is off"
+        )
+        dated = {(key, until) for until, _, keys in self._deadlines for key in keys}
         undated = [key for key, until in self._until.items() if (key, until) not in dated]
         assert not undated, f"retained keys missing from the deadline heap: {undated}"
+        assert self._dated == sum(len(keys) for _, _, keys in self._deadlines), (
+            "the count of dated keys is off"
+        )

@@ -5,6 +5,7 @@ retention ends. Exact block ids, slots and files; invariant checkers after every
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -83,6 +84,128 @@ def test_retained_keys_taken_in_bulk_end_as_one_by_one():
         assert [bulk.until(k) for k in range(next_key)] == [single.until(k) for k in range(next_key)]
     with pytest.raises(AssertionError, match="found"):
         bulk.pop_many(bulk.num_evictable + 1)
+
+
+class NaiveRetainedKeys:
+    """RetainedKeys' contract in the plainest terms: a deadline per key, a sequence number per
+    evictable key, the eviction order sorted by (deadline, sequence)."""
+
+    def __init__(self) -> None:
+        self.until: dict[int, float] = {}
+        self.evictable: dict[int, int] = {}
+        self.sequence = 0
+
+    def order(self) -> list[int]:
+        return sorted(self.evictable, key=lambda key: (self.until[key], self.evictable[key]))
+
+    def park(self, keys) -> None:
+        for key in keys:
+            self.evictable[key] = self.sequence
+            self.sequence += 1
+
+    def retain(self, keys, until: float) -> None:
+        for key in keys:
+            if until > self.until.get(key, -1.0):
+                self.until[key] = until
+                if key in self.evictable:
+                    self.park([key])
+
+    def pop(self, until_at_most: float, skip) -> tuple[int, float] | None:
+        for key in self.order():
+            if self.until[key] > until_at_most:
+                return None
+            if not skip(key):
+                del self.evictable[key]
+                return key, self.until.pop(key)
+        return None
+
+    def expire(self, now: float) -> list[int]:
+        ended = [key for key in self.order() if self.until[key] <= now]
+        for key in [key for key, until in self.until.items() if until <= now]:
+            del self.until[key]
+            self.evictable.pop(key, None)
+        return ended
+
+
+def test_retained_keys_match_the_plain_sorted_order_through_runs_and_rebuilds():
+    """Runs of keys retained and parked together, re-retained, used, popped, exchanged over
+    locked keys and expired, through many heap rebuilds: the same keys, deadlines, pops and
+    eviction order as sorting every key each time."""
+    rng = random.Random(25)
+    keys, naive = RetainedKeys(slack=0), NaiveRetainedKeys()  # rebuilt as often as it may be
+    next_key, now = 0, 0.0
+    for _ in range(3000):
+        now += rng.random()
+        op = rng.random()
+        known = list(naive.until)
+        if op < 0.25 or not known:  # a request: new keys and old ones, retained, then freed
+            run = rng.sample(known, min(len(known), rng.randint(0, 24)))
+            run += list(range(next_key, next_key + rng.randint(1, 8)))
+            next_key = max(next_key, *run) + 1
+            until = now + rng.choice([5.0, 10.0, 30.0, 300.0])
+            for key in run:
+                if key in naive.evictable:  # in use again first, as a hit is
+                    keys.unpark(key)
+                    del naive.evictable[key]
+            keys.retain(run, until)
+            naive.retain(run, until)
+            keys.park(run)
+            naive.park(run)
+        elif op < 0.4:  # a tier's blocks: new ones, and evictable ones held again
+            held_again = rng.sample(list(naive.evictable), min(len(naive.evictable), rng.randint(0, 4)))
+            batch = [(key, now + rng.choice([5.0, 10.0, 30.0])) for key in held_again]
+            batch += [(next_key + i, now + rng.choice([5.0, 10.0, 30.0])) for i in range(rng.randint(1, 6))]
+            rng.shuffle(batch)
+            next_key += len(batch)
+            keys.hold(batch)
+            for key, until in batch:
+                if until > naive.until.get(key, -1.0):
+                    naive.until[key] = until
+                    naive.park([key])
+        elif op < 0.55:
+            locked = set(rng.sample(known, min(len(known), rng.randint(0, 3)))).__contains__
+            aside: list[tuple[float, int, int]] = []
+            for _ in range(rng.randint(1, 5)):
+                until = now + rng.choice([5.0, 10.0, 30.0])
+                expected = naive.pop(until, locked)
+                got = keys.exchange(next_key, until, locked, aside)
+                assert got == (None if expected is None else expected[0])
+                if got is not None:
+                    naive.until[next_key] = until
+                    naive.park([next_key])
+                    next_key += 1
+            keys.restore(aside)
+        elif op < 0.7 and naive.evictable:
+            count = rng.randint(1, min(4, len(naive.evictable)))
+            assert keys.pop_many(count) == [naive.pop(math.inf, lambda key: False) for _ in range(count)]
+        elif op < 0.8 and naive.evictable:
+            key = rng.choice(list(naive.evictable))
+            keys.unpark(key)
+            del naive.evictable[key]
+        else:
+            assert keys.expire(now) == naive.expire(now)
+        keys.check_invariants()
+        assert keys.eviction_order() == naive.order()
+        assert {key: keys.until(key) for key in range(next_key) if key in keys} == naive.until
+
+
+def test_retained_keys_drop_stale_copies_when_they_outnumber_live_ones():
+    keys = RetainedKeys(slack=0)
+    keys.retain([1, 2, 3], 1.0)
+    for until in range(2, 20):  # each longer retention leaves a stale deadline behind
+        keys.retain([1, 2], float(until))
+        keys.check_invariants()
+        assert keys._dated <= 4 * len(keys)
+    keys.park([3, 2, 1])
+    for _ in range(10):  # each unpark and park leaves a stale copy in the eviction queue
+        keys.unpark(2)
+        keys.park([2])
+        keys.check_invariants()
+        assert keys._queued <= 4 * keys.num_evictable
+    assert keys.eviction_order() == [3, 1, 2]
+    assert keys.expire(1.0) == [3]
+    assert keys.expire(19.0) == [1, 2]
+    assert len(keys) == 0
 
 
 # ---------------------------------------------------------------- the block pool
