@@ -96,7 +96,8 @@ class SimulatedReplica:
         self.block_tokens = block_tokens
         self.service = service
         self.pool = BlockPool(num_blocks)
-        self.host = HostTierIndex(host_blocks) if host_blocks else None
+        # Its events are not published (the index sees only the pools), so it keeps none.
+        self.host = HostTierIndex(host_blocks, events=False) if host_blocks else None
         self.shared = shared if shared is not None else LruTier(0)
         # The pool's events since the last take_events().
         self._events: list[KvEvent] = []
@@ -190,7 +191,6 @@ class SimulatedReplica:
         self.host.promote([new_hashes[i] for i in promoted], [new_blocks[i] for i in promoted])
         self.host.demote(evicted)
         self.host.take_moves()
-        self.host.take_events()
 
     def _retain(self, hash_ids: Sequence[int], until: float) -> None:
         """Put these blocks under retention until ``until`` (trace seconds), in the pool (found by

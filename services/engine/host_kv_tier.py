@@ -42,7 +42,9 @@ class HostTierIndex:
     """Which block hashes the host tier holds, in which slot, least recently used first (the
     retained ones apart, earliest retention end first)."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, *, events: bool = True) -> None:
+        """``events=False``: the tier keeps no KV events (``take_events`` is always empty), for a
+        caller that has no follower to publish them to."""
         if num_slots <= 0:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -55,7 +57,7 @@ class HostTierIndex:
         self._demote: list[tuple[int, int]] = []
         self._promote: list[tuple[int, int]] = []
         self._fill: list[tuple[int, Any]] = []
-        self._events = TierEvents("host")
+        self._events = TierEvents("host", kept=events)
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots or block_hash in self._retained_slots

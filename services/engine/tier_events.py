@@ -4,6 +4,10 @@ one rather than in prefix runs as the pool does.
 Consecutive changes of one kind are folded into one event, and the order between kinds is
 kept: a hash removed and stored again in one step (a one-slot tier) must end stored in the
 follower's mirror. Not thread-safe: the shared tier's worker guards it with its own lock.
+
+A tier whose events nobody follows (``cachet replay``'s host tiers, which the replayed index
+does not see) keeps none: ``kept=False`` drops each change as it comes, so a full tier that
+alternates removals and stores does not build millions of one-hash events to throw away.
 """
 
 from __future__ import annotations
@@ -16,20 +20,23 @@ from cachet.engine.block_pool import AllBlocksCleared, BlocksRemoved, BlocksStor
 class TierEvents:
     """Pending events of one tier, oldest first, until ``take``."""
 
-    def __init__(self, tier: KvTier) -> None:
+    def __init__(self, tier: KvTier, *, kept: bool = True) -> None:
         self.tier = tier
+        self.kept = kept
         # (stored?, hashes) runs; None marks a clear.
         self._runs: list[tuple[bool, list[int]] | None] = []
 
     def stored(self, block_hash: int) -> None:
-        self._add(True, block_hash)
+        if self.kept:
+            self._add(True, block_hash)
 
     def removed(self, block_hash: int) -> None:
-        self._add(False, block_hash)
+        if self.kept:
+            self._add(False, block_hash)
 
     def cleared(self) -> None:
         # What came before a clear no longer matters to a follower.
-        self._runs = [None]
+        self._runs = [None] if self.kept else []
 
     def __bool__(self) -> bool:
         return bool(self._runs)

@@ -87,6 +87,26 @@ def test_a_full_host_tier_reports_what_it_evicts_before_what_it_gains():
     assert one.snapshot_events() == [stored("host", 3)]
 
 
+def test_a_host_tier_without_a_follower_keeps_no_events_and_the_same_slots():
+    """What ``cachet replay`` builds: the index sees only the pools, so its host tiers keep no
+    events; they hold, evict and order copies exactly as one that does."""
+    rng = random.Random(3)
+    quiet, loud = HostTierIndex(4, events=False), HostTierIndex(4)
+    for block_id in range(40):
+        evicted = [
+            (block_id, rng.randrange(9), *([float(rng.randrange(1, 4))] if rng.random() < 0.5 else []))
+        ]
+        quiet.demote(evicted)
+        loud.demote(evicted)
+        assert quiet.take_moves() == loud.take_moves()
+        assert quiet.eviction_order() == loud.eviction_order()
+        quiet.end_retention(block_id / 10)
+        loud.end_retention(block_id / 10)
+    assert loud.take_events() and quiet.take_events() == []
+    quiet.clear()
+    assert quiet.take_events() == []
+
+
 def test_a_follower_of_random_traffic_holds_each_tiers_exact_set():
     rng = random.Random(7)
     kv = make_kv(num_blocks=12, host_slots=10)
