@@ -62,6 +62,8 @@ class LruTier:
     def retain(self, block_hashes: Iterable[int], until: float) -> None:
         """Keep the held ones of these blocks until ``until`` at least (a retention only grows);
         the others are not kept for it."""
+        if not self.capacity:
+            return
         held = [block_hash for block_hash in block_hashes if block_hash in self]
         newly = [block_hash for block_hash in held if block_hash in self._blocks]
         for block_hash in newly:
