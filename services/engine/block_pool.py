@@ -86,7 +86,7 @@ class BlockPool:
     The free list is an ``OrderedDict`` used as a doubly-linked list: head =
     next to be reused (least recently freed), tail = most recently freed; every
     operation is O(1) per block. Free retained blocks are kept by ``RetainedKeys``
-    (O(log n) per block), behind the free list.
+    (O(1) per block and O(log n) per call, in runs), behind the free list.
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
