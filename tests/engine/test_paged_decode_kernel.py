@@ -149,8 +149,12 @@ def test_a_host_with_avx512_bf16_gets_the_dot_product_path() -> None:
     assert not prefill_in_place_is_faster(torch.float32, 64)
 
 
-@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 256)])
-def test_a_sliding_window_reads_each_rows_last_keys_with_its_own_bits(dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 256)]
+)
+def test_a_sliding_window_reads_each_rows_last_keys_with_its_own_bits(
+    dtype: torch.dtype, head_dim: int
+) -> None:
     """A sliding-window layer's rows (Gemma 3's local layers) attend their last ``window`` keys,
     whose start need not fall on a split; a row's bits are still its own, alone or in a chunk."""
     prompt, window = 700, 300
