@@ -204,6 +204,30 @@ def _minus(after: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(a - b for a, b in zip(after, before, strict=True))
 
 
+def _expected_replica_row(address: str, index) -> list[str]:
+    """The dashboard row of a replica as its engine and the cache index (``index``: its entry
+    of the index's reply) report it now."""
+    info, report = _engine_report(address)
+    hits = index.engine_hit_blocks + index.host_hit_blocks + index.shared_hit_blocks
+    return [
+        address,
+        info.model,
+        info.role,
+        "up",
+        str(report.running_requests),
+        str(report.waiting_requests),
+        f"{report.total_kv_blocks - report.free_kv_blocks:,}",
+        f"{info.total_kv_blocks:,}",
+        f"{index.cached_blocks:,}",
+        f"{index.host_blocks:,}",
+        f"{index.shared_blocks:,}",
+        f"{index.engine_hit_blocks:,}",
+        f"{index.host_hit_blocks:,}",
+        f"{index.shared_hit_blocks:,}",
+        f"{hits / index.queried_blocks:.1%}" if index.queried_blocks else "-",
+    ]
+
+
 def test_operators_see_each_replicas_load_kv_tiers_and_prefix_hits_and_no_one_else_does(platform) -> None:
     stack, bridge = platform
     addresses = stack.engine_addresses
@@ -239,52 +263,32 @@ def test_operators_see_each_replicas_load_kv_tiers_and_prefix_hits_and_no_one_el
         charged = blocks if first[address].cached_blocks else 0
         assert _minus(_hits(second[address]), _hits(first[address])) == (*found, charged), address
 
-    # Idle after the requests, the figures hold still; the index may still be taking its KV
-    # events, so read it on both sides of the page and keep a reading where the two agree.
+    # Idle after the requests, the figures hold still. The index may still be taking its KV
+    # events, and the router shows each replica's load from its last load report (sent every
+    # interval), so read the index on both sides of the page and keep a reading where the two
+    # agree and the page shows the replicas as their engines report them now.
     deadline = time.monotonic() + 30
     while True:
         before = _indexed(stack)
         text = _page(bridge, "sk-dash-ops")
         after = _indexed(stack)
-        if before == after:
+        cells = _Cells()
+        cells.feed(text)
+        header, *rows = cells.tables["replicas"]
+        expected = [_expected_replica_row(address, after[address]) for address in addresses]
+        if before == after and rows == expected:
             break
-        assert time.monotonic() < deadline, stack.logs()
+        assert time.monotonic() < deadline, (rows, expected, stack.logs())
         time.sleep(0.2)
     assert _hits(after[served]) == _hits(second[served])
-    cells = _Cells()
-    cells.feed(text)
-    header, *rows = cells.tables["replicas"]
     assert header == [
         "replica", "model", "role", "state", "running", "waiting", "KV blocks used", "of",
         "pool cached", "host tier", "shared tier", "pool hits", "host hits", "shared hits",
         "hit ratio",
     ]  # fmt: skip
-    expected = []
     for address in addresses:
         info, report = _engine_report(address)
         assert (info.role, report.running_requests, report.waiting_requests) == ("mixed", 0, 0)
-        index = after[address]
-        hits = index.engine_hit_blocks + index.host_hit_blocks + index.shared_hit_blocks
-        expected.append(
-            [
-                address,
-                info.model,
-                info.role,
-                "up",
-                str(report.running_requests),
-                str(report.waiting_requests),
-                f"{report.total_kv_blocks - report.free_kv_blocks:,}",
-                f"{info.total_kv_blocks:,}",
-                f"{index.cached_blocks:,}",
-                f"{index.host_blocks:,}",
-                f"{index.shared_blocks:,}",
-                f"{index.engine_hit_blocks:,}",
-                f"{index.host_hit_blocks:,}",
-                f"{index.shared_hit_blocks:,}",
-                f"{hits / index.queried_blocks:.1%}" if index.queried_blocks else "-",
-            ]
-        )
-    assert rows == expected
     # The served replica's row: at least the second request's hit, a ratio to go with it.
     (served_row,) = [row for row in rows if row[0] == served]
     assert int(served_row[11].replace(",", "")) >= blocks and served_row[14] != "-"
