@@ -77,11 +77,6 @@ def prefill_replicas_from_env() -> int:
         count = -1
     if count < 0:
         raise SystemExit(f"run-local: CACHET_PREFILL_REPLICAS={value} must be a whole number, 0 or more")
-    if count and int(os.environ.get("CACHET_TP", "1")) > 1:
-        raise SystemExit(
-            f"run-local: CACHET_PREFILL_REPLICAS={count} hands KV over through the shared KV tier, "
-            "which a tensor-parallel replica does not have yet: use CACHET_TP=1"
-        )
     host_gb = os.environ.get("CACHET_KV_HOST_GB")
     if count and host_gb is not None and _gigabytes(host_gb) <= 0:
         # The engines would refuse it at start, and the supervisor restart them until it gave up.

@@ -248,6 +248,12 @@ class TensorParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
         return int(tensor.item())
 
+    def gather_from_ranks(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, value, group=self.control)
+        return gathered
+
     def send(self, message: StepMessage) -> None:
         dist.broadcast_object_list([message], src=0, group=self.control)
 

@@ -57,8 +57,10 @@ class HostKvBlocks:
             # A fill is the host's own write into a pinned slot, outside stream order: a
             # demotion into that slot still queued from an earlier step would land after it.
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
-        for slot, block in moves.fill:
-            self.blocks[slot].copy_(block)
+        for slot, loaded in moves.fill:
+            if loaded.data is None:
+                raise ValueError(f"a fill order's block {loaded.block_hash} was not read on this rank")
+            self.blocks[slot].copy_(loaded.data)
         if not moves.promote:
             return
         block_ids, slots = _one_order_per_row((block_id, slot) for slot, block_id in moves.promote)

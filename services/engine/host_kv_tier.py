@@ -34,7 +34,7 @@ from typing import Any
 
 from cachet.engine.block_pool import KvEvent
 from cachet.engine.kv_retention import RetainedKeys
-from cachet.engine.step_plan import KvBlockMoves
+from cachet.engine.step_plan import KvBlockMoves, LoadedBlock
 from cachet.engine.tier_events import TierEvents, snapshot
 
 
@@ -56,7 +56,7 @@ class HostTierIndex:
         self._locked: set[int] = set()
         self._demote: list[tuple[int, int]] = []
         self._promote: list[tuple[int, int]] = []
-        self._fill: list[tuple[int, Any]] = []
+        self._fill: list[tuple[int, LoadedBlock]] = []
         self._events = TierEvents("host", kept=events)
 
     def __contains__(self, block_hash: int) -> bool:
@@ -122,7 +122,7 @@ class HostTierIndex:
                 return
             self._hold(block_hash, slot, 0.0, [])
             self._locked.add(block_hash)
-            self._fill.append((slot, block))
+            self._fill.append((slot, LoadedBlock(block_hash, block)))
 
     def take_moves(self, store: list[tuple[int, int]] | None = None) -> KvBlockMoves:
         """This step's copy orders, oldest first, with ``store`` orders for the shared tier;

@@ -43,7 +43,7 @@ from cachet.engine.paged_decode_kernel import load_paged_decode_kernel, prefill_
 from cachet.engine.prompt_images import ImageInputSpec, PromptImage
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
-from cachet.engine.shared_kv_tier import SharedKvFiles, layout_key
+from cachet.engine.shared_kv_tier import ShardLayout, SharedKvFiles, layout_key
 from cachet.engine.step_plan import KvBlockMoves, NewRequest, StepPlan, StepResult
 from cachet.engine.tensor_parallel import SINGLE_RANK
 from cachet.engine.weights import load_model
@@ -113,8 +113,7 @@ class ModelRunner:
         ``host_kv_bytes``: this rank's host tier
         (``host_kv_tier``), 0 for none. ``shared_kv_dir``: the shared file tier's root
         (``shared_kv_tier``), kept under ``shared_kv_bytes``; it loads into the host tier,
-        so it needs one, and a tensor-parallel replica has none (its ranks' shards would
-        need writing and checking together)."""
+        so it needs one. Each rank of a tensor-parallel replica keeps its own shard's files."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -229,16 +228,30 @@ class ModelRunner:
             raise ValueError(
                 "the shared KV tier (CACHET_KV_SHARED_DIR) needs a host tier: set CACHET_KV_HOST_GB"
             )
-        if tp is not None and tp.size > 1:
-            log.warning("no shared KV tier in a tensor-parallel replica", tensor_parallel_size=tp.size)
-            return None
         block_shape = tuple(self.host_kv.blocks.shape[1:])
+        if tp is None or tp.size == 1:
+            return SharedKvFiles(
+                root,
+                layout_key(model_name, self.dtype, self.block_size, block_shape),
+                budget_bytes=budget_bytes,
+                block_shape=block_shape,
+                dtype=self.dtype,
+            )
+        # One folder per rank; rank 0 learns the others' shapes (heads may split unevenly).
+        rank = tp.info.rank
+        own = ShardLayout(
+            layout_key(model_name, self.dtype, self.block_size, block_shape, shard=(rank, tp.size)),
+            block_shape,
+        )
+        layouts: list[ShardLayout] = tp.gather_from_ranks(own)
         return SharedKvFiles(
             root,
-            layout_key(model_name, self.dtype, self.block_size, block_shape),
+            own.key,
             budget_bytes=budget_bytes,
             block_shape=block_shape,
             dtype=self.dtype,
+            peers=layouts[1:] if rank == 0 else (),
+            follower=rank != 0,
         )
 
     def _capture_decode_graphs(self, max_decode_batch: int) -> DecodeGraphs:
@@ -395,12 +408,27 @@ class ModelRunner:
             host_kv.copy_out(moves)
         for source, destination in moves.duplicate:
             self._pool_block(destination).copy_(self._pool_block(source))
+        for _, loaded in moves.fill:
+            if loaded.data is None:
+                loaded.data = self._read_own_shard(loaded.block_hash)
         if host_kv is not None:
             host_kv.copy_in(moves)
 
     def _pool_block(self, block_id: int) -> torch.Tensor:
         """One block of every layer, a view into the pool."""
         return self.kv_cache.select(self.kv_block_dim, block_id)
+
+    def _read_own_shard(self, block_hash: int) -> torch.Tensor:
+        """A follower rank's shard of a block rank 0 loaded from the shared tier: rank 0 checked
+        this rank's file too, a moment ago, and refreshed its time. Should it have gone since (a
+        foreign clean-up that reached the newest files), no shard can stand in for it: the rank
+        fails, and the replica with it, rather than compute on KV that is not the prompt's."""
+        if self.shared_kv is None:
+            raise ValueError("the plan fills KV blocks from a shared tier this runner does not have")
+        block = self.shared_kv.read(block_hash)
+        if block is None:
+            raise RuntimeError(f"this rank's shard of shared KV block {block_hash:x} is gone or damaged")
+        return block
 
     def _store_shared(self, block_id: int, block_hash: int) -> None:
         """Copy a pool block out for the shared tier's writer; on CUDA into pinned memory without

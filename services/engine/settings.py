@@ -111,11 +111,6 @@ class EngineSettings(ServiceSettings):
                 f"CACHET_ENGINE_ROLE={self.role} hands KV over through the shared KV tier: set "
                 "CACHET_KV_SHARED_DIR (a folder both replicas see) and CACHET_KV_HOST_GB"
             )
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"CACHET_ENGINE_ROLE={self.role} needs the shared KV tier, which a tensor-parallel "
-                "replica does not have yet: use CACHET_TP=1"
-            )
         return self
 
     @property

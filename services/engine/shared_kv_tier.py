@@ -29,6 +29,15 @@ many replicas, but each announces only what it saw, so the cache index holds the
 per replica: a file another replica wrote is not credited to this one until it reads it,
 and a file another replica's clean-up removed stays credited until this one misses it (a
 miss costs a recompute, never a wrong answer).
+
+A tensor-parallel replica's block is one file per rank, each in its rank's own folder (the
+layout key names the rank and the group's size: ``tp2r0``, ``tp2r1``), so every rank writes
+and reads only its own shard, a rank on another host included. Rank 0 speaks for the block:
+it is present only when every rank's file is (``contains``), loaded only when every file
+passes its checks (rank 0 reads its own shard and checks the others' in the same worker
+pass: ``read``), and cleaned up whole, by rank 0's file's time, which carries the retention.
+The other ranks (``follower=True``) write their shards as their plans say, read a shard back
+when a plan fills a host slot with it, and neither clean up nor announce anything.
 """
 
 from __future__ import annotations
@@ -42,8 +51,9 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -60,13 +70,76 @@ _HEADER_LENGTH = struct.Struct("<I")
 _CLEAN_UP_EVERY_WRITES = 64
 # A clean-up goes down to this share of the budget, so it does not run again at once.
 _CLEAN_UP_TARGET = 0.9
+# How long rank 0's barrier (``after_queued_work``) waits for the other ranks' shards of the
+# blocks it wrote: they write in the same step, so a shard later than this failed (a full disk),
+# and the reader recomputes that block.
+_PEER_SHARD_WAIT_SECONDS = 10.0
 
 
-def layout_key(model: str, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...]) -> str:
-    """The folder name: replicas whose keys match can load each other's blocks."""
+def layout_key(
+    model: str,
+    dtype: torch.dtype,
+    block_size: int,
+    block_shape: tuple[int, ...],
+    shard: tuple[int, int] | None = None,
+) -> str:
+    """The folder name: replicas whose keys match can load each other's blocks. ``shard``:
+    (rank, ranks) of a tensor-parallel replica, whose ranks each keep their own folder (two
+    ranks' shards can have one shape and different heads)."""
     shape = "x".join(map(str, block_shape))
     raw = f"{model}-{str(dtype).removeprefix('torch.')}-bs{block_size}-{shape}"
+    if shard is not None:
+        rank, ranks = shard
+        raw += f"-tp{ranks}r{rank}"
     return re.sub(r"[^A-Za-z0-9._-]", "_", raw)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """One rank's part of a layout: its folder's key and its shard of a block's shape."""
+
+    key: str
+    block_shape: tuple[int, ...]
+
+
+class _ShardFolder:
+    """One rank's folder of a layout: file names and the checks a file must pass."""
+
+    def __init__(self, root: Path, layout: ShardLayout, dtype: torch.dtype) -> None:
+        self.key = layout.key
+        self.block_shape = tuple(layout.block_shape)
+        self.dtype = dtype
+        self.folder = Path(root) / layout.key
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def path(self, block_hash: int) -> Path:
+        return self.folder / f"{block_hash & (2**64 - 1):016x}.kv"
+
+    def decode(self, data: bytearray, block_hash: int) -> torch.Tensor | None:
+        """The block, a view of ``data`` (no copy: a hand-off loads tens of MB a prompt)."""
+        start = len(_MAGIC) + _HEADER_LENGTH.size
+        if len(data) < start or not data.startswith(_MAGIC):
+            return None
+        (header_length,) = _HEADER_LENGTH.unpack_from(data, len(_MAGIC))
+        try:
+            header = json.loads(data[start : start + header_length])
+        except ValueError:
+            return None
+        payload_start = start + header_length
+        payload = memoryview(data)[payload_start:]
+        expected = {
+            "key": self.key,
+            "hash": block_hash,
+            "shape": list(self.block_shape),
+            "dtype": str(self.dtype),
+            "nbytes": len(payload),
+        }
+        if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
+            return None
+        if header.get("sha256") != hashlib.sha256(payload).hexdigest():
+            return None
+        block = torch.frombuffer(data, dtype=torch.uint8, offset=payload_start, count=len(payload))
+        return block.view(self.dtype).view(self.block_shape)
 
 
 class SharedKvFiles:
@@ -81,16 +154,26 @@ class SharedKvFiles:
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         clock: Callable[[], float] = time.time,
+        peers: Sequence[ShardLayout] = (),
+        follower: bool = False,
     ) -> None:
+        """``peers``: the other ranks' shards of a tensor-parallel replica, on rank 0, whose tier
+        speaks for whole blocks; ``follower``: a rank other than 0, which keeps its own shard's
+        files only (module docstring). ``budget_bytes`` is the whole tier's, every shard counted."""
+        self._own = _ShardFolder(root, ShardLayout(key, tuple(block_shape)), dtype)
+        self._peers = [_ShardFolder(root, peer, dtype) for peer in peers]
+        self.follower = follower
         self.key = key
-        self.folder = Path(root) / key
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = self._own.folder
         self.budget_bytes = budget_bytes
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared-kv")
         self._lock = threading.Lock()
         self._writes_since_clean_up = 0
+        # Blocks queued for writing since the last barrier (rank 0 of a tensor-parallel replica).
+        self._unsettled: list[int] = []
+        self._unsettled_lock = threading.Lock()  # not _lock: a clean-up holds that for a while
         self.clock = clock
         # Retentions asked for blocks whose files may not be written yet (a block's write is
         # queued a step after it is named, and its request may end in between): hash -> until.
@@ -109,10 +192,13 @@ class SharedKvFiles:
         self.on_events: Callable[[], None] | None = None
 
     def path(self, block_hash: int) -> Path:
-        return self.folder / f"{block_hash & (2**64 - 1):016x}.kv"
+        return self._own.path(block_hash)
 
     def contains(self, block_hash: int) -> bool:
-        return self.path(block_hash).exists()
+        """Every rank's file of the block is there (only rank 0's tier asks)."""
+        return self._own.path(block_hash).exists() and all(
+            peer.path(block_hash).exists() for peer in self._peers
+        )
 
     def take_events(self) -> list[KvEvent]:
         """KV events of the files this replica came to know of or removed since the last call."""
@@ -131,6 +217,8 @@ class SharedKvFiles:
             return bool(self._events)
 
     def _knew(self, block_hash: int, present: bool) -> None:
+        if self.follower:
+            return  # rank 0 announces the replica's blocks
         with self._events_lock:
             was_pending = bool(self._events)
             if present and block_hash not in self._known:
@@ -150,6 +238,9 @@ class SharedKvFiles:
     ) -> None:
         """Queue ``block`` (a CPU tensor this tier now owns) for writing; ``ready`` is waited on
         first, on the worker (a CUDA event whose copy fills ``block``)."""
+        if self._peers:
+            with self._unsettled_lock:
+                self._unsettled.append(block_hash)
         self._worker.submit(self._write, block_hash, block, ready)
 
     def _write(self, block_hash: int, block: torch.Tensor, ready: Callable[[], None] | None) -> None:
@@ -181,7 +272,7 @@ class SharedKvFiles:
             self.counts["written"] += 1
             self.bytes["written"] += len(payload) + len(header) + len(_MAGIC) + _HEADER_LENGTH.size
             self._writes_since_clean_up += 1
-            if self._writes_since_clean_up >= _CLEAN_UP_EVERY_WRITES:
+            if not self.follower and self._writes_since_clean_up >= _CLEAN_UP_EVERY_WRITES:
                 self.clean_up()
         except OSError as exc:
             # A full or read-only disk costs the tier its blocks, never a request.
@@ -235,52 +326,36 @@ class SharedKvFiles:
         return loaded
 
     def read(self, block_hash: int) -> torch.Tensor | None:
-        """The block's tensor, or None when its file is missing or fails a check (then removed)."""
-        path = self.path(block_hash)
+        """The block's tensor (this rank's shard), or None when its file, or on rank 0 another
+        rank's file of it, is missing or fails a check (a file that fails is removed)."""
+        loaded = self._load(self._own, block_hash)
+        if loaded is None:
+            self._knew(block_hash, False)
+            return None
+        if any(self._load(peer, block_hash) is None for peer in self._peers):
+            return None  # a shard not written yet, or gone: the block is recomputed
+        block, file_bytes = loaded
+        self._knew(block_hash, True)
+        self.counts["loaded"] += 1
+        self.bytes["loaded"] += file_bytes
+        return block
+
+    def _load(self, shard: _ShardFolder, block_hash: int) -> tuple[torch.Tensor, int] | None:
+        """A shard's block and its file's size; None when missing or failing a check (removed)."""
+        path = shard.path(block_hash)
         try:
             data = _read_whole(path)
         except OSError:
-            self._knew(block_hash, False)
             return None
-        block = self._decode(data, block_hash)
+        block = shard.decode(data, block_hash)
         if block is None:
             self.counts["rejected"] += 1
             log.warning("shared KV block file rejected", path=str(path))
             path.unlink(missing_ok=True)
-            self._knew(block_hash, False)
             return None
         with contextlib.suppress(OSError):
             self._hold_until(path, self.clock())  # least recently used goes first
-        self._knew(block_hash, True)
-        self.counts["loaded"] += 1
-        self.bytes["loaded"] += len(data)
-        return block
-
-    def _decode(self, data: bytearray, block_hash: int) -> torch.Tensor | None:
-        """The block, a view of ``data`` (no copy: a hand-off loads tens of MB a prompt)."""
-        start = len(_MAGIC) + _HEADER_LENGTH.size
-        if len(data) < start or not data.startswith(_MAGIC):
-            return None
-        (header_length,) = _HEADER_LENGTH.unpack_from(data, len(_MAGIC))
-        try:
-            header = json.loads(data[start : start + header_length])
-        except ValueError:
-            return None
-        payload_start = start + header_length
-        payload = memoryview(data)[payload_start:]
-        expected = {
-            "key": self.key,
-            "hash": block_hash,
-            "shape": list(self.block_shape),
-            "dtype": str(self.dtype),
-            "nbytes": len(payload),
-        }
-        if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
-            return None
-        if header.get("sha256") != hashlib.sha256(payload).hexdigest():
-            return None
-        block = torch.frombuffer(data, dtype=torch.uint8, offset=payload_start, count=len(payload))
-        return block.view(self.dtype).view(self.block_shape)
+        return block, len(data)
 
     # ----------------------------------------------------------------- clean-up
 
@@ -302,32 +377,65 @@ class SharedKvFiles:
             self._pending_retention = {h: u for h, u in self._pending_retention.items() if u > now}
         with self._lock:
             self._writes_since_clean_up = 0
-            files = []
-            for entry in os.scandir(self.folder):
+            blocks = self._block_files()
+            total = sum(size for _, size, _ in blocks)
+            if total <= self.budget_bytes:
+                return
+            target = self.budget_bytes * _CLEAN_UP_TARGET
+            for mtime, size, paths in sorted(blocks):
+                if total <= (self.budget_bytes if mtime > now else target):
+                    break
+                removed = False
+                for path in paths:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                        removed = True
+                if not removed:
+                    continue
+                total -= size
+                self.counts["removed"] += 1
+                if (block_hash := _block_hash_of(paths[0])) is not None:
+                    self._knew(block_hash, False)
+
+    def _block_files(self) -> list[tuple[float, int, list[str]]]:
+        """(time, bytes, paths) of every block in the folders: a block's files are its ranks'
+        shards of one name, and its time is rank 0's file's (which reads refresh and retention
+        sets), or for shards whose rank-0 file is not written yet (or gone) their newest."""
+        own: dict[str, float] = {}
+        others: dict[str, float] = {}
+        sizes: dict[str, int] = {}
+        paths: dict[str, list[str]] = {}
+        for index, shard in enumerate([self._own, *self._peers]):
+            for entry in os.scandir(shard.folder):
                 try:
                     stat = entry.stat()
                 except OSError:
                     continue
-                files.append((stat.st_mtime, stat.st_size, entry.path))
-            total = sum(size for _, size, _ in files)
-            if total <= self.budget_bytes:
-                return
-            target = self.budget_bytes * _CLEAN_UP_TARGET
-            for mtime, size, path in sorted(files):
-                if total <= (self.budget_bytes if mtime > now else target):
-                    break
-                try:
-                    os.unlink(path)
-                except OSError:
-                    continue
-                total -= size
-                self.counts["removed"] += 1
-                if (block_hash := _block_hash_of(path)) is not None:
-                    self._knew(block_hash, False)
+                if index == 0:
+                    own[entry.name] = stat.st_mtime
+                else:
+                    others[entry.name] = max(stat.st_mtime, others.get(entry.name, 0.0))
+                sizes[entry.name] = sizes.get(entry.name, 0) + stat.st_size
+                paths.setdefault(entry.name, []).append(entry.path)
+        return [(own.get(name, others.get(name, 0.0)), sizes[name], paths[name]) for name in paths]
 
     def after_queued_work(self) -> Future[None]:
-        """Done once every read and write queued so far is (the worker runs them in order)."""
-        return self._worker.submit(lambda: None)
+        """Done once every read and write queued so far is (the worker runs them in order), and
+        on rank 0 of a tensor-parallel replica once the other ranks' shards of the blocks it
+        wrote are there too (or ``_PEER_SHARD_WAIT_SECONDS`` passed: those are recomputed)."""
+        with self._unsettled_lock:
+            written, self._unsettled = self._unsettled, []
+        return self._worker.submit(self._wait_for_peer_shards, written)
+
+    def _wait_for_peer_shards(self, block_hashes: list[int]) -> None:
+        deadline = time.monotonic() + _PEER_SHARD_WAIT_SECONDS
+        for block_hash in block_hashes:
+            for peer in self._peers:
+                while not peer.path(block_hash).exists():
+                    if time.monotonic() > deadline:
+                        log.warning("a rank's shard of a shared KV block was not written in time")
+                        return
+                    time.sleep(0.002)
 
     def drain(self) -> None:
         """Wait for every queued read and write (tests, shutdown)."""

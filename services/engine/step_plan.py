@@ -18,10 +18,13 @@ mid-prompt samples nothing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cachet.engine.prompt_images import PromptImage
 from cachet.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,21 @@ class RunningRequestDiff:
     num_computed_tokens: int
 
 
+class LoadedBlock:
+    """A block read from the shared KV tier, for a ``fill`` order: its hash and the reading
+    rank's shard of it. Sent to the other ranks of a tensor-parallel replica it carries only
+    its hash, and each of them reads its own shard's file (``shared_kv_tier``)."""
+
+    __slots__ = ("block_hash", "data")
+
+    def __init__(self, block_hash: int, data: torch.Tensor | None = None) -> None:
+        self.block_hash = block_hash
+        self.data = data
+
+    def __reduce__(self) -> tuple[type[LoadedBlock], tuple[int]]:
+        return LoadedBlock, (self.block_hash,)
+
+
 @dataclass(frozen=True)
 class KvBlockMoves:
     """Copies of KV blocks, done before the step's forward pass, in this order: those that read
@@ -62,7 +80,7 @@ class KvBlockMoves:
     ``demote`` (pool block id, host slot) to the host tier), then ``duplicate`` (source pool
     block id, destination pool block id: copy-on-write of a prompt's last block that another
     live request computed, ``KVCacheManager.get_computed_blocks``), then ``fill`` (host slot,
-    block tensor loaded from the shared tier), then ``promote`` (host slot, pool block id).
+    ``LoadedBlock``), then ``promote`` (host slot, pool block id).
 
     A duplicate's destination is a fresh block, which may be one this step's allocations
     evicted: it is written after the demotion that reads it. Its source may be freed and taken
@@ -72,7 +90,7 @@ class KvBlockMoves:
     demote: list[tuple[int, int]] = field(default_factory=list)
     promote: list[tuple[int, int]] = field(default_factory=list)
     store: list[tuple[int, int]] = field(default_factory=list)
-    fill: list[tuple[int, Any]] = field(default_factory=list)
+    fill: list[tuple[int, LoadedBlock]] = field(default_factory=list)
     duplicate: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:

@@ -19,7 +19,7 @@ from cachet.engine.model_runner import ModelRunner
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
-from cachet.engine.step_plan import KvBlockMoves
+from cachet.engine.step_plan import KvBlockMoves, LoadedBlock
 
 # 13 tokens: three full blocks of 4, and a last token that is always computed.
 PROMPT_A = list(range(100, 113))
@@ -119,8 +119,8 @@ def copy_one_by_one(cache: torch.Tensor, blocks: torch.Tensor, block_dim: int, m
     """The orders applied one block at a time, in turn: what the batched copies must equal."""
     for block_id, slot in moves.demote:
         blocks[slot].copy_(cache.select(block_dim, block_id))
-    for slot, block in moves.fill:
-        blocks[slot].copy_(block)
+    for slot, loaded in moves.fill:
+        blocks[slot].copy_(loaded.data)
     for slot, block_id in moves.promote:
         cache.select(block_dim, block_id).copy_(blocks[slot])
 
@@ -160,7 +160,11 @@ def test_a_steps_copies_together_end_as_copied_one_block_at_a_time(
     for _ in range(30):
         demote = random_orders(rng, rng.randint(0, 12), num_blocks, num_slots)
         promote = random_orders(rng, rng.randint(0, 12), num_slots, num_blocks)
-        fill = [(rng.randrange(num_slots), torch.randn(host.blocks.shape[1:]))] if rng.random() < 0.3 else []
+        fill = (
+            [(rng.randrange(num_slots), LoadedBlock(rng.getrandbits(63), torch.randn(host.blocks.shape[1:])))]
+            if rng.random() < 0.3
+            else []
+        )
         moves = KvBlockMoves(demote=demote, promote=promote, fill=fill)
         host.copy_out(moves)
         host.copy_in(moves)

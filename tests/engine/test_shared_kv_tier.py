@@ -5,6 +5,7 @@ serving the first's prompt from it exactly as the prompt computed cold."""
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -12,10 +13,12 @@ import pytest
 import torch
 from test_host_kv_tier import greedy
 
+from cachet.engine.block_pool import BlocksStored
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.model_runner import ModelRunner
 from cachet.engine.scheduler import SchedulerConfig
-from cachet.engine.shared_kv_tier import SharedKvFiles, layout_key
+from cachet.engine.shared_kv_tier import ShardLayout, SharedKvFiles, layout_key
+from cachet.engine.step_plan import KvBlockMoves, LoadedBlock
 
 SHAPE = (2, 2, 4, 1, 3)  # one block of a 2-layer pool: [layers, K/V, block_size, heads, dim]
 
@@ -104,6 +107,108 @@ def test_the_folder_keeps_its_budget_by_least_recent_use(tmp_path: Path) -> None
 def test_layout_keys_name_safe_folders() -> None:
     key = layout_key("org/model name", torch.bfloat16, 16, (30, 2, 16, 3, 64))
     assert key == "org_model_name-bfloat16-bs16-30x2x16x3x64"
+    assert layout_key("m", torch.float32, 16, (2, 3), shard=(1, 2)) == "m-float32-bs16-2x3-tp2r1"
+
+
+RANK_SHAPES = [(2, 2, 4, 2, 3), (2, 2, 4, 1, 3)]  # 3 KV heads over 2 ranks: 2 and 1
+
+
+def sharded(root: Path, budget: int = 1 << 20) -> tuple[SharedKvFiles, SharedKvFiles]:
+    """Rank 0's and rank 1's tiers of one tensor-parallel replica's layout."""
+    layouts = [ShardLayout(f"tiny-tp2r{rank}", shape) for rank, shape in enumerate(RANK_SHAPES)]
+    leader = SharedKvFiles(
+        root,
+        layouts[0].key,
+        budget_bytes=budget,
+        block_shape=RANK_SHAPES[0],
+        dtype=torch.float32,
+        peers=layouts[1:],
+    )
+    follower = SharedKvFiles(
+        root,
+        layouts[1].key,
+        budget_bytes=budget,
+        block_shape=RANK_SHAPES[1],
+        dtype=torch.float32,
+        follower=True,
+    )
+    return leader, follower
+
+
+def shard(rank: int, seed: int) -> torch.Tensor:
+    return torch.randn(RANK_SHAPES[rank], generator=torch.Generator().manual_seed(100 * rank + seed))
+
+
+def test_a_sharded_block_is_there_only_with_every_ranks_shard_and_each_rank_reads_its_own(
+    tmp_path: Path,
+) -> None:
+    leader, follower = sharded(tmp_path)
+    follower.write_later(9, shard(1, 1))
+    follower.drain()
+    assert not leader.contains(9), "rank 0's shard is not written yet"
+    assert leader.read(9) is None
+    leader.write_later(9, shard(0, 1))
+    leader.drain()
+    assert leader.contains(9)
+    assert torch.equal(leader.read(9), shard(0, 1))
+    assert torch.equal(follower.read(9), shard(1, 1))
+    # Rank 0 announces the block; the other rank never does.
+    assert [e.block_hashes for e in leader.take_events() if isinstance(e, BlocksStored)] == [(9,)]
+    assert follower.take_events() == [] and not follower.has_events
+
+
+def test_a_damaged_shard_of_another_rank_is_never_served_and_is_removed(tmp_path: Path) -> None:
+    leader, follower = sharded(tmp_path)
+    leader.write_later(4, shard(0, 2))
+    follower.write_later(4, shard(1, 2))
+    leader.drain()
+    follower.drain()
+    path = follower.path(4)
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert leader.read(4) is None
+    assert not path.exists() and not leader.contains(4)
+    assert leader.counts["rejected"] == 1
+    assert leader.path(4).exists(), "rank 0's own shard is sound: only the damaged one goes"
+
+
+def test_a_sharded_block_is_cleaned_up_whole_by_rank_0s_time(tmp_path: Path) -> None:
+    leader, follower = sharded(tmp_path)
+    for block_hash in range(4):
+        leader.write_later(block_hash, shard(0, block_hash))
+        follower.write_later(block_hash, shard(1, block_hash))
+    leader.drain()
+    follower.drain()
+    now = time.time()
+    for block_hash in range(4):
+        # Rank 1's times are the reverse of rank 0's: only rank 0's may decide.
+        os.utime(leader.path(block_hash), (now, now - 100 + block_hash))
+        os.utime(follower.path(block_hash), (now, now - block_hash))
+    os.utime(leader.path(1), (now, now - 200))
+    block_bytes = leader.path(0).stat().st_size + follower.path(0).stat().st_size
+    leader.budget_bytes = int(3.5 * block_bytes)  # every rank's shards counted against it
+    leader.clean_up()
+    assert [leader.contains(h) for h in range(4)] == [True, False, True, True]
+    assert not follower.path(1).exists() and follower.path(0).exists()
+
+
+def test_rank_0s_barrier_waits_for_the_other_ranks_shards(tmp_path: Path) -> None:
+    leader, follower = sharded(tmp_path)
+    leader.write_later(5, shard(0, 5))
+    barrier = leader.after_queued_work()
+    time.sleep(0.2)
+    assert not barrier.done(), "rank 1 has not written its shard"
+    follower.write_later(5, shard(1, 5))
+    follower.drain()
+    barrier.result(timeout=5)
+    assert leader.contains(5)
+
+
+def test_a_fill_order_sent_to_the_other_ranks_carries_only_its_hash() -> None:
+    loaded = LoadedBlock(-77, torch.ones(1000))
+    sent = pickle.loads(pickle.dumps(KvBlockMoves(fill=[(3, loaded)])))
+    assert [(slot, block.block_hash, block.data) for slot, block in sent.fill] == [(3, -77, None)]
+    assert len(pickle.dumps(loaded)) < 100
 
 
 def engine_with_shared_tier(model_dir: Path, shared: Path, per_block: int, device: str) -> EngineCore:

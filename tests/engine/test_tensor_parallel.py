@@ -19,9 +19,11 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from metrics_scrape import scrape
 from safetensors.torch import save_file
 from service_processes import ServiceProcess, free_port, start_service
 
+from cachet.block_hash import block_hashes
 from cachet.engine.distributed import local_group_environment
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.models.tiny import write_tiny_model
@@ -165,12 +167,15 @@ def test_tp2_logits_equal_tp1(model_name: str, ep: int, request: pytest.FixtureR
 # --------------------------------------------------------- through the gRPC API
 
 
-def _engine(model_dir: Path, log_dir: Path, tp: int, name: str, ep: int = 1) -> ServiceProcess:
+def _engine(
+    model_dir: Path, log_dir: Path, tp: int, name: str, ep: int = 1, env: dict[str, str] | None = None
+) -> ServiceProcess:
     env = {
         "CACHET_MODEL": str(model_dir),
         "CACHET_TP": str(tp),
         "CACHET_EP": str(ep),
         "CACHET_DTYPE": "float32",
+        **(env or {}),
     }
     return start_service("engine", env, log_dir, name=name, timeout=240)
 
@@ -260,6 +265,121 @@ def test_greedy_tokens_tp2_equal_tp1_over_grpc(
     tokens, cached = got_choices
     assert tokens[1:] == [tokens[0]] * 3  # greedy: every choice is choice 0
     assert cached == [0, 36, 36, 36]  # 2 blocks hit, 4 tokens copied: only the last one computed
+
+
+# --------------------------------------------------------- the shared KV tier
+
+
+def _generate_at(address: str, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    with grpc.insecure_channel(address) as channel:
+        tokens, usage = _generate(engine_pb2_grpc.EngineServiceStub(channel), request_id, prompt, 12)
+    return tokens, usage.cached_tokens
+
+
+@pytest.mark.parametrize("model_name", ["uneven_model", "kimi_model"])
+def test_a_tp2_replica_serves_another_ones_prompt_from_its_ranks_shards_in_the_shared_folder(
+    model_name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Each rank writes its own shard of a block and reads it back; a block whose shard of
+    another rank is damaged is recomputed, never served (uneven: 2 and 1 KV heads a rank;
+    Kimi K2: MLA's latent cache)."""
+    model_dir: Path = request.getfixturevalue(model_name)
+    shared = tmp_path / "kv-shared"
+    env = {"CACHET_KV_CACHE_GB": "0.01", "CACHET_KV_HOST_GB": "0.01", "CACHET_KV_SHARED_DIR": str(shared)}
+    whole = [(13 * i + 7) % 5000 + 10 for i in range(50)]  # 3 full blocks
+    damaged = [(17 * i + 3) % 5000 + 10 for i in range(50)]
+    first = _engine(model_dir, tmp_path, 2, "engine-tp2-a", env=env)
+    try:
+        with grpc.insecure_channel(first.address) as channel:
+            model = (
+                engine_pb2_grpc.EngineServiceStub(channel)
+                .GetEngineInfo(engine_pb2.GetEngineInfoRequest())
+                .model
+            )
+        want = [_generate_at(first.address, f"cold-{i}", prompt) for i, prompt in enumerate([whole, damaged])]
+        rank_folders = sorted(shared.iterdir(), key=lambda folder: folder.name[-6:])
+        assert [folder.name[-6:] for folder in rank_folders] == ["-tp2r0", "-tp2r1"]
+        deadline = time.monotonic() + 30
+        while any(len(list(folder.glob("[!.]*.kv"))) < 6 for folder in rank_folders):
+            assert time.monotonic() < deadline, "the ranks did not write their shards"
+            time.sleep(0.05)
+    finally:
+        assert first.stop() == 0, first.log_tail()
+    assert [cached for _, cached in want] == [0, 0]
+    # The damaged prompt's second block (greedy: the batch-invariant chain): one byte of rank
+    # 1's shard flipped.
+    block_hash = block_hashes(damaged, model, block_size=16, reproducible=True)[1]
+    shard = rank_folders[1] / f"{block_hash & (2**64 - 1):016x}.kv"
+    data = shard.read_bytes()
+    broken = data[:-1] + bytes([data[-1] ^ 1])
+    shard.write_bytes(broken)
+
+    second = _engine(model_dir, tmp_path, 2, "engine-tp2-b", env=env)
+    try:
+        got = [
+            _generate_at(second.address, f"moved-{i}", prompt) for i, prompt in enumerate([whole, damaged])
+        ]
+    finally:
+        assert second.stop() == 0, second.log_tail()
+    assert got[0] == (want[0][0], 48), "every full block from the shared folder"
+    assert got[1] == (want[1][0], 16), "the blocks up to the damaged shard, the rest recomputed"
+    # Removed as damaged, then written again by the rank that recomputed it.
+    assert not shard.exists() or shard.read_bytes() != broken
+
+
+@pytest.mark.parametrize("model_name", ["uneven_model", "kimi_model"])
+def test_a_tp2_decode_replica_continues_a_tp2_prefill_replicas_hand_off_as_one_replica_would(
+    model_name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Disaggregated prefill between tensor-parallel replicas: shard to shard through the
+    ranks' folders, the same greedy tokens as one single-rank replica computing everything."""
+    model_dir: Path = request.getfixturevalue(model_name)
+    prompt = [(19 * i + 11) % 5000 + 10 for i in range(70)]  # 4 full blocks and 6 tokens
+    single = _engine(model_dir, tmp_path, 1, "engine-tp1")
+    try:
+        with grpc.insecure_channel(single.address) as channel:
+            want, _ = _generate(engine_pb2_grpc.EngineServiceStub(channel), "whole", prompt, 12)
+    finally:
+        single.stop()
+    shared = {"CACHET_KV_HOST_GB": "0.01", "CACHET_KV_SHARED_DIR": str(tmp_path / "kv-shared")}
+    prefill = _engine(model_dir, tmp_path, 2, "prefill-tp2", env=shared | {"CACHET_ENGINE_ROLE": "prefill"})
+    decode = None
+    try:
+        decode = _engine(model_dir, tmp_path, 2, "decode-tp2", env=shared | {"CACHET_ENGINE_ROLE": "decode"})
+        with grpc.insecure_channel(prefill.address) as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            model = stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest()).model
+            handed = engine_pb2.GenerateRequest(
+                request_id="p", model=model, prompt_token_ids=prompt, hand_off_kv=True
+            )
+            handed.sampling.max_tokens = 1
+            handed.sampling.temperature = 0.0
+            handed.sampling.ignore_eos = True
+            (first_token,) = [
+                t for response in stub.Generate(handed, timeout=120) for t in response.token_ids
+            ]
+        with grpc.insecure_channel(decode.address) as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            continued = engine_pb2.GenerateRequest(
+                request_id="d",
+                model=model,
+                prompt_token_ids=prompt,
+                prefilled=engine_pb2.PrefilledElsewhere(first_token_id=first_token),
+            )
+            continued.sampling.max_tokens = 12
+            continued.sampling.temperature = 0.0
+            continued.sampling.ignore_eos = True
+            got = [t for response in stub.Generate(continued, timeout=120) for t in response.token_ids]
+            info = stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest())
+        figures = scrape(decode.metrics_port)
+    finally:
+        assert prefill.stop() == 0, prefill.log_tail()
+        if decode is not None:
+            assert decode.stop() == 0, decode.log_tail()
+    assert info.tensor_parallel_size == 2
+    assert got == want
+    # Every full block reached the decode replica from the prefill replica's ranks' files.
+    assert figures[("cachet_engine_prefix_cache_hit_tokens_total", (("tier", "shared"),))] == 64
 
 
 # ------------------------------------------------------------------- failure

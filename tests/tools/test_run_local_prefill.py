@@ -118,7 +118,6 @@ def test_the_cores_are_divided_between_prefill_and_decode_replicas(
         ({"CACHET_PREFILL_REPLICAS": "-1"}, "CACHET_PREFILL_REPLICAS=-1 must be a whole number, 0 or more"),
         ({"CACHET_PREFILL_REPLICAS": "1.5"}, "CACHET_PREFILL_REPLICAS=1.5 must be a whole number"),
         ({"CACHET_PREFILL_REPLICAS": "two"}, "CACHET_PREFILL_REPLICAS=two must be a whole number"),
-        ({"CACHET_PREFILL_REPLICAS": "1", "CACHET_TP": "2"}, "use CACHET_TP=1"),
         (
             {"CACHET_PREFILL_REPLICAS": "1", "CACHET_KV_HOST_GB": "0"},
             "CACHET_KV_HOST_GB=0 must be more than 0",
@@ -133,21 +132,20 @@ def test_refusals(environment: dict[str, str], message: str, monkeypatch: pytest
         prefill_replicas_from_env()
 
 
-def test_the_count_is_read_and_tensor_parallel_is_fine_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_count_is_read_with_or_without_tensor_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
     assert prefill_replicas_from_env() == 0
-    monkeypatch.setenv("CACHET_TP", "2")
-    assert prefill_replicas_from_env() == 0
-    monkeypatch.setenv("CACHET_TP", "1")
     monkeypatch.setenv("CACHET_PREFILL_REPLICAS", "2")
+    assert prefill_replicas_from_env() == 2
+    monkeypatch.setenv("CACHET_TP", "2")  # each rank hands over its own shard of the KV
     assert prefill_replicas_from_env() == 2
 
 
-def test_cachet_run_local_refuses_prefill_replicas_with_tensor_parallel_in_one_line(tmp_path: Path) -> None:
+def test_cachet_run_local_refuses_prefill_replicas_without_a_host_tier_in_one_line(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "tiny-llama", tokenizer_cache_dir=tmp_path / "tok-cache")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
     env = clean | {
         "CACHET_PREFILL_REPLICAS": "1",
-        "CACHET_TP": "2",
+        "CACHET_KV_HOST_GB": "0",
         "CACHET_MODEL": str(model),
         "CACHET_DATA_DIR": str(tmp_path / "data"),
     }
