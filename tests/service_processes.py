@@ -180,12 +180,16 @@ class CachetStack:
         router_env: dict[str, str] | None = None,
         usage_env: dict[str, str] | None = None,
         engine_roles: Sequence[str] = (),
+        each_engine_env: Sequence[dict[str, str]] = (),
     ) -> CachetStack:
         """Start everything; ``engine_env`` adds variables to every engine (limits, KV size), ``router_env``
         to the router, ``usage_env`` to the usage service (its store); ``engine_roles``: the first
-        engines' CACHET_ENGINE_ROLE (disaggregated prefill), in order."""
+        engines' CACHET_ENGINE_ROLE (disaggregated prefill), in order; ``each_engine_env``: the
+        first engines' own variables, in order."""
         try:
-            self._start(engines, engine_env or {}, router_env or {}, usage_env or {}, engine_roles)
+            self._start(
+                engines, engine_env or {}, router_env or {}, usage_env or {}, engine_roles, each_engine_env
+            )
         except BaseException:
             self.stop()
             raise
@@ -198,9 +202,12 @@ class CachetStack:
         router_env: dict[str, str],
         usage_env: dict[str, str],
         engine_roles: Sequence[str],
+        each_engine_env: Sequence[dict[str, str]] = (),
     ) -> None:
         roles = [{"CACHET_ENGINE_ROLE": role} for role in engine_roles]
         roles += [{}] * (engines - len(roles))
+        for index, own in enumerate(each_engine_env):
+            roles[index] = roles[index] | own
         # The tokenizer, usage and the engines need nothing from one another: launched together,
         # one's imports and model load overlap another's, and a stack is up in about half the time
         # (the suite starts some thirty). The cache index follows the engines, the router all of them.

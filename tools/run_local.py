@@ -33,6 +33,8 @@ from cachet.tls import TlsSettings, blocking_channel, http_client_context
 
 TOKENIZER_PORT = 50051
 ENGINE_BASE_PORT = 50061
+# Engine replica i's KV receiver (a decode replica's, single-rank): ENGINE_KV_TRANSFER_BASE_PORT + i.
+ENGINE_KV_TRANSFER_BASE_PORT = 50161
 CACHE_PORT = 50071
 USAGE_PORT = 50081
 ROUTER_PORT = 50091
@@ -170,6 +172,13 @@ def plan_services(
                 "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i),
                 # Unset when mixed: an operator's CACHET_ENGINE_ROLE still reaches the engines.
                 **({} if role == "mixed" else {"CACHET_ENGINE_ROLE": role}),
+                # Prefill replicas push KV straight into a decode replica's memory (the shared
+                # folder stays the fallback); tensor-parallel replicas hand over through it.
+                **(
+                    {"CACHET_ENGINE_KV_TRANSFER_PORT": str(ENGINE_KV_TRANSFER_BASE_PORT + i)}
+                    if role == "decode" and layout.ranks_per_replica == 1
+                    else {}
+                ),
             },
             grpc_port=ENGINE_BASE_PORT + i,
         )
@@ -358,8 +367,9 @@ def run_local(rest_port: int, replicas: int | None, model_dir: Path, routers: in
         tier = shared_tier_env()
         default = "" if os.environ.get("CACHET_KV_HOST_GB") else " (default; CACHET_KV_HOST_GB sets it)"
         print(engine_summary(services), flush=True)
+        direct = "directly (each decode replica's KV receiver) and " if layout.ranks_per_replica == 1 else ""
         print(
-            f"run-local: prefill and decode replicas hand KV over through {tier['CACHET_KV_SHARED_DIR']}, "
+            f"run-local: prefill and decode replicas hand KV over {direct}through {tier['CACHET_KV_SHARED_DIR']}, "
             f"each with a {tier['CACHET_KV_HOST_GB']} GB host KV tier{default}",
             flush=True,
         )

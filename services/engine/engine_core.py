@@ -20,6 +20,7 @@ from cachet.engine.grammar_matcher import MaskBuilder, RequestGrammar, StepMasks
 from cachet.engine.host_kv_tier import HostTierIndex
 from cachet.engine.kv_cache_manager import KVCacheManager
 from cachet.engine.kv_handoff import KvHandOffs
+from cachet.engine.kv_transfer import KvSender
 from cachet.engine.request import Request, RequestStatus
 from cachet.engine.request_output import RequestOutput
 from cachet.engine.scheduler import Scheduler, SchedulerConfig
@@ -68,8 +69,9 @@ class EngineCore:
     _stop_checkers: dict[str, StopStringChecker] = field(init=False, default_factory=dict)
     _pending: list[RequestOutput] = field(init=False, default_factory=list)
     _busy: bool = field(init=False, default=False)
-    # Disaggregated prefill: answers held until their KV is in the shared tier (kv_handoff).
+    # Disaggregated prefill: answers held until their KV is delivered or written (kv_handoff).
     _handoffs: KvHandOffs | None = field(init=False, default=None)
+    _sender: KvSender | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
@@ -80,13 +82,16 @@ class EngineCore:
             block_size=self.runner.block_size,
             host_tier=HostTierIndex(host_slots) if host_slots else None,
             shared_tier=getattr(self.runner, "shared_kv", None),
+            received=getattr(getattr(self.runner, "kv_receiver", None), "blocks", None),
             block_bytes=getattr(self.runner, "kv_block_bytes", 0),
             batch_invariant=getattr(self.runner, "batch_invariant", False),
         )
         self.scheduler = Scheduler(kv, self.scheduler_config)
         if kv.shared_tier is not None:
             kv.shared_tier.on_events = self._wake
-            self._handoffs = KvHandOffs(kv.shared_tier, self._wake)
+        self._sender = getattr(self.runner, "kv_sender", None)
+        if kv.shared_tier is not None or self._sender is not None:
+            self._handoffs = KvHandOffs(kv.shared_tier, self._sender, self._wake)
         if self.grammar_compiler is not None:
             self._masks = MaskBuilder(self.grammar_compiler.vocab_size)
 
@@ -98,10 +103,16 @@ class EngineCore:
             raise InvalidRequest("stop strings need the engine to have a tokenizer")
         if request.grammar is not None and self._masks is None:
             raise InvalidRequest("response_format needs the engine to have a tokenizer")
-        if request.hand_off_kv and self._handoffs is None:
+        if request.hand_off_kv and not (
+            self.scheduler.kv.shared_tier is not None or (request.hand_off_to and self._sender is not None)
+        ):
             raise InvalidRequest(
-                "hand_off_kv needs the shared KV tier (CACHET_KV_SHARED_DIR) on this replica"
+                "hand_off_kv needs the shared KV tier (CACHET_KV_SHARED_DIR) on this replica, or "
+                "hand_off_to naming a decode replica's KV receiver"
+                + ("" if self._sender is not None else " (this replica cannot send KV directly)")
             )
+        if request.hand_off_to and not request.hand_off_kv:
+            raise InvalidRequest("hand_off_to names where a hand-off's KV goes: it needs hand_off_kv")
         if request.prefilled_elsewhere:
             self._check_prefilled(request)
         self.scheduler.add_request(request)

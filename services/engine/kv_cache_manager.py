@@ -56,6 +56,7 @@ from cachet.engine.step_plan import KvBlockMoves
 from cachet.engine.tier_events import snapshot
 
 if TYPE_CHECKING:
+    from cachet.engine.kv_transfer import ReceivedBlocks
     from cachet.engine.shared_kv_tier import SharedKvFiles
 
 log = structlog.get_logger(__name__)
@@ -76,6 +77,7 @@ class KVCacheManager:
         block_size: int = DEFAULT_BLOCK_SIZE,
         host_tier: HostTierIndex | None = None,
         shared_tier: SharedKvFiles | None = None,
+        received: ReceivedBlocks | None = None,
         block_bytes: int = 0,
         clock: Callable[[], float] = time.time,
         batch_invariant: bool = False,
@@ -91,8 +93,14 @@ class KVCacheManager:
         if shared_tier is not None and self.host_tier is None:
             raise ValueError("a shared KV tier loads into the host tier: it needs one")
         self.shared_tier = shared_tier if self.host_tier is not None else None
+        # Blocks other replicas pushed here (kv_transfer): loaded into the host tier too.
+        self.received = received if self.host_tier is not None else None
         # Blocks named since the last plan that the shared tier lacks: (block id, hash).
         self._store: list[tuple[int, int]] = []
+        # Blocks named since the last plan that go to another replica: (block id, hash, address),
+        # and per hand-off request, how many of its leading blocks are ordered sent.
+        self._send: list[tuple[int, int, str]] = []
+        self._sent: dict[str, int] = {}
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already named (or found already named elsewhere).
         self._num_named: dict[str, int] = {}
@@ -105,12 +113,12 @@ class KVCacheManager:
         # Copy-on-write orders (source block, fresh block of the request that copies it) since
         # the last plan.
         self._duplicate: list[tuple[int, int]] = []
-        # Per request, the hashes its prefetch filled into the host tier: their hits count as
-        # the shared tier's.
-        self._from_shared: dict[str, set[int]] = {}
+        # Per request, where its prefetch came from (shared, transfer) and the hashes it filled
+        # into the host tier: their hits count as that source's.
+        self._from_lower: dict[str, tuple[str, set[int]]] = {}
         # Totals since start, for metrics (fixed keys: read from other threads).
-        self.hit_tokens = {"engine": 0, "host": 0, "shared": 0}
-        self.block_copies = {"demote": 0, "promote": 0, "store": 0, "load": 0, "duplicate": 0}
+        self.hit_tokens = {"engine": 0, "host": 0, "shared": 0, "transfer": 0}
+        self.block_copies = {"demote": 0, "promote": 0, "store": 0, "load": 0, "duplicate": 0, "send": 0}
         # Bytes of one block's KV on this rank (0: unknown), which turns copies into bytes moved.
         self.block_bytes = block_bytes
         # Wall-clock seconds, which retention deadlines are in: the shared tier's files carry
@@ -290,10 +298,10 @@ class KVCacheManager:
             # The block after the host hits: the one the request writes its last token into.
             self._duplicate.append((partial[0], new_blocks[len(host_hits)]))
         self.hit_tokens["engine"] += len(new_computed_blocks) * self.block_size + num_copied
-        loaded = self._from_shared.pop(request.request_id, set())
-        from_shared = sum(1 for h in host_hits if h in loaded)
-        self.hit_tokens["host"] += (len(host_hits) - from_shared) * self.block_size
-        self.hit_tokens["shared"] += from_shared * self.block_size
+        source, loaded = self._from_lower.pop(request.request_id, ("shared", set()))
+        from_lower = sum(1 for h in host_hits if h in loaded)
+        self.hit_tokens["host"] += (len(host_hits) - from_lower) * self.block_size
+        self.hit_tokens[source] += from_lower * self.block_size
         if request.request_id not in self._tables:
             self._num_named[request.request_id] = len(new_computed_blocks)
         self._tables[request.request_id] = table + list(new_computed_blocks) + new_blocks
@@ -320,6 +328,17 @@ class KVCacheManager:
                 )
                 if not self.shared_tier.contains(block_hash)
             )
+        if request.hand_off_to:
+            # Every full block of a hand-off's prompt goes, those found cached here too: the
+            # decode replica takes the run after what it holds itself.
+            first = self._sent.get(request.request_id, 0)
+            self._send.extend(
+                (block_id, block_hash, request.hand_off_to)
+                for block_id, block_hash in zip(
+                    table[first:end], request.block_hashes[first:end], strict=True
+                )
+            )
+            self._sent[request.request_id] = end
 
     def free(self, request: Request) -> None:
         """Drop the request's references, tail block first, so its tail is evicted first; its
@@ -329,7 +348,8 @@ class KVCacheManager:
         self._num_named.pop(request.request_id, None)
         self._host_hits.pop(request.request_id, None)
         self._partial_hits.pop(request.request_id, None)
-        self._from_shared.pop(request.request_id, None)
+        self._from_lower.pop(request.request_id, None)
+        self._sent.pop(request.request_id, None)
         # A request freed in the step that admitted it (preempted for a seat, aborted) drops its
         # copy: the block it was to fill may go to another request in that same step.
         freed = set(table)
@@ -347,8 +367,8 @@ class KVCacheManager:
 
     @property
     def has_pending_moves(self) -> bool:
-        """Blocks named since the last plan wait to be written to the shared tier."""
-        return bool(self._store)
+        """Blocks named since the last plan wait to be written to the shared tier or sent."""
+        return bool(self._store or self._send)
 
     @property
     def has_pending_events(self) -> bool:
@@ -360,10 +380,12 @@ class KVCacheManager:
         """Block copies ordered since the last call, for the plan: within the pool, and between
         the pool and the lower tiers."""
         duplicate, self._duplicate = self._duplicate, []
+        send, self._send = self._send, []
         self.block_copies["duplicate"] += len(duplicate)
+        self.block_copies["send"] += len(send)
         if self.host_tier is None:
-            return KvBlockMoves(duplicate=duplicate)
-        moves = dataclasses.replace(self.host_tier.take_moves(self._store), duplicate=duplicate)
+            return KvBlockMoves(duplicate=duplicate, send=send)
+        moves = dataclasses.replace(self.host_tier.take_moves(self._store), duplicate=duplicate, send=send)
         self._store = []
         self.block_copies["demote"] += len(moves.demote)
         self.block_copies["promote"] += len(moves.promote)
@@ -372,10 +394,11 @@ class KVCacheManager:
         return moves
 
     def start_prefetch(self, request: Request) -> Future[list[tuple[int, Any]]] | None:
-        """Start loading the part of a new request's prefix that only the shared tier holds:
-        the run of blocks after those the pool and the host tier hold. The request is not
-        ready (``Request.is_ready``) until the load is done; None when there is none to load."""
-        if self.shared_tier is None or self.host_tier is None:
+        """Start loading the part of a new request's prefix that only a lower source holds: the
+        run of blocks after those the pool and the host tier hold, from what a prefill replica
+        pushed here, else from the shared tier. The request is not ready (``Request.is_ready``)
+        until the load is done; None when there is none to load."""
+        if self.host_tier is None or (self.shared_tier is None and self.received is None):
             return None
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -385,14 +408,23 @@ class KVCacheManager:
             self.pool.lookup(hashes[first]) is not None or hashes[first] in self.host_tier
         ):
             first += 1
-        run = []
-        for block_hash in hashes[first:]:
-            if not self.shared_tier.contains(block_hash):
-                break
-            run.append(block_hash)
-        if not run:
-            return None
-        request.kv_prefetch = self.shared_tier.read_later(run)
+        pushed = self.received.take_run(hashes[first:]) if self.received is not None else []
+        if pushed:
+            request.kv_prefetch = Future()
+            request.kv_prefetch_source = "transfer"
+            request.kv_prefetch.set_result(pushed)
+        else:
+            shared = self.shared_tier
+            if shared is None:
+                return None
+            run = []
+            for block_hash in hashes[first:]:
+                if not shared.contains(block_hash):
+                    break
+                run.append(block_hash)
+            if not run:
+                return None
+            request.kv_prefetch = shared.read_later(run)
         timeline = request.timeline
 
         def stamp(loaded: Future[list[tuple[int, Any]]]) -> None:
@@ -414,7 +446,7 @@ class KVCacheManager:
             log.warning("shared KV prefetch failed", request_id=request.request_id, error=str(exc))
             return
         self.host_tier.fill(loaded)
-        self._from_shared[request.request_id] = {block_hash for block_hash, _ in loaded}
+        self._from_lower[request.request_id] = (request.kv_prefetch_source, {h for h, _ in loaded})
 
     def take_events(self) -> list[KvEvent]:
         """KV events since the last call, the pool's, then the host tier's, then the shared tier's,

@@ -1,21 +1,25 @@
 """Disaggregated prefill, the prefill replica's half: hold a hand-off's answer until its KV is
-written.
+where the decode replica will look.
 
 A request that hands its KV off (``Request.hand_off_kv``, sent by the router to a replica of
 role ``prefill``) runs like any other: its prompt is computed and one token sampled. Its KV
-reaches the decode replica through the shared KV tier (``shared_kv_tier``), so its answer must
-not leave before every full block of its prompt is written there: the router opens the decode
-request as soon as the answer arrives, and the decode replica loads what it finds.
+reaches the decode replica straight into that replica's memory (``kv_transfer``, when the
+router names its receiver: ``Request.hand_off_to``) and through the shared KV tier
+(``shared_kv_tier``) where there is one, so its answer must not leave before every full block
+of its prompt is there: the router opens the decode request as soon as the answer arrives,
+and the decode replica loads what it finds.
 
 Blocks are named when the step that computed them ends; the next step's plan copies them out
-of the pool and the runner queues their writes on the tier's worker, which runs its work in
-order. So a barrier queued on that worker after the next step's execution is done exactly when
-the request's blocks are written: the held answer goes out with the first step after that.
-A write that fails (a full disk) only means the decode replica recomputes those blocks.
+of the pool and the runner queues their sends and writes on the transfer's and the tier's
+workers, which run their work in order. So a barrier queued on those workers after the next
+step's execution is done exactly when the request's blocks are delivered and written: the held
+answer goes out with the first step after that. A send or write that fails (a lost receiver, a
+full disk) only means the decode replica recomputes those blocks.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 from cachet.engine.request_output import RequestOutput
 
 if TYPE_CHECKING:
+    from cachet.engine.kv_transfer import KvSender
     from cachet.engine.shared_kv_tier import SharedKvFiles
 
 
@@ -37,10 +42,32 @@ class _Held:
 class KvHandOffs:
     """Answers of finished hand-off requests, held until their KV is in the shared tier."""
 
-    def __init__(self, shared_tier: SharedKvFiles, wake: Callable[[], None]) -> None:
-        self._tier = shared_tier
+    def __init__(
+        self, shared_tier: SharedKvFiles | None, sender: KvSender | None, wake: Callable[[], None]
+    ) -> None:
+        self._workers = [worker for worker in (shared_tier, sender) if worker is not None]
         self._wake = wake
         self._held: list[_Held] = []
+
+    def _barrier(self) -> Future[None]:
+        """Done once every send and write queued so far has ended."""
+        queued = [worker.after_queued_work() for worker in self._workers]
+        done: Future[None] = Future()
+        lock = threading.Lock()
+        remaining = [len(queued)]
+
+        def one_done(_: Future[None]) -> None:
+            with lock:  # the workers' threads finish in any order
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                done.set_result(None)
+
+        for future in queued:
+            future.add_done_callback(one_done)
+        if not queued:
+            done.set_result(None)
+        return done
 
     def hold(self, output: RequestOutput) -> None:
         """Hold a request's last answer; its blocks were named by the step that just ended."""
@@ -51,7 +78,7 @@ class KvHandOffs:
         for writing now, so a barrier behind them says when they are written."""
         for held in self._held:
             if held.written is None:
-                held.written = self._tier.after_queued_work()
+                held.written = self._barrier()
                 held.written.add_done_callback(lambda _: self._wake())
 
     def take_released(self) -> list[RequestOutput]:

@@ -133,6 +133,8 @@ def build_runner(
         host_kv_bytes=int(settings.kv_host_gb * _GIB / settings.tensor_parallel_size),
         shared_kv_dir=settings.kv_shared_dir,
         shared_kv_bytes=int(settings.kv_shared_gb * _GIB),
+        kv_transfer_port=settings.kv_transfer_port,
+        kv_transfer_host=settings.host,
     )
     return runner, model, dtype, device
 

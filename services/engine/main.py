@@ -30,7 +30,9 @@ if TYPE_CHECKING:  # model code: imported only where this process runs the model
 log = get_logger(__name__)
 
 
-def engine_info(engine: AsyncEngine, group: RankGroup | None, role: str = "mixed") -> engine_pb2.EngineInfo:
+def engine_info(
+    engine: AsyncEngine, group: RankGroup | None, role: str = "mixed", kv_transfer_address: str = ""
+) -> engine_pb2.EngineInfo:
     description = engine.description
     return engine_pb2.EngineInfo(
         replica_id=engine.replica_id,
@@ -43,7 +45,15 @@ def engine_info(engine: AsyncEngine, group: RankGroup | None, role: str = "mixed
         expert_parallel_size=description.expert_parallel_size,
         device=description.device,
         role=role,
+        kv_transfer_address=kv_transfer_address if group is None or group.tp.size == 1 else "",
     )
+
+
+def _kv_transfer_address(settings: EngineSettings) -> str:
+    if not settings.kv_transfer_port:
+        return ""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"{host}:{settings.kv_transfer_port}"
 
 
 async def start(
@@ -67,7 +77,9 @@ async def start(
     engine.start()
     metrics.loop_lag.start()
     servicer = EngineServicer(
-        engine, engine_info(engine, group, settings.role), settings.load_report_interval_ms
+        engine,
+        engine_info(engine, group, settings.role, _kv_transfer_address(settings)),
+        settings.load_report_interval_ms,
     )
     running = await create_server(
         settings,

@@ -72,7 +72,8 @@ class SchedulerCollector(Collector):
             CounterMetricFamily(
                 "cachet_engine_prefix_cache_hit_tokens",
                 "Prompt tokens served from a KV tier instead of computed (host: copied back; engine: "
-                "pool hits, and last blocks copied from another live request, as n > 1 choices do).",
+                "pool hits, and last blocks copied from another live request, as n > 1 choices do; "
+                "shared: the shared file tier; transfer: blocks a prefill replica pushed here).",
                 labels=["tier"],
             ),
             stats.cached_tokens_by_tier,
@@ -81,8 +82,9 @@ class SchedulerCollector(Collector):
             CounterMetricFamily(
                 "cachet_engine_kv_block_copies",
                 "KV blocks copied between the pool and the lower tiers (demote/promote: host tier; "
-                "store/load: shared file tier), or within the pool (duplicate: a request's last "
-                "block copied from another live request that computed it).",
+                "store/load: shared file tier; send: to another replica's KV receiver), or within "
+                "the pool (duplicate: a request's last block copied from another live request that "
+                "computed it).",
                 labels=["direction"],
             ),
             stats.kv_block_copies,
@@ -91,7 +93,7 @@ class SchedulerCollector(Collector):
             CounterMetricFamily(
                 "cachet_engine_kv_block_copy_bytes",
                 "Bytes of KV copied on rank 0 (demote/promote: host tier; store/load: shared file "
-                "tier, payload only; duplicate: within the pool).",
+                "tier, payload only; send: to another replica; duplicate: within the pool).",
                 labels=["direction"],
             ),
             stats.kv_block_copy_bytes,

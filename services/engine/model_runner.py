@@ -36,6 +36,7 @@ from cachet.engine.cuda_graphs import DecodeGraphs
 from cachet.engine.host_kv_blocks import HostKvBlocks
 from cachet.engine.image_embeddings import ImageEmbeddings, ImageEncoder, ScheduledSpan
 from cachet.engine.kv_cache_budget import KvCacheBudget
+from cachet.engine.kv_transfer import KvReceiver, KvSender
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.models.kimi_vision import normalized_patches
 from cachet.engine.packed_linear import invariant_rows, pack_linear_weights, packs_linear_weights
@@ -96,6 +97,8 @@ class ModelRunner:
         host_kv_bytes: int = 0,
         shared_kv_dir: Path | None = None,
         shared_kv_bytes: int = 0,
+        kv_transfer_port: int = 0,
+        kv_transfer_host: str = "127.0.0.1",
     ) -> None:
         """``kv_cache_bytes``: the KV pool's size, or a budget it is sized by once the weights
         are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
@@ -113,7 +116,10 @@ class ModelRunner:
         ``host_kv_bytes``: this rank's host tier
         (``host_kv_tier``), 0 for none. ``shared_kv_dir``: the shared file tier's root
         (``shared_kv_tier``), kept under ``shared_kv_bytes``; it loads into the host tier,
-        so it needs one. Each rank of a tensor-parallel replica keeps its own shard's files."""
+        so it needs one. Each rank of a tensor-parallel replica keeps its own shard's files.
+        ``kv_transfer_port``: take blocks other replicas push here (``kv_transfer``) on this
+        port of ``kv_transfer_host``, held in the host tier's budget until a request loads
+        them; 0: none. A single-rank runner can also push its blocks to other replicas."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -181,6 +187,9 @@ class ModelRunner:
             self._open_shared_kv(Path(shared_kv_dir), shared_kv_bytes, Path(model_dir).name, tp)
             if shared_kv_dir is not None
             else None
+        )
+        self.kv_sender, self.kv_receiver = self._open_kv_transfer(
+            kv_transfer_port, kv_transfer_host, host_kv_bytes, Path(model_dir).name, tp
         )
         self.decode_graphs = self._capture_decode_graphs(max_decode_batch) if use_graphs else None
         self.image_input, self.image_encoder = self._image_input()
@@ -253,6 +262,33 @@ class ModelRunner:
             peers=layouts[1:] if rank == 0 else (),
             follower=rank != 0,
         )
+
+    def _open_kv_transfer(
+        self, port: int, host: str, budget_bytes: int, model_name: str, tp: TensorParallel | None
+    ) -> tuple[KvSender | None, KvReceiver | None]:
+        """The direct transfer's ends: single-rank replicas only (a tensor-parallel replica's
+        ranks hand over through the shared tier's per-rank files)."""
+        if tp is not None and tp.size > 1:
+            if port:
+                log.warning(
+                    "no direct KV transfer in a tensor-parallel replica", tensor_parallel_size=tp.size
+                )
+            return None, None
+        pool_blocks = self.kv_cache.movedim(self.kv_block_dim, 0)
+        block_shape = tuple(pool_blocks.shape[1:])
+        key = layout_key(model_name, self.dtype, self.block_size, block_shape)
+        sender = KvSender(key, self.device)
+        if not port:
+            return sender, None
+        if self.host_kv is None:
+            raise ValueError(
+                "taking pushed KV (CACHET_ENGINE_KV_TRANSFER_PORT) loads into the host tier: set CACHET_KV_HOST_GB"
+            )
+        receiver = KvReceiver(
+            key, block_shape, self.dtype, self.device, port=port, budget_bytes=budget_bytes, host=host
+        )
+        log.info("KV receiver listening", address=receiver.address)
+        return sender, receiver
 
     def _capture_decode_graphs(self, max_decode_batch: int) -> DecodeGraphs:
         graphs = DecodeGraphs(
@@ -402,6 +438,7 @@ class ModelRunner:
         host_kv = self.host_kv
         if host_kv is None and (moves.store or moves.demote or moves.fill or moves.promote):
             raise ValueError("the plan moves KV blocks to or from a host tier this runner does not have")
+        self._send_blocks(moves.send)
         for block_id, block_hash in moves.store:
             self._store_shared(block_id, block_hash)
         if host_kv is not None:
@@ -417,6 +454,29 @@ class ModelRunner:
     def _pool_block(self, block_id: int) -> torch.Tensor:
         """One block of every layer, a view into the pool."""
         return self.kv_cache.select(self.kv_block_dim, block_id)
+
+    def _send_blocks(self, sends: list[tuple[int, int, str]]) -> None:
+        """Copy the blocks going to other replicas out of the pool (they may be reused by this
+        very step) and queue each receiver's on the sender; on CUDA the sender waits for the
+        copy's event, not the host."""
+        if not sends:
+            return
+        if self.kv_sender is None:
+            raise ValueError("the plan sends KV blocks, but this runner cannot send")
+        by_address: dict[str, list[tuple[int, int]]] = {}
+        for block_id, block_hash, address in sends:
+            by_address.setdefault(address, []).append((block_id, block_hash))
+        for address, blocks in by_address.items():
+            ids = torch.tensor([block_id for block_id, _ in blocks], device=self.device)
+            copied = (
+                self.kv_cache.index_select(self.kv_block_dim, ids).movedim(self.kv_block_dim, 0).contiguous()
+            )
+            ready = None
+            if copied.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+                ready = event.synchronize
+            self.kv_sender.send_later(address, [block_hash for _, block_hash in blocks], copied, ready)
 
     def _read_own_shard(self, block_hash: int) -> torch.Tensor:
         """A follower rank's shard of a block rank 0 loaded from the shared tier: rank 0 checked

@@ -72,12 +72,17 @@ class Request:
     grammar: RequestGrammar | None = None
     # Blocks of its prefix being loaded from the shared KV tier ((hash, block) pairs).
     kv_prefetch: Future[list[tuple[int, Any]]] | None = None
+    # Where they come from: "shared" (the file tier) or "transfer" (pushed by a prefill replica).
+    kv_prefetch_source: str = "shared"
     # How long its KV is kept in preference to other KV once it leaves the pool (kv_retention).
     retention: tuple[KvRetention, ...] = ()
     # Disaggregated prefill. On a prefill replica: its last answer waits until its prompt's KV
     # is in the shared tier (kv_handoff). On a decode replica: another replica computed its
     # prompt and sampled ``output_token_ids[0]``; its KV comes from the shared tier.
     hand_off_kv: bool = False
+    # A hand-off's blocks also go straight to this decode replica's KV receiver (kv_transfer),
+    # and its answer waits until they are there.
+    hand_off_to: str = ""
     prefilled_elsewhere: bool = False
     # When it reached each stage, for its trace (request_spans).
     timeline: RequestTimeline = field(default_factory=RequestTimeline)

@@ -129,6 +129,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             arrival_time=time.monotonic(),
             retention=_retention(request.kv_retention),
             hand_off_kv=request.hand_off_kv,
+            hand_off_to=request.hand_off_to,
             timeline=RequestTimeline(arrived_ns=time.time_ns()),
             images=images,
             **_prefilled(request),

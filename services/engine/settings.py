@@ -43,9 +43,13 @@ class EngineSettings(ServiceSettings):
     # Its size budget, for this model and layout's folder (least recently used files go first).
     kv_shared_gb: float = Field(default=20, gt=0, validation_alias=shared_alias("CACHET_KV_SHARED_GB"))
     # Disaggregated prefill (docs/ARCHITECTURE.md): "prefill" replicas compute the prompts the
-    # router sends them and hand their KV to "decode" replicas through the shared KV tier;
-    # "mixed" serves whole requests. A role other than mixed needs the shared tier.
+    # router sends them and hand their KV to "decode" replicas, pushed straight into their
+    # memory (kv_transfer) or through the shared KV tier; "mixed" serves whole requests.
     role: Literal["mixed", "prefill", "decode"] = "mixed"
+    # Take KV that prefill replicas push here on this port (of CACHET_ENGINE_HOST), announced in
+    # EngineInfo.kv_transfer_address; 0: none. Single-rank replicas (a tensor-parallel replica's
+    # ranks hand over through the shared tier's per-rank files); needs the host tier.
+    kv_transfer_port: int = Field(default=0, ge=0, le=65535)
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     # Unset: cachet.engine_layout's default for the device (512 on a CPU, 2,048 on a GPU).
@@ -104,12 +108,19 @@ class EngineSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _role_has_its_transport(self) -> EngineSettings:
-        if self.role == "mixed":
-            return self
-        if self.kv_shared_dir is None or not self.kv_host_gb:
+        if self.kv_transfer_port and not self.kv_host_gb:
             raise ValueError(
-                f"CACHET_ENGINE_ROLE={self.role} hands KV over through the shared KV tier: set "
-                "CACHET_KV_SHARED_DIR (a folder both replicas see) and CACHET_KV_HOST_GB"
+                "CACHET_ENGINE_KV_TRANSFER_PORT takes pushed KV into the host KV tier: set CACHET_KV_HOST_GB"
+            )
+        # A prefill replica can push KV to any decode replica's receiver with no tier of its own;
+        # a decode replica takes it into its host tier, from its receiver or the shared folder.
+        if self.role != "decode":
+            return self
+        if (self.kv_shared_dir is None and not self.kv_transfer_port) or not self.kv_host_gb:
+            raise ValueError(
+                "CACHET_ENGINE_ROLE=decode takes KV into its host KV tier (CACHET_KV_HOST_GB), pushed "
+                "to it (CACHET_ENGINE_KV_TRANSFER_PORT) or through the shared KV tier "
+                "(CACHET_KV_SHARED_DIR, a folder the prefill replicas see too)"
             )
         return self
 

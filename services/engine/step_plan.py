@@ -76,8 +76,8 @@ class LoadedBlock:
 @dataclass(frozen=True)
 class KvBlockMoves:
     """Copies of KV blocks, done before the step's forward pass, in this order: those that read
-    pool blocks about to be reused (``store`` (pool block id, hash) to the shared file tier,
-    ``demote`` (pool block id, host slot) to the host tier), then ``duplicate`` (source pool
+    pool blocks about to be reused (``send`` (pool block id, hash, receiver address) to another
+    replica, ``store`` (pool block id, hash) to the shared file tier, ``demote`` (pool block id, host slot) to the host tier), then ``duplicate`` (source pool
     block id, destination pool block id: copy-on-write of a prompt's last block that another
     live request computed, ``KVCacheManager.get_computed_blocks``), then ``fill`` (host slot,
     ``LoadedBlock``), then ``promote`` (host slot, pool block id).
@@ -92,9 +92,10 @@ class KvBlockMoves:
     store: list[tuple[int, int]] = field(default_factory=list)
     fill: list[tuple[int, LoadedBlock]] = field(default_factory=list)
     duplicate: list[tuple[int, int]] = field(default_factory=list)
+    send: list[tuple[int, int, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.demote or self.promote or self.store or self.fill or self.duplicate)
+        return bool(self.demote or self.promote or self.store or self.fill or self.duplicate or self.send)
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,12 @@ The decode replica is placed as any request is (session, cached prefix, load). W
 the prompt it does not hold is at least ``min_tokens`` (conditional disaggregation, as Dynamo
 and vLLM's proxy do: a short or mostly cached prompt costs the decode replica little), the
 request first goes to a prefill replica, chosen by its cached prefix and load like any
-placement, as a one-token request that hands its KV off (``hand_off_kv``): the engine answers
-once every full block of the prompt is in the shared KV tier. The decode replica then gets the
-request with that first token (``PrefilledElsewhere``): it streams the token at once, loads the
-prompt's blocks from the shared tier and decodes on.
+placement, as a one-token request that hands its KV off (``hand_off_kv``), naming the decode
+replica's KV receiver (``hand_off_to``) when it has one and neither replica is tensor-parallel:
+the engine pushes the prompt's blocks straight into that replica's memory, and answers once
+every full block is there (and in the shared KV tier, where there is one). The decode replica
+then gets the request with that first token (``PrefilledElsewhere``): it streams the token at
+once, takes the prompt's blocks from what was pushed to it or the shared tier, and decodes on.
 
 What goes wrong costs time, never the request: a prefill replica that refuses, fails, dies or
 times out, or whose first token already ends the answer, leaves the request to run whole on the
@@ -36,7 +38,7 @@ from cachet.errors import ResourceExhausted, Unavailable
 from cachet.logs import get_logger
 from cachet.router import metrics
 from cachet.router.placement import PlacementPolicy, choose_replica
-from cachet.router.replica_set import ReplicaSet
+from cachet.router.replica_set import Replica, ReplicaSet
 from cachet.tracing import get_tracer
 
 if TYPE_CHECKING:
@@ -70,10 +72,10 @@ class PrefillHandOff:
         )
 
     async def prefill(
-        self, request: GenerationRequest, cached: Mapping[str, float]
+        self, request: GenerationRequest, cached: Mapping[str, float], decode: Replica
     ) -> engine_pb2.PrefilledElsewhere | None:
-        """Prefill ``request`` on a prefill replica; what the decode replica is to be told, or
-        None when the request should run whole on the decode replica."""
+        """Prefill ``request`` on a prefill replica for the ``decode`` replica; what the decode
+        replica is to be told, or None when the request should run whole on it."""
         loads = [replica.load() for replica in self._replicas.available(request.model, role="prefill")]
         try:
             placement = choose_replica(loads, cached, policy=self._policy)
@@ -81,17 +83,19 @@ class PrefillHandOff:
             metrics.PREFILL_HANDOFFS.labels("busy").inc()
             return None
         replica = self._replicas.get(placement.address)
+        hand_off_to = _direct_transfer_address(replica, decode)
         started = time.monotonic()
         with _tracer.start_as_current_span(
             "prefill_handoff",
             attributes={
                 "cachet.prefill_replica": replica.address,
                 "cachet.prompt_tokens": len(request.prompt_token_ids),
+                "cachet.kv_transport": "direct" if hand_off_to else "shared_tier",
             },
         ) as span:
             replica.enter(request.priority)
             try:
-                answer = await asyncio.wait_for(self._call(request, replica.stub), self._timeout)
+                answer = await asyncio.wait_for(self._call(request, replica.stub, hand_off_to), self._timeout)
                 if answer is None:
                     raise Unavailable("the prefill replica ended its stream without an answer")
             except (grpc.aio.AioRpcError, TimeoutError, Unavailable) as error:
@@ -131,7 +135,7 @@ class PrefillHandOff:
 
     @staticmethod
     async def _call(
-        request: GenerationRequest, stub: engine_pb2_grpc.EngineServiceAsyncStub
+        request: GenerationRequest, stub: engine_pb2_grpc.EngineServiceAsyncStub, hand_off_to: str
     ) -> engine_pb2.GenerateResponse | None:
         """The prefill replica's last answer (its one token), None if the stream ended without one."""
         sampling = common_pb2.SamplingParams()
@@ -147,6 +151,7 @@ class PrefillHandOff:
                 cache_salt=request.cache_salt,
                 output_kind=engine_pb2.OUTPUT_KIND_FIRST_AND_FINAL,
                 hand_off_kv=True,
+                hand_off_to=hand_off_to,
                 images=request.images,
             )
         )
@@ -160,3 +165,13 @@ class PrefillHandOff:
         finally:
             call.cancel()  # a no-op once the stream ended; stops the prefill when we were cancelled
         return answer
+
+
+def _direct_transfer_address(prefill: Replica, decode: Replica) -> str:
+    """The decode replica's KV receiver, where the prefill replica can push to it: both single
+    rank (tensor-parallel replicas hand over through the shared tier's per-rank files)."""
+    if prefill.info is None or decode.info is None:
+        return ""
+    if prefill.info.tensor_parallel_size > 1 or decode.info.tensor_parallel_size > 1:
+        return ""
+    return decode.info.kv_transfer_address

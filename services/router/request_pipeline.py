@@ -393,7 +393,7 @@ class RequestPipeline:
                 # Once: the prompt's KV waits in the shared tier for whichever replica decodes.
                 tried_prefill = True
                 if self._prefill_handoff.worth_it(request, cached.get(placement.address, 0.0)):
-                    prefilled = await self._prefill_handoff.prefill(request, cached)
+                    prefilled = await self._prefill_handoff.prefill(request, cached, replica)
             try:
                 generation = await self._open(request, replica, placement, detokenizer, prefilled)
             except _Refused as refusal:

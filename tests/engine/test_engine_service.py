@@ -180,6 +180,10 @@ async def test_overload_is_refused_at_once(engine: ServiceProcess) -> None:
         ({"prompt_token_ids": [1, 2, 10**6]}, "prompt_token_ids[2]=1000000 is not in"),
         ({"prefilled": engine_pb2.PrefilledElsewhere(first_token_id=10**6)}, "first_token_id"),
         ({"hand_off_kv": True}, "CACHET_KV_SHARED_DIR"),
+        (
+            {"hand_off_to": "127.0.0.1:1"},
+            "hand_off_to names where a hand-off's KV goes: it needs hand_off_kv",
+        ),
         ({"sampling": common_pb2.SamplingParams(temperature=-1)}, "temperature must be in [0, 2]"),
         ({"sampling": common_pb2.SamplingParams(min_p=float("nan"))}, "min_p must be in [0, 1]"),
     ],

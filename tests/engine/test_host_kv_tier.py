@@ -64,8 +64,8 @@ def test_evicted_blocks_are_demoted_and_a_later_hit_promotes_them():
     moves = kv.take_block_moves()
     assert moves.promote == [(2, 0), (1, 1), (0, 2)]
     assert moves.demote == [(1, 3), (2, 4), (3, 5)]
-    assert kv.hit_tokens == {"engine": 0, "host": 12, "shared": 0}
-    assert kv.block_copies == {"demote": 6, "promote": 3, "store": 0, "load": 0, "duplicate": 0}
+    assert kv.hit_tokens == {"engine": 0, "host": 12, "shared": 0, "transfer": 0}
+    assert kv.block_copies == {"demote": 6, "promote": 3, "store": 0, "load": 0, "duplicate": 0, "send": 0}
 
 
 def test_the_host_tier_evicts_its_least_recently_used_block_and_never_a_locked_one():

@@ -4,6 +4,8 @@ blocks, and decodes exactly what one replica computing everything would (fp32, g
 
 from __future__ import annotations
 
+import datetime
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
 from cachet.engine.settings import EngineSettings
+from cachet.loopback_port import free_loopback_port
 
 PROMPT = torch.randint(5, 200, (150,), generator=torch.Generator().manual_seed(7)).tolist()
 FULL_BLOCKS = len(PROMPT) // 16  # 9: the blocks a hand-off writes (the last, partial one is recomputed)
@@ -99,12 +102,110 @@ def test_a_decode_replica_continues_a_prefill_replicas_hand_off_as_one_replica_w
     assert outputs[0] == [first_token]
     assert [t for new in outputs for t in new] == expected
     assert cached == 0  # the caller's cached tokens are the prefill replica's hits, not the hand-off
-    assert decode.scheduler.kv.hit_tokens == {"engine": 0, "host": 0, "shared": FULL_BLOCKS * 16}
+    assert decode.scheduler.kv.hit_tokens == {
+        "engine": 0,
+        "host": 0,
+        "shared": FULL_BLOCKS * 16,
+        "transfer": 0,
+    }
     # Its trace's stages (request_spans): the hand-off loaded while it waited for its seat.
     timeline = request.timeline
     assert timeline.kv_loaded_blocks == FULL_BLOCKS
     assert 0 < timeline.kv_loaded_ns <= timeline.admitted_ns <= timeline.first_token_ns
     assert timeline.prefill_chunks == 1  # the partial block and the first token, in one step
+
+
+def _engine(runner: ModelRunner) -> EngineCore:
+    return EngineCore(
+        runner=runner,
+        model="tiny",
+        scheduler_config=SchedulerConfig(
+            max_model_len=runner.max_model_len,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            eos_token_ids=tuple(runner.eos_token_ids),
+        ),
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "kimi-k2"])
+def test_a_hand_off_pushed_straight_to_the_decode_replica_decodes_as_one_replica_would(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    """No shared folder: the prefill replica sends its blocks over a gloo pair into the decode
+    replica's memory (kv_transfer), and answers only once they are there."""
+    model_dir = tiny_checkpoints[family]
+    per_block = _bytes_per_block(model_dir)
+    expected, _, _ = greedy(
+        engine_with_shared_tier(model_dir, tmp_path / "mixed", per_block, "cpu"), "w", PROMPT, 8
+    )
+
+    def runner(**tiers: int) -> ModelRunner:
+        return ModelRunner(
+            model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=32 * per_block, **tiers
+        )
+
+    decode = _engine(runner(host_kv_bytes=32 * per_block, kv_transfer_port=free_loopback_port()))
+    prefill = _engine(runner())  # no tier at all: it sends what it computed
+    receiver = decode.runner.kv_receiver
+    try:
+        address = receiver.address
+        prefill.add_request(
+            Request("p", PROMPT, _greedy_sampling(1), max_tokens=1, hand_off_kv=True, hand_off_to=address)
+        )
+        while not (outputs := prefill.step()):
+            pass
+        (answer,) = outputs
+        assert answer.new_token_ids == [expected[0]]
+        assert len(receiver.blocks) == FULL_BLOCKS, "the answer left before its blocks were there"
+        assert prefill.runner.kv_sender.counts == {"sent": FULL_BLOCKS, "failed": 0}
+
+        request = Request(
+            "d",
+            PROMPT,
+            _greedy_sampling(8),
+            max_tokens=8,
+            output_token_ids=[expected[0]],
+            num_cached_tokens=0,
+            prefilled_elsewhere=True,
+        )
+        outputs, cached = _run(decode, request)
+    finally:
+        prefill.runner.kv_sender.close()
+        receiver.close()
+    assert [t for new in outputs for t in new] == expected
+    assert cached == 0
+    assert decode.scheduler.kv.hit_tokens == {
+        "engine": 0,
+        "host": 0,
+        "shared": 0,
+        "transfer": FULL_BLOCKS * 16,
+    }
+    assert len(receiver.blocks) == 0, "each pushed block is taken once"
+
+
+def test_a_hand_off_to_a_receiver_that_is_gone_still_answers(tiny_checkpoints: dict[str, Path]) -> None:
+    """A lost decode replica costs the hand-off nothing but the blocks: its answer goes out."""
+    model_dir = tiny_checkpoints["llama"]
+    per_block = _bytes_per_block(model_dir)
+    prefill = _engine(
+        ModelRunner(model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=32 * per_block)
+    )
+    prefill.runner.kv_sender.timeout = datetime.timedelta(seconds=2)
+    gone = f"127.0.0.1:{free_loopback_port()}"
+    try:
+        prefill.add_request(
+            Request("p", PROMPT, _greedy_sampling(1), max_tokens=1, hand_off_kv=True, hand_off_to=gone)
+        )
+        deadline = time.monotonic() + 60
+        while not (outputs := prefill.step()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        prefill.runner.kv_sender.close()
+    assert outputs[0].status.is_finished and len(outputs[0].new_token_ids) == 1
+    # One send a prompt chunk (150 tokens in chunks of 64), each failed.
+    assert prefill.runner.kv_sender.counts == {"sent": 0, "failed": 3}
 
 
 def test_a_plain_request_answers_before_its_blocks_are_written(
@@ -190,10 +291,15 @@ def test_hand_offs_are_refused_where_they_cannot_work(
             engine.add_request(request)
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_role_needs_the_shared_tier(tmp_path: Path, role: str) -> None:
-    with pytest.raises(ValidationError, match="CACHET_KV_SHARED_DIR"):
-        EngineSettings(role=role)
-    assert EngineSettings(role=role, kv_shared_dir=tmp_path, kv_host_gb=1).role == role
-    sharded = EngineSettings(role=role, kv_shared_dir=tmp_path, kv_host_gb=1, tensor_parallel_size=2)
-    assert sharded.role == role
+def test_a_decode_replica_needs_a_host_tier_and_a_way_in(tmp_path: Path) -> None:
+    for missing in [{}, {"kv_host_gb": 1}, {"kv_shared_dir": tmp_path}, {"kv_transfer_port": 5}]:
+        with pytest.raises(ValidationError, match="CACHET_KV_HOST_GB"):
+            EngineSettings(role="decode", **missing)
+    for ways_in in [{"kv_shared_dir": tmp_path}, {"kv_transfer_port": 5}]:
+        assert EngineSettings(role="decode", kv_host_gb=1, **ways_in).role == "decode"
+    assert (
+        EngineSettings(role="decode", kv_shared_dir=tmp_path, kv_host_gb=1, tensor_parallel_size=2).role
+        == "decode"
+    )
+    # A prefill replica can push to decode replicas' receivers with no tier of its own.
+    assert EngineSettings(role="prefill").role == "prefill"

@@ -670,7 +670,7 @@ def test_cached_tokens_are_the_same_from_the_pool_the_host_tier_and_the_shared_f
     assert fresh.start_prefetch(request) is not None
     request.kv_prefetch.result()
     assert run(fresh, request)[1] == 12
-    assert fresh.hit_tokens == {"engine": 0, "host": 0, "shared": 12}
+    assert fresh.hit_tokens == {"engine": 0, "host": 0, "shared": 12, "transfer": 0}
     shared.close()
 
 

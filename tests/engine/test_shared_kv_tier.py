@@ -260,7 +260,7 @@ def test_a_second_engine_serves_the_first_ones_prompt_from_the_shared_folder(
     second = engine_with_shared_tier(model_dir, tmp_path, per_block, device)
     tokens, logprobs, cached = greedy(second, "b", prompt, 8)
     assert cached == 144
-    assert second.scheduler.kv.hit_tokens == {"engine": 0, "host": 0, "shared": 144}
+    assert second.scheduler.kv.hit_tokens == {"engine": 0, "host": 0, "shared": 144, "transfer": 0}
     assert tokens == cold_tokens
     assert logprobs == pytest.approx(cold_logprobs, abs=1e-5)
 

@@ -14,12 +14,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from metrics_scrape import growth, scrape
 from prometheus_client.parser import text_string_to_metric_families
 from service_processes import ENGINE_SERVER_BUILT, TINY_MODEL_ID, CachetStack, child_pids
 
 from cachet.common.v1 import common_pb2
 from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
+from cachet.loopback_port import free_loopback_port
 from cachet.models.tiny import write_tiny_model
 from cachet.router.v1 import router_pb2, router_pb2_grpc
 from cachet.usage.v1 import usage_pb2, usage_pb2_grpc
@@ -152,3 +154,51 @@ async def test_killing_the_prefill_replica_mid_hand_off_costs_no_request(stack: 
         rows = list((await usage.QueryUsage(query, timeout=10)).rows)
     assert [row.requests for row in rows] == [len(requests)]
     assert rows[0].completion_tokens == 6 * len(requests)
+
+
+# ------------------------------------------------- direct transfer, no shared folder
+
+
+@pytest.fixture(scope="module")
+def direct_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CachetStack]:
+    """Prefill and decode replicas that share no folder: KV goes only through the decode
+    replica's receiver (kv_transfer), over a gloo pair."""
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    root = tmp_path_factory.mktemp("disaggregated-direct")
+    running = CachetStack(root, write_tiny_model(root / TINY_MODEL_ID)).start(
+        engines=2,
+        engine_roles=["prefill", "decode"],
+        engine_env={"CACHET_KV_HOST_GB": "0.05"},
+        each_engine_env=[{}, {"CACHET_ENGINE_KV_TRANSFER_PORT": str(free_loopback_port())}],
+        router_env={"CACHET_ROUTER_DISAGG_MIN_TOKENS": str(MIN_TOKENS)},
+    )
+    yield running
+    running.stop()
+    print(running.logs())
+
+
+async def test_a_hand_off_goes_straight_into_the_decode_replicas_memory(direct_stack: CachetStack) -> None:
+    stack = direct_stack
+    prefill, decode = (stack.processes[name] for name in ("engine0", "engine1"))
+    async with create_channel(decode.address) as channel:
+        info = await engine_pb2_grpc.EngineServiceStub(channel).GetEngineInfo(
+            engine_pb2.GetEngineInfoRequest()
+        )
+    assert info.role == "decode" and info.kv_transfer_address.startswith("127.0.0.1:")
+    before = scrape(decode.metrics_port)
+    request = _long_chat(uuid.uuid4().hex)
+    chunks = await _stream(stack, request)
+    assert _handoffs(stack, "handed_off") == 1
+    usage = chunks[-1].usage
+    assert (usage.cached_tokens, usage.completion_tokens) == (0, 8)
+    grew = growth(before, scrape(decode.metrics_port))
+    pushed = grew("cachet_engine_prefix_cache_hit_tokens_total", tier="transfer")
+    assert pushed == usage.prompt_tokens // 16 * 16, "every full block came from the prefill replica"
+    assert grew("cachet_engine_prefix_cache_hit_tokens_total", tier="shared") == 0
+    sent = growth({}, scrape(prefill.metrics_port))("cachet_engine_kv_block_copies_total", direction="send")
+    assert sent == pushed // 16
+
+    stack._add(stack.start_router(name="router-whole", CACHET_ROUTER_DISAGG_MIN_TOKENS="1000000"))
+    whole = await _stream(stack, request, router="router-whole")
+    assert "".join(c.content_delta for c in whole) == "".join(c.content_delta for c in chunks)

@@ -25,49 +25,49 @@ _sym_db = _symbol_database.Default()
 from cachet.common.v1 import common_pb2 as cachet_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63\x61\x63het/engine/v1/engine.proto\x12\x10\x63\x61\x63het.engine.v1\x1a\x1d\x63\x61\x63het/common/v1/common.proto\"\xa7\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .cachet.common.v1.SamplingParams\x12\x39\n\x0fresponse_format\x18\x05 \x01(\x0b\x32 .cachet.common.v1.ResponseFormat\x12,\n\x08priority\x18\x06 \x01(\x0e\x32\x1a.cachet.common.v1.Priority\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x31\n\x0boutput_kind\x18\x08 \x01(\x0e\x32\x1c.cachet.engine.v1.OutputKind\x12\x33\n\x0ckv_retention\x18\t \x03(\x0b\x32\x1d.cachet.engine.v1.KvRetention\x12\x13\n\x0bhand_off_kv\x18\n \x01(\x08\x12\x37\n\tprefilled\x18\x0b \x01(\x0b\x32$.cachet.engine.v1.PrefilledElsewhere\x12,\n\x06images\x18\x0c \x03(\x0b\x32\x1c.cachet.common.v1.ImageInput\x12%\n\x18\x63onstrain_after_token_id\x18\r \x01(\rH\x00\x88\x01\x01\x42\x1b\n\x19_constrain_after_token_id\"C\n\x12PrefilledElsewhere\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"2\n\x0bKvRetention\x12\x0f\n\x07seconds\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xe0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.cachet.common.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.cachet.common.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x05 \x01(\t\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.cachet.common.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"/\n\x18StreamLoadReportsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xb4\x03\n\nLoadReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12$\n\x1cwaiting_interactive_requests\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14max_running_requests\x18\x07 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x08 \x01(\r\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\t \x01(\x02\x12!\n\x19prefill_tokens_per_second\x18\n \x01(\x02\x12\x14\n\x0ctimestamp_ms\x18\x0b \x01(\x03\x12\x1e\n\x16running_batch_requests\x18\x0c \x01(\r\x12\x1e\n\x16waiting_batch_requests\x18\r \x01(\r\x12\"\n\x1amax_batch_running_requests\x18\x0e \x01(\r\x12\x0c\n\x04role\x18\x0f \x01(\t\"\x17\n\x15StreamKvEventsRequest\"\x89\x01\n\x0cKvEventBatch\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\x12)\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x19.cachet.engine.v1.KvEvent\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xd7\x01\n\x07KvEvent\x12\x30\n\x06stored\x18\x01 \x01(\x0b\x32\x1e.cachet.engine.v1.BlocksStoredH\x00\x12\x32\n\x07removed\x18\x02 \x01(\x0b\x32\x1f.cachet.engine.v1.BlocksRemovedH\x00\x12\x35\n\x07\x63leared\x18\x03 \x01(\x0b\x32\".cachet.engine.v1.AllBlocksClearedH\x00\x12&\n\x04tier\x18\x04 \x01(\x0e\x32\x18.cachet.engine.v1.KvTierB\x07\n\x05\x65vent\"Z\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x14\n\x12_parent_block_hash\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\"\x16\n\x14GetEngineInfoRequest\"\xdd\x01\n\nEngineInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x1c\n\x14\x65xpert_parallel_size\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x0c\n\x04role\x18\n \x01(\t*D\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1f\n\x1bOUTPUT_KIND_FIRST_AND_FINAL\x10\x01*B\n\x06KvTier\x12\x12\n\x0eKV_TIER_ENGINE\x10\x00\x12\x10\n\x0cKV_TIER_HOST\x10\x01\x12\x12\n\x0eKV_TIER_SHARED\x10\x02\x32\xc3\x03\n\rEngineService\x12S\n\x08Generate\x12!.cachet.engine.v1.GenerateRequest\x1a\".cachet.engine.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.cachet.engine.v1.AbortRequest\x1a\x1f.cachet.engine.v1.AbortResponse\x12_\n\x11StreamLoadReports\x12*.cachet.engine.v1.StreamLoadReportsRequest\x1a\x1c.cachet.engine.v1.LoadReport0\x01\x12[\n\x0eStreamKvEvents\x12\'.cachet.engine.v1.StreamKvEventsRequest\x1a\x1e.cachet.engine.v1.KvEventBatch0\x01\x12U\n\rGetEngineInfo\x12&.cachet.engine.v1.GetEngineInfoRequest\x1a\x1c.cachet.engine.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63\x61\x63het/engine/v1/engine.proto\x12\x10\x63\x61\x63het.engine.v1\x1a\x1d\x63\x61\x63het/common/v1/common.proto\"\xbc\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .cachet.common.v1.SamplingParams\x12\x39\n\x0fresponse_format\x18\x05 \x01(\x0b\x32 .cachet.common.v1.ResponseFormat\x12,\n\x08priority\x18\x06 \x01(\x0e\x32\x1a.cachet.common.v1.Priority\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x31\n\x0boutput_kind\x18\x08 \x01(\x0e\x32\x1c.cachet.engine.v1.OutputKind\x12\x33\n\x0ckv_retention\x18\t \x03(\x0b\x32\x1d.cachet.engine.v1.KvRetention\x12\x13\n\x0bhand_off_kv\x18\n \x01(\x08\x12\x37\n\tprefilled\x18\x0b \x01(\x0b\x32$.cachet.engine.v1.PrefilledElsewhere\x12,\n\x06images\x18\x0c \x03(\x0b\x32\x1c.cachet.common.v1.ImageInput\x12%\n\x18\x63onstrain_after_token_id\x18\r \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bhand_off_to\x18\x0e \x01(\tB\x1b\n\x19_constrain_after_token_id\"C\n\x12PrefilledElsewhere\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"2\n\x0bKvRetention\x12\x0f\n\x07seconds\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xe0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.cachet.common.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.cachet.common.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x05 \x01(\t\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.cachet.common.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"/\n\x18StreamLoadReportsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xb4\x03\n\nLoadReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12$\n\x1cwaiting_interactive_requests\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14max_running_requests\x18\x07 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x08 \x01(\r\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\t \x01(\x02\x12!\n\x19prefill_tokens_per_second\x18\n \x01(\x02\x12\x14\n\x0ctimestamp_ms\x18\x0b \x01(\x03\x12\x1e\n\x16running_batch_requests\x18\x0c \x01(\r\x12\x1e\n\x16waiting_batch_requests\x18\r \x01(\r\x12\"\n\x1amax_batch_running_requests\x18\x0e \x01(\r\x12\x0c\n\x04role\x18\x0f \x01(\t\"\x17\n\x15StreamKvEventsRequest\"\x89\x01\n\x0cKvEventBatch\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\x12)\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x19.cachet.engine.v1.KvEvent\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xd7\x01\n\x07KvEvent\x12\x30\n\x06stored\x18\x01 \x01(\x0b\x32\x1e.cachet.engine.v1.BlocksStoredH\x00\x12\x32\n\x07removed\x18\x02 \x01(\x0b\x32\x1f.cachet.engine.v1.BlocksRemovedH\x00\x12\x35\n\x07\x63leared\x18\x03 \x01(\x0b\x32\".cachet.engine.v1.AllBlocksClearedH\x00\x12&\n\x04tier\x18\x04 \x01(\x0e\x32\x18.cachet.engine.v1.KvTierB\x07\n\x05\x65vent\"Z\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x14\n\x12_parent_block_hash\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\"\x16\n\x14GetEngineInfoRequest\"\xfa\x01\n\nEngineInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x1c\n\x14\x65xpert_parallel_size\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x0c\n\x04role\x18\n \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x0b \x01(\t*D\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1f\n\x1bOUTPUT_KIND_FIRST_AND_FINAL\x10\x01*B\n\x06KvTier\x12\x12\n\x0eKV_TIER_ENGINE\x10\x00\x12\x10\n\x0cKV_TIER_HOST\x10\x01\x12\x12\n\x0eKV_TIER_SHARED\x10\x02\x32\xc3\x03\n\rEngineService\x12S\n\x08Generate\x12!.cachet.engine.v1.GenerateRequest\x1a\".cachet.engine.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.cachet.engine.v1.AbortRequest\x1a\x1f.cachet.engine.v1.AbortResponse\x12_\n\x11StreamLoadReports\x12*.cachet.engine.v1.StreamLoadReportsRequest\x1a\x1c.cachet.engine.v1.LoadReport0\x01\x12[\n\x0eStreamKvEvents\x12\'.cachet.engine.v1.StreamKvEventsRequest\x1a\x1e.cachet.engine.v1.KvEventBatch0\x01\x12U\n\rGetEngineInfo\x12&.cachet.engine.v1.GetEngineInfoRequest\x1a\x1c.cachet.engine.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachet.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTKIND']._serialized_start=2324
-  _globals['_OUTPUTKIND']._serialized_end=2392
-  _globals['_KVTIER']._serialized_start=2394
-  _globals['_KVTIER']._serialized_end=2460
+  _globals['_OUTPUTKIND']._serialized_start=2374
+  _globals['_OUTPUTKIND']._serialized_end=2442
+  _globals['_KVTIER']._serialized_start=2444
+  _globals['_KVTIER']._serialized_end=2510
   _globals['_GENERATEREQUEST']._serialized_start=83
-  _globals['_GENERATEREQUEST']._serialized_end=634
-  _globals['_PREFILLEDELSEWHERE']._serialized_start=636
-  _globals['_PREFILLEDELSEWHERE']._serialized_end=703
-  _globals['_KVRETENTION']._serialized_start=705
-  _globals['_KVRETENTION']._serialized_end=755
-  _globals['_GENERATERESPONSE']._serialized_start=758
-  _globals['_GENERATERESPONSE']._serialized_end=982
-  _globals['_ABORTREQUEST']._serialized_start=984
-  _globals['_ABORTREQUEST']._serialized_end=1018
-  _globals['_ABORTRESPONSE']._serialized_start=1020
-  _globals['_ABORTRESPONSE']._serialized_end=1052
-  _globals['_STREAMLOADREPORTSREQUEST']._serialized_start=1054
-  _globals['_STREAMLOADREPORTSREQUEST']._serialized_end=1101
-  _globals['_LOADREPORT']._serialized_start=1104
-  _globals['_LOADREPORT']._serialized_end=1540
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=1542
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=1565
-  _globals['_KVEVENTBATCH']._serialized_start=1568
-  _globals['_KVEVENTBATCH']._serialized_end=1705
-  _globals['_KVEVENT']._serialized_start=1708
-  _globals['_KVEVENT']._serialized_end=1923
-  _globals['_BLOCKSSTORED']._serialized_start=1925
-  _globals['_BLOCKSSTORED']._serialized_end=2015
-  _globals['_BLOCKSREMOVED']._serialized_start=2017
-  _globals['_BLOCKSREMOVED']._serialized_end=2054
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=2056
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=2074
-  _globals['_GETENGINEINFOREQUEST']._serialized_start=2076
-  _globals['_GETENGINEINFOREQUEST']._serialized_end=2098
-  _globals['_ENGINEINFO']._serialized_start=2101
-  _globals['_ENGINEINFO']._serialized_end=2322
-  _globals['_ENGINESERVICE']._serialized_start=2463
-  _globals['_ENGINESERVICE']._serialized_end=2914
+  _globals['_GENERATEREQUEST']._serialized_end=655
+  _globals['_PREFILLEDELSEWHERE']._serialized_start=657
+  _globals['_PREFILLEDELSEWHERE']._serialized_end=724
+  _globals['_KVRETENTION']._serialized_start=726
+  _globals['_KVRETENTION']._serialized_end=776
+  _globals['_GENERATERESPONSE']._serialized_start=779
+  _globals['_GENERATERESPONSE']._serialized_end=1003
+  _globals['_ABORTREQUEST']._serialized_start=1005
+  _globals['_ABORTREQUEST']._serialized_end=1039
+  _globals['_ABORTRESPONSE']._serialized_start=1041
+  _globals['_ABORTRESPONSE']._serialized_end=1073
+  _globals['_STREAMLOADREPORTSREQUEST']._serialized_start=1075
+  _globals['_STREAMLOADREPORTSREQUEST']._serialized_end=1122
+  _globals['_LOADREPORT']._serialized_start=1125
+  _globals['_LOADREPORT']._serialized_end=1561
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=1563
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=1586
+  _globals['_KVEVENTBATCH']._serialized_start=1589
+  _globals['_KVEVENTBATCH']._serialized_end=1726
+  _globals['_KVEVENT']._serialized_start=1729
+  _globals['_KVEVENT']._serialized_end=1944
+  _globals['_BLOCKSSTORED']._serialized_start=1946
+  _globals['_BLOCKSSTORED']._serialized_end=2036
+  _globals['_BLOCKSREMOVED']._serialized_start=2038
+  _globals['_BLOCKSREMOVED']._serialized_end=2075
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=2077
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=2095
+  _globals['_GETENGINEINFOREQUEST']._serialized_start=2097
+  _globals['_GETENGINEINFOREQUEST']._serialized_end=2119
+  _globals['_ENGINEINFO']._serialized_start=2122
+  _globals['_ENGINEINFO']._serialized_end=2372
+  _globals['_ENGINESERVICE']._serialized_start=2513
+  _globals['_ENGINESERVICE']._serialized_end=2964
 # @@protoc_insertion_point(module_scope)

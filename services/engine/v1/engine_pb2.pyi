@@ -97,6 +97,7 @@ class GenerateRequest(_message.Message):
     PREFILLED_FIELD_NUMBER: _builtins.int
     IMAGES_FIELD_NUMBER: _builtins.int
     CONSTRAIN_AFTER_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    HAND_OFF_TO_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen unique id; the same id is used for abort and usage."""
     model: _builtins.str
@@ -109,14 +110,22 @@ class GenerateRequest(_message.Message):
     """Which messages the stream carries."""
     hand_off_kv: _builtins.bool
     """Disaggregated prefill, on a prefill replica: the request's last message (its one sampled
-    token) is sent only once every full block of the prompt's KV is in the shared KV tier,
-    where the decode replica the router names loads it. Needs CACHET_KV_SHARED_DIR.
+    token) is sent only once every full block of the prompt's KV is where the decode replica
+    will load it: in the shared KV tier (CACHET_KV_SHARED_DIR), and in that replica's memory
+    when hand_off_to names its KV receiver. Needs one of the two.
     """
     constrain_after_token_id: _builtins.int
     """response_format constrains only the output after the first token with this id: a
     reasoning model whose generation prompt opened a think block thinks freely, and the
     constraint starts once it closes the block (the id of its `</think>`). Unset: from the
     first output token.
+    """
+    hand_off_to: _builtins.str
+    """With hand_off_kv: the decode replica's KV receiver (its EngineInfo.kv_transfer_address,
+    "host:port"), to which the prompt's blocks are pushed directly over torch.distributed
+    point-to-point (gloo on CPU, NCCL on CUDA; docs/ARCHITECTURE.md, "Disaggregated prefill").
+    A receiver that cannot be reached, or keeps another KV layout, costs the decode replica a
+    recompute of what the shared tier does not hold, never the request.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -163,10 +172,11 @@ class GenerateRequest(_message.Message):
         prefilled: Global___PrefilledElsewhere | None = ...,
         images: _abc.Iterable[_common_pb2.ImageInput] | None = ...,
         constrain_after_token_id: _builtins.int | None = ...,
+        hand_off_to: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_constrain_after_token_id", b"_constrain_after_token_id", "constrain_after_token_id", b"constrain_after_token_id", "prefilled", b"prefilled", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_after_token_id", b"_constrain_after_token_id", "cache_salt", b"cache_salt", "constrain_after_token_id", b"constrain_after_token_id", "hand_off_kv", b"hand_off_kv", "images", b"images", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "prefilled", b"prefilled", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_after_token_id", b"_constrain_after_token_id", "cache_salt", b"cache_salt", "constrain_after_token_id", b"constrain_after_token_id", "hand_off_kv", b"hand_off_kv", "hand_off_to", b"hand_off_to", "images", b"images", "kv_retention", b"kv_retention", "model", b"model", "output_kind", b"output_kind", "prefilled", b"prefilled", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__constrain_after_token_id: _TypeAlias = _typing.Literal["constrain_after_token_id"]  # noqa: Y015
     _WhichOneofArgType__constrain_after_token_id: _TypeAlias = _typing.Literal["_constrain_after_token_id", b"_constrain_after_token_id"]  # noqa: Y015
@@ -645,6 +655,7 @@ class EngineInfo(_message.Message):
     EXPERT_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_ADDRESS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id."""
     model: _builtins.str
@@ -668,6 +679,10 @@ class EngineInfo(_message.Message):
     computes prompts and hands their KV to decode replicas; "decode" takes requests whose
     prompts were prefilled elsewhere, and whole requests when the router sends them.
     """
+    kv_transfer_address: _builtins.str
+    """Where prefill replicas push KV to this replica ("host:port",
+    CACHET_ENGINE_KV_TRANSFER_PORT); empty: it takes KV only through the shared KV tier.
+    """
     def __init__(
         self,
         *,
@@ -681,10 +696,11 @@ class EngineInfo(_message.Message):
         expert_parallel_size: _builtins.int = ...,
         device: _builtins.str = ...,
         role: _builtins.str = ...,
+        kv_transfer_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "context_window", b"context_window", "device", b"device", "dtype", b"dtype", "expert_parallel_size", b"expert_parallel_size", "model", b"model", "replica_id", b"replica_id", "role", b"role", "tensor_parallel_size", b"tensor_parallel_size", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "context_window", b"context_window", "device", b"device", "dtype", b"dtype", "expert_parallel_size", b"expert_parallel_size", "kv_transfer_address", b"kv_transfer_address", "model", b"model", "replica_id", b"replica_id", "role", b"role", "tensor_parallel_size", b"tensor_parallel_size", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,323 @@
+"""Direct KV transfer between replicas (disaggregated prefill): a prefill replica pushes a
+hand-off's blocks straight into the decode replica's memory over torch.distributed
+point-to-point, gloo on a CPU and NCCL on CUDA (the same code, chosen by device). The shared
+file tier (``shared_kv_tier``) stays the transport where no direct path exists.
+
+Pairing. A replica that takes hand-offs (``CACHET_ENGINE_KV_TRANSFER_PORT``) runs a
+``KvReceiver``: a ``TCPStore`` on that port, which it announces in ``EngineInfo``
+(``kv_transfer_address``). A sender joins by reading the receiver's layout key (model, dtype,
+block size and block shape: a block of another layout would be garbage; a mismatch refuses
+the pair, and the hand-off falls back to the files), taking a number from the store's
+counter and naming a fresh pair id under it. Both sides then open a two-rank process group
+of their own under that id (sender rank 0, receiver rank 1): no global process group, so a
+tensor-parallel replica's own group is untouched, and one receiver serves many senders.
+
+A transfer. The sender posts the block count under ``signal/<pair>/<n>`` in the store, then
+sends the blocks' hashes (int64) and the blocks (``[count, *block shape]``, one tensor) over
+the group; the receiver, waiting on that key, receives both into its ``ReceivedBlocks`` and
+answers ``ack/<pair>/<n>``. The sender's future is done at the ack, so a hand-off's answer,
+and with it the router's decode request, comes after the blocks are in the decode replica's
+memory. Signals go through the store, not the group, so an idle pair waits on nothing that
+times out, and a lost peer only ends its pair: the next send pairs again.
+
+What fails costs a recompute, never a request: a send that fails or times out completes its
+barrier all the same (the hand-off answers; the decode replica computes what it lacks), and
+received blocks nobody asks for are dropped oldest first past the receiver's budget.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+log = structlog.get_logger(__name__)
+
+# How long a pair's setup, a transfer's tensors or its ack may take before the pair is given up.
+TRANSFER_TIMEOUT = datetime.timedelta(seconds=30)
+# A receiver's threads wait for the next peer or transfer this long, at most (close() wakes
+# them sooner): an idle pair is not a failure.
+_IDLE_WAIT = datetime.timedelta(days=365)
+# ProcessGroupGloo or ProcessGroupNCCL, used alone (no global group): both send and receive.
+PairGroup = Any
+# Python's hashes are 64-bit unsigned here; int64 tensors carry them in two's complement.
+_HASH_BITS = 64
+
+
+def _to_signed(block_hash: int) -> int:
+    block_hash &= (1 << _HASH_BITS) - 1
+    return block_hash - (1 << _HASH_BITS) if block_hash >= 1 << (_HASH_BITS - 1) else block_hash
+
+
+def _pair_group(store: dist.Store, rank: int, device: torch.device) -> PairGroup:
+    """A two-rank group over ``store``: NCCL between CUDA devices, gloo otherwise."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = TRANSFER_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, TRANSFER_TIMEOUT)
+
+
+class ReceivedBlocks:
+    """Blocks pushed to this replica, by hash, until a request takes them (or the budget drops
+    the oldest). Filled by the receiver's threads, read by the engine's loop."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._blocks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        # Totals since start, for metrics.
+        self.counts = {"received": 0, "dropped": 0}
+
+    def put(self, block_hashes: Iterable[int], blocks: torch.Tensor) -> None:
+        with self._lock:
+            for block_hash, block in zip(block_hashes, blocks, strict=True):
+                if block_hash in self._blocks:
+                    self._blocks.move_to_end(block_hash)
+                    continue
+                self._blocks[block_hash] = block
+                self._bytes += block.numel() * block.element_size()
+                self.counts["received"] += 1
+            while self._bytes > self.budget_bytes and self._blocks:
+                _, dropped = self._blocks.popitem(last=False)
+                self._bytes -= dropped.numel() * dropped.element_size()
+                self.counts["dropped"] += 1
+
+    def take_run(self, block_hashes: Iterable[int]) -> list[tuple[int, torch.Tensor]]:
+        """The leading run of ``block_hashes`` held here, taken out (each is filled once)."""
+        taken = []
+        with self._lock:
+            for block_hash in block_hashes:
+                block = self._blocks.pop(block_hash, None)
+                if block is None:
+                    break
+                self._bytes -= block.numel() * block.element_size()
+                taken.append((block_hash, block))
+        return taken
+
+    def __contains__(self, block_hash: int) -> bool:
+        with self._lock:
+            return block_hash in self._blocks
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._blocks)
+
+
+class KvReceiver:
+    """Takes blocks other replicas push to this one (module docstring)."""
+
+    def __init__(
+        self,
+        layout_key: str,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        port: int,
+        budget_bytes: int,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.layout_key = layout_key
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.device = device
+        self.blocks = ReceivedBlocks(budget_bytes)
+        self._store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=TRANSFER_TIMEOUT
+        )
+        self._store.set("layout", layout_key)
+        self._host, self._port = host, self._store.port
+        self.address = f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
+        # Keys each waiting thread waits on next; close() sets them to wake the threads.
+        self._lock = threading.Lock()
+        self._closed = False
+        self._waits: dict[str, str] = {}
+        self._threads = [threading.Thread(target=self._accept, name="kv-receiver", daemon=True)]
+        self._threads[0].start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wake and end the waiting threads (a thread left blocked in the store's C++ wait at
+        interpreter exit aborts the process)."""
+        with self._lock:
+            self._closed = True
+            waits = dict(self._waits)
+            threads = list(self._threads)
+        for key, closing in waits.items():
+            self._store.set(key, closing)
+        for thread in threads:
+            thread.join(timeout)
+
+    def _client(self) -> dist.TCPStore:
+        """A connection of the calling thread's own: a store client serves one call at a time,
+        and each thread here blocks in waits of its own."""
+        return dist.TCPStore(self._host, self._port, is_master=False, timeout=TRANSFER_TIMEOUT)
+
+    def _wait(self, store: dist.TCPStore, key: str, closing: str) -> str | None:
+        """``key``'s value once set; None once the receiver is closed (``closing`` is what close()
+        sets it to)."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._waits[key] = closing
+        try:
+            store.wait([key], _IDLE_WAIT)
+            value = store.get(key).decode()
+        finally:
+            with self._lock:
+                self._waits.pop(key, None)
+        store.delete_key(key)
+        return None if value == closing and self._closed else value
+
+    def _accept(self) -> None:
+        store = self._client()
+        peer = 0
+        while (pair_id := self._wait(store, f"peer/{peer}", "")) is not None:
+            thread = threading.Thread(
+                target=self._serve, args=(pair_id,), name=f"kv-receiver-{peer}", daemon=True
+            )
+            with self._lock:
+                self._threads.append(thread)
+            thread.start()
+            peer += 1
+
+    def _serve(self, pair_id: str) -> None:
+        store = self._client()
+        try:
+            group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 1, self.device)
+        except Exception as exc:  # a sender that vanished mid-pairing
+            log.warning("KV transfer pairing failed", pair=pair_id, error=str(exc))
+            return
+        transfer = 0
+        try:
+            while (count := self._wait(store, f"signal/{pair_id}/{transfer}", "0")) not in (None, "0"):
+                hashes = torch.empty(int(count), dtype=torch.int64, device=self.device)
+                group.recv([hashes], 0, 0).wait()
+                blocks = torch.empty(int(count), *self.block_shape, dtype=self.dtype, device=self.device)
+                group.recv([blocks], 0, 0).wait()
+                self.blocks.put((h & ((1 << _HASH_BITS) - 1) for h in hashes.tolist()), blocks)
+                store.set(f"ack/{pair_id}/{transfer}", "1")
+                transfer += 1
+        except Exception as exc:  # a sender lost mid-transfer: its pair ends, the others go on
+            log.warning("KV transfer from a peer failed", pair=pair_id, error=str(exc))
+
+
+class LayoutMismatch(ValueError):
+    """The receiver keeps blocks of another layout: the hand-off goes through the files."""
+
+
+@dataclass
+class _Pair:
+    store: dist.TCPStore
+    group: PairGroup
+    pair_id: str
+    next_transfer: int = 0
+
+
+class KvSender:
+    """Pushes blocks to other replicas' receivers, one transfer at a time, on one worker thread."""
+
+    def __init__(
+        self, layout_key: str, device: torch.device, *, timeout: datetime.timedelta = TRANSFER_TIMEOUT
+    ) -> None:
+        self.layout_key = layout_key
+        self.device = device
+        self.timeout = timeout
+        self._pairs: dict[str, _Pair] = {}
+        # Receivers that could not be reached, until when sends to them fail at once: a hand-off
+        # sends after each prompt chunk, and each would otherwise wait out the timeout again.
+        self._unreachable: dict[str, float] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sender")
+        # Totals since start, for metrics.
+        self.counts = {"sent": 0, "failed": 0}
+        self.bytes_sent = 0
+
+    def send_later(
+        self,
+        address: str,
+        block_hashes: list[int],
+        blocks: torch.Tensor,
+        ready: Callable[[], None] | None = None,
+    ) -> Future[None]:
+        """Queue ``blocks`` (``[count, *block shape]``, owned by the sender now) for ``address``;
+        ``ready`` is waited on first, on the worker (a CUDA event whose copy fills ``blocks``).
+        The future is done once the receiver holds them, and fails if it could not."""
+        return self._worker.submit(self._send, address, block_hashes, blocks, ready)
+
+    def after_queued_work(self) -> Future[None]:
+        """Done once every transfer queued so far has ended, delivered or failed."""
+        return self._worker.submit(lambda: None)
+
+    def close(self) -> None:
+        self._worker.submit(self._close_pairs)
+        self._worker.shutdown(wait=True)
+
+    def _send(
+        self, address: str, block_hashes: list[int], blocks: torch.Tensor, ready: Callable[[], None] | None
+    ) -> None:
+        try:
+            if ready is not None:
+                ready()
+            if time.monotonic() < self._unreachable.get(address, 0.0):
+                raise ConnectionError(f"the KV receiver at {address} was unreachable moments ago")
+            pair = self._pairs.get(address) or self._pair(address)
+            self._pairs[address] = pair
+            transfer = pair.next_transfer
+            pair.next_transfer += 1
+            pair.store.set(f"signal/{pair.pair_id}/{transfer}", str(len(block_hashes)))
+            hashes = torch.tensor(
+                [_to_signed(h) for h in block_hashes], dtype=torch.int64, device=self.device
+            )
+            pair.group.send([hashes], 1, 0).wait()
+            pair.group.send([blocks.contiguous()], 1, 0).wait()
+            pair.store.wait([f"ack/{pair.pair_id}/{transfer}"], self.timeout)
+            pair.store.delete_key(f"ack/{pair.pair_id}/{transfer}")
+        except LayoutMismatch:
+            self.counts["failed"] += 1
+            raise
+        except Exception:
+            # The pair may be half-way through a transfer: never reuse it.
+            self.counts["failed"] += 1
+            if self._pairs.pop(address, None) is None:
+                self._unreachable[address] = time.monotonic() + self.timeout.total_seconds()
+            raise
+        self.counts["sent"] += len(block_hashes)
+        self.bytes_sent += blocks.numel() * blocks.element_size()
+
+    def _pair(self, address: str) -> _Pair:
+        bracketed, _, port = address.rpartition(":")
+        host = bracketed.strip("[]")
+        # A plain connect first: a receiver that is gone is refused at once, where the store's
+        # client would retry until its timeout and log each try.
+        socket.create_connection((host, int(port)), timeout=self.timeout.total_seconds()).close()
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+        theirs = store.get("layout").decode()
+        if theirs != self.layout_key:
+            raise LayoutMismatch(
+                f"the receiver at {address} keeps {theirs!r} blocks, not {self.layout_key!r}"
+            )
+        peer = store.add("peers", 1) - 1
+        pair_id = uuid.uuid4().hex
+        store.set(f"peer/{peer}", pair_id)
+        group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 0, self.device)
+        return _Pair(store, group, pair_id)
+
+    def _close_pairs(self) -> None:
+        for pair in self._pairs.values():
+            try:
+                pair.store.set(f"signal/{pair.pair_id}/{pair.next_transfer}", "0")
+            except Exception:  # the receiver is gone already
+                continue
+        self._pairs.clear()
