@@ -7,7 +7,8 @@ cores; nothing pins a replica to a core):
 
 * **mixed**: ``CACHET_REPLICAS=2``, two mixed replicas, as today;
 * **disaggregated**: ``CACHET_REPLICAS=1 CACHET_PREFILL_REPLICAS=1``, one decode and one
-  prefill replica handing KV over through the shared file tier (``<data dir>/kv-shared``).
+  prefill replica, which pushes KV straight into the decode replica's memory (``kv_transfer``;
+  the shared file tier, ``<data dir>/kv-shared``, is written too and is the fallback).
 
 Both get the same mix, driven over the REST API (streamed chat completions, greedy,
 ``ignore_eos``) with prompts of random vocabulary words from a fixed seed (the repo keeps no
@@ -378,6 +379,10 @@ def transfer_figures(grown: dict[str, Figures], client: dict) -> dict:
         "decode_shared_hit_tokens": summed(
             decode, "cachet_engine_prefix_cache_hit_tokens_total", tier="shared"
         ),
+        "decode_transfer_hit_tokens": summed(
+            decode, "cachet_engine_prefix_cache_hit_tokens_total", tier="transfer"
+        ),
+        "sent_bytes": summed(prefill, "cachet_engine_kv_block_copy_bytes_total", direction="send"),
         "stored_bytes": summed(engines, "cachet_engine_kv_block_copy_bytes_total", direction="store"),
         "load_gb_s_lower_bound": loaded / gap_sum / 1e9 if loaded and gap_sum else None,
         "handoff_share_of_long_ttft": mean_handoff / long_ttft if mean_handoff and long_ttft else None,
@@ -773,9 +778,12 @@ def _print_transfer(entry: dict) -> None:
         f"{_cell(transfer['beyond_steps_share_of_long_ttft'], 0, 2)} of the long prompts' mean TTFT"
     )
     print(
-        f"decode replica loaded from the shared tier: {transfer['decode_loaded_bytes'] / 1e6:,.1f} MB, "
-        f"{transfer['decode_loaded_blocks']:.0f} blocks, {transfer['decode_shared_hit_tokens']:.0f} tokens "
-        f"(written to the tier by all replicas: {transfer['stored_bytes'] / 1e6:,.1f} MB)"
+        f"decode replica loaded into its host tier: {transfer['decode_loaded_bytes'] / 1e6:,.1f} MB, "
+        f"{transfer['decode_loaded_blocks']:.0f} blocks; tokens pushed to it (direct) "
+        f"{transfer.get('decode_transfer_hit_tokens', 0):.0f}, from the shared tier "
+        f"{transfer['decode_shared_hit_tokens']:.0f} (sent by prefill replicas: "
+        f"{transfer.get('sent_bytes', 0) / 1e6:,.1f} MB; written to the tier by all replicas: "
+        f"{transfer['stored_bytes'] / 1e6:,.1f} MB)"
     )
     print(
         "load GB/s, lower bound (bytes over the long prompts' 1st->2nd token gaps): "

@@ -27,6 +27,7 @@ received blocks nobody asks for are dropped oldest first past the receiver's bud
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import socket
 import threading
@@ -147,11 +148,17 @@ class KvReceiver:
         self._waits: dict[str, str] = {}
         self._threads = [threading.Thread(target=self._accept, name="kv-receiver", daemon=True)]
         self._threads[0].start()
+        # A thread still blocked in the store's C++ wait when the interpreter exits aborts the
+        # process: a replica's receiver lives as long as it does, and is woken on the way out.
+        atexit.register(self.close)
 
     def close(self, timeout: float = 5.0) -> None:
         """Wake and end the waiting threads (a thread left blocked in the store's C++ wait at
         interpreter exit aborts the process)."""
+        atexit.unregister(self.close)
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             waits = dict(self._waits)
             threads = list(self._threads)
@@ -207,6 +214,9 @@ class KvReceiver:
                 group.recv([hashes], 0, 0).wait()
                 blocks = torch.empty(int(count), *self.block_shape, dtype=self.dtype, device=self.device)
                 group.recv([blocks], 0, 0).wait()
+                if blocks.device.type == "cuda":
+                    # Held in host memory, the tier they fill: not beside the GPU's KV pool.
+                    blocks = blocks.to("cpu", non_blocking=False)
                 self.blocks.put((h & ((1 << _HASH_BITS) - 1) for h in hashes.tolist()), blocks)
                 store.set(f"ack/{pair_id}/{transfer}", "1")
                 transfer += 1
