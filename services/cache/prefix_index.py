@@ -32,9 +32,14 @@ most one block, so "stored" of a held hash and "removed" of an unknown one are
 no-ops rather than errors; either way the mirror ends equal to the engine's set.
 
 Tiers: a replica holds blocks in its pool (``"engine"``), its host memory (``"host"``) and
-the shared file tier as it announced it (``"shared"``; per replica, since each engine
-announces only the files it wrote or read). Each tier is its own pair of maps, fed by the
-events that name it. A match is the engine's own lookup: the leading run in the pool, then
+the shared file tier (``"shared"``). Each tier is its own pair of maps, fed by the events that
+name it. The shared tier is one folder that many replicas may see: an engine names its folder
+(``KvEventBatch.shared_tier_id``: the folder's own id and the layout's key), and replicas that
+name the same one form a *shared group*, which holds the union of what its members announced
+(each announces the files it wrote, found or read, less those it removed or missed). A block
+any member wrote is then credited to every member, which can load it; one any member removed
+is gone for all. A replica that names no folder keeps its shared tier to itself, as it
+announced it. A match is the engine's own lookup: the leading run in the pool, then
 the run the host tier continues it with, then the run the shared tier continues that with;
 each replica's answer says how many blocks came from each, since a hit in a lower tier
 costs a copy (placement weighs them).
@@ -79,8 +84,19 @@ class _ReplicaBlocks:
     bit: int
     # Model of the replica's blocks; "" until the first stored event names it.
     model: str = ""
-    # Per tier, the hashes it holds there.
+    # Per tier, the hashes it holds there (its shared tier's: only while it is in no group).
     hashes: dict[Tier, set[int]] = field(default_factory=lambda: {tier: set() for tier in TIERS})
+    # The shared folder it sees (a key of ``PrefixIndex._groups``); "": its own.
+    shared_group: str = ""
+
+
+@dataclass
+class _SharedGroup:
+    """Replicas that see one shared folder, and the blocks its files hold as they announced them."""
+
+    # Mask of the members' bits.
+    members: int = 0
+    hashes: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -141,6 +157,8 @@ class PrefixIndex:
         self._holders: dict[Tier, dict[int, int]] = {tier: {} for tier in TIERS}
         # Slot -> address; None marks a free slot (kept so that masks stay narrow).
         self._slots: list[str | None] = []
+        # Shared folder id -> the replicas that see it and what it holds.
+        self._groups: dict[str, _SharedGroup] = {}
         self.figures = IndexFigures()
 
     # -- events ---------------------------------------------------------------
@@ -160,6 +178,9 @@ class PrefixIndex:
                 raise ValueError(f"replica {address} holds blocks of {replica.model!r}, not {model!r}")
             replica.model = model
         hashes, holders, bit = replica.hashes[tier], self._holders[tier], replica.bit
+        if tier == "shared" and replica.shared_group:
+            group = self._groups[replica.shared_group]
+            hashes, bit = group.hashes, group.members
         for block_hash in block_hashes:
             if block_hash not in hashes:
                 hashes.add(block_hash)
@@ -170,11 +191,14 @@ class PrefixIndex:
         replica = self._blocks.get(address)
         if replica is None:
             return
-        hashes = replica.hashes[tier]
+        hashes, bit = replica.hashes[tier], replica.bit
+        if tier == "shared" and replica.shared_group:
+            group = self._groups[replica.shared_group]
+            hashes, bit = group.hashes, group.members
         for block_hash in block_hashes:
             if block_hash in hashes:
                 hashes.discard(block_hash)
-                self._drop_holder(tier, block_hash, replica.bit)
+                self._drop_holder(tier, block_hash, bit)
 
     def clear(self, address: str, tier: Tier | None = None) -> None:
         """``address`` dropped every block of ``tier`` (None: of every tier) but is still followed
@@ -183,9 +207,47 @@ class PrefixIndex:
         if replica is None:
             return
         for cleared in TIERS if tier is None else (tier,):
+            if cleared == "shared" and replica.shared_group:
+                # The folder's files outlive what one replica says of them: it leaves the group
+                # only when the index forgets it.
+                if tier is None:
+                    self._leave_group(replica)
+                continue
             for block_hash in replica.hashes[cleared]:
                 self._drop_holder(cleared, block_hash, replica.bit)
             replica.hashes[cleared] = set()
+
+    def join_shared_group(self, address: str, model: str, group_id: str) -> None:
+        """``address``, serving ``model``, sees the shared folder ``group_id`` (""): none, its
+        shared tier is its own). It is credited with every block the folder's other replicas
+        announced, before it announces any block itself, and they with what it announces."""
+        replica = self._blocks.get(address) or self._add_replica(address)
+        if replica.model != model and not any(replica.hashes.values()) and not replica.shared_group:
+            replica.model = model
+        if replica.shared_group == group_id:
+            return
+        if replica.shared_group:
+            self._leave_group(replica)
+        else:
+            self.clear(address, "shared")
+        if not group_id:
+            return
+        group = self._groups.setdefault(group_id, _SharedGroup())
+        group.members |= replica.bit
+        replica.shared_group = group_id
+        holders = self._holders["shared"]
+        for block_hash in group.hashes:
+            holders[block_hash] = holders.get(block_hash, 0) | replica.bit
+
+    def _leave_group(self, replica: _ReplicaBlocks) -> None:
+        group_id, replica.shared_group = replica.shared_group, ""
+        group = self._groups[group_id]
+        for block_hash in group.hashes:
+            self._drop_holder("shared", block_hash, replica.bit)
+        group.members &= ~replica.bit
+        if not group.members:
+            # No replica left to announce or correct it: what it held is unknown now.
+            del self._groups[group_id]
 
     def forget_replica(self, address: str) -> None:
         """Drop everything known about ``address`` (disconnected, restarted, or unwatched); frees its slot."""
@@ -301,7 +363,18 @@ class PrefixIndex:
     def replica_blocks(self, address: str, tier: Tier = "engine") -> int:
         """Blocks the index believes ``address`` holds in ``tier`` (0 for an unknown replica)."""
         replica = self._blocks.get(address)
-        return len(replica.hashes[tier]) if replica is not None else 0
+        return len(self._hashes(replica, tier)) if replica is not None else 0
+
+    def _hashes(self, replica: _ReplicaBlocks, tier: Tier) -> set[int]:
+        """What ``replica`` holds in ``tier``: its group's, for a shared tier it shares."""
+        if tier == "shared" and replica.shared_group:
+            return self._groups[replica.shared_group].hashes
+        return replica.hashes[tier]
+
+    def shared_group(self, address: str) -> str:
+        """The shared folder ``address`` sees, as it named it ("": its own, or unknown)."""
+        replica = self._blocks.get(address)
+        return replica.shared_group if replica is not None else ""
 
     def replica_model(self, address: str) -> str:
         replica = self._blocks.get(address)
@@ -317,7 +390,7 @@ class PrefixIndex:
 
     def total_blocks(self, tier: Tier = "engine") -> int:
         """(replica, block) pairs held in ``tier``: a block cached on two replicas counts twice."""
-        return sum(len(replica.hashes[tier]) for replica in self._blocks.values())
+        return sum(len(self._hashes(replica, tier)) for replica in self._blocks.values())
 
     def distinct_blocks(self, tier: Tier = "engine") -> int:
         return len(self._holders[tier])
@@ -330,9 +403,11 @@ class PrefixIndex:
         for address, replica in self._blocks.items():
             if self._slots[replica.bit.bit_length() - 1] != address or replica.bit & (replica.bit - 1):
                 raise AssertionError(f"replica {address} does not own its slot")
-            for tier, hashes in replica.hashes.items():
-                for block_hash in hashes:
+            for tier in TIERS:
+                for block_hash in self._hashes(replica, tier):
                     inverse[tier][block_hash] = inverse[tier].get(block_hash, 0) | replica.bit
+            if replica.shared_group and replica.hashes["shared"]:
+                raise AssertionError(f"replica {address} keeps shared blocks of its own in a group")
         for tier in TIERS:
             if inverse[tier] != self._holders[tier]:
                 raise AssertionError(f"{tier} holders map is not the inverse of the per-replica block sets")
@@ -341,3 +416,7 @@ class PrefixIndex:
         for address, replica in self._blocks.items():
             if any(replica.hashes.values()) and not replica.model:
                 raise AssertionError(f"replica {address} holds blocks but has no model")
+        for group_id, group in self._groups.items():
+            members = sum(r.bit for r in self._blocks.values() if r.shared_group == group_id)
+            if not group.members or members != group.members:
+                raise AssertionError(f"shared group {group_id} does not list exactly its members")

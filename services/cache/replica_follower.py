@@ -157,6 +157,8 @@ class ReplicaFollower:
         self.status.replica_id = first.replica_id
         self.status.block_size = first.block_size
         self._model = first.model
+        # Before the snapshot's events: its shared blocks go to the folder's group.
+        self._index.join_shared_group(self.address, first.model, first.shared_tier_id)
         # A stream that delivered its snapshot is healthy: the next failure starts from a short delay.
         self._backoff.reset()
         log.info("following kv events", engine=self.address, replica_id=first.replica_id, model=first.model)

@@ -71,6 +71,7 @@ class CoreLoop:
             sampling_defaults=dict(sampling_defaults or {}),
             vocab_size=getattr(runner, "vocab_size", 0),
             image_input=getattr(runner, "image_input", None),
+            shared_tier_id=getattr(getattr(runner, "shared_kv", None), "tier_id", ""),
         )
 
     def run(self, command_id: int, command: Command) -> Reply:

@@ -115,6 +115,8 @@ class EngineDescription:
     vocab_size: int = 0
     # The images the model reads (None: text only).
     image_input: ImageInputSpec | None = None
+    # The shared KV folder's id and layout key (shared_kv_tier.SharedKvFiles.tier_id); "": none.
+    shared_tier_id: str = ""
 
 
 Message = Reply | StepReport

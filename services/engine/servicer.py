@@ -91,6 +91,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     events=[_to_kv_event(event) for event in events],
                     model=self._info.model,
                     block_size=self._info.block_size,
+                    shared_tier_id=self._engine.description.shared_tier_id,
                 )
                 sequence += 1
         finally:

@@ -65,6 +65,8 @@ from cachet.engine.tier_events import TierEvents, snapshot
 log = structlog.get_logger(__name__)
 
 _MAGIC = b"CKV1"
+# In the shared root, beside the layouts' folders.
+_FOLDER_ID_FILE = ".cachet-folder-id"
 _HEADER_LENGTH = struct.Struct("<I")
 # Clean up at most this often (in writes): listing a large folder is not free.
 _CLEAN_UP_EVERY_WRITES = 64
@@ -161,6 +163,8 @@ class SharedKvFiles:
         speaks for whole blocks; ``follower``: a rank other than 0, which keeps its own shard's
         files only (module docstring). ``budget_bytes`` is the whole tier's, every shard counted."""
         self._own = _ShardFolder(root, ShardLayout(key, tuple(block_shape)), dtype)
+        # What the cache index groups replicas by: those naming the same id see the same files.
+        self.tier_id = f"{folder_id(Path(root))}/{key}"
         self._peers = [_ShardFolder(root, peer, dtype) for peer in peers]
         self.follower = follower
         self.key = key
@@ -443,6 +447,24 @@ class SharedKvFiles:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def folder_id(root: Path) -> str:
+    """The shared root's own id, made by the first replica that opens it (a file linked into
+    place, so two replicas racing agree): replicas reading the same id see the same files, on
+    one host or on a shared filesystem, whatever path each mounts it at."""
+    path = root / _FOLDER_ID_FILE
+    root.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        temporary = root / f".{_FOLDER_ID_FILE}.{uuid.uuid4().hex}.tmp"
+        temporary.write_text(uuid.uuid4().hex)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass  # another replica made it first: its id is the folder's
+        finally:
+            temporary.unlink(missing_ok=True)
+    return path.read_text().strip()
 
 
 def _read_whole(path: Path) -> bytearray:

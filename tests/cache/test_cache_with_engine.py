@@ -222,3 +222,79 @@ async def test_the_index_follows_blocks_into_the_host_and_shared_tiers(tmp_path)
         _stop(engine)
         for name in ("engine.log", "cache.log"):
             print(f"--- {name} ---\n{(tmp_path / name).read_text(errors='replace')[-4000:]}")
+
+
+async def test_a_block_one_replica_wrote_to_the_shared_folder_is_credited_to_every_replica_seeing_it(
+    tmp_path,
+) -> None:
+    """Two engines on one shared folder: the index credits B with the blocks A wrote before B
+    has read any of them (they are one folder's files), and B does load them from there."""
+    model_dir = write_tiny_model(tmp_path / "model")
+    cache_port = free_loopback_port()
+    ports = [free_loopback_port(), free_loopback_port()]
+    addresses = [f"127.0.0.1:{port}" for port in ports]
+    engines = [
+        _spawn(
+            "cachet.engine",
+            {
+                "CACHET_MODEL": str(model_dir),
+                "CACHET_ENGINE_PORT": str(port),
+                "CACHET_DTYPE": "float32",
+                "CACHET_KV_CACHE_GB": "0.01",
+                "CACHET_KV_HOST_GB": "0.01",
+                "CACHET_KV_SHARED_DIR": str(tmp_path / "shared"),
+            },
+            tmp_path / f"engine-{index}.log",
+        )
+        for index, port in enumerate(ports)
+    ]
+    cache = _spawn(
+        "cachet.cache",
+        {"CACHET_CACHE_PORT": str(cache_port), "CACHET_CACHE_ENGINE_ADDRESSES": json.dumps(addresses)},
+        tmp_path / "cache.log",
+    )
+    channels = [create_channel(address) for address in addresses]
+    cache_channel = create_channel(f"127.0.0.1:{cache_port}")
+    try:
+        stubs = [engine_pb2_grpc.EngineServiceStub(channel) for channel in channels]
+        cache_stub = cache_pb2_grpc.CacheIndexServiceStub(cache_channel)
+        info = await stubs[0].GetEngineInfo(
+            engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120
+        )
+        await stubs[1].GetEngineInfo(engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120)
+        chain = block_hashes(PROMPT, info.model, block_size=info.block_size, reproducible=True)
+
+        async def generate(stub, request_id: str) -> int:
+            request = engine_pb2.GenerateRequest(
+                request_id=request_id,
+                model=info.model,
+                prompt_token_ids=PROMPT,
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4),
+            )
+            responses = [r async for r in stub.Generate(request, timeout=120)]
+            return responses[-1].usage.cached_tokens
+
+        assert await generate(stubs[0], "written-by-a") == 0
+
+        async def credited() -> dict[str, tuple[int, int, int]] | None:
+            query = cache_pb2.MatchPrefixRequest(model=info.model, block_hashes=chain)
+            reply = await cache_stub.MatchPrefix(query, wait_for_ready=True, timeout=30)
+            found = {m.address: (m.engine_blocks, m.host_blocks, m.shared_blocks) for m in reply.matches}
+            last_seen.append(found)
+            return found if found == {addresses[0]: (4, 0, 0), addresses[1]: (0, 0, 4)} else None
+
+        last_seen: list[dict[str, tuple[int, int, int]]] = []
+        try:
+            await _until(credited, 20, "B credited with the blocks A wrote to the shared folder")
+        finally:
+            print("index's last answer:", last_seen[-1:] or None)
+        # The prompt's last token is always computed: B loads 3 of the 4 blocks from the folder.
+        assert await generate(stubs[1], "read-by-b") == 48
+    finally:
+        for channel in [*channels, cache_channel]:
+            await channel.close()
+        _stop(cache)
+        for engine in engines:
+            _stop(engine)
+        for name in ("engine-0.log", "engine-1.log", "cache.log"):
+            print(f"--- {name} ---\n{(tmp_path / name).read_text(errors='replace')[-4000:]}")

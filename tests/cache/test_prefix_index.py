@@ -35,6 +35,10 @@ class CheckedIndex(PrefixIndex):
         super().forget_replica(address)
         self.check_invariants()
 
+    def join_shared_group(self, address, model, group_id):
+        super().join_shared_group(address, model, group_id)
+        self.check_invariants()
+
 
 @pytest.fixture
 def index() -> CheckedIndex:
@@ -389,3 +393,108 @@ def test_hits_are_counted_per_replica_and_tier_and_queries_per_replica_of_the_mo
     assert index.figures.replica(B).queried_blocks == 17
     assert index.figures.replica(A).queried_blocks == 19
     assert index.figures.replica(C).queried_blocks == 0 and C not in index.figures.by_replica
+
+
+# ------------------------------------------------------------- one shared folder, many replicas
+
+
+def test_replicas_that_see_one_shared_folder_are_credited_with_what_any_of_them_wrote(index) -> None:
+    index.join_shared_group(A, MODEL, "folder-1/layout")
+    index.apply_stored(A, MODEL, CHAIN[:4], "shared")
+    # B sees the same folder: A's files are B's to load too, before B ever read one.
+    index.join_shared_group(B, MODEL, "folder-1/layout")
+    # C sees another folder (or the same one under another layout): nothing of A's.
+    index.join_shared_group(C, MODEL, "folder-2/layout")
+    index.apply_stored(C, MODEL, CHAIN[:1])
+    assert tiered(index) == [(A, 0, 0, 4), (B, 0, 0, 4), (C, 1, 0, 0)]
+    assert index.replica_blocks(B, "shared") == 4 and index.shared_group(B) == "folder-1/layout"
+    # What B writes is A's too; a file B's clean-up removed is gone for A as well.
+    index.apply_stored(B, MODEL, CHAIN[4:6], "shared")
+    index.apply_removed(B, CHAIN[2:3], "shared")
+    assert tiered(index) == [(A, 0, 0, 2), (B, 0, 0, 2), (C, 1, 0, 0)]
+    assert tiered(index, CHAIN[3:]) == [(A, 0, 0, 3), (B, 0, 0, 3)]
+    # A replica's own reset leaves the folder's files (and the group) alone.
+    index.clear(A, "shared")
+    assert tiered(index, CHAIN[3:]) == [(A, 0, 0, 3), (B, 0, 0, 3)]
+
+
+def test_a_forgotten_member_leaves_its_group_and_the_last_one_takes_the_group_with_it(index) -> None:
+    index.join_shared_group(A, MODEL, "folder")
+    index.join_shared_group(B, MODEL, "folder")
+    index.apply_stored(A, MODEL, CHAIN[:3], "shared")
+    index.forget_replica(A)
+    assert tiered(index) == [(B, 0, 0, 3)]
+    index.forget_replica(B)
+    assert tiered(index) == []
+    # A new subscription starts from what its snapshot says, not from a group nobody vouches for.
+    index.join_shared_group(A, MODEL, "folder")
+    assert tiered(index) == []
+
+
+def test_a_replica_that_names_no_folder_keeps_its_shared_tier_to_itself(index) -> None:
+    index.apply_stored(A, MODEL, CHAIN[:2], "shared")
+    index.join_shared_group(B, MODEL, "folder")
+    index.apply_stored(B, MODEL, CHAIN[:3], "shared")
+    assert tiered(index) == [(B, 0, 0, 3), (A, 0, 0, 2)]
+    # Joining drops what it announced on its own (the snapshot that follows says it again).
+    index.join_shared_group(A, MODEL, "folder")
+    assert tiered(index) == [(A, 0, 0, 3), (B, 0, 0, 3)]
+    index.join_shared_group(A, MODEL, "")
+    assert tiered(index) == [(B, 0, 0, 3)]
+
+
+def test_randomised_shared_groups_agree_with_a_naive_model() -> None:
+    """Stored/removed/clear on 3 replicas, two of them sometimes in one group: a group member's
+    shared run reads the union of what the members announced, less what any removed."""
+    rng = random.Random(5)
+    replicas = [A, B, C]
+    chains = [block_hashes([rng.randrange(40) for _ in range(16 * 10)], MODEL) for _ in range(2)]
+    all_hashes = [h for chain in chains for h in chain]
+    index = CheckedIndex()
+    own = {r: set() for r in replicas}
+    groups: dict[str, set[int]] = {}
+    member = {r: "" for r in replicas}
+    pool = {r: set() for r in replicas}
+    for _ in range(600):
+        address, op = rng.choice(replicas), rng.random()
+        held = groups[member[address]] if member[address] else own[address]
+        if op < 0.1:
+            group_id = rng.choice(["", "g1", "g2"])
+            index.join_shared_group(address, MODEL, group_id)
+            if member[address] != group_id:
+                if member[address] and not any(
+                    member[r] == member[address] for r in replicas if r != address
+                ):
+                    del groups[member[address]]
+                own[address] = set()
+                member[address] = group_id
+                if group_id:
+                    groups.setdefault(group_id, set())
+        elif op < 0.5:
+            chain = rng.choice(chains)
+            start = rng.randrange(len(chain))
+            stored = chain[start : start + rng.randrange(1, 6)]
+            index.apply_stored(address, MODEL, stored, "shared")
+            held.update(stored)
+        elif op < 0.8:
+            removed = rng.sample(all_hashes, 3)
+            index.apply_removed(address, removed, "shared")
+            held.difference_update(removed)
+        else:
+            chain = rng.choice(chains)
+            index.apply_stored(address, MODEL, chain[:3])
+            pool[address].update(chain[:3])
+        query = rng.choice(chains)[: rng.randrange(1, 11)]
+        expected = []
+        for name in replicas:
+            shared = groups[member[name]] if member[name] else own[name]
+            position, runs = 0, []
+            for tier_held in (pool[name], set(), shared):
+                start = position
+                while position < len(query) and query[position] in tier_held:
+                    position += 1
+                runs.append(position - start)
+            if position:
+                expected.append(ReplicaMatch(name, *runs))
+        expected.sort(key=lambda m: (-m.matched_blocks, m.address))
+        assert index.match(MODEL, query) == expected

@@ -478,6 +478,7 @@ class KvEventBatch(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    SHARED_TIER_ID_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id (new after a restart)."""
     sequence_number: _builtins.int
@@ -486,6 +487,11 @@ class KvEventBatch(_message.Message):
     """Model id the hashes belong to."""
     block_size: _builtins.int
     """Tokens per block."""
+    shared_tier_id: _builtins.str
+    """The shared KV folder this replica's KV_TIER_SHARED events are about: the folder's own id
+    and the layout's key. Replicas naming the same one see the same files, so a block one of
+    them announces can be loaded by all; empty: no shared tier.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvEvent]:
         """The events, oldest first."""
@@ -498,10 +504,11 @@ class KvEventBatch(_message.Message):
         events: _abc.Iterable[Global___KvEvent] | None = ...,
         model: _builtins.str = ...,
         block_size: _builtins.int = ...,
+        shared_tier_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "events", b"events", "model", b"model", "replica_id", b"replica_id", "sequence_number", b"sequence_number"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "events", b"events", "model", b"model", "replica_id", b"replica_id", "sequence_number", b"sequence_number", "shared_tier_id", b"shared_tier_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
