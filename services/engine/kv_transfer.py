@@ -61,13 +61,27 @@ def _to_signed(block_hash: int) -> int:
     return block_hash - (1 << _HASH_BITS) if block_hash >= 1 << (_HASH_BITS - 1) else block_hash
 
 
-def _pair_group(store: dist.Store, rank: int, device: torch.device) -> PairGroup:
-    """A two-rank group over ``store``: NCCL between CUDA devices, gloo otherwise."""
+def _pair_group(store: dist.Store, rank: int, device: torch.device, host: str) -> PairGroup:
+    """A two-rank group over ``store``: NCCL between CUDA devices, else gloo on ``host``'s
+    interface (this replica's own address, not whatever the machine's name resolves to)."""
     if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = TRANSFER_TIMEOUT
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, TRANSFER_TIMEOUT)
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = TRANSFER_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, 2, nccl)
+    gloo = dist.ProcessGroupGloo._Options()
+    gloo._timeout = TRANSFER_TIMEOUT
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, 2, gloo)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The receiver's store listens here only (the store would take every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    return listener
 
 
 class ReceivedBlocks:
@@ -136,11 +150,17 @@ class KvReceiver:
         self.dtype = dtype
         self.device = device
         self.blocks = ReceivedBlocks(budget_bytes)
+        self._listener = _listening_socket(host, port)
+        self._host, self._port = host, self._listener.getsockname()[1]
         self._store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=TRANSFER_TIMEOUT
+            host,
+            self._port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=TRANSFER_TIMEOUT,
+            master_listen_fd=self._listener.fileno(),
         )
         self._store.set("layout", layout_key)
-        self._host, self._port = host, self._store.port
         self.address = f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
         # Keys each waiting thread waits on next; close() sets them to wake the threads.
         self._lock = threading.Lock()
@@ -203,7 +223,7 @@ class KvReceiver:
     def _serve(self, pair_id: str) -> None:
         store = self._client()
         try:
-            group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 1, self.device)
+            group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 1, self.device, self._host)
         except Exception as exc:  # a sender that vanished mid-pairing
             log.warning("KV transfer pairing failed", pair=pair_id, error=str(exc))
             return
@@ -240,10 +260,17 @@ class KvSender:
     """Pushes blocks to other replicas' receivers, one transfer at a time, on one worker thread."""
 
     def __init__(
-        self, layout_key: str, device: torch.device, *, timeout: datetime.timedelta = TRANSFER_TIMEOUT
+        self,
+        layout_key: str,
+        device: torch.device,
+        *,
+        host: str = "127.0.0.1",
+        timeout: datetime.timedelta = TRANSFER_TIMEOUT,
     ) -> None:
+        """``host``: this replica's address, the interface its gloo pairs use."""
         self.layout_key = layout_key
         self.device = device
+        self.host = host
         self.timeout = timeout
         self._pairs: dict[str, _Pair] = {}
         # Receivers that could not be reached, until when sends to them fail at once: a hand-off
@@ -321,7 +348,7 @@ class KvSender:
         peer = store.add("peers", 1) - 1
         pair_id = uuid.uuid4().hex
         store.set(f"peer/{peer}", pair_id)
-        group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 0, self.device)
+        group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 0, self.device, self.host)
         return _Pair(store, group, pair_id)
 
     def _close_pairs(self) -> None:

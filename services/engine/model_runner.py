@@ -277,7 +277,7 @@ class ModelRunner:
         pool_blocks = self.kv_cache.movedim(self.kv_block_dim, 0)
         block_shape = tuple(pool_blocks.shape[1:])
         key = layout_key(model_name, self.dtype, self.block_size, block_shape)
-        sender = KvSender(key, self.device)
+        sender = KvSender(key, self.device, host=host)
         if not port:
             return sender, None
         if self.host_kv is None:
