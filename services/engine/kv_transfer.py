@@ -68,7 +68,8 @@ def _pair_group(store: dist.Store, rank: int, device: torch.device, host: str) -
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = TRANSFER_TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, 2, nccl)
-    gloo = dist.ProcessGroupGloo._Options()
+    # The binding's own options, the ones that take devices (torch's new_group builds the same).
+    gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     gloo._timeout = TRANSFER_TIMEOUT
     gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, 2, gloo)
