@@ -319,6 +319,23 @@ def test_figures_split_the_best_match_by_tier(index) -> None:
     assert index.figures.hit_blocks_by_tier == {"engine": 1, "host": 2, "shared": 0}
 
 
+def naive_matches(query: list[int], held: dict[str, list[set[int]]]) -> list[ReplicaMatch]:
+    """The engine's own lookup rule, replica by replica: the leading run in its pool, then the run
+    its host tier continues it with, then the shared tier's; ``held``: each replica's three sets."""
+    expected = []
+    for name, tiers in held.items():
+        position, runs = 0, []
+        for tier_held in tiers:
+            start = position
+            while position < len(query) and query[position] in tier_held:
+                position += 1
+            runs.append(position - start)
+        if position:
+            expected.append(ReplicaMatch(name, *runs))
+    expected.sort(key=lambda m: (-m.matched_blocks, m.address))
+    return expected
+
+
 def test_randomised_tiered_operations_agree_with_a_naive_model() -> None:
     """Random per-tier stored/removed/clear on 3 replicas against the engine's own lookup rule."""
     rng = random.Random(11)
@@ -344,19 +361,8 @@ def test_randomised_tiered_operations_agree_with_a_naive_model() -> None:
             index.clear(address, tier)
             reference[address, tier] = set()
         query = rng.choice(chains)[: rng.randrange(1, 11)]
-        expected = []
-        for name in replicas:
-            position, runs = 0, []
-            for tier_name in tiers:
-                held = reference[name, tier_name]
-                start = position
-                while position < len(query) and query[position] in held:
-                    position += 1
-                runs.append(position - start)
-            if position:
-                expected.append(ReplicaMatch(name, *runs))
-        expected.sort(key=lambda m: (-m.matched_blocks, m.address))
-        assert index.match(MODEL, query) == expected
+        held = {name: [reference[name, tier_name] for tier_name in tiers] for name in replicas}
+        assert index.match(MODEL, query) == naive_matches(query, held)
 
 
 def test_hits_are_counted_per_replica_and_tier_and_queries_per_replica_of_the_model(index) -> None:
@@ -485,16 +491,8 @@ def test_randomised_shared_groups_agree_with_a_naive_model() -> None:
             index.apply_stored(address, MODEL, chain[:3])
             pool[address].update(chain[:3])
         query = rng.choice(chains)[: rng.randrange(1, 11)]
-        expected = []
-        for name in replicas:
-            shared = groups[member[name]] if member[name] else own[name]
-            position, runs = 0, []
-            for tier_held in (pool[name], set(), shared):
-                start = position
-                while position < len(query) and query[position] in tier_held:
-                    position += 1
-                runs.append(position - start)
-            if position:
-                expected.append(ReplicaMatch(name, *runs))
-        expected.sort(key=lambda m: (-m.matched_blocks, m.address))
-        assert index.match(MODEL, query) == expected
+        held = {
+            name: [pool[name], set(), groups[member[name]] if member[name] else own[name]]
+            for name in replicas
+        }
+        assert index.match(MODEL, query) == naive_matches(query, held)

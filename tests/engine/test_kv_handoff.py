@@ -12,7 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from test_host_kv_tier import greedy
-from test_shared_kv_tier import engine_with_shared_tier
+from test_shared_kv_tier import engine_core, engine_with_shared_tier
 
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.errors import InvalidRequest
@@ -115,19 +115,6 @@ def test_a_decode_replica_continues_a_prefill_replicas_hand_off_as_one_replica_w
     assert timeline.prefill_chunks == 1  # the partial block and the first token, in one step
 
 
-def _engine(runner: ModelRunner) -> EngineCore:
-    return EngineCore(
-        runner=runner,
-        model="tiny",
-        scheduler_config=SchedulerConfig(
-            max_model_len=runner.max_model_len,
-            max_num_batched_tokens=64,
-            max_num_seqs=4,
-            eos_token_ids=tuple(runner.eos_token_ids),
-        ),
-    )
-
-
 @pytest.mark.parametrize("family", ["llama", "kimi-k2"])
 def test_a_hand_off_pushed_straight_to_the_decode_replica_decodes_as_one_replica_would(
     tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str
@@ -145,8 +132,8 @@ def test_a_hand_off_pushed_straight_to_the_decode_replica_decodes_as_one_replica
             model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=32 * per_block, **tiers
         )
 
-    decode = _engine(runner(host_kv_bytes=32 * per_block, kv_transfer_port=free_loopback_port()))
-    prefill = _engine(runner())  # no tier at all: it sends what it computed
+    decode = engine_core(runner(host_kv_bytes=32 * per_block, kv_transfer_port=free_loopback_port()))
+    prefill = engine_core(runner())  # no tier at all: it sends what it computed
     receiver = decode.runner.kv_receiver
     try:
         address = receiver.address
@@ -188,7 +175,7 @@ def test_a_hand_off_to_a_receiver_that_is_gone_still_answers(tiny_checkpoints: d
     """A lost decode replica costs the hand-off nothing but the blocks: its answer goes out."""
     model_dir = tiny_checkpoints["llama"]
     per_block = _bytes_per_block(model_dir)
-    prefill = _engine(
+    prefill = engine_core(
         ModelRunner(model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=32 * per_block)
     )
     prefill.runner.kv_sender.timeout = datetime.timedelta(seconds=2)

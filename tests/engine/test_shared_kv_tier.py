@@ -222,6 +222,11 @@ def engine_with_shared_tier(model_dir: Path, shared: Path, per_block: int, devic
         shared_kv_dir=shared,
         shared_kv_bytes=1 << 30,
     )
+    return engine_core(runner)
+
+
+def engine_core(runner: ModelRunner) -> EngineCore:
+    """The tiers' tests' engine: 64-token steps (a 150-token prompt takes three), 4 seats."""
     return EngineCore(
         runner=runner,
         model="tiny",
