@@ -328,6 +328,9 @@ class KVCacheManager:
                 )
                 if not self.shared_tier.contains(block_hash)
             )
+        if request.hand_off_kv:
+            request.timeline.kv_handed_off_blocks = end
+            request.timeline.kv_handed_off_bytes = end * self.block_bytes
         if request.hand_off_to:
             # Every full block of a hand-off's prompt goes, those found cached here too: the
             # decode replica takes the run after what it holds itself.

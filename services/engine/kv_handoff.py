@@ -20,6 +20,7 @@ full disk) only means the decode replica recomputes those blocks.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -84,6 +85,9 @@ class KvHandOffs:
     def take_released(self) -> list[RequestOutput]:
         """The held answers whose blocks are written."""
         released = [h.output for h in self._held if h.written is not None and h.written.done()]
+        for output in released:
+            if output.timeline is not None:
+                output.timeline.kv_handed_off_ns = time.time_ns()
         if released:
             self._held = [h for h in self._held if h.written is None or not h.written.done()]
         return released

@@ -3,7 +3,8 @@
 The loop process has no trace context (and must not block on an exporter), so the request's
 stages are stamped there (``RequestTimeline``) and the spans are recorded here, in the server
 process, when the request ends, with the stamped times: queue wait, KV load from the shared
-tier (a disaggregated prefill's hand-off), prefill and decode.
+tier (a disaggregated prefill's hand-off), prefill and decode; on a prefill replica, the
+hand-off of its KV after the prefill.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def record_request_spans(output: RequestOutput) -> None:
         )
     if timeline.first_token_ns:
         _span("engine.decode", first_token, ended, {"cachet.completion_tokens": output.num_completion_tokens})
+    if timeline.kv_handed_off_ns:
+        # A hand-off's blocks on their way to the decode replica (pushed, written), after its
+        # prefill: its answer waited for them.
+        _span(
+            "engine.kv_handoff",
+            first_token,
+            timeline.kv_handed_off_ns,
+            {
+                "cachet.kv_blocks": timeline.kv_handed_off_blocks,
+                "cachet.kv_bytes": timeline.kv_handed_off_bytes,
+            },
+        )
 
 
 def _span(name: str, start_ns: int, end_ns: int, attributes: dict[str, int] | None = None) -> None:

@@ -26,3 +26,9 @@ class RequestTimeline:
     # and how many blocks came.
     kv_loaded_ns: int = 0
     kv_loaded_blocks: int = 0
+    # A hand-off (prefill replica): the blocks of its prompt handed over (sent to the decode
+    # replica, written to the shared tier), their bytes on this rank, and when they were all
+    # there and its answer left.
+    kv_handed_off_blocks: int = 0
+    kv_handed_off_bytes: int = 0
+    kv_handed_off_ns: int = 0

@@ -145,6 +145,13 @@ def test_a_hand_off_pushed_straight_to_the_decode_replica_decodes_as_one_replica
         (answer,) = outputs
         assert answer.new_token_ids == [expected[0]]
         assert len(receiver.blocks) == FULL_BLOCKS, "the answer left before its blocks were there"
+        # Its trace's hand-off span (request_spans): every full block, after the first token.
+        handed = answer.timeline
+        assert (handed.kv_handed_off_blocks, handed.kv_handed_off_bytes) == (
+            FULL_BLOCKS,
+            FULL_BLOCKS * per_block,
+        )
+        assert 0 < handed.first_token_ns <= handed.kv_handed_off_ns
         assert prefill.runner.kv_sender.counts == {"sent": FULL_BLOCKS, "failed": 0}
 
         request = Request(
