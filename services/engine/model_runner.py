@@ -284,9 +284,14 @@ class ModelRunner:
             raise ValueError(
                 "taking pushed KV (CACHET_ENGINE_KV_TRANSFER_PORT) loads into the host tier: set CACHET_KV_HOST_GB"
             )
-        receiver = KvReceiver(
-            key, block_shape, self.dtype, self.device, port=port, budget_bytes=budget_bytes, host=host
-        )
+        try:
+            receiver = KvReceiver(
+                key, block_shape, self.dtype, self.device, port=port, budget_bytes=budget_bytes, host=host
+            )
+        except OSError as exc:
+            raise ValueError(
+                f"CACHET_ENGINE_KV_TRANSFER_PORT={port}: cannot listen on {host}:{port} ({exc})"
+            ) from exc
         log.info("KV receiver listening", address=receiver.address)
         return sender, receiver
 

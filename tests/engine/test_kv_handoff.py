@@ -5,6 +5,7 @@ blocks, and decodes exactly what one replica computing everything would (fp32, g
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from pathlib import Path
 
@@ -297,3 +298,21 @@ def test_a_decode_replica_needs_a_host_tier_and_a_way_in(tmp_path: Path) -> None
     )
     # A prefill replica can push to decode replicas' receivers with no tier of its own.
     assert EngineSettings(role="prefill").role == "prefill"
+
+
+def test_a_receiver_port_in_use_is_refused_by_name(tiny_checkpoints: dict[str, Path]) -> None:
+    model_dir = tiny_checkpoints["llama"]
+    per_block = _bytes_per_block(model_dir)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"CACHET_ENGINE_KV_TRANSFER_PORT={port}: cannot listen"):
+            ModelRunner(
+                model_dir,
+                dtype=torch.float32,
+                device=torch.device("cpu"),
+                kv_cache_bytes=32 * per_block,
+                host_kv_bytes=32 * per_block,
+                kv_transfer_port=port,
+            )
