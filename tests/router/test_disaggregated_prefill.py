@@ -120,6 +120,10 @@ async def test_a_short_prompt_goes_straight_to_the_decode_replica(stack: CachetS
 
 
 async def test_killing_the_prefill_replica_mid_hand_off_costs_no_request(stack: CachetStack) -> None:
+    await _kill_the_prefill_replica_mid_hand_off(stack)
+
+
+async def _kill_the_prefill_replica_mid_hand_off(stack: CachetStack) -> None:
     """Kill -9 the prefill replica while it holds several prompts: each request completes on the
     decode replica, and the ledger holds each once.
 
@@ -202,3 +206,11 @@ async def test_a_hand_off_goes_straight_into_the_decode_replicas_memory(direct_s
     stack._add(stack.start_router(name="router-whole", CACHET_ROUTER_DISAGG_MIN_TOKENS="1000000"))
     whole = await _stream(stack, request, router="router-whole")
     assert "".join(c.content_delta for c in whole) == "".join(c.content_delta for c in chunks)
+
+
+async def test_killing_the_prefill_replica_mid_direct_hand_off_costs_no_request(
+    direct_stack: CachetStack,
+) -> None:
+    """The same with no shared folder: whatever the dead replica pushed or not, the decode
+    replica computes what it lacks (last in the file: the stack's prefill replica dies)."""
+    await _kill_the_prefill_replica_mid_hand_off(direct_stack)
