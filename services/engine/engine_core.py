@@ -238,7 +238,8 @@ class EngineCore:
             if update.request.is_finished:
                 self._stop_checkers.pop(update.request.request_id, None)
                 if update.request.hand_off_kv and self._handoffs is not None:
-                    self._handoffs.hold(output)
+                    request = update.request
+                    self._handoffs.hold(output, request.block_hashes[: request.timeline.kv_handed_off_blocks])
                     continue
             outputs.append(output)
         self._publish_kv_events()

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 @dataclass
 class _Held:
     output: RequestOutput
+    # The blocks handed over (a tensor-parallel replica's rank 0 also waits for the other ranks'
+    # shards of these).
+    block_hashes: list[int]
     # None until a step has queued the request's block writes.
     written: Future[None] | None = None
 
@@ -46,13 +49,16 @@ class KvHandOffs:
     def __init__(
         self, shared_tier: SharedKvFiles | None, sender: KvSender | None, wake: Callable[[], None]
     ) -> None:
-        self._workers = [worker for worker in (shared_tier, sender) if worker is not None]
+        self._tier = shared_tier
+        self._sender = sender
         self._wake = wake
         self._held: list[_Held] = []
 
-    def _barrier(self) -> Future[None]:
-        """Done once every send and write queued so far has ended."""
-        queued = [worker.after_queued_work() for worker in self._workers]
+    def _barrier(self, block_hashes: list[int]) -> Future[None]:
+        """Done once every send and write queued so far has ended (and every rank's shard of
+        ``block_hashes`` is written)."""
+        queued = [self._tier.after_queued_work(block_hashes)] if self._tier is not None else []
+        queued += [self._sender.after_queued_work()] if self._sender is not None else []
         done: Future[None] = Future()
         lock = threading.Lock()
         remaining = [len(queued)]
@@ -70,16 +76,17 @@ class KvHandOffs:
             done.set_result(None)
         return done
 
-    def hold(self, output: RequestOutput) -> None:
-        """Hold a request's last answer; its blocks were named by the step that just ended."""
-        self._held.append(_Held(output))
+    def hold(self, output: RequestOutput, block_hashes: list[int]) -> None:
+        """Hold a request's last answer; its blocks (``block_hashes``) were named by the step
+        that just ended."""
+        self._held.append(_Held(output, block_hashes))
 
     def after_execute(self) -> None:
         """Call after a step's plan ran: the blocks of every answer held before it are queued
         for writing now, so a barrier behind them says when they are written."""
         for held in self._held:
             if held.written is None:
-                held.written = self._barrier()
+                held.written = self._barrier(held.block_hashes)
                 held.written.add_done_callback(lambda _: self._wake())
 
     def take_released(self) -> list[RequestOutput]:

@@ -274,8 +274,7 @@ class ModelRunner:
                     "no direct KV transfer in a tensor-parallel replica", tensor_parallel_size=tp.size
                 )
             return None, None
-        pool_blocks = self.kv_cache.movedim(self.kv_block_dim, 0)
-        block_shape = tuple(pool_blocks.shape[1:])
+        block_shape = tuple(self._pool_block(0).shape)
         key = layout_key(model_name, self.dtype, self.block_size, block_shape)
         sender = KvSender(key, self.device, host=host)
         if not port:

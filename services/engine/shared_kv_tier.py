@@ -175,9 +175,6 @@ class SharedKvFiles:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared-kv")
         self._lock = threading.Lock()
         self._writes_since_clean_up = 0
-        # Blocks queued for writing since the last barrier (rank 0 of a tensor-parallel replica).
-        self._unsettled: list[int] = []
-        self._unsettled_lock = threading.Lock()  # not _lock: a clean-up holds that for a while
         self.clock = clock
         # Retentions asked for blocks whose files may not be written yet (a block's write is
         # queued a step after it is named, and its request may end in between): hash -> until.
@@ -242,9 +239,6 @@ class SharedKvFiles:
     ) -> None:
         """Queue ``block`` (a CPU tensor this tier now owns) for writing; ``ready`` is waited on
         first, on the worker (a CUDA event whose copy fills ``block``)."""
-        if self._peers:
-            with self._unsettled_lock:
-                self._unsettled.append(block_hash)
         self._worker.submit(self._write, block_hash, block, ready)
 
     def _write(self, block_hash: int, block: torch.Tensor, ready: Callable[[], None] | None) -> None:
@@ -423,13 +417,12 @@ class SharedKvFiles:
                 paths.setdefault(entry.name, []).append(entry.path)
         return [(own.get(name, others.get(name, 0.0)), sizes[name], paths[name]) for name in paths]
 
-    def after_queued_work(self) -> Future[None]:
+    def after_queued_work(self, block_hashes: Sequence[int] = ()) -> Future[None]:
         """Done once every read and write queued so far is (the worker runs them in order), and
-        on rank 0 of a tensor-parallel replica once the other ranks' shards of the blocks it
-        wrote are there too (or ``_PEER_SHARD_WAIT_SECONDS`` passed: those are recomputed)."""
-        with self._unsettled_lock:
-            written, self._unsettled = self._unsettled, []
-        return self._worker.submit(self._wait_for_peer_shards, written)
+        on rank 0 of a tensor-parallel replica once the other ranks' shards of ``block_hashes``
+        (a hand-off's blocks) are there too (or ``_PEER_SHARD_WAIT_SECONDS`` passed: those are
+        recomputed)."""
+        return self._worker.submit(self._wait_for_peer_shards, list(block_hashes) if self._peers else [])
 
     def _wait_for_peer_shards(self, block_hashes: list[int]) -> None:
         deadline = time.monotonic() + _PEER_SHARD_WAIT_SECONDS

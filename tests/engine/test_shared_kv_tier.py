@@ -195,7 +195,7 @@ def test_a_sharded_block_is_cleaned_up_whole_by_rank_0s_time(tmp_path: Path) -> 
 def test_rank_0s_barrier_waits_for_the_other_ranks_shards(tmp_path: Path) -> None:
     leader, follower = sharded(tmp_path)
     leader.write_later(5, shard(0, 5))
-    barrier = leader.after_queued_work()
+    barrier = leader.after_queued_work([5])
     time.sleep(0.2)
     assert not barrier.done(), "rank 1 has not written its shard"
     follower.write_later(5, shard(1, 5))
