@@ -38,12 +38,19 @@ _SOURCES = Path(__file__).parent / "csrc"
 KERNELS = {
     "paged_decode_attention": "decoding through the gather + SDPA path",
     "bf16_weight_linear": "bfloat16 linears run through torch's emulated bfloat16 products",
+    "fused_token_ops": "RMSNorm, SwiGLU and rotary run as plain torch ops",
 }
 
 
-# Kernels with a path for AVX512-BF16's dot products, built with them where the host has them
-# (every kernel now; a new one joins when it has such a path).
-_BF16_DOT_PRODUCT_KERNELS = frozenset({"bf16_weight_linear", "paged_decode_attention"})
+# Kernels with a path for AVX512-BF16 (dot products, or rounding to bf16), built with it where
+# the host has it (every kernel now; a new one joins when it has such a path).
+_AVX512_BF16_KERNELS = frozenset({"bf16_weight_linear", "paged_decode_attention", "fused_token_ops"})
+# Flags a kernel needs beyond its instruction set's: the fused ops round where torch's ops round,
+# so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add.
+_KERNEL_FLAGS = {"fused_token_ops": ["-ffp-contract=off"]}
+# AVX512 extensions a kernel's AVX512-BF16 path uses beyond AVX512F (the fused ops: masked 16-bit
+# loads and stores of 256 bits), by their /proc/cpuinfo name and their compiler flag.
+_KERNEL_AVX512_EXTENSIONS = {"fused_token_ops": {"avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}}
 
 
 def _isa_flags(name: str) -> tuple[str, list[str]]:
@@ -51,8 +58,9 @@ def _isa_flags(name: str) -> tuple[str, list[str]]:
     if "avx2" not in flags or "fma" not in flags:
         return "base", []
     avx2 = ["-mavx2", "-mfma", "-mf16c"]
-    if name in _BF16_DOT_PRODUCT_KERNELS and {"avx512f", "avx512_bf16"} <= flags:
-        return "avx512bf16", [*avx2, "-mavx512f", "-mavx512bf16"]
+    extensions = _KERNEL_AVX512_EXTENSIONS.get(name, {})
+    if name in _AVX512_BF16_KERNELS and {"avx512f", "avx512_bf16", *extensions} <= flags:
+        return "avx512bf16", [*avx2, "-mavx512f", "-mavx512bf16", *extensions.values()]
     return "avx2", avx2
 
 
@@ -71,7 +79,7 @@ def load_cpu_kernel(name: str) -> ModuleType | None:
             return load(
                 name=module,
                 sources=[str(_SOURCES / f"{name}.cpp")],
-                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
+                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags, *_KERNEL_FLAGS.get(name, [])],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
                 verbose=False,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from cachet.engine.attention import AttentionMetadata
+from cachet.engine.fused_token_ops import rms_norm
 from cachet.engine.image_embeddings import ImageEmbeddings
 from cachet.engine.models.config import ModelConfig
 from cachet.engine.models.rotary import RotaryEmbedding
@@ -33,10 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: bf16 sums of squares lose too much over thousands of channels.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class SelfAttention(Protocol):

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cachet.engine.attention import AttentionMetadata, PagedAttention
+from cachet.engine.fused_token_ops import silu_and_mul
 from cachet.engine.models.config import ModelConfig
 from cachet.engine.models.decoder import CausalLM, DecoderLayer, DecoderModel, RMSNorm
 from cachet.engine.models.rotary import RotaryEmbedding, apply_rotary
@@ -66,8 +66,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear.by_units(inner, 1, hidden, tp, bias, what="MLP channels")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(x)
-        return self.down_proj(F.silu(gate) * up)
+        # The merged product's output is [gate | up], as silu_and_mul reads it.
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(CausalLM):

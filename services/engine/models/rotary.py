@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from cachet.engine.fused_token_ops import rotate_half
 from cachet.engine.models.config import RopeConfig
 
 
@@ -105,6 +106,4 @@ def _yarn_attention_factor(rope: RopeConfig) -> float:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D]; cos, sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+    return rotate_half(x, cos, sin)
