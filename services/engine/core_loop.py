@@ -140,7 +140,7 @@ class CoreLoop:
             host_kv_blocks=host_blocks,
             host_kv_slots=host_slots,
             cached_tokens_by_tier=dict(scheduler.kv.hit_tokens),
-            kv_block_copies=dict(scheduler.kv.block_copies),
+            kv_block_copies=scheduler.kv.copies_by_direction,
             kv_block_copy_bytes=scheduler.kv.block_copy_bytes,
             kv_retained_blocks=scheduler.kv.num_retained_blocks,
             kv_block_retentions=scheduler.kv.block_retentions,

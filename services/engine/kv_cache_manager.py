@@ -167,10 +167,21 @@ class KVCacheManager:
         return events
 
     @property
+    def copies_by_direction(self) -> dict[str, int]:
+        """Blocks copied by direction since start (demote/promote: host tier, store/load: shared,
+        duplicate: within the pool, send: to another replica's receiver); where this replica
+        takes hand-offs, also the blocks pushed into its receiver (receive) and those dropped
+        there unused past its budget (receive_dropped: each is a recompute)."""
+        copies = dict(self.block_copies)
+        if self.received is not None:
+            copies["receive"] = self.received.counts["received"]
+            copies["receive_dropped"] = self.received.counts["dropped"]
+        return copies
+
+    @property
     def block_copy_bytes(self) -> dict[str, int]:
-        """Bytes copied by direction since start (demote/promote: host tier, store/load: shared,
-        duplicate: within the pool)."""
-        return {direction: n * self.block_bytes for direction, n in self.block_copies.items()}
+        """``copies_by_direction`` in bytes (every direction moves whole blocks of this layout)."""
+        return {direction: n * self.block_bytes for direction, n in self.copies_by_direction.items()}
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether KV for ``num_tokens`` tokens fits in the pool with nothing else in it."""

@@ -82,9 +82,10 @@ class SchedulerCollector(Collector):
             CounterMetricFamily(
                 "cachet_engine_kv_block_copies",
                 "KV blocks copied between the pool and the lower tiers (demote/promote: host tier; "
-                "store/load: shared file tier; send: to another replica's KV receiver), or within "
-                "the pool (duplicate: a request's last block copied from another live request that "
-                "computed it).",
+                "store/load: shared file tier; send: to another replica's KV receiver; receive: "
+                "pushed into this replica's receiver, receive_dropped: dropped there unused past its "
+                "budget), or within the pool (duplicate: a request's last block copied from another "
+                "live request that computed it).",
                 labels=["direction"],
             ),
             stats.kv_block_copies,
@@ -93,7 +94,8 @@ class SchedulerCollector(Collector):
             CounterMetricFamily(
                 "cachet_engine_kv_block_copy_bytes",
                 "Bytes of KV copied on rank 0 (demote/promote: host tier; store/load: shared file "
-                "tier, payload only; send: to another replica; duplicate: within the pool).",
+                "tier, payload only; send: to another replica; receive, receive_dropped: from "
+                "one; duplicate: within the pool).",
                 labels=["direction"],
             ),
             stats.kv_block_copy_bytes,

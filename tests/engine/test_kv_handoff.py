@@ -177,6 +177,11 @@ def test_a_hand_off_pushed_straight_to_the_decode_replica_decodes_as_one_replica
         "transfer": FULL_BLOCKS * 16,
     }
     assert len(receiver.blocks) == 0, "each pushed block is taken once"
+    # What the decode replica's metrics report (cachet_engine_kv_block_copies{direction=...}).
+    copies = decode.scheduler.kv.copies_by_direction
+    assert (copies["receive"], copies["receive_dropped"]) == (FULL_BLOCKS, 0)
+    assert decode.scheduler.kv.block_copy_bytes["receive"] == FULL_BLOCKS * per_block
+    assert "receive" not in prefill.scheduler.kv.copies_by_direction
 
 
 def test_a_hand_off_to_a_receiver_that_is_gone_still_answers(tiny_checkpoints: dict[str, Path]) -> None:

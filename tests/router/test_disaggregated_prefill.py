@@ -202,6 +202,8 @@ async def test_a_hand_off_goes_straight_into_the_decode_replicas_memory(direct_s
     assert grew("cachet_engine_prefix_cache_hit_tokens_total", tier="shared") == 0
     sent = growth({}, scrape(prefill.metrics_port))("cachet_engine_kv_block_copies_total", direction="send")
     assert sent == pushed // 16
+    assert grew("cachet_engine_kv_block_copies_total", direction="receive") == sent
+    assert grew("cachet_engine_kv_block_copies_total", direction="receive_dropped") == 0
 
     stack._add(stack.start_router(name="router-whole", CACHET_ROUTER_DISAGG_MIN_TOKENS="1000000"))
     whole = await _stream(stack, request, router="router-whole")
