@@ -225,6 +225,12 @@ inline float exponentiate(float* row, int64_t length, float* max_out) {
   return sum;
 }
 
+// Asks for the cache lines of `bytes` bytes from `start` into L1. Rows of a split sit in blocks
+// scattered over the pool, which the hardware's prefetchers do not follow.
+inline void prefetch_lines(const void* start, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(start) + offset, 0, 3);
+}
+
 struct Tile {
   int64_t first_row;
   int64_t num_rows;
@@ -269,7 +275,12 @@ void attend(const Tile& tile, int64_t split, const Shape& s, const float* querie
       }
     }
   };
+  // The next group's rows are asked for while this one's are scored (and weighed, below): 16
+  // decodes over 224 / 600 keys of an fp32 cache, 30 layers' KV cycled as in a step, 390 -> 354 /
+  // 992 -> 885 us a layer (two groups ahead, or the first two up front: slower).
   for (int64_t position = begin; position < end; position += kGroup) {
+    for (int64_t j = position + kGroup; j < std::min(end, position + 2 * kGroup); ++j)
+      prefetch_lines(row_of(k_cache, j), stride * static_cast<int64_t>(sizeof(T)));
     load_group(k_cache, position);
     for (int64_t r = 0; r < tile.num_rows; ++r) {
       const int64_t row = tile.first_row + r;
@@ -295,6 +306,8 @@ void attend(const Tile& tile, int64_t split, const Shape& s, const float* querie
     std::fill(acc + slot * heads_dim, acc + (slot + 1) * heads_dim, 0.f);
   }
   for (int64_t position = begin; position < end; position += kGroup) {
+    for (int64_t j = position + kGroup; j < std::min(end, position + 2 * kGroup); ++j)
+      prefetch_lines(row_of(v_cache, j), stride * static_cast<int64_t>(sizeof(T)));
     load_group(v_cache, position);
     for (int64_t r = 0; r < tile.num_rows; ++r) {
       const int64_t row = tile.first_row + r;
@@ -429,11 +442,6 @@ inline void weigh_values(const uint32_t* const* weights, const uint32_t* values,
   }
   for (int q = 0; q < NQ; ++q)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc[q] + 16 * v, sums[q][v]);
-}
-
-// Asks for the cache lines of `bytes` bytes from `start` into L1.
-inline void prefetch_lines(const void* start, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(start) + offset, 0, 3);
 }
 
 // head_dims this path is built for (registers per query's totals: head_dim / 16; 256: Gemma 3).
