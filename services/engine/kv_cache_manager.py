@@ -171,7 +171,8 @@ class KVCacheManager:
         """Blocks copied by direction since start (demote/promote: host tier, store/load: shared,
         duplicate: within the pool, send: to another replica's receiver); where this replica
         takes hand-offs, also the blocks pushed into its receiver (receive) and those dropped
-        there unused past its budget (receive_dropped: each is a recompute)."""
+        there unused past its budget (receive_dropped: a request that wanted one loads it from
+        another tier or computes it)."""
         copies = dict(self.block_copies)
         if self.received is not None:
             copies["receive"] = self.received.counts["received"]
