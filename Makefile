@@ -41,7 +41,7 @@ $(STAMPS)/ds-ops-venv: $(STAMPS)/setup
 
 # The CPU decode-attention kernel (services/engine/csrc, ~1 min on 2 cores), built into the
 # same folder so a replica's first start does not wait on it; rebuilt when its source changes.
-$(STAMPS)/cpu-kernels: $(STAMPS)/setup $(wildcard services/engine/csrc/*.cpp) services/engine/cpu_kernels.py
+$(STAMPS)/cpu-kernels: $(STAMPS)/setup $(wildcard services/engine/csrc/*.cpp services/engine/csrc/*.h) services/engine/cpu_kernels.py
 	$(PY) -c "from cachet.engine.cpu_kernels import build_all; build_all()"
 	@touch $@
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -79,7 +80,14 @@ def load_cpu_kernel(name: str) -> ModuleType | None:
             return load(
                 name=module,
                 sources=[str(_SOURCES / f"{name}.cpp")],
-                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags, *_KERNEL_FLAGS.get(name, [])],
+                extra_cflags=[
+                    "-O3",
+                    "-fopenmp",
+                    "-fno-math-errno",
+                    *isa_flags,
+                    *_KERNEL_FLAGS.get(name, []),
+                    f"-DCACHET_HEADERS={_headers_digest()}",
+                ],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
                 verbose=False,
@@ -87,6 +95,16 @@ def load_cpu_kernel(name: str) -> ModuleType | None:
     except (RuntimeError, OSError, ImportError) as exc:
         log.warning(f"{name} kernel unavailable; {KERNELS[name]}", error=str(exc)[-2000:])
         return None
+
+
+@functools.cache
+def _headers_digest() -> str:
+    """The shared headers' contents, as a define: torch's builder rebuilds a kernel when its
+    source or flags change, and cannot see a header's."""
+    digest = hashlib.sha256()
+    for header in sorted(_SOURCES.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@
 #include <cstdint>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "avx512_exp.h"
 #define CACHET_AVX512 1
 #endif
 
@@ -57,22 +59,6 @@ inline __m512 stored16(__m512 v, const at::BFloat16*) {
 // -v, as torch's neg gives it (0 -> -0).
 inline __m512 negated(__m512 v, __m512i sign) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), sign)); }
 
-// e^x, 16 at a time, for |x| up to 87: 2^n times a degree-6 polynomial of the remainder.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 #endif
 
 // out = weight * T(x / rms(x)), the division's result rounded to T before the weight, as

@@ -324,6 +324,8 @@ void attend(const Tile& tile, int64_t split, const Shape& s, const float* querie
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "avx512_exp.h"
+
 // The bf16 path where the host has AVX512-BF16: `vdpbf16ps` multiplies pairs of bf16 and adds
 // both products into one fp32 lane, 32 products an instruction where the fp32 path widens every
 // element and does 8. Its fixed orders differ from the fp32 path's, and a bf16 cache always takes
@@ -339,23 +341,6 @@ constexpr int64_t kKeyLanes = 16;
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
-// e^x for x <= 0, 16 at a time: exp_nonpositive's polynomial, scaled by 2^n with scalef.
-inline __m512 exp_nonpositive_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One split's softmax numerators for a query, rounded to bf16 into `weights` (zeros from
 // `length` to the next multiple of 16); returns their fp32 sum and sets the maximum.
 inline float exponentiate_to_bf16(const float* row, int64_t length, uint16_t* weights, float* max_out) {
@@ -370,7 +355,7 @@ inline float exponentiate_to_bf16(const float* row, int64_t length, uint16_t* we
   for (int64_t t = 0; t < length; t += 16) {
     const __mmask16 valid = length - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (length - t)) - 1);
     const __m512 numerators =
-        _mm512_maskz_mov_ps(valid, exp_nonpositive_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), max_vector)));
+        _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), max_vector)));
     sum = _mm512_add_ps(sum, numerators);
     const __m256bh rounded = _mm512_cvtneps_pbh(numerators);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + t), (__m256i)rounded);
