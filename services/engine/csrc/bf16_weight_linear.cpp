@@ -166,7 +166,7 @@ void tile_any(const uint16_t* panel, const float* x, int64_t rows, int64_t k, in
 constexpr int64_t kPairPanels = 2;  // panels per bf16 dot-product tile
 
 // out[r, 0:16 * Panels] = x[r, :] . panels, for r < Rows (<= kTileRows); x is bf16, k even.
-// `next`: where the next tile's weights start (a panel group of the same shape), asked for into
+// `next`: where the next group's weights start (panels of the same shape), asked for into
 // L2 while this one computes, or null.
 template <int Rows, int Panels>
 void pair_tile(const uint16_t* panel, int64_t panel_stride, const uint16_t* x, int64_t k, int64_t x_stride,
@@ -237,10 +237,12 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     const auto* xs = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
     float* ys = out.data_ptr<float>();
     const int64_t groups = (panels + kPairPanels - 1) / kPairPanels;
-    // A group's first tile asks for the next group's weights: with more rows than one tile, the
-    // later tiles compute from cache and memory sat idle meanwhile. The default model's products
-    // of one step, every layer's weights and the head (270 MB), in turn: 16 rows 11.5 -> 10.0 ms
-    // (23 -> 27 GB/s), 8 rows 10.2 -> 7.8, 4 rows 8.1 -> 7.5, 1 row level (about 40 GB/s).
+    // Each tile of a group asks for the next group's weights as it goes: with more rows than one
+    // tile, the later tiles computed from cache while memory sat idle, and asking in the first
+    // tile alone left most of the asks waiting behind each other. The default model's products
+    // of one step, every layer's weights and the head (270 MB), in turn: 16 rows 11.4 -> 9.2 ms
+    // (23 -> 29 GB/s), 8 rows 10.3 -> 8.0, 4 rows 8.4 -> 7.1, 1 row level (about 40 GB/s). Two
+    // groups ahead was slower.
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t p = g * kPairPanels;
@@ -250,7 +252,7 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
         const int64_t tile_rows = std::min(kTileRows, m - r);
         float* tile_out = ys + r * n + p * kPanel;
         if (panels - p >= 2) {
-          pair_tile_rows<2>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, r == 0 ? next : nullptr);
+          pair_tile_rows<2>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, next);
         } else {
           pair_tile_rows<1>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, nullptr);
         }
