@@ -270,6 +270,14 @@ async def _batch_prompt_ran_again(metrics_port: int, before: dict) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _loop_lag_observed(metrics_port: int, before: dict) -> None:
+    while True:
+        now = await asyncio.to_thread(scrape, metrics_port, "cachet_engine_")
+        if growth(before, now)("cachet_engine_event_loop_lag_seconds_count") > 0:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_metrics_count_tokens_by_priority_and_seat_preemptions(engine: ServiceProcess) -> None:
     before = await asyncio.to_thread(scrape, engine.metrics_port, "cachet_engine_")
     async with grpc.aio.insecure_channel(engine.address) as channel:
@@ -286,6 +294,9 @@ async def test_metrics_count_tokens_by_priority_and_seat_preemptions(engine: Ser
         await asyncio.wait_for(_batch_prompt_ran_again(engine.metrics_port, before), timeout=30)
         batch.cancel()
         await asyncio.wait_for(_wait_for_load(stub, running=0, waiting=0), timeout=30)
+    # The server's loop is watched all along: a tick every 50 ms, which a fast engine can finish
+    # all of the above inside of, so the window is held open until one lands.
+    await asyncio.wait_for(_loop_lag_observed(engine.metrics_port, before), timeout=10)
     after = await asyncio.to_thread(scrape, engine.metrics_port, "cachet_engine_")
     grew = growth(before, after)
 
@@ -301,7 +312,6 @@ async def test_metrics_count_tokens_by_priority_and_seat_preemptions(engine: Ser
     # The batch request's prompt ran once, then after it lost its seat again past its cached block.
     assert grew("cachet_engine_computed_tokens_total", priority="batch", phase="prefill") > 20
     assert grew("cachet_engine_requests_finished_total", status="finished_length") == 1
-    # The server's loop is watched all along.
     assert grew("cachet_engine_event_loop_lag_seconds_count") > 0
     assert grew("cachet_engine_requests_finished_total", status="finished_aborted") == 1
     steps = grew("cachet_engine_steps_total")
