@@ -94,7 +94,8 @@ class ReceivedBlocks:
         self._blocks: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        # Totals since start (the engine's metrics count blocks sent and loaded at the manager).
+        # Totals since start: the KV cache manager reports them as the copies of direction
+        # receive and receive_dropped (metrics).
         self.counts = {"received": 0, "dropped": 0}
 
     def put(self, block_hashes: Iterable[int], blocks: torch.Tensor) -> None:
@@ -278,7 +279,7 @@ class KvSender:
         # sends after each prompt chunk, and each would otherwise wait out the timeout again.
         self._unreachable: dict[str, float] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sender")
-        # Totals since start (the engine's metrics count blocks sent and loaded at the manager).
+        # Totals since start (the engine's metrics count blocks sent at the KV cache manager).
         self.counts = {"sent": 0, "failed": 0}
         self.bytes_sent = 0
 
