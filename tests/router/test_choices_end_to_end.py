@@ -85,7 +85,9 @@ async def test_choices_compute_the_prompt_once_and_answer_as_each_alone(
     before = [scrape(engine.metrics_port) for engine in engines]
     # A prompt of its own, of a length whose last block is partial (a random nonce could make it
     # end a block: then no choice has anything to copy).
-    request = chat(3, temperature=1.0, seed=31, nonce="copy-on-write")
+    # Choice 0 must still run when the others arrive (the block is copied from a running
+    # request): 4 tokens a choice were all decoded before the router's next requests landed.
+    request = chat(3, max_tokens=64, temperature=1.0, seed=31, nonce="copy-on-write")
     answer = await inference.CreateChatCompletion(request, timeout=TIMEOUT)
     prompt_tokens = answer.usage.prompt_tokens
     assert (prompt_tokens - 1) % 16, f"{prompt_tokens} tokens: the last one starts a block"
@@ -97,8 +99,8 @@ async def test_choices_compute_the_prompt_once_and_answer_as_each_alone(
         )
 
     deadline = time.monotonic() + 15  # the engines' figures come with their next step report
-    while grew("cachet_engine_generated_tokens_total", priority="interactive") < 12:
-        assert time.monotonic() < deadline, "the engines never counted the 12 tokens"
+    while grew("cachet_engine_generated_tokens_total", priority="interactive") < 3 * 64:
+        assert time.monotonic() < deadline, "the engines never counted the 192 tokens"
         await asyncio.sleep(0.1)
     assert (
         grew("cachet_engine_computed_tokens_total", priority="interactive", phase="prefill")
