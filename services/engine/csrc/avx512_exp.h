@@ -1,7 +1,8 @@
 // e^x, 16 lanes at a time, for the CPU kernels' AVX512 paths (a loop of std::exp stays scalar).
 // 2^n times a degree-6 polynomial of the remainder (|r| <= ln2 / 2), scaled with scalef:
 // relative error about 2e-7, expf's order. Inputs are clamped to [-87, 87]: e^-87 stands in for
-// 0 beside any sum that holds e^0 = 1 (softmax numerators), and no caller goes above.
+// 0 beside any sum that holds e^0 = 1 (softmax numerators), and e^87 for more (silu's e^-x of a
+// gate below -87: x / (1 + e^87) is within 2e-36 of torch's result).
 #pragma once
 
 #include <immintrin.h>

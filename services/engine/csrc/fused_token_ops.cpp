@@ -20,11 +20,87 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+// One vector of fp32 lanes, and what the ops need of it, for the widest instruction set the
+// build targets: AVX512 (with BF16's rounding) or AVX2. Each op runs whole vectors, then the
+// row's remaining elements one at a time (none for the models' widths, multiples of 16).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 #include "avx512_exp.h"
-#define CACHET_AVX512 1
+#define CACHET_VECTORS 1
+namespace {
+struct Lanes {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  // bf16 is the top half of an fp32.
+  static V load(const at::BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void store(at::BFloat16* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v)); }
+  // What a tensor of T holds for v (bf16: rounded to nearest even, as torch rounds).
+  static V stored(V v, const float*) { return v; }
+  static V stored(V v, const at::BFloat16*) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V exp(V v) { return exp16(v); }
+  // -v, as torch's neg gives it (0 -> -0).
+  static V negated(V v) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+}  // namespace
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "avx2_exp.h"
+#define CACHET_VECTORS 1
+namespace {
+struct Lanes {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void store(at::BFloat16* p, V v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrowed(v)); }
+  static V stored(V v, const float*) { return v; }
+  static V stored(V v, const at::BFloat16*) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrowed(v)), 16));
+  }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V exp(V v) { return exp8(v); }
+  static V negated(V v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.f)); }
+  static float sum(V v) {
+    __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    low = _mm_add_ps(low, _mm_movehl_ps(low, low));
+    return _mm_cvtss_f32(_mm_add_ss(low, _mm_movehdup_ps(low)));
+  }
+  // v's 8 lanes as bf16, rounded as torch's BFloat16 rounds (nearest even; NaN -> 0x7FC0).
+  static __m128i narrowed(V v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+    // packus narrows within each 128-bit half; the permute brings both halves' four together.
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08));
+  }
+};
+}  // namespace
 #endif
 
 namespace {
@@ -39,29 +115,6 @@ int64_t grain_for(int64_t elements_per_row) { return std::max<int64_t>(1, kEleme
 inline float stored(float v, float*) { return v; }
 inline float stored(float v, at::BFloat16*) { return static_cast<float>(at::BFloat16(v)); }
 
-#if defined(CACHET_AVX512)
-inline __mmask16 first(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
-
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  // bf16 is the top half of an fp32.
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __m512 stored16(__m512 v, const float*) { return v; }
-inline __m512 stored16(__m512 v, const at::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-// -v, as torch's neg gives it (0 -> -0).
-inline __m512 negated(__m512 v, __m512i sign) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), sign)); }
-
-#endif
-
 // out = weight * T(x / rms(x)), the division's result rounded to T before the weight, as
 // Llama's RMSNorm casts back before it weighs.
 template <typename T>
@@ -72,23 +125,22 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t di
       T* to = out + row * dim;
       float squares = 0.f;
       int64_t d = 0;
-#if defined(CACHET_AVX512)
-      __m512 sum = _mm512_setzero_ps();
-      for (; d < dim; d += 16) {
-        const __m512 v = load16(in + d, first(dim - d));
-        sum = _mm512_fmadd_ps(v, v, sum);
+#if defined(CACHET_VECTORS)
+      Lanes::V sum = Lanes::set1(0.f);
+      for (; d + Lanes::kWidth <= dim; d += Lanes::kWidth) {
+        const Lanes::V v = Lanes::load(in + d);
+        sum = Lanes::fmadd(v, v, sum);
       }
-      squares = _mm512_reduce_add_ps(sum);
+      squares = Lanes::sum(sum);
 #endif
       for (; d < dim; ++d) squares += static_cast<float>(in[d]) * static_cast<float>(in[d]);
       const float inverse_rms = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
       d = 0;
-#if defined(CACHET_AVX512)
-      const __m512 scale = _mm512_set1_ps(inverse_rms);
-      for (; d < dim; d += 16) {
-        const __mmask16 m = first(dim - d);
-        const __m512 normed = stored16(_mm512_mul_ps(load16(in + d, m), scale), in);
-        store16(to + d, _mm512_mul_ps(load16(weight + d, m), normed), m);
+#if defined(CACHET_VECTORS)
+      const Lanes::V scale = Lanes::set1(inverse_rms);
+      for (; d + Lanes::kWidth <= dim; d += Lanes::kWidth) {
+        const Lanes::V normed = Lanes::stored(Lanes::mul(Lanes::load(in + d), scale), in);
+        Lanes::store(to + d, Lanes::mul(Lanes::load(weight + d), normed));
       }
 #endif
       for (; d < dim; ++d) {
@@ -108,14 +160,13 @@ void silu_and_mul_rows(const T* gate_up, int64_t row_stride, T* out, int64_t row
       const T* up = gate + width;
       T* to = out + row * width;
       int64_t d = 0;
-#if defined(CACHET_AVX512)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; d < width; d += 16) {
-        const __mmask16 m = first(width - d);
-        const __m512 g = load16(gate + d, m);
+#if defined(CACHET_VECTORS)
+      const Lanes::V one = Lanes::set1(1.f);
+      for (; d + Lanes::kWidth <= width; d += Lanes::kWidth) {
+        const Lanes::V g = Lanes::load(gate + d);
         // torch's silu: x / (1 + e^-x).
-        const __m512 silu = stored16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), gate);
-        store16(to + d, _mm512_mul_ps(silu, load16(up + d, m)), m);
+        const Lanes::V silu = Lanes::stored(Lanes::div(g, Lanes::add(one, Lanes::exp(Lanes::negated(g)))), gate);
+        Lanes::store(to + d, Lanes::mul(silu, Lanes::load(up + d)));
       }
 #endif
       for (; d < width; ++d) {
@@ -141,18 +192,16 @@ void rotate_half_rows(const T* x, int64_t token_stride, int64_t head_stride, con
         const T* in = x + t * token_stride + h * head_stride;
         T* to = out + (t * heads + h) * head_dim;
         int64_t d = 0;
-#if defined(CACHET_AVX512)
-        const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-        for (; d < half; d += 16) {
-          const __mmask16 m = first(half - d);
-          const __m512 x1 = load16(in + d, m), x2 = load16(in + half + d, m);
+#if defined(CACHET_VECTORS)
+        for (; d + Lanes::kWidth <= half; d += Lanes::kWidth) {
+          const Lanes::V x1 = Lanes::load(in + d), x2 = Lanes::load(in + half + d);
           // first half: x1 * cos + (-x2) * sin; second half: x2 * cos + x1 * sin.
-          const __m512 low = _mm512_add_ps(stored16(_mm512_mul_ps(x1, load16(c + d, m)), in),
-                                           stored16(_mm512_mul_ps(negated(x2, sign), load16(s + d, m)), in));
-          const __m512 high = _mm512_add_ps(stored16(_mm512_mul_ps(x2, load16(c + half + d, m)), in),
-                                            stored16(_mm512_mul_ps(x1, load16(s + half + d, m)), in));
-          store16(to + d, low, m);
-          store16(to + half + d, high, m);
+          const Lanes::V low = Lanes::add(Lanes::stored(Lanes::mul(x1, Lanes::load(c + d)), in),
+                                          Lanes::stored(Lanes::mul(Lanes::negated(x2), Lanes::load(s + d)), in));
+          const Lanes::V high = Lanes::add(Lanes::stored(Lanes::mul(x2, Lanes::load(c + half + d)), in),
+                                           Lanes::stored(Lanes::mul(x1, Lanes::load(s + half + d)), in));
+          Lanes::store(to + d, low);
+          Lanes::store(to + half + d, high);
         }
 #endif
         for (; d < half; ++d) {

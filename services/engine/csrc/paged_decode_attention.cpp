@@ -44,6 +44,9 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "avx2_exp.h"
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -62,27 +65,6 @@ constexpr int64_t kGroup = 8;
 constexpr int64_t kTileRows = 16;
 
 #if defined(__AVX2__) && defined(__FMA__)
-// e^x for x <= 0 (a score minus its split's maximum), 8 at a time: the compiler leaves a loop
-// of std::exp scalar. 2^n times a degree-6 polynomial of the remainder (|r| <= ln2 / 2):
-// relative error about 2e-7, expf's order. Inputs below -87 give 2^-126 rather than 0,
-// nothing beside a sum that holds e^0 = 1.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
-
 inline float horizontal_sum(__m256 v) {
   __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   low = _mm_add_ps(low, _mm_movehl_ps(low, low));
@@ -211,7 +193,7 @@ inline float exponentiate(float* row, int64_t length, float* max_out) {
   const __m256 max_vector = _mm256_set1_ps(max_score);
   __m256 sum_vector = _mm256_setzero_ps();
   for (; t + 8 <= length; t += 8) {
-    const __m256 weights = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), max_vector));
+    const __m256 weights = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), max_vector));
     _mm256_storeu_ps(row + t, weights);
     sum_vector = _mm256_add_ps(sum_vector, weights);
   }
