@@ -38,14 +38,14 @@ _SOURCES = Path(__file__).parent / "csrc"
 # The kernels `make setup` builds, and what the engine does where one is missing.
 KERNELS = {
     "paged_decode_attention": "decoding through the gather + SDPA path",
-    "bf16_weight_linear": "bfloat16 linears run through torch's emulated bfloat16 products",
+    "panel_linear": "linears run through oneDNN (bfloat16 ones through torch's emulated products where it has none)",
     "fused_token_ops": "RMSNorm, SwiGLU and rotary run as plain torch ops",
 }
 
 
 # Kernels with a path for AVX512-BF16 (dot products, or rounding to bf16), built with it where
 # the host has it (every kernel now; a new one joins when it has such a path).
-_AVX512_BF16_KERNELS = frozenset({"bf16_weight_linear", "paged_decode_attention", "fused_token_ops"})
+_AVX512_BF16_KERNELS = frozenset({"panel_linear", "paged_decode_attention", "fused_token_ops"})
 # Flags a kernel needs beyond its instruction set's: the fused ops round where torch's ops round,
 # so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add.
 _KERNEL_FLAGS = {"fused_token_ops": ["-ffp-contract=off"]}

@@ -11,10 +11,17 @@ Inductor's CPU weight freezing does the same reorder; doing it here keeps eager 
 (no compile at start-up).
 
 On a CPU whose oneDNN has no bf16 kernels (no AVX512-BF16 or AMX: AVX2 hosts), bf16 weights
-are packed instead into the panels of ``csrc/bf16_weight_linear.cpp`` (``cpu_kernels``), whose
+are packed instead into the panels of ``csrc/panel_linear.cpp`` (``cpu_kernels``), whose
 products widen each weight to fp32 in registers: a decode step then streams half the bytes of
 fp32 weights, where torch's emulated bf16 products streamed them slower than fp32 (8.9 against
 20.6 GB/s for the default model's head, one row, the dev box's two cores).
+
+fp32 weights go into the kernel's fp32 panels where the host has AVX2 but not AVX-512 (oneDNN's
+fp32 products there are slow at a decode's few rows: one step's products of the default model,
+Zen 3 EPYC, two threads, 1 / 16 / 512 rows 31.9 / 64.7 / 945.9 ms against the panels' 25.0 /
+45.6 / 861.2). One chain per output in feature order: a row's bits at every row count, so
+fp32 products need no second copy for batch-invariant steps. With AVX-512, oneDNN's wider
+products stay.
 
 oneDNN's own bf16 products (AVX512-BF16 or AMX hosts) are slow at one to four rows: a decode
 step of the default model's linears took 24.2 ms at one row, the kernel 13.4 (16.8 and 14.7 at
@@ -85,8 +92,8 @@ class PackableLinear(nn.Linear):
 
     # False where a model reads this linear's weight as a plain tensor.
     pack_weight: bool = True
-    # The weight is in the bf16 kernel's panels (set by pack_).
-    bf16_panels: bool = False
+    # The weight is in the panel kernel's layout (set by pack_).
+    panels: bool = False
     # Beside oneDNN's bf16 weight: the same weight in the kernel's panels, for small batches.
     small_batch_panels: torch.Tensor | None = None
 
@@ -98,29 +105,30 @@ class PackableLinear(nn.Linear):
         if self.small_batch_panels is not None and (
             _products.invariant or x.numel() <= SMALL_BATCH_ROWS * x.shape[-1]
         ):
-            return _bf16_kernel().bf16_weight_linear(x, self.small_batch_panels, bias)
+            return _panel_kernel().linear(x, self.small_batch_panels, bias)
         if self.weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
-        if self.bf16_panels:
-            return _bf16_kernel().bf16_weight_linear(x, self.weight, bias)
+        if self.panels:
+            return _panel_kernel().linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def pack_(self) -> bool:
-        """Pack the weight for oneDNN or the bf16 kernel, once (``pack_weight`` allowing);
+        """Pack the weight for oneDNN or the panel kernel, once (``pack_weight`` allowing);
         whether it was now."""
-        if not self.pack_weight or self.weight.is_mkldnn or self.bf16_panels:
+        if not self.pack_weight or self.weight.is_mkldnn or self.panels:
             return False
         weight = self.weight.detach().contiguous()
         # A new parameter, not a write into the old one: a tied head's old one is the
         # embedding's table, which lookups still read plain.
-        if _bf16_kernel_packs(weight.device, weight.dtype):
-            if weight.shape[0] % _PANEL:
-                return False
-            self.weight = nn.Parameter(_bf16_kernel().pack_bf16_weight(weight), requires_grad=False)
-            self.bf16_panels = True
-            return True
+        if _panel_kernel_packs(weight.device, weight.dtype):
+            if weight.shape[0] % _PANEL == 0:
+                self.weight = nn.Parameter(_panel_kernel().pack_weight(weight), requires_grad=False)
+                self.panels = True
+                return True
+            if not _onednn_packs(weight.device, weight.dtype):
+                return False  # no whole panels, and oneDNN cannot take it: stays plain
         if _small_batch_panels_help(weight):
-            self.small_batch_panels = _bf16_kernel().pack_bf16_weight(weight)
+            self.small_batch_panels = _panel_kernel().pack_weight(weight)
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.weight = nn.Parameter(reordered, requires_grad=False)
         return True
@@ -128,8 +136,8 @@ class PackableLinear(nn.Linear):
 
 def packs_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linear weights of ``dtype`` on ``device`` can be packed here: for oneDNN (a CPU
-    with oneDNN; bf16 where it has bf16 kernels for this CPU), or else bf16 for our kernel."""
-    return _onednn_packs(device, dtype) or _bf16_kernel_packs(device, dtype)
+    with oneDNN; bf16 where it has bf16 kernels for this CPU), or else for our panel kernel."""
+    return _onednn_packs(device, dtype) or _panel_kernel_packs(device, dtype)
 
 
 def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -138,8 +146,8 @@ def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _bf16_kernel():  # noqa: ANN202 - a compiled extension module
-    kernel = load_cpu_kernel("bf16_weight_linear")
+def _panel_kernel():  # noqa: ANN202 - a compiled extension module
+    kernel = load_cpu_kernel("panel_linear")
     assert kernel is not None  # weights are packed for it only where it loaded
     return kernel
 
@@ -149,17 +157,19 @@ def _small_batch_panels_help(weight: torch.Tensor) -> bool:
     return (
         weight.dtype == torch.bfloat16
         and weight.shape[0] % _PANEL == 0
-        and load_cpu_kernel("bf16_weight_linear") is not None
+        and load_cpu_kernel("panel_linear") is not None
     )
 
 
-def _bf16_kernel_packs(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and not _onednn_packs(device, dtype)
-        and load_cpu_kernel("bf16_weight_linear") is not None
-    )
+def _panel_kernel_packs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Weights of ``dtype`` go into the panel kernel's layout here, in place of oneDNN's: bf16
+    where oneDNN has no bf16 kernels, fp32 on an AVX2 host without AVX-512."""
+    if device.type != "cpu" or load_cpu_kernel("panel_linear") is None:
+        return False
+    if dtype == torch.bfloat16:
+        return not _onednn_packs(device, dtype)
+    flags = cpu_flags()
+    return dtype == torch.float32 and {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 def pack_linear_weights(model: nn.Module) -> int:

@@ -38,8 +38,11 @@ def test_packed_layers_compute_what_plain_ones_do(dtype: torch.dtype) -> None:
     inputs.append(torch.randn(64, 5, dtype=dtype).T)
     with torch.inference_mode():
         plain = [layer(x) for layer in layers for x in inputs if x.shape[-1] == layer.in_features]
-        assert pack_linear_weights(layers) == 3
-        assert all(layer.weight.is_mkldnn or layer.bf16_panels for layer in layers)
+        # The head's 300 outputs make no whole panels of 16: where only the panel kernel takes
+        # this dtype (bf16 without oneDNN's bf16 kernels) it stays plain.
+        onednn_takes_any = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert pack_linear_weights(layers) == (3 if onednn_takes_any else 2)
+        assert all(layer.weight.is_mkldnn or layer.panels for layer in layers[:2])
         packed = [layer(x) for layer in layers for x in inputs if x.shape[-1] == layer.in_features]
     # bf16 through our kernel rounds once, from fp32 sums; torch's emulated product may round
     # the other way: one bf16 step apart at most.
@@ -87,17 +90,24 @@ def test_a_packed_runner_samples_the_tokens_a_plain_one_does(
     assert packed == plain and all(len(tokens) == 10 for tokens in plain.values())
 
 
+def _packed(layer: torch.nn.Module) -> bool:
+    """In oneDNN's layout, or the panel kernel's (fp32 on an AVX2 host)."""
+    return bool(layer.weight.is_mkldnn or getattr(layer, "panels", False))
+
+
 def test_weights_read_as_tensors_stay_plain(tiny_checkpoints: dict[str, Path]) -> None:
     llama = ModelRunner(
         tiny_checkpoints["llama"], dtype=torch.float32, device=CPU, kv_cache_bytes=8 << 20
     ).model
     # The tiny llama ties its head: the head packs a copy, the embedding keeps its plain table.
     assert llama.config.tie_word_embeddings
-    assert llama.lm_head.weight.is_mkldnn
-    assert not llama.model.embed_tokens.weight.is_mkldnn
+    assert _packed(llama.lm_head)
+    assert (
+        llama.model.embed_tokens.weight.shape == (49152, 64) and not llama.model.embed_tokens.weight.is_mkldnn
+    )
     kimi = ModelRunner(
         tiny_checkpoints["kimi-k2"], dtype=torch.float32, device=CPU, kv_cache_bytes=8 << 20
     ).model
     attention = kimi.model.layers[0].self_attn
-    assert not attention.kv_b_proj.weight.is_mkldnn  # absorbed MLA reads it per head
-    assert attention.o_proj.weight.is_mkldnn
+    assert not _packed(attention.kv_b_proj)  # absorbed MLA reads it per head
+    assert _packed(attention.o_proj)

@@ -1,4 +1,6 @@
-// y = x @ w.T (+ bias) for bfloat16 weights on CPUs without bfloat16 arithmetic (AVX2 hosts).
+// y = x @ w.T (+ bias) on weights packed once into panels of 16 output features, for the CPU
+// products oneDNN does slowly here: bf16 weights on CPUs without bf16 arithmetic (AVX2 hosts),
+// small batches of bf16 where it has some, and fp32 weights on AVX2 hosts.
 //
 // A small batch's forward pass streams every weight once, so its time is the weights' bytes
 // over memory bandwidth: bfloat16 weights halve it against float32. oneDNN has no bfloat16
@@ -6,7 +8,7 @@
 // this kernel widens each weight to float32 in registers as it streams past and does the
 // products in float32.
 //
-// The weight is packed once (pack_bf16_weight) into panels of 16 output features,
+// The weight is packed once (pack_weight) into panels of 16 output features,
 // [out / 16][in][16]: a panel row is one 32-byte load. The micro-kernel keeps a 6 x 16 tile of
 // the output in 12 registers; per input feature it loads one panel row (16 weights, widened),
 // broadcasts 6 activations and does 12 fused multiply-adds, the classic GEMM register tile.
@@ -27,6 +29,15 @@
 // differ from the FMA path's, as any other CPU's kernel does. Used where oneDNN's bf16 products
 // are (AVX512-BF16 hosts), for a batch-invariant step's products at every row count: at 16 rows
 // the FMA path was 2.25x slower than oneDNN there.
+//
+// fp32 weights (fp32_tile) take the same tile with one chain per output, the features in order:
+// a panel row is two 32-byte loads, read front to back, and even one row is bound by memory, not
+// by the chain's latency. oneDNN's fp32 products on an AVX2 host (Zen 3 EPYC, 2 threads) were
+// slow at the few rows of decoding: the default model's products of one step (540 MB of
+// weights), oneDNN against the panels, 1 / 16 / 64 / 512 rows 31.9 / 64.7 / 142.3 / 945.9 ms
+// against 25.0 / 45.6 / 120.4 / 861.2 (splitting the features into blocks of 128-512 to keep a
+// panel's block in L1 was slower at every count).
+//
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -160,6 +171,55 @@ void tile_any(const uint16_t* panel, const float* x, int64_t rows, int64_t k, in
 #endif
 }
 
+// out[r, 0:16] = x[r, :] . panel for r < Rows (<= kTileRows), fp32 weights: one chain per output,
+// the features in order, so a row's sums are the same bits in a tile of any size.
+template <int Rows>
+void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, float* out, int64_t out_stride) {
+#ifdef __AVX2__
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0,
+         h4 = l0, l5 = l0, h5 = l0;
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 w_low = _mm256_loadu_ps(panel + i * kPanel), w_high = _mm256_loadu_ps(panel + i * kPanel + 8);
+#define CACHET_FMA(r)                                               \
+  if constexpr (Rows > r) {                                         \
+    const __m256 a = _mm256_broadcast_ss(x + r * x_stride + i);     \
+    l##r = _mm256_fmadd_ps(a, w_low, l##r);                         \
+    h##r = _mm256_fmadd_ps(a, w_high, h##r);                        \
+  }
+    CACHET_FMA(0) CACHET_FMA(1) CACHET_FMA(2) CACHET_FMA(3) CACHET_FMA(4) CACHET_FMA(5)
+#undef CACHET_FMA
+  }
+#define CACHET_STORE(r)                                   \
+  if constexpr (Rows > r) {                               \
+    _mm256_storeu_ps(out + r * out_stride, l##r);         \
+    _mm256_storeu_ps(out + r * out_stride + 8, h##r);     \
+  }
+  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
+#undef CACHET_STORE
+#else
+  for (int64_t r = 0; r < Rows; ++r) {
+    float sums[kPanel] = {};
+    for (int64_t i = 0; i < k; ++i) {
+      const float a = x[r * x_stride + i];
+      for (int64_t j = 0; j < kPanel; ++j) sums[j] = std::fma(a, panel[i * kPanel + j], sums[j]);
+    }
+    std::memcpy(out + r * out_stride, sums, sizeof(sums));
+  }
+#endif
+}
+
+void fp32_tile_any(const float* panel, const float* x, int64_t rows, int64_t k, int64_t x_stride, float* out,
+                   int64_t out_stride) {
+  switch (rows) {
+    case 6: return fp32_tile<6>(panel, x, k, x_stride, out, out_stride);
+    case 5: return fp32_tile<5>(panel, x, k, x_stride, out, out_stride);
+    case 4: return fp32_tile<4>(panel, x, k, x_stride, out, out_stride);
+    case 3: return fp32_tile<3>(panel, x, k, x_stride, out, out_stride);
+    case 2: return fp32_tile<2>(panel, x, k, x_stride, out, out_stride);
+    default: return fp32_tile<1>(panel, x, k, x_stride, out, out_stride);
+  }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define CACHET_DPBF16 1
 
@@ -289,34 +349,29 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 
 }  // namespace
 
-// [out, in] bfloat16 -> [out / 16, in, 16]: the layout bf16_weight_linear reads.
-torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "a bfloat16 [out, in] weight");
+// [out, in] -> [out / 16, in, 16] panels (bf16 with AVX512-BF16: pairs of input features
+// together, [out / 16, in / 2, 16, 2] in the same shape): the layout `linear` reads.
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kBFloat16 || weight.scalar_type() == torch::kFloat32),
+              "a bfloat16 or float32 [out, in] weight");
   TORCH_CHECK(weight.size(0) % kPanel == 0, "out features must be a multiple of ", kPanel, ", got ", weight.size(0));
   const int64_t out = weight.size(0), k = weight.size(1);
-  if (packs_pairs(k)) {
+  if (weight.scalar_type() == torch::kBFloat16 && packs_pairs(k)) {
     return weight.reshape({out / kPanel, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({out / kPanel, k, kPanel});
   }
   return weight.reshape({out / kPanel, kPanel, k}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                 const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  packed.is_contiguous(),
-              "the weight must come from pack_bf16_weight");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
-  const int64_t k = packed.size(1);
-  const int64_t n = packed.size(0) * kPanel;
-  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
-  auto shape = x.sizes().vec();
-  shape.back() = n;
-  const int64_t panels = packed.size(0);
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  if (packs_pairs(k)) return pair_linear(x.reshape({-1, k}), packed, bias).view(shape).to(x.scalar_type());
-  const torch::Tensor rows = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
+namespace {
+
+// x @ w.T on bf16 panels, fp32 math; x: [m, k], any float dtype.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  const int64_t k = packed.size(1), panels = packed.size(0), n = panels * kPanel;
+  if (packs_pairs(k)) return pair_linear(x, packed, bias);
+  const torch::Tensor rows = x.to(torch::kFloat32).contiguous();
   const int64_t m = rows.size(0);
   torch::Tensor out = torch::empty({m, n}, rows.options());
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* xs = rows.data_ptr<float>();
   float* ys = out.data_ptr<float>();
 #pragma omp parallel for schedule(static)
@@ -326,10 +381,46 @@ torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& pa
     }
   }
   if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
+  return out;
+}
+
+// x @ w.T on fp32 panels; x: [m, k], computed in fp32.
+torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  const int64_t k = packed.size(1), panels = packed.size(0), n = panels * kPanel;
+  const torch::Tensor rows = x.to(torch::kFloat32).contiguous();
+  const int64_t m = rows.size(0);
+  torch::Tensor out = torch::empty({m, n}, rows.options());
+  const float* w = packed.data_ptr<float>();
+  const float* xs = rows.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t r = 0; r < m; r += kTileRows) {
+      fp32_tile_any(w + p * k * kPanel, xs + r * k, std::min(kTileRows, m - r), k, k, ys + r * n + p * kPanel, n);
+    }
+  }
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
+  return out;
+}
+
+}  // namespace
+
+// x @ weight.T (+ bias) for a weight from pack_weight; the result in x's dtype.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK((packed.scalar_type() == torch::kBFloat16 || packed.scalar_type() == torch::kFloat32) &&
+                  packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "the weight must come from pack_weight");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+  const int64_t k = packed.size(1);
+  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
+  auto shape = x.sizes().vec();
+  shape.back() = packed.size(0) * kPanel;
+  const torch::Tensor rows = x.reshape({-1, k});
+  const torch::Tensor out = packed.scalar_type() == torch::kBFloat16 ? bf16_linear(rows, packed, bias) : fp32_linear(rows, packed, bias);
   return out.view(shape).to(x.scalar_type());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_bf16_weight", &pack_bf16_weight, "[out, in] bfloat16 -> [out / 16, in, 16] panels");
-  m.def("bf16_weight_linear", &bf16_weight_linear, "x @ weight.T (+ bias): packed bfloat16 weight, float32 math");
+  m.def("pack_weight", &pack_weight, "[out, in] bfloat16 or float32 -> [out / 16, in, 16] panels");
+  m.def("linear", &linear, "x @ weight.T (+ bias) on a weight from pack_weight, float32 math");
 }

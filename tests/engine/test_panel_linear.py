@@ -1,5 +1,5 @@
-"""The bf16-weight linear kernel (csrc/bf16_weight_linear.cpp): fp32 products of bf16 weights,
-for CPUs whose oneDNN has no bf16 kernels."""
+"""The panel linear kernel (csrc/panel_linear.cpp): fp32 products of bf16 weights, for CPUs whose
+oneDNN has no bf16 kernels, and of fp32 weights, for AVX2 hosts; a row's bits whatever the batch."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cachet.engine.cpu_features import cpu_flags
 from cachet.engine.cpu_kernels import load_cpu_kernel
-from cachet.engine.packed_linear import SMALL_BATCH_ROWS, invariant_rows
+from cachet.engine.packed_linear import SMALL_BATCH_ROWS, invariant_rows, packs_linear_weights
 from cachet.engine.tensor_parallel import ColumnParallelLinear
 
 pytestmark = pytest.mark.skipif(
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = load_cpu_kernel("bf16_weight_linear")
+    built = load_cpu_kernel("panel_linear")
     assert built is not None, "see the engine's warning above for the compiler's message"
     return built
 
@@ -37,13 +38,11 @@ def test_products_are_fp32_sums_of_the_bf16_weights(
     weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
     bias = torch.randn(out_features, generator=generator)
     x = torch.randn(rows, in_features, generator=generator)
-    packed = kernel.pack_bf16_weight(weight)
+    packed = kernel.pack_weight(weight)
     assert packed.shape == (out_features // 16, in_features, 16)
     expected = F.linear(x, weight.float(), bias)
-    torch.testing.assert_close(kernel.bf16_weight_linear(x, packed, bias), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(
-        kernel.bf16_weight_linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-5
-    )
+    torch.testing.assert_close(kernel.linear(x, packed, bias), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel.linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40])
@@ -55,32 +54,30 @@ def test_bf16_activations_sum_in_fp32(kernel, rows: int, in_features: int, out_f
     weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
     bias = torch.randn(out_features, generator=generator)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    got = kernel.bf16_weight_linear(x.unsqueeze(0), kernel.pack_bf16_weight(weight), bias).squeeze(0)
+    got = kernel.linear(x.unsqueeze(0), kernel.pack_weight(weight), bias).squeeze(0)
     expected = F.linear(x.float(), weight.float(), bias)
     torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-2)
-    exact = kernel.bf16_weight_linear(x.float(), kernel.pack_bf16_weight(weight), bias)
+    exact = kernel.linear(x.float(), kernel.pack_weight(weight), bias)
     torch.testing.assert_close(exact, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_bf16_activations_and_leading_dimensions_keep_their_shape_and_dtype(kernel) -> None:
     weight = torch.randn(32, 24).bfloat16()
     x = torch.randn(2, 3, 24).bfloat16()
-    got = kernel.bf16_weight_linear(x, kernel.pack_bf16_weight(weight), None)
+    got = kernel.linear(x, kernel.pack_weight(weight), None)
     assert got.shape == (2, 3, 32) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got, F.linear(x.float(), weight.float()).bfloat16())
 
 
 def test_bad_weights_are_refused(kernel) -> None:
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        kernel.pack_bf16_weight(torch.zeros(24, 8, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel.pack_bf16_weight(torch.zeros(32, 8))
-    with pytest.raises(RuntimeError, match="pack_bf16_weight"):
-        kernel.bf16_weight_linear(torch.zeros(1, 8), torch.zeros(32, 8, dtype=torch.bfloat16), None)
+        kernel.pack_weight(torch.zeros(24, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        kernel.pack_weight(torch.zeros(32, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="pack_weight"):
+        kernel.linear(torch.zeros(1, 8), torch.zeros(32, 8, dtype=torch.bfloat16), None)
     with pytest.raises(RuntimeError, match="features"):
-        kernel.bf16_weight_linear(
-            torch.zeros(1, 9), kernel.pack_bf16_weight(torch.zeros(32, 8).bfloat16()), None
-        )
+        kernel.linear(torch.zeros(1, 9), kernel.pack_weight(torch.zeros(32, 8).bfloat16()), None)
 
 
 @pytest.mark.skipif(
@@ -89,8 +86,8 @@ def test_bad_weights_are_refused(kernel) -> None:
 def test_a_layer_packs_bf16_into_panels_where_onednn_cannot(kernel) -> None:
     layer = ColumnParallelLinear(40, 48, range(48), bias=False).bfloat16()
     odd = ColumnParallelLinear(40, 24, range(24), bias=False).bfloat16()
-    assert layer.pack_() and layer.bf16_panels and layer.weight.shape == (3, 40, 16)
-    assert not odd.pack_() and not odd.bf16_panels  # 24 outputs: no whole panels, stays plain
+    assert layer.pack_() and layer.panels and layer.weight.shape == (3, 40, 16)
+    assert not odd.pack_() and not odd.panels  # 24 outputs: no whole panels, stays plain
 
 
 @pytest.mark.skipif(
@@ -103,7 +100,7 @@ def test_where_onednn_packs_bf16_small_batches_run_on_the_panels_beside_it(kerne
     with torch.inference_mode():
         for rows in (1, SMALL_BATCH_ROWS):
             x = torch.randn(rows, 40).bfloat16()
-            expected = kernel.bf16_weight_linear(x, kernel.pack_bf16_weight(plain_weight), layer.bias)
+            expected = kernel.linear(x, kernel.pack_weight(plain_weight), layer.bias)
             assert torch.equal(layer(x), expected)
         x = torch.randn(SMALL_BATCH_ROWS + 1, 40).bfloat16()
         onednn = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
@@ -119,11 +116,11 @@ def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(
     """One summation order for every tile (two chains, even and odd features; or pairs of
     features in turn), so greedy decoding does not depend on what shares a step."""
     generator = torch.Generator().manual_seed(in_features)
-    packed = kernel.pack_bf16_weight(torch.randn(out_features, in_features, generator=generator).bfloat16())
+    packed = kernel.pack_weight(torch.randn(out_features, in_features, generator=generator).bfloat16())
     x = torch.randn(40, in_features, generator=generator).to(dtype)
-    alone = torch.cat([kernel.bf16_weight_linear(x[i : i + 1], packed, None) for i in range(40)])
+    alone = torch.cat([kernel.linear(x[i : i + 1], packed, None) for i in range(40)])
     for rows in (2, 3, 4, 5, 6, 7, 12, 13, 40):
-        assert torch.equal(kernel.bf16_weight_linear(x[:rows], packed, None), alone[:rows]), rows
+        assert torch.equal(kernel.linear(x[:rows], packed, None), alone[:rows]), rows
 
 
 @pytest.mark.skipif(
@@ -135,4 +132,51 @@ def test_invariant_rows_run_every_product_on_the_panels(kernel) -> None:
     x = torch.randn(9, 40).bfloat16()
     with torch.inference_mode(), invariant_rows():
         assert torch.equal(layer(x)[3:4], layer(x[3:4]))
-        assert torch.equal(layer(x), kernel.bf16_weight_linear(x, layer.small_batch_panels, layer.bias))
+        assert torch.equal(layer(x), kernel.linear(x, layer.small_batch_panels, layer.bias))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 48), (37, 16), (576, 1536)])
+def test_fp32_weights_give_fp32_products(kernel, rows: int, in_features: int, out_features: int) -> None:
+    generator = torch.Generator().manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = kernel.pack_weight(weight)
+    assert packed.shape == (out_features // 16, in_features, 16) and packed.dtype == torch.float32
+    torch.testing.assert_close(
+        kernel.linear(x, packed, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4
+    )
+    # A bf16 activation is widened, and the result comes back in its dtype.
+    got = kernel.linear(x.bfloat16(), packed, None)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x.bfloat16().float(), weight).bfloat16())
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 48), (37, 16), (576, 1536)])
+def test_an_fp32_rows_product_is_the_same_bits_alone_or_in_any_batch(
+    kernel, in_features: int, out_features: int
+) -> None:
+    generator = torch.Generator().manual_seed(out_features)
+    packed = kernel.pack_weight(torch.randn(out_features, in_features, generator=generator))
+    x = torch.randn(40, in_features, generator=generator)
+    alone = torch.cat([kernel.linear(x[i : i + 1], packed, None) for i in range(40)])
+    for rows in (2, 3, 4, 5, 6, 7, 12, 13, 40):
+        assert torch.equal(kernel.linear(x[:rows], packed, None), alone[:rows]), rows
+
+
+@pytest.mark.skipif(
+    not ({"avx2", "fma"} <= cpu_flags()) or "avx512f" in cpu_flags(),
+    reason="fp32 weights go into panels on AVX2 hosts without AVX-512 only",
+)
+def test_an_avx2_host_packs_fp32_into_panels(kernel) -> None:
+    assert packs_linear_weights(torch.device("cpu"), torch.float32)
+    layer = ColumnParallelLinear(40, 48, range(48), bias=True)
+    odd = ColumnParallelLinear(40, 24, range(24), bias=False)
+    plain = layer.weight.detach().clone()
+    assert layer.pack_() and layer.panels and layer.weight.shape == (3, 40, 16)
+    # 24 outputs: no whole panels, so oneDNN's layout where it has one.
+    assert odd.pack_() == odd.weight.is_mkldnn and not odd.panels
+    x = torch.randn(9, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, plain, layer.bias), rtol=1e-5, atol=1e-5)
