@@ -172,13 +172,16 @@ void tile_any(const uint16_t* panel, const float* x, int64_t rows, int64_t k, in
 }
 
 // out[r, 0:16] = x[r, :] . panel for r < Rows (<= kTileRows), fp32 weights: one chain per output,
-// the features in order, so a row's sums are the same bits in a tile of any size.
+// the features in order, so a row's sums are the same bits in a tile of any size. `next`: the
+// next panel, asked for into L2 as this one is computed, or null.
 template <int Rows>
-void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, float* out, int64_t out_stride) {
+void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, float* out, int64_t out_stride,
+               const float* next) {
 #ifdef __AVX2__
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0,
          h4 = l0, l5 = l0, h5 = l0;
   for (int64_t i = 0; i < k; ++i) {
+    if (next != nullptr) __builtin_prefetch(next + i * kPanel, 0, 2);
     const __m256 w_low = _mm256_loadu_ps(panel + i * kPanel), w_high = _mm256_loadu_ps(panel + i * kPanel + 8);
 #define CACHET_FMA(r)                                               \
   if constexpr (Rows > r) {                                         \
@@ -197,6 +200,7 @@ void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, 
   CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
 #undef CACHET_STORE
 #else
+  (void)next;
   for (int64_t r = 0; r < Rows; ++r) {
     float sums[kPanel] = {};
     for (int64_t i = 0; i < k; ++i) {
@@ -209,14 +213,14 @@ void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, 
 }
 
 void fp32_tile_any(const float* panel, const float* x, int64_t rows, int64_t k, int64_t x_stride, float* out,
-                   int64_t out_stride) {
+                   int64_t out_stride, const float* next) {
   switch (rows) {
-    case 6: return fp32_tile<6>(panel, x, k, x_stride, out, out_stride);
-    case 5: return fp32_tile<5>(panel, x, k, x_stride, out, out_stride);
-    case 4: return fp32_tile<4>(panel, x, k, x_stride, out, out_stride);
-    case 3: return fp32_tile<3>(panel, x, k, x_stride, out, out_stride);
-    case 2: return fp32_tile<2>(panel, x, k, x_stride, out, out_stride);
-    default: return fp32_tile<1>(panel, x, k, x_stride, out, out_stride);
+    case 6: return fp32_tile<6>(panel, x, k, x_stride, out, out_stride, next);
+    case 5: return fp32_tile<5>(panel, x, k, x_stride, out, out_stride, next);
+    case 4: return fp32_tile<4>(panel, x, k, x_stride, out, out_stride, next);
+    case 3: return fp32_tile<3>(panel, x, k, x_stride, out, out_stride, next);
+    case 2: return fp32_tile<2>(panel, x, k, x_stride, out, out_stride, next);
+    default: return fp32_tile<1>(panel, x, k, x_stride, out, out_stride, next);
   }
 }
 
@@ -393,10 +397,17 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* w = packed.data_ptr<float>();
   const float* xs = rows.data_ptr<float>();
   float* ys = out.data_ptr<float>();
+  // With more rows than a tile, the tiles after a panel's first compute from cache while memory
+  // sits idle: each asks for the next panel as it goes. One step's products of the default model
+  // (Zen 3, 2 threads): 16 rows 45.7 -> 40.0 ms, 64 rows 117.1 -> 111.1; at 1 and 4 rows, where
+  // the hardware's prefetcher keeps up, asking too was slower (22.4 -> 23.8, 26.6 -> 28.9).
+  const bool ask_ahead = m > kTileRows;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
+    const float* next = ask_ahead && p + 1 < panels ? w + (p + 1) * k * kPanel : nullptr;
     for (int64_t r = 0; r < m; r += kTileRows) {
-      fp32_tile_any(w + p * k * kPanel, xs + r * k, std::min(kTileRows, m - r), k, k, ys + r * n + p * kPanel, n);
+      fp32_tile_any(w + p * k * kPanel, xs + r * k, std::min(kTileRows, m - r), k, k, ys + r * n + p * kPanel, n,
+                    next);
     }
   }
   if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
