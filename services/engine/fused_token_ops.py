@@ -77,12 +77,20 @@ def reference_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def _kernel_for(*tensors: torch.Tensor) -> ModuleType | None:
-    """The kernel, where it can compute these operands: else None (the reference runs)."""
+    """The kernel, where it can compute these operands: else None (the reference runs).
+
+    Called three times a layer, so plain loops over cheap attributes: generators and
+    ``Tensor.device`` (a new object per read) made these checks cost more than the kernel's
+    call (4.3 us against 2.5 us for a decode's RMSNorm)."""
     first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in _KERNEL_DTYPES:
+    dtype = first.dtype
+    if not first.is_cpu or dtype not in _KERNEL_DTYPES:
         return None
-    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None
+    for tensor in tensors:
+        if tensor.dtype != dtype or not tensor.is_cpu:
+            return None
+    if torch.is_grad_enabled():
+        for tensor in tensors:
+            if tensor.requires_grad:
+                return None
     return load_cpu_kernel("fused_token_ops")
