@@ -317,20 +317,31 @@ void attend(const Tile& tile, int64_t split, const Shape& s, const float* querie
     }
     std::fill(acc + slot * heads_dim, acc + (slot + 1) * heads_dim, 0.f);
   }
+  // The split's V rows, by KV head as the keys were ([kv_head][key][head_dim], all of them now),
+  // then each row's weighted sum over its keys in one pass: its head_dim totals stay in
+  // registers across the split, where a pass per group of keys loaded and stored them each time.
+  const int64_t head_values = kSplitTokens * s.head_dim;
   for (int64_t position = begin; position < end; position += kGroup) {
     for (int64_t j = position + kGroup; j < std::min(end, position + 2 * kGroup); ++j)
       prefetch_lines(row_of(v_cache, j), stride * static_cast<int64_t>(sizeof(T)));
-    load_group(v_cache, position);
-    for (int64_t r = 0; r < tile.num_rows; ++r) {
-      const int64_t row = tile.first_row + r;
-      const int64_t stop = std::min(position + kGroup, std::min(begin + kSplitTokens, lens[row]));
-      if (position >= stop || position + kGroup <= s.first_key(lens[row])) continue;
-      float* row_acc = acc + (row * s.num_splits + split) * heads_dim;
-      for (int64_t h = 0; h < s.num_heads; ++h) {
-        const float* weights = scores.data() + (r * s.num_heads + h) * kSplitTokens + (position - begin);
-        accumulate(row_acc + h * s.head_dim, weights, rows.data() + (h / s.group) * head_rows, s.head_dim,
-                   stop - position, s.head_dim);
+    for (int64_t j = position; j < std::min(end, position + kGroup); ++j) {
+      for (int64_t g = 0; g < s.num_kv_heads; ++g) {
+        widen(row_of(v_cache, j) + g * s.head_dim, rows.data() + g * head_values + (j - begin) * s.head_dim, s.head_dim);
       }
+    }
+  }
+  for (int64_t r = 0; r < tile.num_rows; ++r) {
+    const int64_t row = tile.first_row + r;
+    const int64_t stop = std::min(begin + kSplitTokens, lens[row]);
+    // From the group that holds the row's first key (a window's), as the weights before it are 0.
+    const int64_t first = s.first_key(lens[row]);
+    const int64_t start = first > begin ? begin + (first - begin) / kGroup * kGroup : begin;
+    if (start >= stop) continue;
+    float* row_acc = acc + (row * s.num_splits + split) * heads_dim;
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      const float* weights = scores.data() + (r * s.num_heads + h) * kSplitTokens + (start - begin);
+      accumulate(row_acc + h * s.head_dim, weights, rows.data() + (h / s.group) * head_values + (start - begin) * s.head_dim,
+                 s.head_dim, stop - start, s.head_dim);
     }
   }
 }
@@ -676,7 +687,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
     }
 #endif
-    std::vector<float> rows(kGroup * s.token_stride());
+    // A group's K rows, then a split's V rows.
+    std::vector<float> rows(kSplitTokens * s.token_stride());
     for (int64_t i = first; i < last; ++i) {
       attend<T>(tiles[items[i].tile], items[i].split, s, queries, k_data, v_data, table, lens, acc.get(),
                 maxes.get(), sums.get(), scores, rows);
