@@ -172,16 +172,17 @@ void tile_any(const uint16_t* panel, const float* x, int64_t rows, int64_t k, in
 }
 
 // out[r, 0:16] = x[r, :] . panel for r < Rows (<= kTileRows), fp32 weights: one chain per output,
-// the features in order, so a row's sums are the same bits in a tile of any size. `next`: the
-// next panel, asked for into L2 as this one is computed, or null.
+// the features in order, so a row's sums are the same bits in a tile of any size. `ahead`: where
+// the weights asked for into L2 as this panel streams start (row i asks for ahead's row i), or
+// null.
 template <int Rows>
 void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, float* out, int64_t out_stride,
-               const float* next) {
+               const float* ahead) {
 #ifdef __AVX2__
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0,
          h4 = l0, l5 = l0, h5 = l0;
   for (int64_t i = 0; i < k; ++i) {
-    if (next != nullptr) __builtin_prefetch(next + i * kPanel, 0, 2);
+    if (ahead != nullptr) __builtin_prefetch(ahead + i * kPanel, 0, 2);
     const __m256 w_low = _mm256_loadu_ps(panel + i * kPanel), w_high = _mm256_loadu_ps(panel + i * kPanel + 8);
 #define CACHET_FMA(r)                                               \
   if constexpr (Rows > r) {                                         \
@@ -200,7 +201,7 @@ void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, 
   CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
 #undef CACHET_STORE
 #else
-  (void)next;
+  (void)ahead;
   for (int64_t r = 0; r < Rows; ++r) {
     float sums[kPanel] = {};
     for (int64_t i = 0; i < k; ++i) {
@@ -213,14 +214,14 @@ void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, 
 }
 
 void fp32_tile_any(const float* panel, const float* x, int64_t rows, int64_t k, int64_t x_stride, float* out,
-                   int64_t out_stride, const float* next) {
+                   int64_t out_stride, const float* ahead) {
   switch (rows) {
-    case 6: return fp32_tile<6>(panel, x, k, x_stride, out, out_stride, next);
-    case 5: return fp32_tile<5>(panel, x, k, x_stride, out, out_stride, next);
-    case 4: return fp32_tile<4>(panel, x, k, x_stride, out, out_stride, next);
-    case 3: return fp32_tile<3>(panel, x, k, x_stride, out, out_stride, next);
-    case 2: return fp32_tile<2>(panel, x, k, x_stride, out, out_stride, next);
-    default: return fp32_tile<1>(panel, x, k, x_stride, out, out_stride, next);
+    case 6: return fp32_tile<6>(panel, x, k, x_stride, out, out_stride, ahead);
+    case 5: return fp32_tile<5>(panel, x, k, x_stride, out, out_stride, ahead);
+    case 4: return fp32_tile<4>(panel, x, k, x_stride, out, out_stride, ahead);
+    case 3: return fp32_tile<3>(panel, x, k, x_stride, out, out_stride, ahead);
+    case 2: return fp32_tile<2>(panel, x, k, x_stride, out, out_stride, ahead);
+    default: return fp32_tile<1>(panel, x, k, x_stride, out, out_stride, ahead);
   }
 }
 
@@ -397,17 +398,21 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* w = packed.data_ptr<float>();
   const float* xs = rows.data_ptr<float>();
   float* ys = out.data_ptr<float>();
-  // With more rows than a tile, the tiles after a panel's first compute from cache while memory
-  // sits idle: each asks for the next panel as it goes. One step's products of the default model
-  // (Zen 3, 2 threads): 16 rows 45.7 -> 40.0 ms, 64 rows 117.1 -> 111.1; at 1 and 4 rows, where
-  // the hardware's prefetcher keeps up, asking too was slower (22.4 -> 23.8, 26.6 -> 28.9).
-  const bool ask_ahead = m > kTileRows;
+  // With more than one row the multiply-adds take long enough that the hardware's prefetcher
+  // falls behind the weights' stream and memory sits idle, so the tiles ask ahead: in one tile
+  // (up to 6 rows) 16 weight rows (1 KB) ahead, running into the next panel (a thread's panels
+  // are consecutive); with more, the tiles after a panel's first compute from cache, and each
+  // asks for the whole next panel as it goes. One step's products of the default model (Zen 3),
+  // asking nothing, 16 rows ahead, the next panel; 2 threads: 4 rows 31.5 / 27.6 / 28.3 ms, 16
+  // rows 45.7 / 42.3 / 40.0; one thread: 4 rows 49.8 / 42.4 / 49.8, 16 rows 83.0 / 74.5 / 67.1.
+  // One row, which the prefetcher keeps up with, asks nothing (asking 16 ahead: 38.2 -> 44.5 ms).
+  const int64_t ahead_rows = m == 1 ? 0 : m <= kTileRows ? 16 : k;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
-    const float* next = ask_ahead && p + 1 < panels ? w + (p + 1) * k * kPanel : nullptr;
+    const float* panel = w + p * k * kPanel;
+    const float* ahead = ahead_rows == 0 || (ahead_rows == k && p + 1 == panels) ? nullptr : panel + ahead_rows * kPanel;
     for (int64_t r = 0; r < m; r += kTileRows) {
-      fp32_tile_any(w + p * k * kPanel, xs + r * k, std::min(kTileRows, m - r), k, k, ys + r * n + p * kPanel, n,
-                    next);
+      fp32_tile_any(panel, xs + r * k, std::min(kTileRows, m - r), k, k, ys + r * n + p * kPanel, n, ahead);
     }
   }
   if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
