@@ -100,9 +100,11 @@ class ReceivedBlocks:
 
     def put(self, block_hashes: Iterable[int], blocks: torch.Tensor) -> None:
         with self._lock:
+            partial = False
             for block_hash, block in zip(block_hashes, blocks, strict=True):
                 if block_hash in self._blocks:
                     self._blocks.move_to_end(block_hash)
+                    partial = True
                     continue
                 self._blocks[block_hash] = block
                 self._bytes += block.numel() * block.element_size()
@@ -111,6 +113,9 @@ class ReceivedBlocks:
                 _, dropped = self._blocks.popitem(last=False)
                 self._bytes -= dropped.numel() * dropped.element_size()
                 self.counts["dropped"] += 1
+                partial = True
+            if partial:
+                self._own_partial_transfers()
 
     def take_run(self, block_hashes: Iterable[int]) -> list[tuple[int, torch.Tensor]]:
         """The leading run of ``block_hashes`` held here, taken out (each is filled once)."""
@@ -122,7 +127,25 @@ class ReceivedBlocks:
                     break
                 self._bytes -= block.numel() * block.element_size()
                 taken.append((block_hash, block))
+            if taken:
+                self._own_partial_transfers()
         return taken
+
+    def _own_partial_transfers(self) -> None:
+        """A block received is a view of its whole transfer's tensor, which lives while any of its
+        blocks does: the budget would count one block and hold them all. So once some of a
+        transfer's blocks are gone, the ones still here get memory of their own."""
+        held_by_storage: dict[int, int] = {}
+        for block in self._blocks.values():
+            key = block.untyped_storage().data_ptr()
+            held_by_storage[key] = held_by_storage.get(key, 0) + block.numel() * block.element_size()
+        partial = [
+            block_hash
+            for block_hash, block in self._blocks.items()
+            if held_by_storage[block.untyped_storage().data_ptr()] < block.untyped_storage().nbytes()
+        ]
+        for block_hash in partial:
+            self._blocks[block_hash] = self._blocks[block_hash].clone()
 
     def __contains__(self, block_hash: int) -> bool:
         with self._lock:

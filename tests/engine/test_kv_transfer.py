@@ -78,3 +78,24 @@ def test_received_blocks_are_taken_once_and_the_oldest_go_past_the_budget() -> N
     assert 1 not in held and held.counts == {"received": 4, "dropped": 1}
     assert [h for h, _ in held.take_run([2, 3, 5, 4])] == [2, 3]
     assert 2 not in held and 4 in held
+
+
+def test_blocks_left_of_a_partly_taken_transfer_stop_holding_the_rest() -> None:
+    """A received block is a view of its transfer's tensor: once some of its blocks are taken,
+    dropped or already held, the ones kept own their memory, so what the budget counts is what
+    is held."""
+    held = ReceivedBlocks(budget_bytes=1 << 20)
+    transfer = blocks(4, 3)
+    held.put([1, 2, 3, 4], transfer)
+    kept = dict(held.take_run([1, 2]))
+    assert kept[1].untyped_storage().data_ptr() == transfer.untyped_storage().data_ptr()  # taken whole
+    rest = dict(held.take_run([3, 4]))
+    for block_hash, index in ((3, 2), (4, 3)):
+        assert rest[block_hash].untyped_storage().nbytes() == transfer[0].numel() * 4
+        assert torch.equal(rest[block_hash], transfer[index])
+    # A transfer that repeats a block held already: its new blocks alone are kept, on their own.
+    held.put([5], blocks(1, 4))
+    again = blocks(2, 5)
+    held.put([5, 6], again)
+    ((_, sixth),) = held.take_run([6])
+    assert sixth.untyped_storage().nbytes() == again[1].numel() * 4 and torch.equal(sixth, again[1])
