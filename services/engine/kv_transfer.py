@@ -85,6 +85,10 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return listener
 
 
+def _storage_of(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 class ReceivedBlocks:
     """Blocks pushed to this replica, by hash, until a request takes them (or the budget drops
     the oldest). Filled by the receiver's threads, read by the engine's loop."""
@@ -93,6 +97,8 @@ class ReceivedBlocks:
         self.budget_bytes = budget_bytes
         self._blocks: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._bytes = 0
+        # The held blocks of each transfer's tensor, by its storage's address.
+        self._by_storage: dict[int, set[int]] = {}
         self._lock = threading.Lock()
         # Totals since start: the KV cache manager reports them as the copies of direction
         # receive and receive_dropped (metrics).
@@ -107,45 +113,50 @@ class ReceivedBlocks:
                     partial = True
                     continue
                 self._blocks[block_hash] = block
+                self._by_storage.setdefault(_storage_of(block), set()).add(block_hash)
                 self._bytes += block.numel() * block.element_size()
                 self.counts["received"] += 1
+            split = {_storage_of(blocks)} if partial else set()
             while self._bytes > self.budget_bytes and self._blocks:
-                _, dropped = self._blocks.popitem(last=False)
-                self._bytes -= dropped.numel() * dropped.element_size()
+                block_hash, dropped = self._blocks.popitem(last=False)
+                split.add(self._forget(block_hash, dropped))
                 self.counts["dropped"] += 1
-                partial = True
-            if partial:
-                self._own_partial_transfers()
+            self._own_memory(split)
 
     def take_run(self, block_hashes: Iterable[int]) -> list[tuple[int, torch.Tensor]]:
         """The leading run of ``block_hashes`` held here, taken out (each is filled once)."""
         taken = []
         with self._lock:
+            split = set()
             for block_hash in block_hashes:
                 block = self._blocks.pop(block_hash, None)
                 if block is None:
                     break
-                self._bytes -= block.numel() * block.element_size()
+                split.add(self._forget(block_hash, block))
                 taken.append((block_hash, block))
-            if taken:
-                self._own_partial_transfers()
+            self._own_memory(split)
         return taken
 
-    def _own_partial_transfers(self) -> None:
+    def _forget(self, block_hash: int, block: torch.Tensor) -> int:
+        """Uncount a block gone from here; returns its transfer's storage."""
+        self._bytes -= block.numel() * block.element_size()
+        storage = _storage_of(block)
+        held = self._by_storage[storage]
+        held.discard(block_hash)
+        if not held:
+            del self._by_storage[storage]
+        return storage
+
+    def _own_memory(self, storages: set[int]) -> None:
         """A block received is a view of its whole transfer's tensor, which lives while any of its
-        blocks does: the budget would count one block and hold them all. So once some of a
-        transfer's blocks are gone, the ones still here get memory of their own."""
-        held_by_storage: dict[int, int] = {}
-        for block in self._blocks.values():
-            key = block.untyped_storage().data_ptr()
-            held_by_storage[key] = held_by_storage.get(key, 0) + block.numel() * block.element_size()
-        partial = [
-            block_hash
-            for block_hash, block in self._blocks.items()
-            if held_by_storage[block.untyped_storage().data_ptr()] < block.untyped_storage().nbytes()
-        ]
-        for block_hash in partial:
-            self._blocks[block_hash] = self._blocks[block_hash].clone()
+        blocks does: the budget would count one block and hold them all. So the blocks still here
+        of a transfer some of whose blocks are gone (taken, dropped, or held already) get memory
+        of their own."""
+        for storage in storages:
+            for block_hash in self._by_storage.pop(storage, ()):
+                own = self._blocks[block_hash].clone()
+                self._blocks[block_hash] = own
+                self._by_storage[_storage_of(own)] = {block_hash}
 
     def __contains__(self, block_hash: int) -> bool:
         with self._lock:
