@@ -63,7 +63,10 @@ class PositionTable(nn.Module):
 
     def __init__(self, height: int, width: int, dim: int) -> None:
         super().__init__()
+        # A defined init (not torch.empty): a tower built without a checkpoint, as tests build their
+        # random checkpoints, must not carry whatever memory held (NaN breaks equality).
         self.weight = nn.Parameter(torch.empty(height, width, dim))
+        nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, grid_h: int, grid_w: int) -> torch.Tensor:
         """-> [grid_h * grid_w, D], row-major, fp32."""
