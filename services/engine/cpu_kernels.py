@@ -5,8 +5,8 @@ it, into the environment's own extensions folder as DeepSpeed's ops are) and loa
 replica's start. Where one cannot be built (no compiler), the engine says so once and runs the
 reference path that kernel replaces.
 
-A build targets an instruction set the host has (AVX2 with FMA, and AVX512-BF16 for a kernel
-with a path for it, or the compiler's baseline)
+A build targets an instruction set the host has (AVX2 with FMA; AVX512-BF16, or AVX-512
+without it, for a kernel with a path for them; or the compiler's baseline)
 rather than ``-march=native``, and is named by it: an environment copied to an older CPU (a
 container image) then builds its own instead of loading one that faults.
 
@@ -46,6 +46,9 @@ KERNELS = {
 # Kernels with a path for AVX512-BF16 (dot products, or rounding to bf16), built with it where
 # the host has it (every kernel now; a new one joins when it has such a path).
 _AVX512_BF16_KERNELS = frozenset({"panel_linear", "paged_decode_attention", "fused_token_ops"})
+# Kernels with a path for AVX-512 alone (the panels' 16-wide fp32 tile), built with it on an
+# AVX-512 host without bf16 instructions.
+_AVX512_KERNELS = frozenset({"panel_linear"})
 # Flags a kernel needs beyond its instruction set's: the fused ops round where torch's ops round,
 # so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add.
 _KERNEL_FLAGS = {"fused_token_ops": ["-ffp-contract=off"]}
@@ -62,6 +65,8 @@ def _isa_flags(name: str) -> tuple[str, list[str]]:
     extensions = _KERNEL_AVX512_EXTENSIONS.get(name, {})
     if name in _AVX512_BF16_KERNELS and {"avx512f", "avx512_bf16", *extensions} <= flags:
         return "avx512bf16", [*avx2, "-mavx512f", "-mavx512bf16", *extensions.values()]
+    if name in _AVX512_KERNELS and "avx512f" in flags:
+        return "avx512", [*avx2, "-mavx512f"]
     return "avx2", avx2
 
 

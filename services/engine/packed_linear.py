@@ -16,12 +16,14 @@ products widen each weight to fp32 in registers: a decode step then streams half
 fp32 weights, where torch's emulated bf16 products streamed them slower than fp32 (8.9 against
 20.6 GB/s for the default model's head, one row, the dev box's two cores).
 
-fp32 weights go into the kernel's fp32 panels where the host has AVX2 but not AVX-512 (oneDNN's
-fp32 products there are slow at a decode's few rows: one step's products of the default model,
+fp32 weights go into the kernel's fp32 panels on hosts with AVX2 and FMA (oneDNN's fp32
+products there are slow at a decode's few rows: one step's products of the default model,
 Zen 3 EPYC, two threads, 1 / 16 / 512 rows 31.9 / 64.7 / 945.9 ms against the panels' 25.0 /
-45.6 / 861.2). One chain per output in feature order: a row's bits at every row count, so
-fp32 products need no second copy for batch-invariant steps. With AVX-512, oneDNN's wider
-products stay.
+45.6 / 861.2), and on AVX-512 hosts, where the kernel has a 16-wide tile: one step's products
+of the default model's layers (head apart) at 1 / 4 / 16 / 64 / 512 rows took 0.70 / 0.73 /
+0.65-0.72 / 0.72-0.90 / 0.92-0.97x oneDNN's time (an AVX-512 Xeon without bf16, two threads,
+timed in turn in one process). One chain per output in feature order: a row's bits at every
+row count, so fp32 products need no second copy for batch-invariant steps.
 
 oneDNN's own bf16 products (AVX512-BF16 or AMX hosts) are slow at one to four rows: a decode
 step of the default model's linears took 24.2 ms at one row, the kernel 13.4 (16.8 and 14.7 at
@@ -163,13 +165,12 @@ def _small_batch_panels_help(weight: torch.Tensor) -> bool:
 
 def _panel_kernel_packs(device: torch.device, dtype: torch.dtype) -> bool:
     """Weights of ``dtype`` go into the panel kernel's layout here, in place of oneDNN's: bf16
-    where oneDNN has no bf16 kernels, fp32 on an AVX2 host without AVX-512."""
+    where oneDNN has no bf16 kernels, fp32 on a host with AVX2 (and FMA) or AVX-512."""
     if device.type != "cpu" or load_cpu_kernel("panel_linear") is None:
         return False
     if dtype == torch.bfloat16:
         return not _onednn_packs(device, dtype)
-    flags = cpu_flags()
-    return dtype == torch.float32 and {"avx2", "fma"} <= flags and "avx512f" not in flags
+    return dtype == torch.float32 and {"avx2", "fma"} <= cpu_flags()
 
 
 def pack_linear_weights(model: nn.Module) -> int:

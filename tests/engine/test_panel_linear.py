@@ -1,5 +1,6 @@
 """The panel linear kernel (csrc/panel_linear.cpp): fp32 products of bf16 weights, for CPUs whose
-oneDNN has no bf16 kernels, and of fp32 weights, for AVX2 hosts; a row's bits whatever the batch."""
+oneDNN has no bf16 kernels, and of fp32 weights, for AVX2 and AVX-512 hosts; a row's bits whatever
+the batch."""
 
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(
     packed = kernel.pack_weight(torch.randn(out_features, in_features, generator=generator).bfloat16())
     x = torch.randn(40, in_features, generator=generator).to(dtype)
     alone = torch.cat([kernel.linear(x[i : i + 1], packed, None) for i in range(40)])
-    for rows in (2, 3, 4, 5, 6, 7, 12, 13, 40):
+    # Every remainder of the 8-wide tile's 6 rows and the 16-wide tile's 12.
+    for rows in (2, 3, 4, 5, 6, 7, 11, 12, 13, 24, 25, 40):
         assert torch.equal(kernel.linear(x[:rows], packed, None), alone[:rows]), rows
 
 
@@ -161,15 +163,15 @@ def test_an_fp32_rows_product_is_the_same_bits_alone_or_in_any_batch(
     packed = kernel.pack_weight(torch.randn(out_features, in_features, generator=generator))
     x = torch.randn(40, in_features, generator=generator)
     alone = torch.cat([kernel.linear(x[i : i + 1], packed, None) for i in range(40)])
-    for rows in (2, 3, 4, 5, 6, 7, 12, 13, 40):
+    # Every remainder of the 8-wide tile's 6 rows and the 16-wide tile's 12.
+    for rows in (2, 3, 4, 5, 6, 7, 11, 12, 13, 24, 25, 40):
         assert torch.equal(kernel.linear(x[:rows], packed, None), alone[:rows]), rows
 
 
 @pytest.mark.skipif(
-    not ({"avx2", "fma"} <= cpu_flags()) or "avx512f" in cpu_flags(),
-    reason="fp32 weights go into panels on AVX2 hosts without AVX-512 only",
+    not ({"avx2", "fma"} <= cpu_flags()), reason="fp32 weights go into panels on hosts with AVX2 and FMA"
 )
-def test_an_avx2_host_packs_fp32_into_panels(kernel) -> None:
+def test_an_avx2_or_avx512_host_packs_fp32_into_panels(kernel) -> None:
     assert packs_linear_weights(torch.device("cpu"), torch.float32)
     layer = ColumnParallelLinear(40, 48, range(48), bias=True)
     odd = ColumnParallelLinear(40, 24, range(24), bias=False)

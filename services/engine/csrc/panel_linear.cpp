@@ -1,6 +1,6 @@
 // y = x @ w.T (+ bias) on weights packed once into panels of 16 output features, for the CPU
 // products oneDNN does slowly here: bf16 weights on CPUs without bf16 arithmetic (AVX2 hosts),
-// small batches of bf16 where it has some, and fp32 weights on AVX2 hosts.
+// small batches of bf16 where it has some, and fp32 weights (AVX2 and AVX-512 hosts).
 //
 // A small batch's forward pass streams every weight once, so its time is the weights' bytes
 // over memory bandwidth: bfloat16 weights halve it against float32. oneDNN has no bfloat16
@@ -36,7 +36,10 @@
 // slow at the few rows of decoding: the default model's products of one step (540 MB of
 // weights), oneDNN against the panels, 1 / 16 / 64 / 512 rows 31.9 / 64.7 / 142.3 / 945.9 ms
 // against 25.0 / 45.6 / 120.4 / 861.2 (splitting the features into blocks of 128-512 to keep a
-// panel's block in L1 was slower at every count).
+// panel's block in L1 was slower at every count). Built with AVX-512, fp32 products take a
+// 16-wide tile of 12 rows x 2 panels (fp32_wide_tile), the same chains: 0.7x oneDNN's time at a
+// decode's few rows on an AVX-512 Xeon, level at 512 (blocking the features or the rows, or
+// packing a tile's rows of x together, did not help there).
 //
 #include <torch/extension.h>
 
@@ -225,6 +228,68 @@ void fp32_tile_any(const float* panel, const float* x, int64_t rows, int64_t k, 
   }
 }
 
+#ifdef __AVX512F__
+#define CACHET_FP32_WIDE 1
+
+// With AVX-512 a panel row of fp32 weights is one register, and 32 registers hold a tile of
+// 12 rows x 2 panels: per input feature 2 weight loads and 12 broadcasts feed 24 fused
+// multiply-adds, where the 8-wide tile's 6 x 1 panel fed 12 from 2 loads and 6 broadcasts,
+// twice the products per cycle. Each output is still one chain over the features in order, so
+// a row's bits are the 8-wide tile's, at every row count.
+constexpr int64_t kWideTileRows = 12;
+constexpr int64_t kWidePanels = 2;
+
+// out[r, 0:16 * Panels] = x[r, :] . panels for r < Rows (<= kWideTileRows); `ahead`: where the
+// weights asked for into L2 as these panels stream start (panel-strided as these), or null.
+template <int Rows, int Panels>
+void fp32_wide_tile(const float* panel, int64_t panel_stride, const float* x, int64_t k, int64_t x_stride,
+                    float* out, int64_t out_stride, const float* ahead) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+         a9 = a0, a10 = a0, a11 = a0;
+  __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0, b8 = a0, b9 = a0, b10 = a0,
+         b11 = a0;
+  for (int64_t i = 0; i < k; ++i) {
+    if (ahead != nullptr) {
+      __builtin_prefetch(ahead + i * kPanel, 0, 2);
+      if constexpr (Panels > 1) __builtin_prefetch(ahead + panel_stride + i * kPanel, 0, 2);
+    }
+    const __m512 w0 = _mm512_loadu_ps(panel + i * kPanel);
+    __m512 w1 = w0;
+    if constexpr (Panels > 1) w1 = _mm512_loadu_ps(panel + panel_stride + i * kPanel);
+#define CACHET_FMA(r)                                              \
+  if constexpr (Rows > r) {                                        \
+    const __m512 xr = _mm512_set1_ps(x[r * x_stride + i]);         \
+    a##r = _mm512_fmadd_ps(xr, w0, a##r);                          \
+    if constexpr (Panels > 1) b##r = _mm512_fmadd_ps(xr, w1, b##r); \
+  }
+    CACHET_FMA(0) CACHET_FMA(1) CACHET_FMA(2) CACHET_FMA(3) CACHET_FMA(4) CACHET_FMA(5) CACHET_FMA(6)
+    CACHET_FMA(7) CACHET_FMA(8) CACHET_FMA(9) CACHET_FMA(10) CACHET_FMA(11)
+#undef CACHET_FMA
+  }
+#define CACHET_STORE(r)                                                              \
+  if constexpr (Rows > r) {                                                          \
+    _mm512_storeu_ps(out + r * out_stride, a##r);                                    \
+    if constexpr (Panels > 1) _mm512_storeu_ps(out + r * out_stride + kPanel, b##r); \
+  }
+  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
+  CACHET_STORE(6) CACHET_STORE(7) CACHET_STORE(8) CACHET_STORE(9) CACHET_STORE(10) CACHET_STORE(11)
+#undef CACHET_STORE
+}
+
+template <int Panels>
+void fp32_wide_tile_rows(const float* panel, int64_t panel_stride, const float* x, int64_t rows, int64_t k,
+                         int64_t x_stride, float* out, int64_t out_stride, const float* ahead) {
+  switch (rows) {
+#define CACHET_ROWS(r) \
+  case r: return fp32_wide_tile<r, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, ahead);
+    CACHET_ROWS(12) CACHET_ROWS(11) CACHET_ROWS(10) CACHET_ROWS(9) CACHET_ROWS(8) CACHET_ROWS(7)
+    CACHET_ROWS(6) CACHET_ROWS(5) CACHET_ROWS(4) CACHET_ROWS(3) CACHET_ROWS(2)
+#undef CACHET_ROWS
+    default: return fp32_wide_tile<1, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, ahead);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define CACHET_DPBF16 1
 
@@ -406,6 +471,32 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   // asking nothing, 16 rows ahead, the next panel; 2 threads: 4 rows 31.5 / 27.6 / 28.3 ms, 16
   // rows 45.7 / 42.3 / 40.0; one thread: 4 rows 49.8 / 42.4 / 49.8, 16 rows 83.0 / 74.5 / 67.1.
   // One row, which the prefetcher keeps up with, asks nothing (asking 16 ahead: 38.2 -> 44.5 ms).
+#ifdef CACHET_FP32_WIDE
+  {
+    const int64_t groups = (panels + kWidePanels - 1) / kWidePanels;
+    const int64_t group_ahead = m == 1 ? 0 : m <= kWideTileRows ? 16 : k;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t p = g * kWidePanels;
+      const float* panel = w + p * k * kPanel;
+      const bool whole = panels - p >= kWidePanels;
+      const float* ahead = group_ahead == 0 || !whole || (group_ahead == k && p + 2 * kWidePanels > panels)
+                               ? nullptr
+                               : panel + group_ahead * kPanel * (group_ahead == k ? kWidePanels : 1);
+      for (int64_t r = 0; r < m; r += kWideTileRows) {
+        const int64_t tile_rows = std::min(kWideTileRows, m - r);
+        float* tile_out = ys + r * n + p * kPanel;
+        if (whole) {
+          fp32_wide_tile_rows<2>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, ahead);
+        } else {
+          fp32_wide_tile_rows<1>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, nullptr);
+        }
+      }
+    }
+    if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
+    return out;
+  }
+#endif
   const int64_t ahead_rows = m == 1 ? 0 : m <= kTileRows ? 16 : k;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
