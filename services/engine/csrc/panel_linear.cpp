@@ -56,6 +56,18 @@ namespace {
 constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kTileRows = 6;  // rows of x per micro-kernel call
 
+// tile.operator()<r>() for r = rows (1 <= r <= MaxRows) as a compile-time count: each row count
+// runs a micro-kernel of its own, unrolled for its rows.
+template <int MaxRows, typename Tile>
+inline void for_row_count(int64_t rows, const Tile& tile) {
+  if constexpr (MaxRows > 1) {
+    if (rows >= MaxRows) return tile.template operator()<MaxRows>();
+    return for_row_count<MaxRows - 1>(rows, tile);
+  } else {
+    return tile.template operator()<1>();
+  }
+}
+
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t widened = static_cast<uint32_t>(bits) << 16;
   float value;
@@ -153,14 +165,7 @@ void tile(const uint16_t* panel, const float* x, int64_t k, int64_t x_stride, fl
 void tile_any(const uint16_t* panel, const float* x, int64_t rows, int64_t k, int64_t x_stride, float* out,
               int64_t out_stride) {
 #ifdef __AVX2__
-  switch (rows) {
-    case 6: return tile<6>(panel, x, k, x_stride, out, out_stride);
-    case 5: return tile<5>(panel, x, k, x_stride, out, out_stride);
-    case 4: return tile<4>(panel, x, k, x_stride, out, out_stride);
-    case 3: return tile<3>(panel, x, k, x_stride, out, out_stride);
-    case 2: return tile<2>(panel, x, k, x_stride, out, out_stride);
-    default: return tile<1>(panel, x, k, x_stride, out, out_stride);
-  }
+  for_row_count<kTileRows>(rows, [&]<int Rows>() { tile<Rows>(panel, x, k, x_stride, out, out_stride); });
 #else
   for (int64_t r = 0; r < rows; ++r) {
     float sums[kPanel] = {};
@@ -218,14 +223,7 @@ void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, 
 
 void fp32_tile_any(const float* panel, const float* x, int64_t rows, int64_t k, int64_t x_stride, float* out,
                    int64_t out_stride, const float* ahead) {
-  switch (rows) {
-    case 6: return fp32_tile<6>(panel, x, k, x_stride, out, out_stride, ahead);
-    case 5: return fp32_tile<5>(panel, x, k, x_stride, out, out_stride, ahead);
-    case 4: return fp32_tile<4>(panel, x, k, x_stride, out, out_stride, ahead);
-    case 3: return fp32_tile<3>(panel, x, k, x_stride, out, out_stride, ahead);
-    case 2: return fp32_tile<2>(panel, x, k, x_stride, out, out_stride, ahead);
-    default: return fp32_tile<1>(panel, x, k, x_stride, out, out_stride, ahead);
-  }
+  for_row_count<kTileRows>(rows, [&]<int Rows>() { fp32_tile<Rows>(panel, x, k, x_stride, out, out_stride, ahead); });
 }
 
 #ifdef __AVX512F__
@@ -279,14 +277,9 @@ void fp32_wide_tile(const float* panel, int64_t panel_stride, const float* x, in
 template <int Panels>
 void fp32_wide_tile_rows(const float* panel, int64_t panel_stride, const float* x, int64_t rows, int64_t k,
                          int64_t x_stride, float* out, int64_t out_stride, const float* ahead) {
-  switch (rows) {
-#define CACHET_ROWS(r) \
-  case r: return fp32_wide_tile<r, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, ahead);
-    CACHET_ROWS(12) CACHET_ROWS(11) CACHET_ROWS(10) CACHET_ROWS(9) CACHET_ROWS(8) CACHET_ROWS(7)
-    CACHET_ROWS(6) CACHET_ROWS(5) CACHET_ROWS(4) CACHET_ROWS(3) CACHET_ROWS(2)
-#undef CACHET_ROWS
-    default: return fp32_wide_tile<1, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, ahead);
-  }
+  for_row_count<kWideTileRows>(rows, [&]<int Rows>() {
+    fp32_wide_tile<Rows, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, ahead);
+  });
 }
 #endif
 
@@ -334,14 +327,9 @@ void pair_tile(const uint16_t* panel, int64_t panel_stride, const uint16_t* x, i
 template <int Panels>
 void pair_tile_rows(const uint16_t* panel, int64_t panel_stride, const uint16_t* x, int64_t rows, int64_t k,
                     int64_t x_stride, float* out, int64_t out_stride, const uint16_t* next) {
-  switch (rows) {
-    case 6: return pair_tile<6, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, next);
-    case 5: return pair_tile<5, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, next);
-    case 4: return pair_tile<4, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, next);
-    case 3: return pair_tile<3, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, next);
-    case 2: return pair_tile<2, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, next);
-    default: return pair_tile<1, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, next);
-  }
+  for_row_count<kTileRows>(rows, [&]<int Rows>() {
+    pair_tile<Rows, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, next);
+  });
 }
 #endif
 
