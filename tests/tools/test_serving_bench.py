@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serving_bench import client_args, measures, scenarios
+from bench.serving_bench import client_args, interleaved_runs, measures, scenarios
 from bench.serving_report import decode_tok_s, format_table, table_rows
 from bench.serving_servers import one_run_at_a_time
 from bench.vllm_peer import vllm_server_command
@@ -143,3 +143,19 @@ def test_a_second_run_finds_the_first_holding_the_machine(tmp_path: Path):
         assert first and not second
     with one_run_at_a_time(tmp_path / "lock") as after:
         assert after
+
+
+def test_the_servers_take_turns_scenario_by_scenario_with_the_same_prompts():
+    plan = scenarios(quick=True)
+    runs = interleaved_runs({"cachet": 8001, "vllm": 8002}, plan)
+    assert len(runs) == 2 * len(plan)
+    for index, scenario in enumerate(plan):
+        pair = runs[2 * index : 2 * index + 2]
+        assert [run.scenario for run in pair] == [scenario, scenario]
+        # The same seed (so the same prompts) on both; who goes first alternates.
+        assert {run.seed for run in pair} == {index}
+        expected = ["cachet", "vllm"] if index % 2 == 0 else ["vllm", "cachet"]
+        assert [run.server for run in pair] == expected
+        assert all(run.port == {"cachet": 8001, "vllm": 8002}[run.server] for run in pair)
+    # The warm-up goes first on both, before anything is measured.
+    assert {run.server for run in runs[:2]} == {"cachet", "vllm"} and runs[0].scenario.name == "warmup"
