@@ -229,6 +229,13 @@ void fp32_tile_any(const float* panel, const float* x, int64_t rows, int64_t k, 
 #ifdef __AVX512F__
 #define CACHET_FP32_WIDE 1
 
+// Stores row r of a 16-wide tile: its sums of the first panel in a<r>, of the second in b<r>.
+#define CACHET_STORE_PANELS(r)                                                       \
+  if constexpr (Rows > r) {                                                          \
+    _mm512_storeu_ps(out + r * out_stride, a##r);                                    \
+    if constexpr (Panels > 1) _mm512_storeu_ps(out + r * out_stride + kPanel, b##r); \
+  }
+
 // With AVX-512 a panel row of fp32 weights is one register, and 32 registers hold a tile of
 // 12 rows x 2 panels: per input feature 2 weight loads and 12 broadcasts feed 24 fused
 // multiply-adds, where the 8-wide tile's 6 x 1 panel fed 12 from 2 loads and 6 broadcasts,
@@ -264,22 +271,9 @@ void fp32_wide_tile(const float* panel, int64_t panel_stride, const float* x, in
     CACHET_FMA(7) CACHET_FMA(8) CACHET_FMA(9) CACHET_FMA(10) CACHET_FMA(11)
 #undef CACHET_FMA
   }
-#define CACHET_STORE(r)                                                              \
-  if constexpr (Rows > r) {                                                          \
-    _mm512_storeu_ps(out + r * out_stride, a##r);                                    \
-    if constexpr (Panels > 1) _mm512_storeu_ps(out + r * out_stride + kPanel, b##r); \
-  }
-  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
-  CACHET_STORE(6) CACHET_STORE(7) CACHET_STORE(8) CACHET_STORE(9) CACHET_STORE(10) CACHET_STORE(11)
-#undef CACHET_STORE
-}
-
-template <int Panels>
-void fp32_wide_tile_rows(const float* panel, int64_t panel_stride, const float* x, int64_t rows, int64_t k,
-                         int64_t x_stride, float* out, int64_t out_stride, const float* ahead) {
-  for_row_count<kWideTileRows>(rows, [&]<int Rows>() {
-    fp32_wide_tile<Rows, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, ahead);
-  });
+  CACHET_STORE_PANELS(0) CACHET_STORE_PANELS(1) CACHET_STORE_PANELS(2) CACHET_STORE_PANELS(3)
+  CACHET_STORE_PANELS(4) CACHET_STORE_PANELS(5) CACHET_STORE_PANELS(6) CACHET_STORE_PANELS(7)
+  CACHET_STORE_PANELS(8) CACHET_STORE_PANELS(9) CACHET_STORE_PANELS(10) CACHET_STORE_PANELS(11)
 }
 #endif
 
@@ -315,21 +309,8 @@ void pair_tile(const uint16_t* panel, int64_t panel_stride, const uint16_t* x, i
     CACHET_DOT(0) CACHET_DOT(1) CACHET_DOT(2) CACHET_DOT(3) CACHET_DOT(4) CACHET_DOT(5)
 #undef CACHET_DOT
   }
-#define CACHET_STORE(r)                                                              \
-  if constexpr (Rows > r) {                                                          \
-    _mm512_storeu_ps(out + r * out_stride, a##r);                                    \
-    if constexpr (Panels > 1) _mm512_storeu_ps(out + r * out_stride + kPanel, b##r); \
-  }
-  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
-#undef CACHET_STORE
-}
-
-template <int Panels>
-void pair_tile_rows(const uint16_t* panel, int64_t panel_stride, const uint16_t* x, int64_t rows, int64_t k,
-                    int64_t x_stride, float* out, int64_t out_stride, const uint16_t* next) {
-  for_row_count<kTileRows>(rows, [&]<int Rows>() {
-    pair_tile<Rows, Panels>(panel, panel_stride, x, k, x_stride, out, out_stride, next);
-  });
+  CACHET_STORE_PANELS(0) CACHET_STORE_PANELS(1) CACHET_STORE_PANELS(2) CACHET_STORE_PANELS(3)
+  CACHET_STORE_PANELS(4) CACHET_STORE_PANELS(5)
 }
 #endif
 
@@ -369,11 +350,14 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
       for (int64_t r = 0; r < m; r += kTileRows) {
         const int64_t tile_rows = std::min(kTileRows, m - r);
         float* tile_out = ys + r * n + p * kPanel;
-        if (panels - p >= 2) {
-          pair_tile_rows<2>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, next);
-        } else {
-          pair_tile_rows<1>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, nullptr);
-        }
+        const bool both = panels - p >= 2;
+        for_row_count<kTileRows>(tile_rows, [&]<int Rows>() {
+          if (both) {
+            pair_tile<Rows, 2>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, next);
+          } else {
+            pair_tile<Rows, 1>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, nullptr);
+          }
+        });
       }
     }
     if (with_bias) out.add_(bias->to(torch::kFloat32));
@@ -477,11 +461,13 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
       for (int64_t r = 0; r < m; r += kWideTileRows) {
         const int64_t tile_rows = std::min(kWideTileRows, m - r);
         float* tile_out = ys + r * n + p * kPanel;
-        if (whole) {
-          fp32_wide_tile_rows<2>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, ahead);
-        } else {
-          fp32_wide_tile_rows<1>(panel, k * kPanel, xs + r * k, tile_rows, k, k, tile_out, n, nullptr);
-        }
+        for_row_count<kWideTileRows>(tile_rows, [&]<int Rows>() {
+          if (whole) {
+            fp32_wide_tile<Rows, 2>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, ahead);
+          } else {
+            fp32_wide_tile<Rows, 1>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, nullptr);
+          }
+        });
       }
     }
     if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
