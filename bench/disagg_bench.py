@@ -54,7 +54,13 @@ from tokenizers import Tokenizer
 
 from bench.progress import progress
 from bench.serving_bench import RUN_DIR as SERVING_RUN_DIR
-from bench.serving_servers import ServerFailed, one_run_at_a_time, running_server, stopping_servers_on_sigterm
+from bench.serving_servers import (
+    ServerFailed,
+    one_run_at_a_time,
+    running_server,
+    stopping_servers_on_sigterm,
+    tree_cpu_seconds,
+)
 from cachet.loopback_port import free_loopback_port
 from cachet.models.catalog import ensure_model
 from cachet.tools.run_local import ENGINE_BASE_PORT, engine_name
@@ -423,9 +429,7 @@ def cpu_seconds() -> dict[str, float]:
             continue
         for service in server.children():
             with suppress(psutil.NoSuchProcess):
-                name = service_name(service)
-                tree = [service, *service.children(recursive=True)]
-                figures[name] = sum(sum(p.cpu_times()[:2]) for p in tree if p.is_running())
+                figures[service_name(service)] = tree_cpu_seconds(service.pid)
     own = psutil.Process().cpu_times()
     figures["bench client"] = own.user + own.system
     figures["machine"], figures["stolen"] = machine_busy_seconds()

@@ -54,9 +54,9 @@ from bench.serving_report import (
 from bench.serving_servers import (
     ServerFailed,
     cachet_server,
-    cpu_seconds,
     one_run_at_a_time,
     stopping_servers_on_sigterm,
+    tree_cpu_seconds,
     vllm_server,
 )
 from bench.vllm_peer import SERVED_MODEL_NAME, ensure_peer_venv
@@ -199,12 +199,12 @@ def run_client(
     cpu = {server: {"busy": 0.0, "idle": 0.0} for server in processes}
     labels = {f"[serving] {run.label} ...": run.server for run in runs}
     current: str | None = None
-    before = {server: cpu_seconds(process) for server, process in processes.items()}
+    before = {server: tree_cpu_seconds(process.pid) for server, process in processes.items()}
 
     def account(measured: str | None) -> None:
         """Charge each server's CPU seconds since the last call to the run that just ended."""
         for server, process in processes.items():
-            now = cpu_seconds(process)
+            now = tree_cpu_seconds(process.pid)
             if measured is not None:
                 cpu[server]["busy" if server == measured else "idle"] += now - before[server]
             before[server] = now
@@ -285,11 +285,12 @@ def measure_servers(servers: list[str], setup: Setup, plan: list[Scenario]) -> d
                 entries[server]["results"] = server_results
                 entries[server]["cpu_seconds"] = cpu[server]
                 _warn_on_failures(server, server_results)
-    for server, process_cpu in ((s, e["cpu_seconds"]) for s, e in entries.items() if "cpu_seconds" in e):
-        _progress(
-            f"{server}: stopped; {process_cpu['busy']:.0f} CPU-s in its own runs, "
-            f"{process_cpu['idle']:.0f} while the others ran"
-        )
+    for server, entry in entries.items():
+        if (spent := entry.get("cpu_seconds")) is not None:
+            _progress(
+                f"{server}: stopped; {spent['busy']:.0f} CPU-s in its own runs, "
+                f"{spent['idle']:.0f} while the others ran"
+            )
     return entries
 
 

@@ -49,12 +49,26 @@ def _wait_until(ready: Callable[[], bool], process: subprocess.Popen, log: Path,
         time.sleep(1)
 
 
-def _stop(process: subprocess.Popen) -> None:
+def process_tree(pid: int) -> list[psutil.Process]:
+    """Process ``pid`` and every process it started that still runs; empty once it is gone."""
     try:
-        root = psutil.Process(process.pid)
-        tree = [root, *root.children(recursive=True)]
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        tree = []
+        return []
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of ``process_tree(pid)``: a server's, or a service's, whole."""
+    total = 0.0
+    for member in process_tree(pid):
+        with suppress(psutil.NoSuchProcess):
+            total += sum(member.cpu_times()[:2])
+    return total
+
+
+def _stop(process: subprocess.Popen) -> None:
+    tree = process_tree(process.pid)
     with suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     # The supervisor stops its own children on SIGTERM; give them the grace to do it cleanly.
@@ -81,22 +95,6 @@ def running_server(
         yield process
     finally:
         _stop(process)
-
-
-def cpu_seconds(process: subprocess.Popen) -> float:
-    """User and system CPU seconds of ``process`` and every process it has started that still
-    runs (a server's whole tree)."""
-    try:
-        root = psutil.Process(process.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for member in tree:
-        with suppress(psutil.NoSuchProcess):
-            times = member.cpu_times()
-            total += times.user + times.system
-    return total
 
 
 @contextmanager
