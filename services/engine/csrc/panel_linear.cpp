@@ -221,10 +221,12 @@ void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, 
 #endif
 }
 
+#ifndef __AVX512F__  // an AVX-512 build's fp32 products take the 16-wide tile below
 void fp32_tile_any(const float* panel, const float* x, int64_t rows, int64_t k, int64_t x_stride, float* out,
                    int64_t out_stride, const float* ahead) {
   for_row_count<kTileRows>(rows, [&]<int Rows>() { fp32_tile<Rows>(panel, x, k, x_stride, out, out_stride, ahead); });
 }
+#endif
 
 #ifdef __AVX512F__
 #define CACHET_FP32_WIDE 1
@@ -444,36 +446,32 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   // rows 45.7 / 42.3 / 40.0; one thread: 4 rows 49.8 / 42.4 / 49.8, 16 rows 83.0 / 74.5 / 67.1.
   // One row, which the prefetcher keeps up with, asks nothing (asking 16 ahead: 38.2 -> 44.5 ms).
 #ifdef CACHET_FP32_WIDE
-  {
-    // The same asks by groups of two panels (not re-tuned for this tile): 16 weight rows ahead
-    // within one tile (up to 12 rows), the next group's panels with more; a lone last panel
-    // asks nothing.
-    const int64_t groups = (panels + kWidePanels - 1) / kWidePanels;
-    const bool next_group = m > kWideTileRows;
-    const int64_t ahead_rows = m == 1 ? 0 : next_group ? kWidePanels * k : 16;
+  // The same asks by groups of two panels (not re-tuned for this tile): 16 weight rows ahead
+  // within one tile (up to 12 rows), the next group's panels with more; a lone last panel
+  // asks nothing.
+  const int64_t groups = (panels + kWidePanels - 1) / kWidePanels;
+  const bool next_group = m > kWideTileRows;
+  const int64_t ahead_rows = m == 1 ? 0 : next_group ? kWidePanels * k : 16;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t p = g * kWidePanels;
-      const float* panel = w + p * k * kPanel;
-      const bool whole = panels - p >= kWidePanels;
-      const bool next_whole = panels - p >= 2 * kWidePanels;
-      const float* ahead = ahead_rows == 0 || !whole || (next_group && !next_whole) ? nullptr : panel + ahead_rows * kPanel;
-      for (int64_t r = 0; r < m; r += kWideTileRows) {
-        const int64_t tile_rows = std::min(kWideTileRows, m - r);
-        float* tile_out = ys + r * n + p * kPanel;
-        for_row_count<kWideTileRows>(tile_rows, [&]<int Rows>() {
-          if (whole) {
-            fp32_wide_tile<Rows, 2>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, ahead);
-          } else {
-            fp32_wide_tile<Rows, 1>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, nullptr);
-          }
-        });
-      }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t p = g * kWidePanels;
+    const float* panel = w + p * k * kPanel;
+    const bool whole = panels - p >= kWidePanels;
+    const bool next_whole = panels - p >= 2 * kWidePanels;
+    const float* ahead = ahead_rows == 0 || !whole || (next_group && !next_whole) ? nullptr : panel + ahead_rows * kPanel;
+    for (int64_t r = 0; r < m; r += kWideTileRows) {
+      const int64_t tile_rows = std::min(kWideTileRows, m - r);
+      float* tile_out = ys + r * n + p * kPanel;
+      for_row_count<kWideTileRows>(tile_rows, [&]<int Rows>() {
+        if (whole) {
+          fp32_wide_tile<Rows, 2>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, ahead);
+        } else {
+          fp32_wide_tile<Rows, 1>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, nullptr);
+        }
+      });
     }
-    if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
-    return out;
   }
-#endif
+#else
   const int64_t ahead_rows = m == 1 ? 0 : m <= kTileRows ? 16 : k;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
@@ -483,6 +481,7 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
       fp32_tile_any(panel, xs + r * k, std::min(kTileRows, m - r), k, k, ys + r * n + p * kPanel, n, ahead);
     }
   }
+#endif
   if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
   return out;
 }
