@@ -20,9 +20,10 @@ kv_heads, group, head_dim]``), so grouped-query attention reads each KV head onc
 rather than repeating it for every query head that uses it.
 
 On a CPU, decodes skip the gather: ``paged_decode_kernel`` reads each request's blocks in
-place, all decodes of a step in one call whatever their lengths (``decode_in_place``). The
-gather + SDPA path stays as the reference, for prefill chunks, and for CUDA (whose decode
-steps are CUDA graphs).
+place, all decodes of a step in one call whatever their lengths (``decode_in_place``). In fp32
+on an AVX-512 host prompt chunks do too, through ``prefill_attention_kernel`` (flash attention's
+shape: ``prefill_kernel``). The gather + SDPA path stays as the reference, for the prefill
+chunks no kernel takes, and for CUDA (whose decode steps are CUDA graphs).
 
 Batch-invariant steps (``every_token_in_place``) send prefill tokens through the same kernel,
 each as a query of its own that sees the keys up to its position: a token's attention is then
@@ -46,6 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cachet.engine.cpu_features import cpu_has_native_bf16
 from cachet.engine.paged_decode_kernel import paged_decode_attention
+from cachet.engine.prefill_attention_kernel import prefill_attention
 
 # A decode joins a group of longer ones only while padding it to their length costs fewer
 # keys than this; past it a call of its own is cheaper. A call's fixed cost on a CPU (a
@@ -89,6 +91,8 @@ class AttentionGroup:
     # Its rows are the step's tokens 0..n-1 in order (``token_index`` is ``arange(n)``): attention
     # reads q[:n] and writes out[:n] as they are, with no gather or scatter.
     leads_step: bool = False
+    # [batch] this step's tokens of each request (its newest ones); None for per-token groups.
+    query_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -107,6 +111,9 @@ class AttentionMetadata:
     fixed_shapes: bool = False
     # Decode groups read the KV cache in place (``paged_decode_kernel``), not through a gather.
     decode_in_place: bool = False
+    # Prefill groups do, through the fp32 prompt kernel (``prefill_attention_kernel``), in layers
+    # without a sliding window.
+    prefill_kernel: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,12 +133,14 @@ def build_attention_metadata(
     *,
     decode_in_place: bool = False,
     every_token_in_place: bool = False,
+    prefill_kernel: bool = False,
 ) -> AttentionMetadata:
     """Lay out the flat token axis in ``spans`` order and group requests for attention.
 
     ``decode_in_place``: the step's decodes form one group read through the paged decode
     kernel (no padding, so no cut by length and no mask). ``every_token_in_place``: every
     token of the step does, prefill tokens too (batch-invariant steps; needs the kernel).
+    ``prefill_kernel``: prefill groups go through the fp32 prompt kernel (``PagedAttention``).
 
     Index lists are built as Python ints and become one tensor each: a handful of small
     tensor ops per request cost ~70 us apiece, which at 32 decoding requests was a few
@@ -183,6 +192,7 @@ def build_attention_metadata(
         groups=groups,
         sample_indices=torch.tensor(sample, dtype=torch.int64, device=device),
         decode_in_place=decode_in_place,
+        prefill_kernel=prefill_kernel,
     )
 
 
@@ -265,6 +275,7 @@ def _build_group(
         max_kv_len=max_kv,
         causal=mask is not None and batch == 1 and max_q == max_kv,
         leads_step=token_index == list(range(len(token_index))),
+        query_lens=query_lens.to(device),
     )
 
 
@@ -322,10 +333,22 @@ class PagedAttention(nn.Module):
         if len(meta.groups) == 1 and in_place[0] and meta.groups[0].leads_step:
             # Every token of the step, in order (a decode step, or every token read in place).
             return self._attend_in_place(q, k_cache, v_cache, meta.groups[0])
+        in_kernel = [
+            meta.prefill_kernel
+            and self.window == 0
+            and group.query_lens is not None
+            and group.max_query_len > 1
+            for group in meta.groups
+        ]
+        if len(meta.groups) == 1 and in_kernel[0] and meta.groups[0].leads_step:
+            # A step of prompt chunks only.
+            return self._attend_prompts(q, k_cache, v_cache, meta.groups[0])
         out = torch.empty_like(q)
-        for group, group_in_place in zip(meta.groups, in_place, strict=True):
+        for group, group_in_place, group_in_kernel in zip(meta.groups, in_place, in_kernel, strict=True):
             if group_in_place:
                 out[group.token_index] = self._attend_in_place(q[group.token_index], k_cache, v_cache, group)
+            elif group_in_kernel:
+                out[group.token_index] = self._attend_prompts(q[group.token_index], k_cache, v_cache, group)
             else:
                 out[group.token_index] = _attend_group(q, k_cache, v_cache, group, meta.fixed_shapes)
         return out
@@ -346,6 +369,22 @@ class PagedAttention(nn.Module):
             self.window,
         )
         return attended.to(q.dtype)
+
+    def _attend_prompts(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+    ) -> torch.Tensor:
+        """The group's prompt chunks (``q``: their tokens, in the group's order) through the fp32
+        prompt kernel, which reads K and V from their blocks."""
+        assert group.query_lens is not None  # prefill groups carry them
+        return prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            group.block_table,
+            group.seq_lens,
+            group.query_lens,
+            k_cache.shape[-1] ** -0.5,
+        )
 
 
 def _attend_group(

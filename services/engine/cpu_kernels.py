@@ -40,15 +40,16 @@ KERNELS = {
     "paged_decode_attention": "decoding through the gather + SDPA path",
     "panel_linear": "linears run through oneDNN (bfloat16 ones through torch's emulated products where it has none)",
     "fused_token_ops": "RMSNorm, SwiGLU and rotary run as plain torch ops",
+    "prefill_attention": "fp32 prompt chunks attend through SDPA over a gathered copy",
 }
 
 
 # Kernels with a path for AVX512-BF16 (dot products, or rounding to bf16), built with it where
 # the host has it (every kernel now; a new one joins when it has such a path).
 _AVX512_BF16_KERNELS = frozenset({"panel_linear", "paged_decode_attention", "fused_token_ops"})
-# Kernels with a path for AVX-512 alone (the panels' 16-wide fp32 tile), built with it on an
-# AVX-512 host without bf16 instructions.
-_AVX512_KERNELS = frozenset({"panel_linear"})
+# Kernels with a path for AVX-512 alone (the panels' 16-wide fp32 tile, fp32 prefill attention),
+# built with it on an AVX-512 host (one without bf16 instructions, for a kernel of both lists).
+_AVX512_KERNELS = frozenset({"panel_linear", "prefill_attention"})
 # Flags a kernel needs beyond its instruction set's: the fused ops round where torch's ops round,
 # so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add.
 _KERNEL_FLAGS = {"fused_token_ops": ["-ffp-contract=off"]}

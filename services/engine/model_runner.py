@@ -41,6 +41,7 @@ from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.models.kimi_vision import normalized_patches
 from cachet.engine.packed_linear import invariant_rows, pack_linear_weights, packs_linear_weights
 from cachet.engine.paged_decode_kernel import load_paged_decode_kernel, prefill_in_place_is_faster
+from cachet.engine.prefill_attention_kernel import prefill_kernel_fits
 from cachet.engine.prompt_images import ImageInputSpec, PromptImage
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
@@ -107,7 +108,8 @@ class ModelRunner:
         CUDA graphs on a CUDA device and run eagerly elsewhere; ignored for models that opt
         out and for tensor-parallel replicas. ``paged_decode_kernel``: on a CPU, decodes read
         the KV cache in place (``paged_decode_kernel``) rather than through a gather, where the
-        kernel builds and the model's cache layout allows. ``batch_invariant``: a step holding a
+        kernel builds and the model's cache layout allows, and so do fp32 prompt chunks where the
+        prompt kernel has a tile for them (``prefill_attention_kernel``). ``batch_invariant``: a step holding a
         greedy or seeded request runs batch-invariant, so such a request's logits do not depend
         on what shares its steps, nor on whether its prefix was cached: bf16 products on one
         kernel at every row count (``packed_linear.invariant_rows``), and on a CPU every token's
@@ -163,6 +165,18 @@ class ModelRunner:
         # Prompt tokens through the kernel too, in every step, where it beats SDPA's prefill.
         self.prefill_in_place = self.decode_in_place and prefill_in_place_is_faster(
             self.dtype, self.config.head_dim
+        )
+        # fp32 prompt chunks attend through their own kernel outside batch-invariant steps.
+        self.prefill_kernel = (
+            paged_decode_kernel
+            and self.device.type == "cpu"
+            and getattr(self.model, "supports_paged_decode_kernel", True)
+            and not self.prefill_in_place
+            and prefill_kernel_fits(
+                self.dtype,
+                self.config.head_dim,
+                self.config.num_attention_heads // self.config.num_key_value_heads,
+            )
         )
         self.batch_invariant = batch_invariant
         if batch_invariant and not self.decode_in_place:
@@ -405,6 +419,7 @@ class ModelRunner:
                 self.device,
                 decode_in_place=self.decode_in_place,
                 every_token_in_place=self.decode_in_place and (invariant or self.prefill_in_place),
+                prefill_kernel=self.prefill_kernel,
             )
             products = invariant_rows() if invariant else contextlib.nullcontext()
             with torch.inference_mode(), products:

@@ -51,22 +51,12 @@
 #include <immintrin.h>
 #endif
 
+#include "row_count.h"
+
 namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kTileRows = 6;  // rows of x per micro-kernel call
-
-// tile.operator()<r>() for r = rows (1 <= r <= MaxRows) as a compile-time count: each row count
-// runs a micro-kernel of its own, unrolled for its rows.
-template <int MaxRows, typename Tile>
-inline void for_row_count(int64_t rows, const Tile& tile) {
-  if constexpr (MaxRows > 1) {
-    if (rows >= MaxRows) return tile.template operator()<MaxRows>();
-    return for_row_count<MaxRows - 1>(rows, tile);
-  } else {
-    return tile.template operator()<1>();
-  }
-}
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t widened = static_cast<uint32_t>(bits) << 16;

@@ -1,0 +1,48 @@
+"""The CPU kernel for fp32 prompt chunks' attention over the paged KV cache (``csrc/``).
+
+Outside batch-invariant steps a prompt chunk attends as one causal query block; the reference
+path (``attention._attend_group``) gathers its request's blocks into a dense copy and runs SDPA
+with a mask. In fp32 on an AVX-512 host the kernel reads the blocks in place, flash attention's
+way (``csrc/prefill_attention.cpp``). Elsewhere (no AVX-512, a head_dim it has no tile for, a
+bf16 cache) the reference path stays; bf16 caches on AVX512-BF16 hosts send prompt tokens
+through the paged decode kernel instead (``paged_decode_kernel.prefill_in_place_is_faster``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cachet.engine.cpu_kernels import load_cpu_kernel
+
+
+@functools.cache
+def prefill_kernel_fits(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether prompt chunks of this cache take the kernel: fp32, and a build with a tile for
+    ``head_dim`` and ``group`` query heads per KV head."""
+    if dtype != torch.float32:
+        return False
+    kernel = load_cpu_kernel("prefill_attention")
+    return kernel is not None and bool(kernel.supported(head_dim, group))
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [tokens, heads, head_dim], each request's ``query_lens[i]`` newest tokens in request
+    order; caches: [num_blocks, block_size, kv_heads, head_dim]; block_table: [requests, blocks]
+    int64; seq_lens: [requests] keys of each (cached and new). Each token attends its request's
+    keys up to its own position. Query head h reads KV head h // (heads / kv_heads)."""
+    kernel = load_cpu_kernel("prefill_attention")
+    if kernel is None:
+        raise RuntimeError("the prefill attention kernel is not built; see the engine's start-up log")
+    return kernel.prefill_attention(
+        q.contiguous(), k_cache, v_cache, block_table, seq_lens, query_lens, scale
+    )

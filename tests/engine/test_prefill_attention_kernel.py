@@ -1,0 +1,131 @@
+"""The fp32 prompt-chunk kernel against SDPA over a dense copy of each request's keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_paged_decode_kernel import scattered_cache
+
+from cachet.engine.attention import PagedAttention, SequenceSpan, allocate_kv_cache, build_attention_metadata
+from cachet.engine.cpu_features import cpu_flags
+from cachet.engine.prefill_attention_kernel import prefill_attention, prefill_kernel_fits
+
+# Built with AVX-512 only; elsewhere the engine keeps SDPA, which test_attention covers.
+pytestmark = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the prompt kernel's tiles are AVX-512")
+
+
+def test_the_kernel_takes_the_shapes_it_has_tiles_for() -> None:
+    assert prefill_kernel_fits(torch.float32, 64, 3) and prefill_kernel_fits(torch.float32, 128, 8)
+    assert not prefill_kernel_fits(torch.float32, 80, 1)
+    assert not prefill_kernel_fits(torch.bfloat16, 64, 3)
+
+
+def causal_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+) -> torch.Tensor:
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    rows, first = [], 0
+    for row, (length, queries) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        keys = (
+            k_cache[table[row]].flatten(0, 1)[:length].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        )
+        values = (
+            v_cache[table[row]].flatten(0, 1)[:length].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        )
+        positions = torch.arange(length - queries, length)
+        mask = torch.arange(length)[None, :] <= positions[:, None]
+        query = q[first : first + queries].transpose(0, 1)
+        rows.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).transpose(0, 1))
+        first += queries
+    return torch.cat(rows)
+
+
+# (keys, of which this step's queries): a first chunk, chunks over cached prefixes that cross the
+# kernel's 512-key chunks and 16-position tiles at odd places, one two-token chunk.
+LAYOUT = [(37, 37), (1300, 700), (530, 19), (2, 2), (1040, 513)]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 64, 12), (8, 1, 128, 16), (16, 4, 128, 16), (10, 5, 64, 16)],
+)
+def test_kernel_matches_causal_sdpa(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    seq_lens, query_lens = [k for k, _ in LAYOUT], [n for _, n in LAYOUT]
+    k_cache, v_cache, table = scattered_cache(seq_lens, block_size, kv_heads, head_dim, torch.float32)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
+    out = prefill_attention(
+        q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(query_lens), head_dim**-0.5
+    )
+    expected = causal_reference(q, k_cache, v_cache, table, seq_lens, query_lens)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=0)
+
+
+def test_scores_far_apart_stay_finite() -> None:
+    """Scores hundreds apart (a key that dominates a later chunk): the running maximum moves and
+    the earlier sums are rescaled, never overflowing."""
+    seq_lens, query_lens = [1200], [64]
+    k_cache, v_cache, table = scattered_cache(seq_lens, 16, 3, 64, torch.float32)
+    k_cache[table[0, 1000 // 16], 1000 % 16] *= 40
+    q = torch.randn(64, 9, 64, generator=torch.Generator().manual_seed(2)) * 3
+    out = prefill_attention(
+        q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(query_lens), 0.125
+    )
+    expected = causal_reference(q, k_cache, v_cache, table, seq_lens, query_lens)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    k_cache, v_cache, table = scattered_cache([40], 16, 3, 64, torch.float32)
+    q = torch.randn(8, 9, 64)
+    with pytest.raises(RuntimeError, match="sum to q's tokens"):
+        prefill_attention(q, k_cache, v_cache, table, torch.tensor([40]), torch.tensor([7]), 0.125)
+    with pytest.raises(RuntimeError, match="among its keys"):
+        prefill_attention(q, k_cache, v_cache, table, torch.tensor([4]), torch.tensor([8]), 0.125)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        prefill_attention(q.bfloat16(), k_cache, v_cache, table, torch.tensor([40]), torch.tensor([8]), 0.125)
+
+
+def attend_step(
+    attn: PagedAttention, layout: list[tuple[int, int, list[int]]], *, prefill_kernel: bool
+) -> torch.Tensor:
+    """One step of ``layout`` (cached tokens, new tokens, blocks) through ``attn``, whose cache
+    holds the cached tokens' K/V already; the same draws every call."""
+    assert attn.kv_cache is not None
+    kv_heads, head_dim = attn.kv_cache.shape[-2:]
+    generator = torch.Generator().manual_seed(3)
+    new = sum(n for _, n, _ in layout)
+    q = torch.randn(new, 9, head_dim, generator=generator)
+    k, v = (torch.randn(new, kv_heads, head_dim, generator=generator) for _ in range(2))
+    spans = [SequenceSpan(c, n, blocks, sample=True) for c, n, blocks in layout]
+    meta = build_attention_metadata(
+        spans, 16, torch.device("cpu"), decode_in_place=True, prefill_kernel=prefill_kernel
+    )
+    return attn(q, k, v, meta)
+
+
+def test_a_steps_prompt_chunks_take_the_kernel_beside_its_decodes() -> None:
+    """Prompt chunks (a first one, one over a cached prefix) and decodes in one step: the chunks
+    through the kernel give SDPA's results, and layers with a sliding window keep SDPA."""
+    layout = [(0, 40, [4, 9, 1]), (600, 1, list(range(10, 48))), (300, 90, list(range(50, 75)))]
+    torch.manual_seed(0)
+    cache = allocate_kv_cache(1, 80, 16, 3, 64, torch.float32, torch.device("cpu"))[0]
+    cache.normal_()
+    attn = PagedAttention()
+    attn.kv_cache = cache
+    through_sdpa = attend_step(attn, layout, prefill_kernel=False)
+    through_kernel = attend_step(attn, layout, prefill_kernel=True)
+    torch.testing.assert_close(through_kernel, through_sdpa, atol=2e-6, rtol=0)
+
+    windowed = PagedAttention(window=32)
+    windowed.kv_cache = cache
+    assert torch.equal(
+        attend_step(windowed, layout, prefill_kernel=True),
+        attend_step(windowed, layout, prefill_kernel=False),
+    )
