@@ -21,7 +21,7 @@ rather than repeating it for every query head that uses it.
 
 On a CPU, decodes skip the gather: ``paged_decode_kernel`` reads each request's blocks in
 place, all decodes of a step in one call whatever their lengths (``decode_in_place``). In fp32
-on an AVX-512 host prompt chunks do too, through ``prefill_attention_kernel`` (flash attention's
+on an AVX-512 or AVX2 host prompt chunks do too, through ``prefill_attention_kernel`` (flash attention's
 shape: ``prefill_kernel``). The gather + SDPA path stays as the reference, for the prefill
 chunks no kernel takes, and for CUDA (whose decode steps are CUDA graphs).
 

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from test_paged_decode_kernel import scattered_cache
 
+from cachet.engine import cpu_kernels
 from cachet.engine.attention import PagedAttention, SequenceSpan, allocate_kv_cache, build_attention_metadata
 from cachet.engine.cpu_features import cpu_flags
 from cachet.engine.prefill_attention_kernel import prefill_attention, prefill_kernel_fits
 
-# Built with AVX-512 only; elsewhere the engine keeps SDPA, which test_attention covers.
-pytestmark = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the prompt kernel's tiles are AVX-512")
+# Built with AVX2 and FMA (or AVX-512) only; elsewhere the engine keeps SDPA, which test_attention
+# covers.
+pytestmark = pytest.mark.skipif(
+    not {"avx2", "fma"} <= cpu_flags(), reason="the prompt kernel's tiles are AVX2 or AVX-512"
+)
 
 
 def test_the_kernel_takes_the_shapes_it_has_tiles_for() -> None:
@@ -129,3 +135,27 @@ def test_a_steps_prompt_chunks_take_the_kernel_beside_its_decodes() -> None:
         attend_step(windowed, layout, prefill_kernel=True),
         attend_step(windowed, layout, prefill_kernel=False),
     )
+
+
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the host's own build is the AVX2 one")
+def test_the_avx2_build_matches_causal_sdpa_too(tmp_path: Path) -> None:
+    """An AVX-512 host builds the 16-lane tiles; the 8-lane ones that AVX2 hosts build are checked
+    here as well, built from the same source with AVX2 flags only."""
+    from torch.utils.cpp_extension import load
+
+    avx2 = load(
+        name="cachet_prefill_attention_avx2_check",
+        sources=[str(Path(cpu_kernels.__file__).parent / "csrc" / "prefill_attention.cpp")],
+        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-mavx2", "-mfma", "-mf16c"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+    )
+    seq_lens, query_lens = [k for k, _ in LAYOUT], [n for _, n in LAYOUT]
+    for heads, kv_heads, head_dim in [(9, 3, 64), (16, 4, 128)]:
+        k_cache, v_cache, table = scattered_cache(seq_lens, 16, kv_heads, head_dim, torch.float32)
+        q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
+        out = avx2.prefill_attention(
+            q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(query_lens), head_dim**-0.5
+        )
+        expected = causal_reference(q, k_cache, v_cache, table, seq_lens, query_lens)
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=0)
