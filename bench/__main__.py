@@ -12,11 +12,13 @@ from pathlib import Path
 from bench.batch_invariance_bench import run_batch_invariance_bench
 from bench.cache_index_bench import run_cache_index_bench
 from bench.cuda_graph_bench import run_cuda_graph_bench
+from bench.decode_kernel_bench import run_decode_kernel_bench
 from bench.disagg_bench import run_disagg_bench
 from bench.engine_bench import run_engine_bench
 from bench.host_tier_copies_bench import run_host_tier_copies_bench
 from bench.kv_tier_bench import run_kv_tier_bench
 from bench.linear_packing_bench import run_linear_packing_bench
+from bench.prompt_kernel_bench import run_prompt_kernel_bench
 from bench.queue_bench import REAL_MODEL_WINDOW_SECONDS, run_queue_bench
 from bench.queue_rates_bench import run_queue_rates_bench
 from bench.replay_bench import run_replay_bench
@@ -78,6 +80,12 @@ def main() -> None:
         "host_tier_copies": lambda: run_host_tier_copies_bench(quick=args.quick),
         # Eager decode against CUDA-graph replay on a GPU; says it is skipped without one.
         "cuda_graphs": lambda: run_cuda_graph_bench(model=args.model, dtype=args.dtype, quick=args.quick),
+        # Decode after long prompts: the paged decode kernel against gather + SDPA, same process.
+        "decode_kernel": lambda: run_decode_kernel_bench(
+            model=args.model, dtype=args.dtype, quick=args.quick
+        ),
+        # fp32 prompt chunks: the prompt kernel against gather + SDPA, one layer and cold TTFT.
+        "prompt_kernel": lambda: run_prompt_kernel_bench(model=args.model, quick=args.quick),
         # Packed linear weights against plain ones, same process (default model unless --model).
         "linear_packing": lambda: run_linear_packing_bench(model=args.model, quick=args.quick),
         "structured_output": lambda: run_structured_output_bench(

@@ -1,0 +1,145 @@
+"""fp32 prompt chunks: the CPU prompt kernel against the gather + SDPA path.
+
+Two measures, each with both paths in one process, rounds alternated (A B B A) so the machine's
+drift falls on both alike, best round kept:
+
+- one layer's attention for a 512-token chunk after 0 to 7,000 cached tokens, the default
+  model's heads (9 on 3 KV heads of 64), through ``PagedAttention`` with and without
+  ``prefill_kernel`` (the reference gathers the blocks, then SDPA with the causal mask);
+- the default model's cold time to first token at 1,800 / 3,800 / 7,500 tokens in fp32, one
+  engine (steps not batch-invariant, as the serving bench runs them) with its runner's
+  ``prefill_kernel`` on and off.
+
+``python -m bench.prompt_kernel_bench [--model DIR] [--quick]`` or the ``prompt_kernel`` section
+of ``make bench``. Skipped where the kernel has no tiles (no AVX2 or AVX-512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from bench.engine_bench import EngineHarness
+from bench.progress import progress
+from cachet.engine.attention import PagedAttention, SequenceSpan, allocate_kv_cache, build_attention_metadata
+from cachet.engine.prefill_attention_kernel import prefill_kernel_fits
+from cachet.models.catalog import ensure_model
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+CHUNK_TOKENS = 512
+CACHED_TOKENS = (0, 1024, 3000, 7000)
+PROMPT_TOKENS = (1800, 3800, 7500)
+QUICK_PROMPT_TOKENS = (1800,)
+
+
+def _alternated(runs: dict[bool, Callable[[], object]], rounds: int) -> dict[bool, float]:
+    """Best seconds of each callable over ``rounds`` rounds, their order flipped each round."""
+    best = dict.fromkeys(runs, float("inf"))
+    for round_ in range(rounds):
+        for kernel in sorted(runs, reverse=round_ % 2 == 1):
+            started = time.perf_counter()
+            runs[kernel]()
+            best[kernel] = min(best[kernel], time.perf_counter() - started)
+    return best
+
+
+def _layer_rows(rounds: int) -> list[dict]:
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for cached in CACHED_TOKENS:
+        blocks = -(-(cached + CHUNK_TOKENS) // BLOCK_SIZE)
+        cache = allocate_kv_cache(
+            1, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")
+        )[0]
+        cache.normal_(generator=generator)
+        block_ids = torch.randperm(blocks, generator=generator).tolist()
+        q = torch.randn(CHUNK_TOKENS, HEADS, HEAD_DIM, generator=generator)
+        k, v = (torch.randn(CHUNK_TOKENS, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
+        spans = [SequenceSpan(cached, CHUNK_TOKENS, block_ids, sample=True)]
+        attention = PagedAttention()
+        attention.kv_cache = cache
+        metas = {
+            kernel: build_attention_metadata(
+                spans, BLOCK_SIZE, torch.device("cpu"), decode_in_place=True, prefill_kernel=kernel
+            )
+            for kernel in (False, True)
+        }
+        best = _alternated(
+            {kernel: partial(attention, q, k, v, meta) for kernel, meta in metas.items()}, rounds
+        )
+        rows.append({"cached_tokens": cached, "sdpa_ms": best[False] * 1000, "kernel_ms": best[True] * 1000})
+        progress(
+            f"  512-token chunk after {cached:,} tokens: {best[False] * 1000:.1f} -> {best[True] * 1000:.1f} ms"
+        )
+    return rows
+
+
+def _ttft_rows(model: str | None, prompt_lengths: tuple[int, ...], rounds: int) -> list[dict]:
+    resolved = ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data")))
+    engine = EngineHarness(resolved.path, resolved.model_id, torch.float32, max_batched_tokens=CHUNK_TOKENS)
+    if not engine.runner.prefill_kernel:
+        progress(f"  {resolved.model_id}'s attention has no tile in the kernel: no TTFT rows")
+        return []
+    rng = random.Random(0)
+    rows = []
+
+    def cold(kernel: bool, length: int) -> None:
+        engine.runner.prefill_kernel = kernel
+        engine.reset_cache()
+        engine.time_to_first_token([rng.randrange(1_000, 40_000) for _ in range(length)])
+
+    for length in prompt_lengths:
+        best = _alternated({kernel: partial(cold, kernel, length) for kernel in (False, True)}, rounds)
+        engine.runner.prefill_kernel = True
+        rows.append({"prompt_tokens": length, "sdpa_s": best[False], "kernel_s": best[True]})
+        progress(f"  cold TTFT, {length:,} tokens: {best[False]:.2f} -> {best[True]:.2f} s")
+    return rows
+
+
+def run_prompt_kernel_bench(model: str | None = None, quick: bool = False) -> dict:
+    if not prefill_kernel_fits(torch.float32, HEAD_DIM, HEADS // KV_HEADS):
+        progress("prompt kernel bench skipped: the kernel has no tiles on this CPU")
+        return {"skipped": "the prompt kernel has no tiles on this CPU"}
+    progress(f"fp32 prompt chunks, {torch.get_num_threads()} threads: gather + SDPA -> the prompt kernel")
+    rounds = 4 if quick else 6
+    result = {
+        "layer": _layer_rows(rounds),
+        "cold_ttft": _ttft_rows(model, QUICK_PROMPT_TOKENS if quick else PROMPT_TOKENS, 2 if quick else 3),
+    }
+    _print_table(result)
+    return result
+
+
+def _print_table(result: dict) -> None:
+    print("\nfp32 prompt chunks: gather + SDPA against the prompt kernel (same process, best round)")
+    print(f"{'measure':<44}{'SDPA':>10}{'kernel':>10}{'ratio':>8}")
+    print("-" * 72)
+    for row in result["layer"]:
+        label = f"one layer, 512-token chunk after {row['cached_tokens']:,} (ms)"
+        print(
+            f"{label:<44}{row['sdpa_ms']:>10.2f}{row['kernel_ms']:>10.2f}{row['kernel_ms'] / row['sdpa_ms']:>8.2f}"
+        )
+    for row in result["cold_ttft"]:
+        label = f"cold TTFT, {row['prompt_tokens']:,}-token prompt (s)"
+        print(
+            f"{label:<44}{row['sdpa_s']:>10.2f}{row['kernel_s']:>10.2f}{row['kernel_s'] / row['sdpa_s']:>8.2f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint dir or catalog id (default model if unset)")
+    parser.add_argument("--quick", action="store_true", help="one TTFT length, fewer rounds")
+    args = parser.parse_args()
+    run_prompt_kernel_bench(model=args.model, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
