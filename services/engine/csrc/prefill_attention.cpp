@@ -18,11 +18,12 @@
 //
 // Against the layer's reference path (gather, then SDPA with the causal mask or `is_causal`),
 // SmolLM2-135M's 9 query heads on 3 KV heads of 64, a 512-token chunk, 2 threads of a Zen 4
-// EPYC: 2.1 against 4.6 ms with nothing cached, 9.4 / 23.4 / 55.9 against 13.9 / 32.2 / 86.1 ms
-// after 1,024 / 3,000 / 7,000 cached tokens (70% of the cores' fp32 peak at 3,000). The default
-// model's cold TTFT in fp32, non-invariant steps: 2.75 / 7.64 / 21.25 s against 3.12 / 9.53 /
-// 27.67 at 1,800 / 3,800 / 7,500 tokens. The AVX2 build on the same CPU: 0.45 / 0.72 / 0.78 /
-// 0.86x of the reference's time for the four chunks above.
+// EPYC (`python -m bench --only prompt_kernel`): 1.9 against 4.6 ms with nothing cached, 8.7 /
+// 21.9 / 49.9 against 13.9 / 32.9 / 72.6 ms after 1,024 / 3,000 / 7,000 cached tokens (about 75%
+// of the cores' fp32 peak at 3,000). The default model's cold TTFT in fp32, non-invariant steps:
+// 2.66 / 7.53 / 21.40 s against 3.12 / 9.76 / 27.43 at 1,800 / 3,800 / 7,500 tokens. The AVX2
+// build on the same CPU (16 positions an item then): 0.45 / 0.72 / 0.78 / 0.86x of the
+// reference's time for the four chunks.
 //
 // A sum here is ordered by the chunk's shape, as SDPA's is: batch-invariant steps keep the paged
 // decode kernel, whose sums are fixed per token. Built without AVX2 (and FMA), `supported` says
@@ -52,7 +53,10 @@
 
 namespace {
 
-constexpr int64_t kPositions = 16;  // prompt positions per work item
+// Prompt positions per work item. Each item copies its keys out transposed, so more rows share
+// that copy: 32 took 0.91-0.94x the time of 16 (a 512-token chunk after 0-7,000 cached tokens, 2
+// threads of a Zen 4), 64 another 0.96-0.99x, at half the items to share between threads.
+constexpr int64_t kPositions = 32;
 constexpr int64_t kKeyChunk = 512;  // keys per online-softmax update
 constexpr int64_t kMaxGroup = 16;   // query heads per KV head
 
