@@ -45,7 +45,7 @@ KERNELS = {
 
 
 # Kernels with a path for AVX512-BF16 (dot products, or rounding to bf16), built with it where
-# the host has it (every kernel now; a new one joins when it has such a path).
+# the host has it (all but the prompt kernel, whose tiles are fp32 only).
 _AVX512_BF16_KERNELS = frozenset({"panel_linear", "paged_decode_attention", "fused_token_ops"})
 # Kernels with a path for AVX-512 alone (the panels' 16-wide fp32 tile, fp32 prefill attention),
 # built with it on an AVX-512 host (one without bf16 instructions, for a kernel of both lists).
