@@ -156,21 +156,20 @@ class ModelRunner:
             # NCCL's capture mode on GPU); a tensor-parallel replica decodes eagerly.
             and (tp is None or tp.size == 1)
         )
-        self.decode_in_place = (
+        # The cache may be read in place by the CPU kernels (the model's layout allowing).
+        reads_cache_in_place = (
             paged_decode_kernel
             and self.device.type == "cpu"
             and getattr(self.model, "supports_paged_decode_kernel", True)
-            and load_paged_decode_kernel() is not None
         )
+        self.decode_in_place = reads_cache_in_place and load_paged_decode_kernel() is not None
         # Prompt tokens through the kernel too, in every step, where it beats SDPA's prefill.
         self.prefill_in_place = self.decode_in_place and prefill_in_place_is_faster(
             self.dtype, self.config.head_dim
         )
         # fp32 prompt chunks attend through their own kernel outside batch-invariant steps.
         self.prefill_kernel = (
-            paged_decode_kernel
-            and self.device.type == "cpu"
-            and getattr(self.model, "supports_paged_decode_kernel", True)
+            reads_cache_in_place
             and not self.prefill_in_place
             and prefill_kernel_fits(
                 self.dtype,

@@ -214,36 +214,64 @@ struct WorkItem {
   int64_t cost;  // keys seen x rows, to take the heaviest first
 };
 
+// What every item of one call reads.
+struct PromptCall {
+  const float* q;
+  float* out;
+  const float* k_cache;
+  const float* v_cache;
+  const int64_t* block_table;
+  int64_t table_stride, block_size, num_heads, num_kv_heads;
+  const int64_t* seq_lens;
+  const int64_t* query_lens;
+  const int64_t* token_bases;  // each request's first row of q
+  float scale;
+};
+
+// One thread's buffers, sized for an item of up to `max_rows` rows.
 template <int HeadDim>
-void attend_item(const WorkItem& item, const float* q, float* out, const float* k_cache, const float* v_cache,
-                 const int64_t* block_table, int64_t table_stride, int64_t block_size, int64_t num_kv_heads,
-                 int64_t num_heads, int64_t seq_len, int64_t query_len, int64_t token_base, float scale,
-                 std::vector<float>& queries, std::vector<float>& scores, std::vector<float>& keys,
-                 std::vector<float>& sums, std::vector<const float*>& value_rows) {
-  const int64_t group = num_heads / num_kv_heads;
+struct Scratch {
+  explicit Scratch(int64_t max_rows)
+      : queries(max_rows * HeadDim), scores(max_rows * kKeyChunk), keys(kKeyChunk * HeadDim),
+        sums(max_rows * HeadDim), running_max(max_rows), running_sum(max_rows), value_rows(kKeyChunk) {}
+  std::vector<float> queries, scores, keys, sums, running_max, running_sum;
+  std::vector<const float*> value_rows;
+};
+
+template <int HeadDim>
+void attend_item(const WorkItem& item, const PromptCall& call, Scratch<HeadDim>& scratch) {
+  const int64_t group = call.num_heads / call.num_kv_heads;
   const int64_t rows = item.positions * group;
-  const int64_t token_stride = num_kv_heads * HeadDim;  // a token's K (or V) row in the cache
-  const int64_t* table = block_table + item.request * table_stride;
+  const int64_t token_stride = call.num_kv_heads * HeadDim;  // a token's K (or V) row in the cache
+  const int64_t* table = call.block_table + item.request * call.table_stride;
+  const int64_t first_token = call.token_bases[item.request] + item.first_position;
+  float* queries = scratch.queries.data();
+  float* scores = scratch.scores.data();
+  float* keys = scratch.keys.data();
+  float* sums = scratch.sums.data();
+  float* running_max = scratch.running_max.data();
+  float* running_sum = scratch.running_sum.data();
   // Row r is query head kv_head * group + r % group at prompt position first_position + r / group,
   // so a position's rows are one contiguous slice of q.
-  const int64_t first_absolute = seq_len - query_len + item.first_position;
+  const int64_t first_absolute = call.seq_lens[item.request] - call.query_lens[item.request] + item.first_position;
   for (int64_t p = 0; p < item.positions; ++p) {
-    const float* from = q + ((token_base + item.first_position + p) * num_heads + item.kv_head * group) * HeadDim;
-    for (int64_t i = 0; i < group * HeadDim; ++i) queries[p * group * HeadDim + i] = from[i] * scale;
+    const float* from = call.q + ((first_token + p) * call.num_heads + item.kv_head * group) * HeadDim;
+    for (int64_t i = 0; i < group * HeadDim; ++i) queries[p * group * HeadDim + i] = from[i] * call.scale;
   }
-  std::fill(sums.begin(), sums.begin() + rows * HeadDim, 0.f);
-  std::vector<float> running_max(rows, -std::numeric_limits<float>::infinity()), running_sum(rows, 0.f);
+  std::fill(sums, sums + rows * HeadDim, 0.f);
+  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(running_sum, running_sum + rows, 0.f);
   const int64_t last_key = first_absolute + item.positions - 1;  // the last row sees keys 0..this
   for (int64_t chunk = 0; chunk <= last_key; chunk += kKeyChunk) {
     const int64_t chunk_len = std::min(kKeyChunk, last_key + 1 - chunk);
     const int64_t key_blocks = (chunk_len + kKeyBlock - 1) / kKeyBlock;
     for (int64_t j = 0; j < key_blocks * kKeyBlock; ++j) {
-      float* to = keys.data() + (j / kKeyBlock) * HeadDim * kKeyBlock + j % kKeyBlock;
+      float* to = keys + (j / kKeyBlock) * HeadDim * kKeyBlock + j % kKeyBlock;
       if (j < chunk_len) {
         const int64_t position = chunk + j;
-        const int64_t slot = table[position / block_size] * block_size + position % block_size;
-        const float* key = k_cache + slot * token_stride + item.kv_head * HeadDim;
-        value_rows[j] = v_cache + slot * token_stride + item.kv_head * HeadDim;
+        const int64_t slot = table[position / call.block_size] * call.block_size + position % call.block_size;
+        const float* key = call.k_cache + slot * token_stride + item.kv_head * HeadDim;
+        scratch.value_rows[j] = call.v_cache + slot * token_stride + item.kv_head * HeadDim;
         for (int64_t d = 0; d < HeadDim; ++d) to[d * kKeyBlock] = key[d];
       } else {
         for (int64_t d = 0; d < HeadDim; ++d) to[d * kKeyBlock] = 0.f;
@@ -252,14 +280,14 @@ void attend_item(const WorkItem& item, const float* q, float* out, const float* 
     for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
       for_row_count<kScoreRows>(std::min<int64_t>(kScoreRows, rows - r0), [&]<int Rows>() {
         for (int64_t b = 0; b < key_blocks; ++b) {
-          score_tile<Rows>(queries.data() + r0 * HeadDim, HeadDim, keys.data() + b * HeadDim * kKeyBlock,
-                           scores.data() + r0 * kKeyChunk + b * kKeyBlock, kKeyChunk);
+          score_tile<Rows>(queries + r0 * HeadDim, HeadDim, keys + b * HeadDim * kKeyBlock,
+                           scores + r0 * kKeyChunk + b * kKeyBlock, kKeyChunk);
         }
       });
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::clamp<int64_t>(first_absolute + r / group + 1 - chunk, 0, chunk_len);
-      float* row_scores = scores.data() + r * kKeyChunk;
+      float* row_scores = scores + r * kKeyChunk;
       if (visible == 0) {
         std::fill(row_scores, row_scores + chunk_len, 0.f);
         continue;
@@ -272,53 +300,39 @@ void attend_item(const WorkItem& item, const float* q, float* out, const float* 
     for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
       for_row_count<kValueRows>(std::min<int64_t>(kValueRows, rows - r0), [&]<int Rows>() {
         for (int64_t d0 = 0; d0 < HeadDim; d0 += kValueSlice * Lanes::kWidth) {
-          value_tile<Rows>(scores.data() + r0 * kKeyChunk, kKeyChunk, value_rows.data(), chunk_len,
-                           sums.data() + r0 * HeadDim, HeadDim, d0);
+          value_tile<Rows>(scores + r0 * kKeyChunk, kKeyChunk, scratch.value_rows.data(), chunk_len,
+                           sums + r0 * HeadDim, HeadDim, d0);
         }
       });
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inverse = 1.f / running_sum[r];
-    float* to = out + ((token_base + item.first_position + r / group) * num_heads + item.kv_head * group + r % group) * HeadDim;
+    float* to = call.out + ((first_token + r / group) * call.num_heads + item.kv_head * group + r % group) * HeadDim;
     for (int64_t d = 0; d < HeadDim; ++d) to[d] = sums[r * HeadDim + d] * inverse;
   }
 }
 
 template <int HeadDim>
-void attend_all(const torch::Tensor& q, torch::Tensor& out, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                const torch::Tensor& block_table, const std::vector<int64_t>& seq_lens,
-                const std::vector<int64_t>& query_lens, const std::vector<int64_t>& token_bases, float scale) {
-  const int64_t num_heads = q.size(1);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
+void attend_all(const PromptCall& call, int64_t num_requests) {
+  const int64_t group = call.num_heads / call.num_kv_heads;
   std::vector<WorkItem> items;
-  for (int64_t request = 0; request < static_cast<int64_t>(seq_lens.size()); ++request) {
-    for (int64_t first = 0; first < query_lens[request]; first += kPositions) {
-      const int64_t positions = std::min(kPositions, query_lens[request] - first);
-      const int64_t keys_seen = seq_lens[request] - query_lens[request] + first + positions;
-      for (int64_t head = 0; head < num_kv_heads; ++head) {
+  for (int64_t request = 0; request < num_requests; ++request) {
+    const int64_t queries = call.query_lens[request];
+    for (int64_t first = 0; first < queries; first += kPositions) {
+      const int64_t positions = std::min(kPositions, queries - first);
+      const int64_t keys_seen = call.seq_lens[request] - queries + first + positions;
+      for (int64_t head = 0; head < call.num_kv_heads; ++head) {
         items.push_back({request, head, first, positions, keys_seen * positions});
       }
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
-  const float* q_data = q.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  const int64_t max_rows = kPositions * group;
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(max_rows * HeadDim), scores(max_rows * kKeyChunk), keys(kKeyChunk * HeadDim),
-        sums(max_rows * HeadDim);
-    std::vector<const float*> value_rows(kKeyChunk);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch<HeadDim> scratch(kPositions * group);
     for (int64_t index = next.fetch_add(1); index < static_cast<int64_t>(items.size()); index = next.fetch_add(1)) {
-      const WorkItem& item = items[index];
-      attend_item<HeadDim>(item, q_data, out_data, k_data, v_data, table, block_table.size(1), block_size,
-                           num_kv_heads, num_heads, seq_lens[item.request], query_lens[item.request],
-                           token_bases[item.request], scale, queries, scores, keys, sums, value_rows);
+      attend_item<HeadDim>(items[index], call, scratch);
     }
   });
 }
@@ -359,10 +373,14 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_c
   TORCH_CHECK(tokens == q.size(0), "query_lens must sum to q's tokens");
   auto out = torch::empty_like(q);
 #if defined(CACHET_PROMPT_TILES)
+  const PromptCall call{q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
+                        v_cache.data_ptr<float>(), block_table.data_ptr<int64_t>(), block_table.size(1),
+                        k_cache.size(1), num_heads, num_kv_heads, seqs.data(), queries.data(), bases.data(),
+                        static_cast<float>(scale)};
   if (head_dim == 64) {
-    attend_all<64>(q, out, k_cache, v_cache, block_table, seqs, queries, bases, static_cast<float>(scale));
+    attend_all<64>(call, requests);
   } else {
-    attend_all<128>(q, out, k_cache, v_cache, block_table, seqs, queries, bases, static_cast<float>(scale));
+    attend_all<128>(call, requests);
   }
 #endif
   return out;
