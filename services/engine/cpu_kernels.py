@@ -51,8 +51,10 @@ _AVX512_BF16_KERNELS = frozenset({"panel_linear", "paged_decode_attention", "fus
 # built with it on an AVX-512 host (one without bf16 instructions, for a kernel of both lists).
 _AVX512_KERNELS = frozenset({"panel_linear", "prefill_attention"})
 # Flags a kernel needs beyond its instruction set's: the fused ops round where torch's ops round,
-# so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add.
-_KERNEL_FLAGS = {"fused_token_ops": ["-ffp-contract=off"]}
+# so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add;
+# the paged attention kernel's fixed orders are the same code on both of its paths only when the
+# compiler fuses nothing the source does not (the multiply-adds it wants are written as such).
+_KERNEL_FLAGS = {"fused_token_ops": ["-ffp-contract=off"], "paged_decode_attention": ["-ffp-contract=off"]}
 # AVX512 extensions a kernel's AVX512-BF16 path uses beyond AVX512F (the fused ops: masked 16-bit
 # loads and stores of 256 bits), by their /proc/cpuinfo name and their compiler flag.
 _KERNEL_AVX512_EXTENSIONS = {"fused_token_ops": {"avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}}

@@ -93,25 +93,38 @@ def test_a_request_gets_the_same_bits_whatever_shares_its_batch() -> None:
         assert torch.equal(alone[0], together[row])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prompts_tokens_read_together_get_each_tokens_own_bits(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_dim"),
+    [
+        (torch.float32, 9, 3, 64),
+        (torch.bfloat16, 9, 3, 64),
+        (torch.float32, 8, 1, 128),
+        (torch.float32, 4, 4, 32),
+        (torch.float32, 6, 2, 24),
+    ],
+)
+def test_a_prompts_tokens_read_together_get_each_tokens_own_bits(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
     """A chunk's tokens (consecutive rows of one request, one key more each) share their key reads
     in tiles; each row still gets the bits it gets alone, as a decode, and as part of a chunk cut
-    elsewhere: a token's attention is the same computed cold, from the prefix cache, or decoding."""
+    elsewhere: a token's attention is the same computed cold, from the prefix cache, or decoding.
+    Chunks of 2-3 rows, of a few, and of more than one register-tiled tile of 64 rows."""
     prompt, block_size = 600, 12
-    k_cache, v_cache, table = scattered_cache([prompt], block_size, 3, 64, dtype)
+    k_cache, v_cache, table = scattered_cache([prompt], block_size, kv_heads, head_dim, dtype)
     lens = torch.arange(1, prompt + 1)
-    q = torch.randn(prompt, 9, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    q = torch.randn(prompt, heads, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
     rows = table.expand(prompt, -1).contiguous()
-    whole = paged_decode_attention(q, k_cache, v_cache, rows, lens, 0.125)
-    for start, stop in ((0, 7), (250, 270), (590, 600)):
+    scale = head_dim**-0.5
+    whole = paged_decode_attention(q, k_cache, v_cache, rows, lens, scale)
+    for start, stop in ((0, 7), (100, 102), (250, 270), (300, 303), (120, 400), (590, 600)):
         chunk = paged_decode_attention(
-            q[start:stop], k_cache, v_cache, rows[start:stop], lens[start:stop], 0.125
+            q[start:stop], k_cache, v_cache, rows[start:stop], lens[start:stop], scale
         )
         assert torch.equal(chunk, whole[start:stop]), (start, stop)
     for row in (0, 255, 256, 599):
         alone = paged_decode_attention(
-            q[row : row + 1], k_cache, v_cache, rows[row : row + 1], lens[row : row + 1], 0.125
+            q[row : row + 1], k_cache, v_cache, rows[row : row + 1], lens[row : row + 1], scale
         )
         assert torch.equal(alone[0], whole[row]), row
     expected = dense_reference(q[::37], k_cache, v_cache, rows[::37], lens[::37].tolist())
