@@ -1,11 +1,13 @@
 """fp32 prompt chunks: the CPU prompt kernel against the gather + SDPA path.
 
-Two measures, each with both paths in one process, rounds alternated (A B B A) so the machine's
-drift falls on both alike, best round kept:
+Two measures, each with its paths in one process, rounds alternated (A B C, C B A) so the
+machine's drift falls on all alike, best round kept:
 
 - one layer's attention for a 512-token chunk after 0 to 7,000 cached tokens, the default
   model's heads (9 on 3 KV heads of 64), through ``PagedAttention`` with and without
-  ``prefill_kernel`` (the reference gathers the blocks, then SDPA with the causal mask);
+  ``prefill_kernel`` (the reference gathers the blocks, then SDPA with the causal mask), and
+  through the paged decode kernel reading every token, as batch-invariant steps do
+  (``every_token_in_place``: reproducible greedy's prompts);
 - the default model's cold time to first token at 1,800 / 3,800 / 7,500 tokens in fp32, one
   engine (steps not batch-invariant, as the serving bench runs them) with its runner's
   ``prefill_kernel`` on and off.
@@ -39,14 +41,14 @@ PROMPT_TOKENS = (1800, 3800, 7500)
 QUICK_PROMPT_TOKENS = (1800,)
 
 
-def _alternated(runs: dict[bool, Callable[[], object]], rounds: int) -> dict[bool, float]:
+def _alternated(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
     """Best seconds of each callable over ``rounds`` rounds, their order flipped each round."""
     best = dict.fromkeys(runs, float("inf"))
     for round_ in range(rounds):
-        for kernel in sorted(runs, reverse=round_ % 2 == 1):
+        for path in sorted(runs, reverse=round_ % 2 == 1):
             started = time.perf_counter()
-            runs[kernel]()
-            best[kernel] = min(best[kernel], time.perf_counter() - started)
+            runs[path]()
+            best[path] = min(best[path], time.perf_counter() - started)
     return best
 
 
@@ -65,18 +67,22 @@ def _layer_rows(rounds: int) -> list[dict]:
         spans = [SequenceSpan(cached, CHUNK_TOKENS, block_ids, sample=True)]
         attention = PagedAttention()
         attention.kv_cache = cache
+        cpu = torch.device("cpu")
         metas = {
-            kernel: build_attention_metadata(
-                spans, BLOCK_SIZE, torch.device("cpu"), decode_in_place=True, prefill_kernel=kernel
-            )
-            for kernel in (False, True)
+            "sdpa": build_attention_metadata(spans, BLOCK_SIZE, cpu, decode_in_place=True),
+            "kernel": build_attention_metadata(
+                spans, BLOCK_SIZE, cpu, decode_in_place=True, prefill_kernel=True
+            ),
+            "invariant": build_attention_metadata(
+                spans, BLOCK_SIZE, cpu, decode_in_place=True, every_token_in_place=True
+            ),
         }
-        best = _alternated(
-            {kernel: partial(attention, q, k, v, meta) for kernel, meta in metas.items()}, rounds
-        )
-        rows.append({"cached_tokens": cached, "sdpa_ms": best[False] * 1000, "kernel_ms": best[True] * 1000})
+        best = _alternated({path: partial(attention, q, k, v, meta) for path, meta in metas.items()}, rounds)
+        row = {"cached_tokens": cached, **{f"{path}_ms": seconds * 1000 for path, seconds in best.items()}}
+        rows.append(row)
         progress(
-            f"  512-token chunk after {cached:,} tokens: {best[False] * 1000:.1f} -> {best[True] * 1000:.1f} ms"
+            f"  512-token chunk after {cached:,} tokens: SDPA {row['sdpa_ms']:.1f}, kernel {row['kernel_ms']:.1f}, "
+            f"invariant {row['invariant_ms']:.1f} ms"
         )
     return rows
 
@@ -96,10 +102,12 @@ def _ttft_rows(model: str | None, prompt_lengths: tuple[int, ...], rounds: int) 
         engine.time_to_first_token([rng.randrange(1_000, 40_000) for _ in range(length)])
 
     for length in prompt_lengths:
-        best = _alternated({kernel: partial(cold, kernel, length) for kernel in (False, True)}, rounds)
+        best = _alternated(
+            {"sdpa": partial(cold, False, length), "kernel": partial(cold, True, length)}, rounds
+        )
         engine.runner.prefill_kernel = True
-        rows.append({"prompt_tokens": length, "sdpa_s": best[False], "kernel_s": best[True]})
-        progress(f"  cold TTFT, {length:,} tokens: {best[False]:.2f} -> {best[True]:.2f} s")
+        rows.append({"prompt_tokens": length, "sdpa_s": best["sdpa"], "kernel_s": best["kernel"]})
+        progress(f"  cold TTFT, {length:,} tokens: {best['sdpa']:.2f} -> {best['kernel']:.2f} s")
     return rows
 
 
@@ -118,13 +126,17 @@ def run_prompt_kernel_bench(model: str | None = None, quick: bool = False) -> di
 
 
 def _print_table(result: dict) -> None:
-    print("\nfp32 prompt chunks: gather + SDPA against the prompt kernel (same process, best round)")
-    print(f"{'measure':<44}{'SDPA':>10}{'kernel':>10}{'ratio':>8}")
-    print("-" * 72)
+    print(
+        "\nfp32 prompt chunks: gather + SDPA against the prompt kernel, and the paged decode kernel"
+        " that batch-invariant steps use (same process, best round; ratios to SDPA)"
+    )
+    print(f"{'measure':<44}{'SDPA':>10}{'kernel':>10}{'ratio':>8}{'invariant':>11}{'ratio':>8}")
+    print("-" * 91)
     for row in result["layer"]:
         label = f"one layer, 512-token chunk after {row['cached_tokens']:,} (ms)"
         print(
             f"{label:<44}{row['sdpa_ms']:>10.2f}{row['kernel_ms']:>10.2f}{row['kernel_ms'] / row['sdpa_ms']:>8.2f}"
+            f"{row['invariant_ms']:>11.2f}{row['invariant_ms'] / row['sdpa_ms']:>8.2f}"
         )
     for row in result["cold_ttft"]:
         label = f"cold TTFT, {row['prompt_tokens']:,}-token prompt (s)"
