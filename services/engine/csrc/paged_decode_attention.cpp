@@ -26,7 +26,7 @@
 // 3 KV heads of 64, a 512-token chunk after 0 / 1,024 / 3,000 / 7,000 cached tokens: 7.1 / 28.0 /
 // 60.6 / 182.8 -> 5.7 / 21.6 / 55.3 / 144.2 ms (the fp32 prompt kernel, whose sums follow the
 // chunk's shape: 3.9 / 19.4 / 53.9 / 127.1). The default model's cold TTFT at 1,800 tokens in
-// batch-invariant steps went from 1.30x that of steps that are not to 1.01x
+// batch-invariant steps went from 1.30x that of steps that are not to 1.01-1.07x
 // (bench/batch_invariance_bench.py).
 //
 // Against the kernel before (one query per item, a score as a dot product with its own
