@@ -522,15 +522,14 @@ void attend_tiled(const Tile& tile, int64_t split, int64_t g, const Shape& s, co
     float* head_acc = acc + slot * heads_dim + g * s.group * s.head_dim;
     std::fill(head_acc, head_acc + s.group * s.head_dim, 0.f);
   }
-  // V rows are read in place from an fp32 cache, else widened first.
+  // The split's V rows of this KV head, copied (widened) side by side: read in place, rows a
+  // token apart in the cache (4 KB for 4 KV heads of 256) fall in the same few L1 sets, and
+  // the value tiles read each row once per 32 dims (8 heads on 4 KV heads of 256, a 512-token
+  // chunk after 3,000 cached tokens: 1.27x of gather + SDPA's time read in place).
   for (int64_t j = begin; j < end; ++j) {
-    if constexpr (std::is_same_v<T, float>) {
-      scratch.values[j - begin] = row_of(v_cache, j);
-    } else {
-      float* to = scratch.widened.data() + (j - begin) * s.head_dim;
-      widen(row_of(v_cache, j), to, s.head_dim);
-      scratch.values[j - begin] = to;
-    }
+    float* to = scratch.widened.data() + (j - begin) * s.head_dim;
+    widen(row_of(v_cache, j), to, s.head_dim);
+    scratch.values[j - begin] = to;
   }
   // Rows whose window has not reached this split, or that end before it, weigh nothing here:
   // they sit at the tile's two ends.
