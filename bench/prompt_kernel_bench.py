@@ -8,9 +8,11 @@ machine's drift falls on all alike, best round kept:
   ``prefill_kernel`` (the reference gathers the blocks, then SDPA with the causal mask), and
   through the paged decode kernel reading every token, as batch-invariant steps do
   (``every_token_in_place``: reproducible greedy's prompts);
-- the default model's cold time to first token at 1,800 / 3,800 / 7,500 tokens in fp32, one
-  engine (steps not batch-invariant, as the serving bench runs them) with its runner's
-  ``prefill_kernel`` on and off.
+- the default model's (or ``--model``'s) cold time to first token at 1,800 / 3,800 / 7,500
+  tokens in fp32, one engine (steps not batch-invariant, as the serving bench runs them) with
+  its runner's in-place prompt path on and off: ``prefill_kernel``, or for heads the prompt
+  kernel has no tile for (``--model gemma3-270m``) ``prefill_in_place``, the paged decode
+  kernel's register tiles.
 
 ``python -m bench.prompt_kernel_bench [--model DIR] [--quick]`` or the ``prompt_kernel`` section
 of ``make bench``. Skipped where the kernel has no tiles (no AVX2 or AVX-512).
@@ -90,14 +92,20 @@ def _layer_rows(rounds: int) -> list[dict]:
 def _ttft_rows(model: str | None, prompt_lengths: tuple[int, ...], rounds: int) -> list[dict]:
     resolved = ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data")))
     engine = EngineHarness(resolved.path, resolved.model_id, torch.float32, max_batched_tokens=CHUNK_TOKENS)
-    if not engine.runner.prefill_kernel:
-        progress(f"  {resolved.model_id}'s attention has no tile in the kernel: no TTFT rows")
+    runner = engine.runner
+    # The in-place path the runner took for this model's prompts: the prompt kernel where it has a
+    # tile for the heads, else the paged decode kernel's register tiles (Gemma 3's heads).
+    path = (
+        "prefill_kernel" if runner.prefill_kernel else "prefill_in_place" if runner.prefill_in_place else None
+    )
+    if path is None:
+        progress(f"  {resolved.model_id}'s prompts attend through SDPA on this CPU: no TTFT rows")
         return []
     rng = random.Random(0)
     rows = []
 
-    def cold(kernel: bool, length: int) -> None:
-        engine.runner.prefill_kernel = kernel
+    def cold(in_place: bool, length: int) -> None:
+        setattr(runner, path, in_place)
         engine.reset_cache()
         engine.time_to_first_token([rng.randrange(1_000, 40_000) for _ in range(length)])
 
@@ -105,9 +113,17 @@ def _ttft_rows(model: str | None, prompt_lengths: tuple[int, ...], rounds: int) 
         best = _alternated(
             {"sdpa": partial(cold, False, length), "kernel": partial(cold, True, length)}, rounds
         )
-        engine.runner.prefill_kernel = True
-        rows.append({"prompt_tokens": length, "sdpa_s": best["sdpa"], "kernel_s": best["kernel"]})
-        progress(f"  cold TTFT, {length:,} tokens: {best['sdpa']:.2f} -> {best['kernel']:.2f} s")
+        setattr(runner, path, True)
+        rows.append(
+            {
+                "model": resolved.model_id,
+                "path": path,
+                "prompt_tokens": length,
+                "sdpa_s": best["sdpa"],
+                "kernel_s": best["kernel"],
+            }
+        )
+        progress(f"  cold TTFT, {length:,} tokens ({path}): {best['sdpa']:.2f} -> {best['kernel']:.2f} s")
     return rows
 
 
@@ -130,18 +146,18 @@ def _print_table(result: dict) -> None:
         "\nfp32 prompt chunks: gather + SDPA against the prompt kernel, and the paged decode kernel"
         " that batch-invariant steps use (same process, best round; ratios to SDPA)"
     )
-    print(f"{'measure':<44}{'SDPA':>10}{'kernel':>10}{'ratio':>8}{'invariant':>11}{'ratio':>8}")
-    print("-" * 91)
+    print(f"{'measure':<52}{'SDPA':>10}{'kernel':>10}{'ratio':>8}{'invariant':>11}{'ratio':>8}")
+    print("-" * 99)
     for row in result["layer"]:
         label = f"one layer, 512-token chunk after {row['cached_tokens']:,} (ms)"
         print(
-            f"{label:<44}{row['sdpa_ms']:>10.2f}{row['kernel_ms']:>10.2f}{row['kernel_ms'] / row['sdpa_ms']:>8.2f}"
+            f"{label:<52}{row['sdpa_ms']:>10.2f}{row['kernel_ms']:>10.2f}{row['kernel_ms'] / row['sdpa_ms']:>8.2f}"
             f"{row['invariant_ms']:>11.2f}{row['invariant_ms'] / row['sdpa_ms']:>8.2f}"
         )
     for row in result["cold_ttft"]:
-        label = f"cold TTFT, {row['prompt_tokens']:,}-token prompt (s)"
+        label = f"{row['model']} cold TTFT, {row['prompt_tokens']:,} tokens (s)"
         print(
-            f"{label:<44}{row['sdpa_s']:>10.2f}{row['kernel_s']:>10.2f}{row['kernel_s'] / row['sdpa_s']:>8.2f}"
+            f"{label:<52}{row['sdpa_s']:>10.2f}{row['kernel_s']:>10.2f}{row['kernel_s'] / row['sdpa_s']:>8.2f}"
         )
 
 

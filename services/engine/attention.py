@@ -33,7 +33,9 @@ the same tokens cold, from the prefix cache and in any batch. SDPA's prefill ker
 pieces by the call's lengths, so the same token's sum is ordered differently from call to call.
 Where the kernel has AVX512-BF16 dot products for a bf16 cache, every step lays its tokens out so
 (the model runner's ``prefill_in_place``): a prompt chunk attends there in about half of SDPA's
-time, before counting SDPA's gather.
+time, before counting SDPA's gather. So does an fp32 cache on an AVX2 build where the fp32 prompt
+kernel has no tile for the heads (Gemma 3's 256-dim heads, its sliding layers read by their
+window): the paged kernel's prompt tiles take register tiles there.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ class ModelRunner:
         out and for tensor-parallel replicas. ``paged_decode_kernel``: on a CPU, decodes read
         the KV cache in place (``paged_decode_kernel``) rather than through a gather, where the
         kernel builds and the model's cache layout allows, and so do fp32 prompt chunks where the
-        prompt kernel has a tile for them (``prefill_attention_kernel``). ``batch_invariant``: a step holding a
+        prompt kernel has a tile for them (``prefill_attention_kernel``), else prompt tokens
+        through the decode kernel where it beats SDPA (``prefill_in_place_is_faster``). ``batch_invariant``: a step holding a
         greedy or seeded request runs batch-invariant, so such a request's logits do not depend
         on what shares its steps, nor on whether its prefix was cached: bf16 products on one
         kernel at every row count (``packed_linear.invariant_rows``), and on a CPU every token's
@@ -163,19 +164,18 @@ class ModelRunner:
             and getattr(self.model, "supports_paged_decode_kernel", True)
         )
         self.decode_in_place = reads_cache_in_place and load_paged_decode_kernel() is not None
-        # Prompt tokens through the kernel too, in every step, where it beats SDPA's prefill.
-        self.prefill_in_place = self.decode_in_place and prefill_in_place_is_faster(
-            self.dtype, self.config.head_dim
-        )
         # fp32 prompt chunks attend through their own kernel outside batch-invariant steps.
-        self.prefill_kernel = (
-            reads_cache_in_place
-            and not self.prefill_in_place
-            and prefill_kernel_fits(
-                self.dtype,
-                self.config.head_dim,
-                self.config.num_attention_heads // self.config.num_key_value_heads,
-            )
+        self.prefill_kernel = reads_cache_in_place and prefill_kernel_fits(
+            self.dtype,
+            self.config.head_dim,
+            self.config.num_attention_heads // self.config.num_key_value_heads,
+        )
+        # Else prompt tokens go through the paged decode kernel, in every step, where it beats
+        # SDPA's prefill.
+        self.prefill_in_place = (
+            self.decode_in_place
+            and not self.prefill_kernel
+            and prefill_in_place_is_faster(self.dtype, self.config.head_dim)
         )
         self.batch_invariant = batch_invariant
         if batch_invariant and not self.decode_in_place:

@@ -4,8 +4,9 @@ Outside batch-invariant steps a prompt chunk attends as one causal query block; 
 path (``attention._attend_group``) gathers its request's blocks into a dense copy and runs SDPA
 with a mask. In fp32 on an AVX-512 or AVX2 host the kernel reads the blocks in place, flash
 attention's way (``csrc/prefill_attention.cpp``). Elsewhere (neither, a head_dim it has no tile
-for, a bf16 cache) the reference path stays; bf16 caches on AVX512-BF16 hosts send prompt tokens
-through the paged decode kernel instead (``paged_decode_kernel.prefill_in_place_is_faster``).
+for, a bf16 cache) the paged decode kernel takes prompt tokens where it beats SDPA (bf16 caches
+on AVX512-BF16 hosts, fp32 ones on AVX2 builds: ``paged_decode_kernel.prefill_in_place_is_faster``),
+and the reference path stays elsewhere.
 """
 
 from __future__ import annotations

@@ -125,6 +125,17 @@ def test_batched_and_cached_prefix_match_hf(
         assert req.output == hf_greedy(hf_model, req.prompt), rid
 
 
+def test_prompts_read_the_cache_in_place_where_the_kernel_has_register_tiles(gemma_dir: Path) -> None:
+    """The fp32 prompt kernel has no tile for Gemma 3's heads; on an AVX2 build the paged decode
+    kernel's register tiles take its prompt tokens in every step (sliding layers by their window),
+    which the greedy tests above then run through."""
+    from cachet.engine.cpu_features import cpu_flags
+
+    runner = runner_for(gemma_dir)
+    assert not runner.prefill_kernel
+    assert runner.prefill_in_place == ({"avx2", "fma"} <= cpu_flags())
+
+
 def test_batch_invariant_steps_match_hf(gemma_dir: Path, hf_model: Gemma3ForCausalLM) -> None:
     # Every token read in place by the paged decode kernel, unless the band sends it through SDPA.
     runner = runner_for(gemma_dir, batch_invariant=True)

@@ -159,7 +159,12 @@ def test_a_host_with_avx512_bf16_gets_the_dot_product_path() -> None:
     assert kernel.bf16_dot_products(256) == has_dot_products  # Gemma 3
     assert not kernel.bf16_dot_products(32)
     assert prefill_in_place_is_faster(torch.bfloat16, 64) == has_dot_products
-    assert not prefill_in_place_is_faster(torch.float32, 64)
+    # fp32 prompt tiles take register tiles on any AVX2 build (the runner prefers the fp32 prompt
+    # kernel where it fits).
+    has_tiles = {"avx2", "fma"} <= cpu_flags()
+    assert kernel.fp32_prompt_tiles(64) == has_tiles and kernel.fp32_prompt_tiles(256) == has_tiles
+    assert not kernel.fp32_prompt_tiles(24)
+    assert prefill_in_place_is_faster(torch.float32, 256) == has_tiles
 
 
 @pytest.mark.parametrize(

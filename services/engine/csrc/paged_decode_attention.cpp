@@ -1017,6 +1017,16 @@ bool bf16_dot_products(int64_t head_dim) {
 #endif
 }
 
+// Whether an fp32 cache of this head_dim takes register tiles for prompt tiles in this build.
+bool fp32_prompt_tiles(int64_t head_dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return tiles_fit(head_dim);
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Attention over a paged KV cache, read in place: decodes, and prompt tokens one query each",
@@ -1024,4 +1034,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window") = 0);
   m.def("bf16_dot_products", &bf16_dot_products,
         "Whether a bf16 cache of this head_dim takes the AVX512-BF16 dot-product path in this build");
+  m.def("fp32_prompt_tiles", &fp32_prompt_tiles,
+        "Whether an fp32 cache of this head_dim takes register tiles for prompt tiles in this build");
 }
