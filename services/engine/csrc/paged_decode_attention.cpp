@@ -75,6 +75,11 @@ constexpr int64_t kSplitTokens = 256;
 // so a key always takes the same slot of its group, and with it the same order of additions.
 constexpr int64_t kGroup = 8;
 constexpr int64_t kTileRows = 16;
+// Prompt tiles of at least kMinTiledRows rows take register tiles (attend_tiled), up to
+// kPromptTileRows rows a tile (each item reads its split's keys once for them all); fewer are
+// read as decodes are, a key block's copy not being worth it.
+constexpr int64_t kMinTiledRows = 4;
+constexpr int64_t kPromptTileRows = 64;
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float horizontal_sum(__m256 v) {
@@ -121,6 +126,17 @@ inline void widen(const at::Half* from, float* to, int64_t n) {
 // at `key`): out[j] = sum over d of query[d] * key_j[d], in the same order for every j.
 // kStride: the stride where it is known when compiled (0: `stride`); the keys' offsets are then
 // constants, where at run time GCC kept half of them on the stack.
+// Whether an fp32 (or widened) cache of this head_dim takes register tiles for prompt tiles in
+// this build.
+bool register_tiles_fit(int64_t head_dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return head_dim % 32 == 0;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 template <int64_t kStride = 0>
 inline void score_group(const float* query, const float* key, int64_t stride, int64_t head_dim, float* out) {
   if constexpr (kStride > 0) stride = kStride, head_dim = kStride;
@@ -373,27 +389,26 @@ void attend(const Tile& tile, int64_t split, const Shape& s, const float* querie
 constexpr int64_t kKeyBlock = 16;
 constexpr int kScoreRows = 6;
 constexpr int kValueRows = 3;
-// A tile of fewer rows is read as decodes are: a key block's copy is not worth it.
-constexpr int64_t kMinTiledRows = 4;
-// Rows of a tile that takes this path: each item reads its split's keys once for them all.
-constexpr int64_t kPromptTileRows = 64;
 
-bool tiles_fit(int64_t head_dim) { return head_dim % 32 == 0; }
-
-// One thread's buffers for attend_tiled, for tiles of up to kPromptTileRows rows.
+// One thread's buffers for attend_tiled, for tiles of up to kPromptTileRows rows. A pair is one
+// (tile row, query head) of the item's KV head.
 struct TiledScratch {
   TiledScratch(int64_t group, int64_t head_dim)
       : scores(kPromptTileRows * group * kSplitTokens), keys(kKeyBlock * head_dim), widened(kSplitTokens * head_dim),
-        inputs(kPromptTileRows * group), outputs(kPromptTileRows * group), values(kSplitTokens) {}
+        queries(kPromptTileRows * group), weights(kPromptTileRows * group), totals(kPromptTileRows * group),
+        values(kSplitTokens) {}
   std::vector<float> scores, keys, widened;
-  std::vector<const float*> inputs;  // per pair: its query, then its weights
-  std::vector<float*> outputs;       // per pair: its scores, then its weighted sums
-  std::vector<const float*> values;  // per key of the split: its V row (one KV head's)
+  std::vector<const float*> queries;  // per pair: its query
+  std::vector<float*> weights;        // per pair: its scores over the split, then their softmax numerators
+  std::vector<float*> totals;         // per pair: its weighted sum of values (in acc)
+  std::vector<const float*> values;   // per key of the split: its V row (one KV head's)
 };
 
-// out[r][0:kKeyBlock] = score_group's scores of query r against the block's keys, r < Rows.
+// out[r][column:column + kKeyBlock] = score_group's scores of query r against the block's keys,
+// r < Rows.
 template <int Rows>
-inline void score_tile(const float* const* queries, const float* keys, int64_t head_dim, float* const* out) {
+inline void score_tile(const float* const* queries, const float* keys, int64_t head_dim, float* const* out,
+                       int64_t column) {
   alignas(32) float partial[8][Rows][kKeyBlock];
   for (int l = 0; l < 8; ++l) {
     __m256 low[Rows], high[Rows];
@@ -421,14 +436,14 @@ inline void score_tile(const float* const* queries, const float* keys, int64_t h
       auto lane = [&](int l) { return _mm256_load_ps(partial[l][r] + half); };
       const __m256 first = _mm256_add_ps(_mm256_add_ps(lane(0), lane(1)), _mm256_add_ps(lane(2), lane(3)));
       const __m256 second = _mm256_add_ps(_mm256_add_ps(lane(4), lane(5)), _mm256_add_ps(lane(6), lane(7)));
-      _mm256_storeu_ps(out[r] + half, _mm256_add_ps(first, second));
+      _mm256_storeu_ps(out[r] + column + half, _mm256_add_ps(first, second));
     }
   }
 }
 
 // acc[r][d] = fma(weights[r][j], values[j][d], acc[r][d]) for keys j < count in order, r < Rows.
 template <int Rows>
-inline void value_tile(const float* const* weights, const float* const* values, int64_t count, int64_t head_dim,
+inline void value_tile(float* const* weights, const float* const* values, int64_t count, int64_t head_dim,
                        float* const* acc) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
     __m256 a[Rows][4];
@@ -471,7 +486,13 @@ void attend_tiled(const Tile& tile, int64_t split, int64_t g, const Shape& s, co
     return cache + (blocks[position / s.block_size] * s.block_size + position % s.block_size) * s.token_stride() +
            g * s.head_dim;
   };
-  auto scores_of = [&](int64_t pair) { return scratch.scores.data() + pair * kSplitTokens; };
+  const int64_t pairs = tile.num_rows * s.group;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t row = tile.first_row + p / s.group, h = g * s.group + p % s.group;
+    scratch.queries[p] = queries + row * heads_dim + h * s.head_dim;
+    scratch.weights[p] = scratch.scores.data() + p * kSplitTokens;
+    scratch.totals[p] = acc + (row * s.num_splits + split) * heads_dim + h * s.head_dim;
+  }
   float* keys = scratch.keys.data();
   for (int64_t position = begin; position < end; position += kKeyBlock) {
     // The next block's rows are asked for while this one's are scored: blocks sit scattered over
@@ -489,15 +510,9 @@ void attend_tiled(const Tile& tile, int64_t split, int64_t g, const Shape& s, co
     // A tile's rows are consecutive positions: those that see none of this block come first.
     int64_t first_r = 0;
     while (lens[tile.first_row + first_r] <= position) ++first_r;
-    const int64_t first_pair = first_r * s.group, pairs = tile.num_rows * s.group;
-    for (int64_t p = first_pair; p < pairs; ++p) {
-      const int64_t h = g * s.group + p % s.group;
-      scratch.inputs[p] = queries + (tile.first_row + p / s.group) * heads_dim + h * s.head_dim;
-      scratch.outputs[p] = scores_of(p) + (position - begin);
-    }
-    for (int64_t p = first_pair; p < pairs; p += kScoreRows) {
+    for (int64_t p = first_r * s.group; p < pairs; p += kScoreRows) {
       for_row_count<kScoreRows>(std::min<int64_t>(kScoreRows, pairs - p), [&]<int Rows>() {
-        score_tile<Rows>(scratch.inputs.data() + p, keys, s.head_dim, scratch.outputs.data() + p);
+        score_tile<Rows>(scratch.queries.data() + p, keys, s.head_dim, scratch.weights.data() + p, position - begin);
       });
     }
   }
@@ -514,13 +529,12 @@ void attend_tiled(const Tile& tile, int64_t split, int64_t g, const Shape& s, co
     const int64_t slot = row * s.num_splits + split;
     for (int64_t i = 0; i < s.group; ++i) {
       const int64_t h = g * s.group + i;
-      float* row_scores = scores_of(r * s.group + i);
+      float* row_scores = scratch.weights[r * s.group + i];
       sums[slot * s.num_heads + h] = exponentiate(row_scores + skip, length - skip, &maxes[slot * s.num_heads + h]);
       std::fill(row_scores, row_scores + skip, 0.f);
       std::fill(row_scores + length, row_scores + (end - begin), 0.f);
     }
-    float* head_acc = acc + slot * heads_dim + g * s.group * s.head_dim;
-    std::fill(head_acc, head_acc + s.group * s.head_dim, 0.f);
+    std::fill(scratch.totals[r * s.group], scratch.totals[r * s.group] + s.group * s.head_dim, 0.f);
   }
   // The split's V rows of this KV head, copied (widened) side by side: read in place, rows a
   // token apart in the cache (4 KB for 4 KV heads of 256) fall in the same few L1 sets, and
@@ -533,15 +547,10 @@ void attend_tiled(const Tile& tile, int64_t split, int64_t g, const Shape& s, co
   }
   // Rows whose window has not reached this split, or that end before it, weigh nothing here:
   // they sit at the tile's two ends.
-  for (int64_t p = weighed_first * s.group; p < weighed_last * s.group; ++p) {
-    scratch.inputs[p] = scores_of(p);
-    scratch.outputs[p] =
-        acc + ((tile.first_row + p / s.group) * s.num_splits + split) * heads_dim + (g * s.group + p % s.group) * s.head_dim;
-  }
   for (int64_t p = weighed_first * s.group; p < weighed_last * s.group; p += kValueRows) {
     for_row_count<kValueRows>(std::min<int64_t>(kValueRows, weighed_last * s.group - p), [&]<int Rows>() {
-      value_tile<Rows>(scratch.inputs.data() + p, scratch.values.data(), end - begin, s.head_dim,
-                       scratch.outputs.data() + p);
+      value_tile<Rows>(scratch.weights.data() + p, scratch.values.data(), end - begin, s.head_dim,
+                       scratch.totals.data() + p);
     });
   }
 }
@@ -841,13 +850,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const at::Tensor scaled = dot_products ? q : (q.to(at::kFloat) * scale).contiguous();
   const float* queries = dot_products ? nullptr : scaled.data_ptr<float>();
 
-#if defined(__AVX2__) && defined(__FMA__)
-  const bool register_tiles = !dot_products && tiles_fit(s.head_dim);
+  const bool register_tiles = !dot_products && register_tiles_fit(s.head_dim);
   const int64_t tile_rows = register_tiles ? kPromptTileRows : kTileRows;
-#else
-  const bool register_tiles = false;
-  const int64_t tile_rows = kTileRows;
-#endif
   std::vector<Tile> tiles;
   for (int64_t row = 0; row < batch;) {
     int64_t n = 1;
@@ -1017,16 +1021,6 @@ bool bf16_dot_products(int64_t head_dim) {
 #endif
 }
 
-// Whether an fp32 cache of this head_dim takes register tiles for prompt tiles in this build.
-bool fp32_prompt_tiles(int64_t head_dim) {
-#if defined(__AVX2__) && defined(__FMA__)
-  return tiles_fit(head_dim);
-#else
-  (void)head_dim;
-  return false;
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Attention over a paged KV cache, read in place: decodes, and prompt tokens one query each",
@@ -1034,6 +1028,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window") = 0);
   m.def("bf16_dot_products", &bf16_dot_products,
         "Whether a bf16 cache of this head_dim takes the AVX512-BF16 dot-product path in this build");
-  m.def("fp32_prompt_tiles", &fp32_prompt_tiles,
+  m.def("fp32_prompt_tiles", &register_tiles_fit,
         "Whether an fp32 cache of this head_dim takes register tiles for prompt tiles in this build");
 }
