@@ -33,7 +33,7 @@ from cachet.tls import TlsSettings, blocking_channel, http_client_context
 
 TOKENIZER_PORT = 50051
 ENGINE_BASE_PORT = 50061
-# Engine replica i's KV receiver (a decode replica's, single-rank): ENGINE_KV_TRANSFER_BASE_PORT + i.
+# Engine replica i's KV receiver (a decode replica's; its rank 0 listens): ENGINE_KV_TRANSFER_BASE_PORT + i.
 ENGINE_KV_TRANSFER_BASE_PORT = 50161
 CACHE_PORT = 50071
 USAGE_PORT = 50081
@@ -172,11 +172,11 @@ def plan_services(
                 "CACHET_ENGINE_PORT": str(ENGINE_BASE_PORT + i),
                 # Unset when mixed: an operator's CACHET_ENGINE_ROLE still reaches the engines.
                 **({} if role == "mixed" else {"CACHET_ENGINE_ROLE": role}),
-                # Prefill replicas push KV straight into a decode replica's memory (the shared
-                # folder stays the fallback); tensor-parallel replicas hand over through it.
+                # Prefill replicas push KV straight into a decode replica's memory, each rank its
+                # own shard (the shared folder stays the fallback).
                 **(
                     {"CACHET_ENGINE_KV_TRANSFER_PORT": str(ENGINE_KV_TRANSFER_BASE_PORT + i)}
-                    if role == "decode" and layout.ranks_per_replica == 1
+                    if role == "decode"
                     else {}
                 ),
             },

@@ -4,21 +4,38 @@ point-to-point, gloo on a CPU and NCCL on CUDA (the same code, chosen by device)
 file tier (``shared_kv_tier``) stays the transport where no direct path exists.
 
 Pairing. A replica that takes hand-offs (``CACHET_ENGINE_KV_TRANSFER_PORT``) runs a
-``KvReceiver``: a ``TCPStore`` on that port, which it announces in ``EngineInfo``
-(``kv_transfer_address``). A sender joins by reading the receiver's layout key (model, dtype,
-block size and block shape: a block of another layout would be garbage; a mismatch refuses
-the pair, and the hand-off falls back to the files), taking a number from the store's
-counter and naming a fresh pair id under it. Both sides then open a two-rank process group
-of their own under that id (sender rank 0, receiver rank 1): no global process group, so a
-tensor-parallel replica's own group is untouched, and one receiver serves many senders.
+``KvReceiver`` on each of its ranks: rank 0's holds a ``TCPStore`` on that port, which it
+announces in ``EngineInfo`` (``kv_transfer_address``), and the other ranks' receivers are
+clients of the same store. Each receiving rank posts its layout key under ``layout/<rank>``
+(model, dtype, block size, its shard's block shape, and for a tensor-parallel replica the
+rank and group size: a block of another layout would be garbage). A sender's rank *r* pairs
+with the receiver's rank *r* alone, shard to shard: it reads ``layout/<r>`` (missing or
+different refuses the pair, and the hand-off falls back to the files), takes a number from
+rank *r*'s counter and names a fresh pair id under it. Both sides then open a two-rank
+process group of their own under that id (sender rank 0, receiver rank 1): no global process
+group, so a tensor-parallel replica's own group is untouched, and one receiver serves many
+senders.
 
-A transfer. The sender posts the block count under ``signal/<pair>/<n>`` in the store, then
-sends the blocks' hashes (int64) and the blocks (``[count, *block shape]``, one tensor) over
-the group; the receiver, waiting on that key, receives both into its ``ReceivedBlocks`` and
-answers ``ack/<pair>/<n>``. The sender's future is done at the ack, so a hand-off's answer,
-and with it the router's decode request, comes after the blocks are in the decode replica's
-memory. Signals go through the store, not the group, so an idle pair waits on nothing that
-times out, and a lost peer only ends its pair: the next send pairs again.
+A transfer. The sender posts the block count and the transfer's id under
+``signal/<pair>/<n>`` in the store, then sends the blocks' hashes (int64) and the blocks
+(``[count, *block shape]``, one tensor) over the group; the receiver, waiting on that key,
+receives both into its ``ReceivedBlocks`` and answers ``ack/<pair>/<n>``. The sender's future
+is done at the ack, so a hand-off's answer, and with it the router's decode request, comes
+after the blocks are in the decode replica's memory. Signals go through the store, not the
+group, so an idle pair waits on nothing that times out, and a lost peer only ends its pair:
+the next send pairs again.
+
+Tensor-parallel replicas. The ranks of a sending replica queue the same transfers in the same
+order (their step plans are one plan), so a transfer's id, the sending replica's name and a
+count of its transfers to that receiver, is the same on every rank. Rank 0 of the receiving
+replica speaks for a block, as in the shared tier: a follower rank posts ``got/<id>/<rank>``
+once it holds its shard, and rank 0 keeps its own shard, and acks, only once every rank has
+posted; so when the sending replica's rank 0 is acked, every shard is in place, and a block
+rank 0 offers a request is one each rank can fill from its own receiver. A transfer some rank
+missed is refused (acked ``0``): the decode replica recomputes it. A follower keeps what it
+received under twice rank 0's budget, oldest first: it holds rank 0's blocks and, for a step,
+those rank 0 has just taken, so it drops what rank 0 dropped or refused before anything rank 0
+may still offer.
 
 What fails costs a recompute, never a request: a send that fails or times out completes its
 barrier all the same (the hand-off answers; the decode replica computes what it lacks), and
@@ -28,6 +45,7 @@ received blocks nobody asks for are dropped oldest first past the receiver's bud
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import socket
 import threading
@@ -47,6 +65,12 @@ log = structlog.get_logger(__name__)
 
 # How long a pair's setup, a transfer's tensors or its ack may take before the pair is given up.
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=30)
+# How long rank 0 of a tensor-parallel receiver waits for its other ranks' shards of a transfer
+# it holds its own of: they are sent at the same time, so one later than this was lost. Shorter
+# than TRANSFER_TIMEOUT, so the sender sees a refusal, not a lost pair.
+PEER_SHARDS_WAIT = datetime.timedelta(seconds=10)
+# A follower rank's share of the budget, against rank 0's (module docstring).
+FOLLOWER_BUDGET_FACTOR = 2
 # A receiver's threads wait for the next peer or transfer this long, at most (close() wakes
 # them sooner): an idle pair is not a failure.
 _IDLE_WAIT = datetime.timedelta(days=365)
@@ -168,7 +192,7 @@ class ReceivedBlocks:
 
 
 class KvReceiver:
-    """Takes blocks other replicas push to this one (module docstring)."""
+    """Takes blocks other replicas push to this one: this rank's shard of them (module docstring)."""
 
     def __init__(
         self,
@@ -180,23 +204,34 @@ class KvReceiver:
         port: int,
         budget_bytes: int,
         host: str = "127.0.0.1",
+        rank: int = 0,
+        ranks: int = 1,
     ) -> None:
+        """``rank`` of ``ranks``: a tensor-parallel replica's rank; rank 0 listens on ``port``,
+        the others join its store there."""
         self.layout_key = layout_key
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.device = device
-        self.blocks = ReceivedBlocks(budget_bytes)
-        self._listener = _listening_socket(host, port)
-        self._host, self._port = host, self._listener.getsockname()[1]
-        self._store = dist.TCPStore(
-            host,
-            self._port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=TRANSFER_TIMEOUT,
-            master_listen_fd=self._listener.fileno(),
-        )
-        self._store.set("layout", layout_key)
+        self.rank, self.ranks = rank, ranks
+        self.blocks = ReceivedBlocks(budget_bytes if rank == 0 else FOLLOWER_BUDGET_FACTOR * budget_bytes)
+        self._host = host
+        self._listener: socket.socket | None = None
+        if rank == 0:
+            self._listener = _listening_socket(host, port)
+            self._port = self._listener.getsockname()[1]
+            self._store = dist.TCPStore(
+                host,
+                self._port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=TRANSFER_TIMEOUT,
+                master_listen_fd=self._listener.fileno(),
+            )
+        else:
+            self._port = port
+            self._store = self._client()
+        self._store.set(f"layout/{rank}", layout_key)
         self.address = f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
         # Keys each waiting thread waits on next; close() sets them to wake the threads.
         self._lock = threading.Lock()
@@ -219,7 +254,8 @@ class KvReceiver:
             waits = dict(self._waits)
             threads = list(self._threads)
         for key, closing in waits.items():
-            self._store.set(key, closing)
+            with contextlib.suppress(Exception):  # rank 0's store, gone before a follower's close
+                self._store.set(key, closing)
         for thread in threads:
             thread.join(timeout)
 
@@ -228,28 +264,32 @@ class KvReceiver:
         and each thread here blocks in waits of its own."""
         return dist.TCPStore(self._host, self._port, is_master=False, timeout=TRANSFER_TIMEOUT)
 
-    def _wait(self, store: dist.TCPStore, key: str, closing: str) -> str | None:
-        """``key``'s value once set; None once the receiver is closed (``closing`` is what close()
-        sets it to)."""
+    def _wait(
+        self, store: dist.TCPStore, keys: list[str], closing: str, timeout: datetime.timedelta = _IDLE_WAIT
+    ) -> list[str] | None:
+        """``keys``' values once all are set, taken out of the store; None once the receiver is
+        closed (``closing`` is what close() sets them to). Raises past ``timeout``."""
         with self._lock:
             if self._closed:
                 return None
-            self._waits[key] = closing
+            self._waits.update(dict.fromkeys(keys, closing))
         try:
-            store.wait([key], _IDLE_WAIT)
-            value = store.get(key).decode()
+            store.wait(keys, timeout)
+            values = [store.get(key).decode() for key in keys]
         finally:
             with self._lock:
-                self._waits.pop(key, None)
-        store.delete_key(key)
-        return None if value == closing and self._closed else value
+                for key in keys:
+                    self._waits.pop(key, None)
+        for key in keys:
+            store.delete_key(key)
+        return None if self._closed and closing in values else values
 
     def _accept(self) -> None:
         store = self._client()
         peer = 0
-        while (pair_id := self._wait(store, f"peer/{peer}", "")) is not None:
+        while (pair_id := self._wait(store, [f"peer/{self.rank}/{peer}"], "")) is not None:
             thread = threading.Thread(
-                target=self._serve, args=(pair_id,), name=f"kv-receiver-{peer}", daemon=True
+                target=self._serve, args=(pair_id[0],), name=f"kv-receiver-{peer}", daemon=True
             )
             with self._lock:
                 self._threads.append(thread)
@@ -265,7 +305,8 @@ class KvReceiver:
             return
         transfer = 0
         try:
-            while (count := self._wait(store, f"signal/{pair_id}/{transfer}", "0")) not in (None, "0"):
+            while (signal := self._wait(store, [f"signal/{pair_id}/{transfer}"], "0")) not in (None, ["0"]):
+                count, transfer_id = signal[0].split(" ", 1)
                 hashes = torch.empty(int(count), dtype=torch.int64, device=self.device)
                 group.recv([hashes], 0, 0).wait()
                 blocks = torch.empty(int(count), *self.block_shape, dtype=self.dtype, device=self.device)
@@ -273,15 +314,45 @@ class KvReceiver:
                 if blocks.device.type == "cuda":
                     # Held in host memory, the tier they fill: not beside the GPU's KV pool.
                     blocks = blocks.to("cpu", non_blocking=False)
-                self.blocks.put((h & ((1 << _HASH_BITS) - 1) for h in hashes.tolist()), blocks)
-                store.set(f"ack/{pair_id}/{transfer}", "1")
+                kept = self._keep(store, transfer_id, hashes.tolist(), blocks)
+                if kept is None:
+                    return
+                store.set(f"ack/{pair_id}/{transfer}", "1" if kept else "0")
                 transfer += 1
         except Exception as exc:  # a sender lost mid-transfer: its pair ends, the others go on
             log.warning("KV transfer from a peer failed", pair=pair_id, error=str(exc))
 
+    def _keep(
+        self, store: dist.TCPStore, transfer_id: str, hashes: list[int], blocks: torch.Tensor
+    ) -> bool | None:
+        """Hold a transfer's blocks: a follower's at once (then it says so to rank 0), rank 0's
+        once every other rank holds its shard. False: refused, a shard is missing; None: closed."""
+        block_hashes = [h & ((1 << _HASH_BITS) - 1) for h in hashes]
+        if self.rank != 0:
+            self.blocks.put(block_hashes, blocks)
+            store.set(f"got/{transfer_id}/{self.rank}", "1")
+            return True
+        if self.ranks > 1:
+            peers = [f"got/{transfer_id}/{rank}" for rank in range(1, self.ranks)]
+            try:
+                if self._wait(store, peers, "", PEER_SHARDS_WAIT) is None:
+                    return None
+            except Exception as exc:  # the store's timeout: some rank's shard never came
+                log.warning(
+                    "KV transfer refused: a rank's shard is missing", transfer=transfer_id, error=str(exc)
+                )
+                return False
+        self.blocks.put(block_hashes, blocks)
+        return True
+
 
 class LayoutMismatch(ValueError):
     """The receiver keeps blocks of another layout: the hand-off goes through the files."""
+
+
+class TransferRefused(RuntimeError):
+    """A tensor-parallel receiver's rank 0 refused a transfer another of its ranks missed: the
+    decode replica recomputes those blocks. The pair stays good."""
 
 
 @dataclass
@@ -302,13 +373,21 @@ class KvSender:
         *,
         host: str = "127.0.0.1",
         timeout: datetime.timedelta = TRANSFER_TIMEOUT,
+        rank: int = 0,
+        name: str = "",
     ) -> None:
-        """``host``: this replica's address, the interface its gloo pairs use."""
+        """``host``: this replica's address, the interface its gloo pairs use. ``rank``: of a
+        tensor-parallel replica, whose ranks share one ``name`` (their transfers' ids)."""
         self.layout_key = layout_key
         self.device = device
         self.host = host
         self.timeout = timeout
+        self.rank = rank
+        self.name = name or uuid.uuid4().hex
         self._pairs: dict[str, _Pair] = {}
+        # Transfers queued for each receiver: with the name, a transfer's id, which every rank
+        # of this replica gives the same transfer (they queue them in one order).
+        self._queued: dict[str, int] = {}
         # Receivers that could not be reached, until when sends to them fail at once: a hand-off
         # sends after each prompt chunk, and each would otherwise wait out the timeout again.
         self._unreachable: dict[str, float] = {}
@@ -327,7 +406,10 @@ class KvSender:
         """Queue ``blocks`` (``[count, *block shape]``, owned by the sender now) for ``address``;
         ``ready`` is waited on first, on the worker (a CUDA event whose copy fills ``blocks``).
         The future is done once the receiver holds them, and fails if it could not."""
-        return self._worker.submit(self._send, address, block_hashes, blocks, ready)
+        number = self._queued.get(address, 0)
+        self._queued[address] = number + 1
+        transfer_id = f"{self.name}/{number}"
+        return self._worker.submit(self._send, address, transfer_id, block_hashes, blocks, ready)
 
     def after_queued_work(self) -> Future[None]:
         """Done once every transfer queued so far has ended, delivered or failed."""
@@ -338,7 +420,12 @@ class KvSender:
         self._worker.shutdown(wait=True)
 
     def _send(
-        self, address: str, block_hashes: list[int], blocks: torch.Tensor, ready: Callable[[], None] | None
+        self,
+        address: str,
+        transfer_id: str,
+        block_hashes: list[int],
+        blocks: torch.Tensor,
+        ready: Callable[[], None] | None,
     ) -> None:
         try:
             if ready is not None:
@@ -349,15 +436,20 @@ class KvSender:
             self._pairs[address] = pair
             transfer = pair.next_transfer
             pair.next_transfer += 1
-            pair.store.set(f"signal/{pair.pair_id}/{transfer}", str(len(block_hashes)))
+            pair.store.set(f"signal/{pair.pair_id}/{transfer}", f"{len(block_hashes)} {transfer_id}")
             hashes = torch.tensor(
                 [_to_signed(h) for h in block_hashes], dtype=torch.int64, device=self.device
             )
             pair.group.send([hashes], 1, 0).wait()
             pair.group.send([blocks.contiguous()], 1, 0).wait()
             pair.store.wait([f"ack/{pair.pair_id}/{transfer}"], self.timeout)
+            kept = pair.store.get(f"ack/{pair.pair_id}/{transfer}") == b"1"
             pair.store.delete_key(f"ack/{pair.pair_id}/{transfer}")
-        except LayoutMismatch:
+            if not kept:
+                raise TransferRefused(
+                    f"the KV receiver at {address} lacked another rank's shard of {transfer_id}"
+                )
+        except (LayoutMismatch, TransferRefused):
             self.counts["failed"] += 1
             raise
         except Exception:
@@ -376,14 +468,16 @@ class KvSender:
         # client would retry until its timeout and log each try.
         socket.create_connection((host, int(port)), timeout=self.timeout.total_seconds()).close()
         store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
-        theirs = store.get("layout").decode()
+        own = f"layout/{self.rank}"
+        # Checked first: a receiver with fewer ranks has no key to wait for.
+        theirs = store.get(own).decode() if store.check([own]) else "no such rank"
         if theirs != self.layout_key:
             raise LayoutMismatch(
-                f"the receiver at {address} keeps {theirs!r} blocks, not {self.layout_key!r}"
+                f"the receiver at {address} keeps {theirs!r} blocks at rank {self.rank}, not {self.layout_key!r}"
             )
-        peer = store.add("peers", 1) - 1
+        peer = store.add(f"peers/{self.rank}", 1) - 1
         pair_id = uuid.uuid4().hex
-        store.set(f"peer/{peer}", pair_id)
+        store.set(f"peer/{self.rank}/{peer}", pair_id)
         group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 0, self.device, self.host)
         return _Pair(store, group, pair_id)
 

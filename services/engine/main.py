@@ -45,7 +45,7 @@ def engine_info(
         expert_parallel_size=description.expert_parallel_size,
         device=description.device,
         role=role,
-        kv_transfer_address=kv_transfer_address if group is None or group.tp.size == 1 else "",
+        kv_transfer_address=kv_transfer_address,
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,17 +280,18 @@ class ModelRunner:
     def _open_kv_transfer(
         self, port: int, host: str, budget_bytes: int, model_name: str, tp: TensorParallel | None
     ) -> tuple[KvSender | None, KvReceiver | None]:
-        """The direct transfer's ends: single-rank replicas only (a tensor-parallel replica's
-        ranks hand over through the shared tier's per-rank files)."""
-        if tp is not None and tp.size > 1:
-            if port:
-                log.warning(
-                    "no direct KV transfer in a tensor-parallel replica", tensor_parallel_size=tp.size
-                )
-            return None, None
+        """The direct transfer's ends, this rank's: a tensor-parallel replica's ranks each send
+        and take their own shard, paired rank to rank (``kv_transfer``)."""
         block_shape = tuple(self._pool_block(0).shape)
-        key = layout_key(model_name, self.dtype, self.block_size, block_shape)
-        sender = KvSender(key, self.device, host=host)
+        rank, ranks = (tp.info.rank, tp.size) if tp is not None else (0, 1)
+        key = layout_key(
+            model_name, self.dtype, self.block_size, block_shape, shard=(rank, ranks) if ranks > 1 else None
+        )
+        # Rank 0's name on every rank: a transfer's id must be the same on all of them.
+        name = uuid.uuid4().hex
+        if tp is not None and ranks > 1:
+            name = tp.gather_from_ranks(name)[0]
+        sender = KvSender(key, self.device, host=host, rank=rank, name=name)
         if not port:
             return sender, None
         if self.host_kv is None:
@@ -298,13 +300,21 @@ class ModelRunner:
             )
         try:
             receiver = KvReceiver(
-                key, block_shape, self.dtype, self.device, port=port, budget_bytes=budget_bytes, host=host
+                key,
+                block_shape,
+                self.dtype,
+                self.device,
+                port=port,
+                budget_bytes=budget_bytes,
+                host=host,
+                rank=rank,
+                ranks=ranks,
             )
         except OSError as exc:
             raise ValueError(
                 f"CACHET_ENGINE_KV_TRANSFER_PORT={port}: cannot listen on {host}:{port} ({exc})"
             ) from exc
-        log.info("KV receiver listening", address=receiver.address)
+        log.info("KV receiver listening", address=receiver.address, rank=rank)
         return sender, receiver
 
     def _capture_decode_graphs(self, max_decode_batch: int) -> DecodeGraphs:
@@ -497,12 +507,20 @@ class ModelRunner:
             self.kv_sender.send_later(address, [block_hash for _, block_hash in blocks], copied, ready)
 
     def _read_own_shard(self, block_hash: int) -> torch.Tensor:
-        """A follower rank's shard of a block rank 0 loaded from the shared tier: rank 0 checked
-        this rank's file too, a moment ago, and refreshed its time. Should it have gone since (a
-        foreign clean-up that reached the newest files), no shard can stand in for it: the rank
-        fails, and the replica with it, rather than compute on KV that is not the prompt's."""
+        """A follower rank's shard of a block rank 0 loaded: pushed to this rank's receiver (rank
+        0 offers a pushed block only once every rank holds its shard), else from the shared tier,
+        where rank 0 checked this rank's file too, a moment ago, and refreshed its time. Should
+        neither hold it (a foreign clean-up that reached the newest files), no shard can stand in
+        for it: the rank fails, and the replica with it, rather than compute on KV that is not
+        the prompt's."""
+        if self.kv_receiver is not None:
+            pushed = self.kv_receiver.blocks.take_run([block_hash])
+            if pushed:
+                return pushed[0][1]
         if self.shared_kv is None:
-            raise ValueError("the plan fills KV blocks from a shared tier this runner does not have")
+            raise RuntimeError(
+                f"this rank holds no shard of KV block {block_hash:x}: not pushed, no shared tier"
+            )
         block = self.shared_kv.read(block_hash)
         if block is None:
             raise RuntimeError(f"this rank's shard of shared KV block {block_hash:x} is gone or damaged")

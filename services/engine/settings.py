@@ -47,8 +47,8 @@ class EngineSettings(ServiceSettings):
     # memory (kv_transfer) or through the shared KV tier; "mixed" serves whole requests.
     role: Literal["mixed", "prefill", "decode"] = "mixed"
     # Take KV that prefill replicas push here on this port (of CACHET_ENGINE_HOST), announced in
-    # EngineInfo.kv_transfer_address; 0: none. Single-rank replicas (a tensor-parallel replica's
-    # ranks hand over through the shared tier's per-rank files); needs the host tier.
+    # EngineInfo.kv_transfer_address; 0: none. Rank 0 listens; a tensor-parallel replica's
+    # other ranks take their shards through it (kv_transfer); needs the host tier.
     kv_transfer_port: int = Field(default=0, ge=0, le=65535)
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)

@@ -6,7 +6,7 @@ the prompt it does not hold is at least ``min_tokens`` (conditional disaggregati
 and vLLM's proxy do: a short or mostly cached prompt costs the decode replica little), the
 request first goes to a prefill replica, chosen by its cached prefix and load like any
 placement, as a one-token request that hands its KV off (``hand_off_kv``), naming the decode
-replica's KV receiver (``hand_off_to``) when it has one and neither replica is tensor-parallel:
+replica's KV receiver (``hand_off_to``) when it has one and both have as many tensor-parallel ranks:
 the engine pushes the prompt's blocks straight into that replica's memory, and answers once
 every full block is there (and in the shared KV tier, where there is one). The decode replica
 then gets the request with that first token (``PrefilledElsewhere``): it streams the token at
@@ -168,10 +168,11 @@ class PrefillHandOff:
 
 
 def _direct_transfer_address(prefill: Replica, decode: Replica) -> str:
-    """The decode replica's KV receiver, where the prefill replica can push to it: both single
-    rank (tensor-parallel replicas hand over through the shared tier's per-rank files)."""
+    """The decode replica's KV receiver, where the prefill replica can push to it: both with as
+    many tensor-parallel ranks, which pair shard to shard (a rank of one replica sharded
+    otherwise keeps blocks of another shape)."""
     if prefill.info is None or decode.info is None:
         return ""
-    if prefill.info.tensor_parallel_size > 1 or decode.info.tensor_parallel_size > 1:
+    if prefill.info.tensor_parallel_size != decode.info.tensor_parallel_size:
         return ""
     return decode.info.kv_transfer_address

@@ -99,3 +99,89 @@ def test_blocks_left_of_a_partly_taken_transfer_stop_holding_the_rest() -> None:
     held.put([5, 6], again)
     ((_, sixth),) = held.take_run([6])
     assert sixth.untyped_storage().nbytes() == again[1].numel() * 4 and torch.equal(sixth, again[1])
+
+
+# ------------------------------------------------------------ tensor-parallel replicas
+
+
+def ranks_receiving(budget: int = 1 << 20) -> tuple[KvReceiver, KvReceiver]:
+    """Rank 0 and rank 1 of one receiving replica (in one process here, threads apart)."""
+    port = free_loopback_port()
+    first = KvReceiver("tiny-tp2r0", SHAPE, torch.float32, CPU, port=port, budget_bytes=budget, ranks=2)
+    second = KvReceiver(
+        "tiny-tp2r1", SHAPE, torch.float32, CPU, port=port, budget_bytes=budget, rank=1, ranks=2
+    )
+    return first, second
+
+
+def test_tensor_parallel_replicas_pair_rank_to_rank_and_each_rank_takes_its_own_shard() -> None:
+    receiving = ranks_receiving()
+    sending = [KvSender(f"tiny-tp2r{rank}", CPU, rank=rank, name="prefill0") for rank in (0, 1)]
+    address = receiving[0].address
+    assert receiving[1].address == address  # a follower is reached through rank 0's store
+    try:
+        for seed, block_hashes in ((10, [3, 4]), (20, [5])):
+            sent = [
+                sender.send_later(address, block_hashes, blocks(len(block_hashes), seed + sender.rank))
+                for sender in sending
+            ]
+            for future in sent:
+                future.result(timeout=30)
+    finally:
+        for sender in sending:
+            sender.close()
+        for end in receiving:
+            end.close()
+    for rank, end in enumerate(receiving):
+        taken = end.blocks.take_run([3, 4, 5])
+        want = torch.cat([blocks(2, 10 + rank), blocks(1, 20 + rank)])
+        assert [h for h, _ in taken] == [3, 4, 5]
+        assert all(torch.equal(block, w) for (_, block), w in zip(taken, want, strict=True)), rank
+    # Each follower's share of the budget is larger: it holds, for a step, what rank 0 just took.
+    assert receiving[1].blocks.budget_bytes == 2 * receiving[0].blocks.budget_bytes
+
+
+def test_a_sending_rank_pairs_only_with_the_same_rank_of_the_same_layout() -> None:
+    receiving = ranks_receiving()
+    single = KvSender("tiny-float32", CPU)  # one rank, the whole block: not rank 0's shard
+    third = KvSender("tiny-tp3r2", CPU, rank=2, name="p")  # a rank the receiver does not have
+    try:
+        with pytest.raises(LayoutMismatch, match="tiny-tp2r0"):
+            single.send_later(receiving[0].address, [1], blocks(1, 1)).result(timeout=30)
+        with pytest.raises(LayoutMismatch, match="no such rank"):
+            third.send_later(receiving[0].address, [1], blocks(1, 1)).result(timeout=30)
+    finally:
+        single.close()
+        third.close()
+        for end in receiving:
+            end.close()
+
+
+def test_rank_zero_refuses_a_transfer_another_rank_missed_and_the_pair_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 offers a block only once every rank holds its shard: a transfer whose follower
+    shard is late is refused (the decode replica recomputes it), and the next one is kept."""
+    from cachet.engine import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "PEER_SHARDS_WAIT", datetime.timedelta(seconds=1))
+    receiving = ranks_receiving()
+    leader, follower = (KvSender(f"tiny-tp2r{rank}", CPU, rank=rank, name="p") for rank in (0, 1))
+    address = receiving[0].address
+    try:
+        with pytest.raises(kv_transfer.TransferRefused):
+            leader.send_later(address, [7], blocks(1, 1)).result(timeout=30)
+        follower.send_later(address, [7], blocks(1, 2)).result(timeout=30)  # too late for rank 0
+        kept = [
+            leader.send_later(address, [8], blocks(1, 3)),
+            follower.send_later(address, [8], blocks(1, 4)),
+        ]
+        for future in kept:
+            future.result(timeout=30)
+    finally:
+        leader.close()
+        follower.close()
+        for end in receiving:
+            end.close()
+    assert 7 not in receiving[0].blocks and 8 in receiving[0].blocks
+    assert leader.counts == {"sent": 1, "failed": 1}

@@ -329,12 +329,22 @@ def test_a_tp2_replica_serves_another_ones_prompt_from_its_ranks_shards_in_the_s
     assert not shard.exists() or shard.read_bytes() != broken
 
 
-@pytest.mark.parametrize("model_name", ["uneven_model", "kimi_model"])
+@pytest.mark.parametrize(
+    ("model_name", "transport"),
+    [
+        ("uneven_model", "shared_folder"),
+        ("kimi_model", "shared_folder"),
+        ("uneven_model", "direct"),
+        ("kimi_model", "direct"),
+    ],
+)
 def test_a_tp2_decode_replica_continues_a_tp2_prefill_replicas_hand_off_as_one_replica_would(
-    model_name: str, request: pytest.FixtureRequest, tmp_path: Path
+    model_name: str, transport: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """Disaggregated prefill between tensor-parallel replicas: shard to shard through the
-    ranks' folders, the same greedy tokens as one single-rank replica computing everything."""
+    """Disaggregated prefill between tensor-parallel replicas, shard to shard: through the
+    ranks' folders, or pushed by each prefill rank straight to the same decode rank (uneven
+    heads: rank 0's shard is twice rank 1's; MLA: each rank's latent cache). The same greedy
+    tokens as one single-rank replica computing everything."""
     model_dir: Path = request.getfixturevalue(model_name)
     prompt = [(19 * i + 11) % 5000 + 10 for i in range(70)]  # 4 full blocks and 6 tokens
     single = _engine(model_dir, tmp_path, 1, "engine-tp1")
@@ -343,16 +353,33 @@ def test_a_tp2_decode_replica_continues_a_tp2_prefill_replicas_hand_off_as_one_r
             want, _ = _generate(engine_pb2_grpc.EngineServiceStub(channel), "whole", prompt, 12)
     finally:
         single.stop()
-    shared = {"CACHET_KV_HOST_GB": "0.01", "CACHET_KV_SHARED_DIR": str(tmp_path / "kv-shared")}
-    prefill = _engine(model_dir, tmp_path, 2, "prefill-tp2", env=shared | {"CACHET_ENGINE_ROLE": "prefill"})
+    if transport == "shared_folder":
+        tier = "shared"
+        prefill_env = {"CACHET_KV_HOST_GB": "0.01", "CACHET_KV_SHARED_DIR": str(tmp_path / "kv-shared")}
+        decode_env = prefill_env
+    else:
+        tier = "transfer"
+        prefill_env = {}
+        decode_env = {"CACHET_KV_HOST_GB": "0.01", "CACHET_ENGINE_KV_TRANSFER_PORT": str(free_port())}
+    prefill = _engine(
+        model_dir, tmp_path, 2, "prefill-tp2", env=prefill_env | {"CACHET_ENGINE_ROLE": "prefill"}
+    )
     decode = None
     try:
-        decode = _engine(model_dir, tmp_path, 2, "decode-tp2", env=shared | {"CACHET_ENGINE_ROLE": "decode"})
+        decode = _engine(
+            model_dir, tmp_path, 2, "decode-tp2", env=decode_env | {"CACHET_ENGINE_ROLE": "decode"}
+        )
+        with grpc.insecure_channel(decode.address) as channel:
+            receiver = (
+                engine_pb2_grpc.EngineServiceStub(channel)
+                .GetEngineInfo(engine_pb2.GetEngineInfoRequest())
+                .kv_transfer_address
+            )
         with grpc.insecure_channel(prefill.address) as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
             model = stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest()).model
             handed = engine_pb2.GenerateRequest(
-                request_id="p", model=model, prompt_token_ids=prompt, hand_off_kv=True
+                request_id="p", model=model, prompt_token_ids=prompt, hand_off_kv=True, hand_off_to=receiver
             )
             handed.sampling.max_tokens = 1
             handed.sampling.temperature = 0.0
@@ -379,9 +406,10 @@ def test_a_tp2_decode_replica_continues_a_tp2_prefill_replicas_hand_off_as_one_r
         if decode is not None:
             assert decode.stop() == 0, decode.log_tail()
     assert info.tensor_parallel_size == 2
+    assert bool(receiver) == (transport == "direct")
     assert got == want
-    # Every full block reached the decode replica from the prefill replica's ranks' files.
-    assert figures[("cachet_engine_prefix_cache_hit_tokens_total", (("tier", "shared"),))] == 64
+    # Every full block reached the decode replica from the prefill replica's ranks.
+    assert figures[("cachet_engine_prefix_cache_hit_tokens_total", (("tier", tier),))] == 64
 
 
 # ------------------------------------------------------------------- failure

@@ -163,6 +163,30 @@ async def _kill_the_prefill_replica_mid_hand_off(stack: CachetStack) -> None:
 # ------------------------------------------------- direct transfer, no shared folder
 
 
+async def test_a_hand_off_is_pushed_directly_between_replicas_of_as_many_ranks() -> None:
+    """Ranks pair rank to rank, so replicas sharded alike push directly; others cannot take each
+    other's shards, and neither does a replica with no receiver."""
+    from cachet.router.prefill_handoff import _direct_transfer_address
+    from cachet.router.replica_set import Replica
+
+    def replica(ranks: int, receiver: str) -> Replica:
+        one = Replica(f"127.0.0.1:{free_loopback_port()}", stale_seconds=5, report_interval_ms=100)
+        one.info = engine_pb2.EngineInfo(tensor_parallel_size=ranks, kv_transfer_address=receiver)
+        return one
+
+    replicas = [replica(1, ""), replica(2, ""), replica(1, "127.0.0.1:7"), replica(2, "127.0.0.1:8")]
+    try:
+        single, sharded, single_decode, sharded_decode = replicas
+        assert _direct_transfer_address(single, single_decode) == "127.0.0.1:7"
+        assert _direct_transfer_address(sharded, sharded_decode) == "127.0.0.1:8"
+        assert _direct_transfer_address(single, sharded_decode) == ""
+        assert _direct_transfer_address(sharded, single_decode) == ""
+        assert _direct_transfer_address(sharded, sharded) == ""
+    finally:
+        for one in replicas:
+            await one.channel.close()
+
+
 @pytest.fixture(scope="module")
 def direct_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CachetStack]:
     """Prefill and decode replicas that share no folder: KV goes only through the decode

@@ -60,8 +60,11 @@ def test_prefill_replicas_come_after_the_decode_replicas_and_share_one_tier(tmp_
         assert settings.role == engine.env["CACHET_ENGINE_ROLE"]
     # The decode replica also takes KV pushed to it, on its own port.
     assert [s.env.get("CACHET_ENGINE_KV_TRANSFER_PORT") for s in engines] == ["50161", None, None]
+    # Tensor-parallel decode replicas too: their ranks pair with the prefill replica's, shard to shard.
     tensor_parallel = plan_services(8080, EngineLayout(2, 2, 1), Path("model"), prefill_replicas=1)
-    assert not any("CACHET_ENGINE_KV_TRANSFER_PORT" in s.env for s in tensor_parallel)
+    assert [
+        s.env.get("CACHET_ENGINE_KV_TRANSFER_PORT") for s in tensor_parallel if s.module == "cachet.engine"
+    ] == ["50161", None]
     # The routers and the cache index follow every replica, whatever its role.
     addresses = [f"127.0.0.1:{port}" for port in (50061, 50062, 50063)]
     for service in plan:

@@ -124,8 +124,9 @@ class GenerateRequest(_message.Message):
     """With hand_off_kv: the decode replica's KV receiver (its EngineInfo.kv_transfer_address,
     "host:port"), to which the prompt's blocks are pushed directly over torch.distributed
     point-to-point (gloo on CPU, NCCL on CUDA; docs/ARCHITECTURE.md, "Disaggregated prefill").
-    A receiver that cannot be reached, or keeps another KV layout, costs the decode replica a
-    recompute of what the shared tier does not hold, never the request.
+    Tensor-parallel replicas of as many ranks pair rank to rank through it, each pushing its
+    own shard. A receiver that cannot be reached, or keeps another KV layout, costs the decode
+    replica a recompute of what the shared tier does not hold, never the request.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -688,7 +689,8 @@ class EngineInfo(_message.Message):
     """
     kv_transfer_address: _builtins.str
     """Where prefill replicas push KV to this replica ("host:port",
-    CACHET_ENGINE_KV_TRANSFER_PORT); empty: it takes KV only through the shared KV tier.
+    CACHET_ENGINE_KV_TRANSFER_PORT; rank 0's, through which every rank pairs); empty: it takes
+    KV only through the shared KV tier.
     """
     def __init__(
         self,
