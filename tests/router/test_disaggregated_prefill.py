@@ -11,6 +11,7 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -240,3 +241,35 @@ async def test_killing_the_prefill_replica_mid_direct_hand_off_costs_no_request(
     """The same with no shared folder: whatever the dead replica pushed or not, the decode
     replica computes what it lacks (last in the file: the stack's prefill replica dies)."""
     await _kill_the_prefill_replica_mid_hand_off(direct_stack)
+
+
+async def test_tensor_parallel_replicas_hand_off_rank_to_rank(tmp_path: Path) -> None:
+    """Two-rank prefill and decode replicas: the router names the decode replica's receiver, each
+    prefill rank pushes its shard to the decode rank of its number, and the decode replica
+    takes every full block from them (no shared folder to fall back on)."""
+    if not ENGINE_SERVER_BUILT:
+        pytest.skip("the engine server (cachet.engine.main) is not built yet")
+    stack = CachetStack(tmp_path, write_tiny_model(tmp_path / TINY_MODEL_ID)).start(
+        engines=2,
+        engine_roles=["prefill", "decode"],
+        engine_env={"CACHET_KV_HOST_GB": "0.05", "CACHET_TP": "2"},
+        each_engine_env=[{}, {"CACHET_ENGINE_KV_TRANSFER_PORT": str(free_loopback_port())}],
+        router_env={"CACHET_ROUTER_DISAGG_MIN_TOKENS": str(MIN_TOKENS)},
+    )
+    try:
+        decode = stack.processes["engine1"]
+        before = scrape(decode.metrics_port)
+        request = _long_chat(uuid.uuid4().hex)
+        chunks = await _stream(stack, request)
+        assert _handoffs(stack, "handed_off") == 1
+        usage = chunks[-1].usage
+        grew = growth(before, scrape(decode.metrics_port))
+        assert (
+            grew("cachet_engine_prefix_cache_hit_tokens_total", tier="transfer")
+            == usage.prompt_tokens // 16 * 16
+        )
+        stack._add(stack.start_router(name="router-whole", CACHET_ROUTER_DISAGG_MIN_TOKENS="1000000"))
+        whole = await _stream(stack, request, router="router-whole")
+        assert "".join(c.content_delta for c in whole) == "".join(c.content_delta for c in chunks)
+    finally:
+        stack.stop()
