@@ -32,7 +32,8 @@ replica speaks for a block, as in the shared tier: a follower rank posts ``got/<
 once it holds its shard, and rank 0 keeps its own shard, and acks, only once every rank has
 posted; so when the sending replica's rank 0 is acked, every shard is in place, and a block
 rank 0 offers a request is one each rank can fill from its own receiver. A transfer some rank
-missed is refused (acked ``0``): the decode replica recomputes it. A follower keeps what it
+missed is refused (acked ``0``): the decode replica recomputes it (a follower's note of a
+transfer rank 0 never got stays in the store, a few bytes). A follower keeps what it
 received under twice rank 0's budget, oldest first: it holds rank 0's blocks and, for a step,
 those rank 0 has just taken, so it drops what rank 0 dropped or refused before anything rank 0
 may still offer.
@@ -149,13 +150,23 @@ class ReceivedBlocks:
 
     def take_run(self, block_hashes: Iterable[int]) -> list[tuple[int, torch.Tensor]]:
         """The leading run of ``block_hashes`` held here, taken out (each is filled once)."""
+        return self._take(block_hashes, whole_run=True)
+
+    def take(self, block_hashes: Iterable[int]) -> dict[int, torch.Tensor]:
+        """Those of ``block_hashes`` held here, taken out, in one pass: a transfer's blocks taken
+        one call each would give the rest memory of their own at every call."""
+        return dict(self._take(block_hashes, whole_run=False))
+
+    def _take(self, block_hashes: Iterable[int], whole_run: bool) -> list[tuple[int, torch.Tensor]]:
         taken = []
         with self._lock:
             split = set()
             for block_hash in block_hashes:
                 block = self._blocks.pop(block_hash, None)
                 if block is None:
-                    break
+                    if whole_run:
+                        break
+                    continue
                 split.add(self._forget(block_hash, block))
                 taken.append((block_hash, block))
             self._own_memory(split)

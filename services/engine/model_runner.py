@@ -473,9 +473,9 @@ class ModelRunner:
             host_kv.copy_out(moves)
         for source, destination in moves.duplicate:
             self._pool_block(destination).copy_(self._pool_block(source))
-        for _, loaded in moves.fill:
-            if loaded.data is None:
-                loaded.data = self._read_own_shard(loaded.block_hash)
+        unread = [loaded for _, loaded in moves.fill if loaded.data is None]
+        for loaded, shard in zip(unread, self._own_shards([b.block_hash for b in unread]), strict=True):
+            loaded.data = shard
         if host_kv is not None:
             host_kv.copy_in(moves)
 
@@ -506,17 +506,22 @@ class ModelRunner:
                 ready = event.synchronize
             self.kv_sender.send_later(address, [block_hash for _, block_hash in blocks], copied, ready)
 
-    def _read_own_shard(self, block_hash: int) -> torch.Tensor:
-        """A follower rank's shard of a block rank 0 loaded: pushed to this rank's receiver (rank
+    def _own_shards(self, block_hashes: list[int]) -> list[torch.Tensor]:
+        """A follower rank's shards of blocks rank 0 loaded: pushed to this rank's receiver (rank
         0 offers a pushed block only once every rank holds its shard), else from the shared tier,
         where rank 0 checked this rank's file too, a moment ago, and refreshed its time. Should
-        neither hold it (a foreign clean-up that reached the newest files), no shard can stand in
-        for it: the rank fails, and the replica with it, rather than compute on KV that is not
+        neither hold one (a foreign clean-up that reached the newest files), no shard can stand
+        in for it: the rank fails, and the replica with it, rather than compute on KV that is not
         the prompt's."""
-        if self.kv_receiver is not None:
-            pushed = self.kv_receiver.blocks.take_run([block_hash])
-            if pushed:
-                return pushed[0][1]
+        if not block_hashes:
+            return []
+        pushed = self.kv_receiver.blocks.take(block_hashes) if self.kv_receiver is not None else {}
+        return [
+            pushed[block_hash] if block_hash in pushed else self._read_shared_shard(block_hash)
+            for block_hash in block_hashes
+        ]
+
+    def _read_shared_shard(self, block_hash: int) -> torch.Tensor:
         if self.shared_kv is None:
             raise RuntimeError(
                 f"this rank holds no shard of KV block {block_hash:x}: not pushed, no shared tier"

@@ -78,6 +78,9 @@ def test_received_blocks_are_taken_once_and_the_oldest_go_past_the_budget() -> N
     assert 1 not in held and held.counts == {"received": 4, "dropped": 1}
     assert [h for h, _ in held.take_run([2, 3, 5, 4])] == [2, 3]
     assert 2 not in held and 4 in held
+    # Taking any of them, not only a leading run (a follower rank's fills).
+    held.put([6], blocks(1, 3))
+    assert sorted(held.take([5, 6, 4])) == [4, 6] and len(held) == 0
 
 
 def test_blocks_left_of_a_partly_taken_transfer_stop_holding_the_rest() -> None:
