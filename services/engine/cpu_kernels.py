@@ -47,9 +47,10 @@ KERNELS = {
 # Kernels with a path for AVX512-BF16 (dot products, or rounding to bf16), built with it where
 # the host has it (all but the prompt kernel, whose tiles are fp32 only).
 _AVX512_BF16_KERNELS = frozenset({"panel_linear", "paged_decode_attention", "fused_token_ops"})
-# Kernels with a path for AVX-512 alone (the panels' 16-wide fp32 tile, fp32 prefill attention),
+# Kernels with a path for AVX-512 alone (the panels' 16-wide fp32 tile, fp32 prefill attention, the
+# paged kernel's 16-key register tiles),
 # built with it on an AVX-512 host (one without bf16 instructions, for a kernel of both lists).
-_AVX512_KERNELS = frozenset({"panel_linear", "prefill_attention"})
+_AVX512_KERNELS = frozenset({"panel_linear", "prefill_attention", "paged_decode_attention"})
 # Flags a kernel needs beyond its instruction set's: the fused ops round where torch's ops round,
 # so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add;
 # the paged attention kernel's fixed orders are the same code on both of its paths only when the

@@ -27,7 +27,11 @@
 // 60.6 / 182.8 -> 5.7 / 21.6 / 55.3 / 144.2 ms (the fp32 prompt kernel, whose sums follow the
 // chunk's shape: 3.9 / 19.4 / 53.9 / 127.1). The default model's cold TTFT at 1,800 tokens in
 // batch-invariant steps went from 1.30x that of steps that are not to 1.01-1.07x
-// (bench/batch_invariance_bench.py).
+// (bench/batch_invariance_bench.py). Built with AVX-512, the tiles are 16 keys wide (one
+// register) and twice as tall: two threads of a Zen 5 EPYC, same shapes, 1.92 / 9.08 / 21.94 /
+// 59.55 -> 1.49 / 6.61 / 17.17 / 50.02 ms (the AVX-512 prompt kernel: 1.03 / 4.49 / 11.35 /
+// 25.50), cold TTFT 1.25x -> 1.13x that of steps that are not. (Gathering a block's keys
+// transposed, a dim at a time, was no faster than copying them key by key.)
 //
 // Against the kernel before (one query per item, a score as a dot product with its own
 // horizontal sum, the weighted sum through memory), one thread of this 2-core AMD EPYC, bf16,
@@ -387,8 +391,16 @@ void attend(const Tile& tile, int64_t split, const Shape& s, const float* querie
 // keys past a row's length weigh 0, which leaves a total's bits as they were. So a row gets the
 // same bits through either path, and the path a tile takes is free to follow its size.
 constexpr int64_t kKeyBlock = 16;
+#if defined(__AVX512F__)
+// A block's 16 keys are one register, and 32 registers hold twice the AVX2 tile's rows. Lanes
+// are independent, so each score and each total is the same chain in the same order, whatever
+// the width: the same bits as the AVX2 tiles and the decode path.
+constexpr int kScoreRows = 12;
+constexpr int kValueRows = 6;
+#else
 constexpr int kScoreRows = 6;
 constexpr int kValueRows = 3;
+#endif
 
 // One thread's buffers for attend_tiled, for tiles of up to kPromptTileRows rows. A pair is one
 // (tile row, query head) of the item's KV head.
@@ -406,6 +418,60 @@ struct TiledScratch {
 
 // out[r][column:column + kKeyBlock] = score_group's scores of query r against the block's keys,
 // r < Rows.
+#if defined(__AVX512F__)
+template <int Rows>
+inline void score_tile(const float* const* queries, const float* keys, int64_t head_dim, float* const* out,
+                       int64_t column) {
+  alignas(64) float partial[8][Rows][kKeyBlock];
+  for (int l = 0; l < 8; ++l) {
+    __m512 sums[Rows];
+#pragma GCC unroll 12
+    for (int r = 0; r < Rows; ++r) sums[r] = _mm512_setzero_ps();
+    for (int64_t d = l; d < head_dim; d += 8) {
+      const __m512 k = _mm512_loadu_ps(keys + d * kKeyBlock);
+#pragma GCC unroll 12
+      for (int r = 0; r < Rows; ++r) sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(queries[r][d]), k, sums[r]);
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < Rows; ++r) _mm512_store_ps(partial[l][r], sums[r]);
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < Rows; ++r) {
+    auto lane = [&](int l) { return _mm512_load_ps(partial[l][r]); };
+    const __m512 first = _mm512_add_ps(_mm512_add_ps(lane(0), lane(1)), _mm512_add_ps(lane(2), lane(3)));
+    const __m512 second = _mm512_add_ps(_mm512_add_ps(lane(4), lane(5)), _mm512_add_ps(lane(6), lane(7)));
+    _mm512_storeu_ps(out[r] + column, _mm512_add_ps(first, second));
+  }
+}
+
+// acc[r][d] = fma(weights[r][j], values[j][d], acc[r][d]) for keys j < count in order, r < Rows.
+template <int Rows>
+inline void value_tile(float* const* weights, const float* const* values, int64_t count, int64_t head_dim,
+                       float* const* acc) {
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+    __m512 a[Rows][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < Rows; ++r) {
+      a[r][0] = _mm512_loadu_ps(acc[r] + d0);
+      a[r][1] = _mm512_loadu_ps(acc[r] + d0 + 16);
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const __m512 low = _mm512_loadu_ps(values[j] + d0), high = _mm512_loadu_ps(values[j] + d0 + 16);
+#pragma GCC unroll 6
+      for (int r = 0; r < Rows; ++r) {
+        const __m512 weight = _mm512_set1_ps(weights[r][j]);
+        a[r][0] = _mm512_fmadd_ps(weight, low, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(weight, high, a[r][1]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < Rows; ++r) {
+      _mm512_storeu_ps(acc[r] + d0, a[r][0]);
+      _mm512_storeu_ps(acc[r] + d0 + 16, a[r][1]);
+    }
+  }
+}
+#else
 template <int Rows>
 inline void score_tile(const float* const* queries, const float* keys, int64_t head_dim, float* const* out,
                        int64_t column) {
@@ -469,6 +535,7 @@ inline void value_tile(float* const* weights, const float* const* values, int64_
       for (int w = 0; w < 4; ++w) _mm256_storeu_ps(acc[r] + d0 + 8 * w, a[r][w]);
   }
 }
+#endif
 
 // attend's work for one KV head `g` of a prompt tile, through the register tiles above: the
 // same bits per row. The tile's (row, query head) pairs of that KV head are its rows here,
