@@ -36,7 +36,10 @@ products of the default model at 1 / 4 / 16 / 64 / 512 rows take 0.57 / 0.60 / 0
 threshold is 16 rows: a whole decode step of the default model in process took 46.5 -> 40.7 ms at
 8 decodes, 65.0 -> 59.7 at 16, and 106.4 -> 111.7 at 32 had it been 32 (a Zen 4 EPYC, 2 threads;
 level on a Zen 5). It stays at four rows for AMX hosts, whose oneDNN tiles are faster still at
-many rows.
+many rows. With the kernel's 12-row tile the layers' products (head apart) at 16 / 32 / 64 / 128 /
+512 rows take 1.00 / 0.70 / 0.80 / 0.87 / 1.05x oneDNN's time (a Zen 5 EPYC, 2 threads), but
+whole decode steps with the threshold at 64 rather than 16 took 0.80 / 0.98 / 1.02 / 1.09x the
+time at 24 / 32 / 48 / 64 decodes (the head's many rows favour oneDNN), so it stays at 16.
 
 Each kernel computes a row's product in one fixed order whatever the batch, but the two orders
 differ: a token's bf16 product rounds one way among up to ``SMALL_BATCH_ROWS`` rows and another among more, so

@@ -120,7 +120,7 @@ def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(
     packed = kernel.pack_weight(torch.randn(out_features, in_features, generator=generator).bfloat16())
     x = torch.randn(40, in_features, generator=generator).to(dtype)
     alone = torch.cat([kernel.linear(x[i : i + 1], packed, None) for i in range(40)])
-    # Every remainder of the 8-wide tile's 6 rows and the 16-wide tile's 12.
+    # Every remainder of the 8-wide tile's 6 rows and the 12 of the 16-wide and bf16 pair tiles.
     for rows in (2, 3, 4, 5, 6, 7, 11, 12, 13, 24, 25, 40):
         assert torch.equal(kernel.linear(x[:rows], packed, None), alone[:rows]), rows
 
@@ -163,7 +163,7 @@ def test_an_fp32_rows_product_is_the_same_bits_alone_or_in_any_batch(
     packed = kernel.pack_weight(torch.randn(out_features, in_features, generator=generator))
     x = torch.randn(40, in_features, generator=generator)
     alone = torch.cat([kernel.linear(x[i : i + 1], packed, None) for i in range(40)])
-    # Every remainder of the 8-wide tile's 6 rows and the 16-wide tile's 12.
+    # Every remainder of the 8-wide tile's 6 rows and the 12 of the 16-wide and bf16 pair tiles.
     for rows in (2, 3, 4, 5, 6, 7, 11, 12, 13, 24, 25, 40):
         assert torch.equal(kernel.linear(x[:rows], packed, None), alone[:rows]), rows
 
