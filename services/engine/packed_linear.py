@@ -36,13 +36,17 @@ products of the default model at 1 / 4 / 16 / 64 / 512 rows take 0.57 / 0.60 / 0
 threshold is 16 rows: a whole decode step of the default model in process took 46.5 -> 40.7 ms at
 8 decodes, 65.0 -> 59.7 at 16, and 106.4 -> 111.7 at 32 had it been 32 (a Zen 4 EPYC, 2 threads;
 level on a Zen 5). It stays at four rows for AMX hosts, whose oneDNN tiles are faster still at
-many rows. With the kernel's 12-row tile the layers' products (head apart) at 16 / 32 / 64 / 128 /
-512 rows take 1.00 / 0.70 / 0.80 / 0.87 / 1.05x oneDNN's time (a Zen 5 EPYC, 2 threads), but
-whole decode steps with the threshold at 64 rather than 16 took 0.80 / 0.98 / 1.02 / 1.09x the
-time at 24 / 32 / 48 / 64 decodes (the head's many rows favour oneDNN), so it stays at 16.
+many rows. With the kernel's 12-row tile (a Zen 5 EPYC, 2 threads) the layers' products at 16 /
+32 / 64 / 128 / 512 rows take 1.00 / 0.70 / 0.80 / 0.87 / 1.05x oneDNN's time, while one
+threshold of 64 for the head too made whole decode steps 0.80 / 0.98 / 1.02 / 1.09x as long at
+24 / 32 / 48 / 64 decodes: the head's 49,152 outputs favour oneDNN from fewer rows (the Zen 4
+measure above had the head under the layers' threshold too). So a layer
+runs up to ``SMALL_BATCH_ROWS`` (128) rows on the panels and the head up to
+``HEAD_SMALL_BATCH_ROWS`` (16): decode steps 0.83 / 0.84 / 0.85 / 0.88x as long at 24 / 32 / 48 /
+64 decodes, prompt steps of 512 rows level.
 
 Each kernel computes a row's product in one fixed order whatever the batch, but the two orders
-differ: a token's bf16 product rounds one way among up to ``SMALL_BATCH_ROWS`` rows and another among more, so
+differ: a token's bf16 product rounds one way among few rows and another among more, so
 greedy tokens would depend on what shares the step. A batch-invariant step (``invariant_rows``:
 a step holding a greedy or seeded request, ``ModelRunner``) therefore runs every product on the
 panels, at every row count.
@@ -70,8 +74,11 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Output features per panel of the bf16 kernel's layout.
 _PANEL = 16
 # Most rows a product runs on the bf16 kernel's panels beside oneDNN's bf16 weight (above:
-# oneDNN), from the measurements in the module docstring.
-SMALL_BATCH_ROWS = 4 if "amx_bf16" in cpu_flags() else 16
+# oneDNN), from the measurements in the module docstring: a layer's, and the output head's
+# (``HEAD_SMALL_BATCH_ROWS``, its own since its many rows favour oneDNN sooner).
+_AMX = "amx_bf16" in cpu_flags()
+SMALL_BATCH_ROWS = 4 if _AMX else 128
+HEAD_SMALL_BATCH_ROWS = 4 if _AMX else 16
 
 
 class _Products(threading.local):
@@ -99,8 +106,10 @@ class PackableLinear(nn.Linear):
     pack_weight: bool = True
     # The weight is in the panel kernel's layout (set by pack_).
     panels: bool = False
-    # Beside oneDNN's bf16 weight: the same weight in the kernel's panels, for small batches.
+    # Beside oneDNN's bf16 weight: the same weight in the kernel's panels, for products of up
+    # to small_batch_rows rows.
     small_batch_panels: torch.Tensor | None = None
+    small_batch_rows: int = SMALL_BATCH_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -108,7 +117,7 @@ class PackableLinear(nn.Linear):
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
         if self.small_batch_panels is not None and (
-            _products.invariant or x.numel() <= SMALL_BATCH_ROWS * x.shape[-1]
+            _products.invariant or x.numel() <= self.small_batch_rows * x.shape[-1]
         ):
             return _panel_kernel().linear(x, self.small_batch_panels, bias)
         if self.weight.is_mkldnn:

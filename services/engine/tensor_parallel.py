@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from cachet.engine.packed_linear import PackableLinear
+from cachet.engine.packed_linear import HEAD_SMALL_BATCH_ROWS, PackableLinear
 
 
 def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -244,6 +244,8 @@ class ParallelLMHead(PackableLinear):
     so a tied head shares the embedding's shard (on a CPU, packing then gives it a
     copy of its own: ``packed_linear``).
     """
+
+    small_batch_rows = HEAD_SMALL_BATCH_ROWS
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallelRank) -> None:
         vocab_range = tp.split(vocab_size, "vocabulary rows")

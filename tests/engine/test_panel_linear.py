@@ -13,7 +13,12 @@ import torch.nn.functional as F
 
 from cachet.engine.cpu_features import cpu_flags
 from cachet.engine.cpu_kernels import load_cpu_kernel
-from cachet.engine.packed_linear import SMALL_BATCH_ROWS, invariant_rows, packs_linear_weights
+from cachet.engine.packed_linear import (
+    HEAD_SMALL_BATCH_ROWS,
+    SMALL_BATCH_ROWS,
+    invariant_rows,
+    packs_linear_weights,
+)
 from cachet.engine.tensor_parallel import ColumnParallelLinear
 
 pytestmark = pytest.mark.skipif(
@@ -106,6 +111,26 @@ def test_where_onednn_packs_bf16_small_batches_run_on_the_panels_beside_it(kerne
         x = torch.randn(SMALL_BATCH_ROWS + 1, 40).bfloat16()
         onednn = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
         assert torch.equal(layer(x), onednn)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU"
+)
+def test_the_output_head_leaves_the_panels_for_onednn_at_fewer_rows_than_a_layer(kernel) -> None:
+    """The head's many outputs favour oneDNN sooner: its products past HEAD_SMALL_BATCH_ROWS rows go
+    there, a layer's only past SMALL_BATCH_ROWS."""
+    from cachet.engine.tensor_parallel import ParallelLMHead, TensorParallelRank
+
+    head = ParallelLMHead(40, 64, TensorParallelRank()).bfloat16()
+    plain_weight = head.weight.detach().clone()
+    assert head.pack_() and head.small_batch_panels is not None
+    assert HEAD_SMALL_BATCH_ROWS <= SMALL_BATCH_ROWS
+    with torch.inference_mode():
+        x = torch.randn(HEAD_SMALL_BATCH_ROWS, 40).bfloat16()
+        assert torch.equal(head.project(x), kernel.linear(x, kernel.pack_weight(plain_weight), None))
+        x = torch.randn(HEAD_SMALL_BATCH_ROWS + 1, 40).bfloat16()
+        onednn = torch.ops.mkldnn._linear_pointwise(x, head.weight, None, "none", [], "")
+        assert torch.equal(head.project(x), onednn)
 
 
 # bf16 activations take the bf16 dot-product path where the kernel was built with one.
