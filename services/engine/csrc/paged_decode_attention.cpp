@@ -418,10 +418,10 @@ struct TiledScratch {
 
 // out[r][column:column + kKeyBlock] = score_group's scores of query r against the block's keys,
 // r < Rows.
-#if defined(__AVX512F__)
 template <int Rows>
 inline void score_tile(const float* const* queries, const float* keys, int64_t head_dim, float* const* out,
                        int64_t column) {
+#if defined(__AVX512F__)
   alignas(64) float partial[8][Rows][kKeyBlock];
   for (int l = 0; l < 8; ++l) {
     __m512 sums[Rows];
@@ -442,39 +442,7 @@ inline void score_tile(const float* const* queries, const float* keys, int64_t h
     const __m512 second = _mm512_add_ps(_mm512_add_ps(lane(4), lane(5)), _mm512_add_ps(lane(6), lane(7)));
     _mm512_storeu_ps(out[r] + column, _mm512_add_ps(first, second));
   }
-}
-
-// acc[r][d] = fma(weights[r][j], values[j][d], acc[r][d]) for keys j < count in order, r < Rows.
-template <int Rows>
-inline void value_tile(float* const* weights, const float* const* values, int64_t count, int64_t head_dim,
-                       float* const* acc) {
-  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
-    __m512 a[Rows][2];
-#pragma GCC unroll 6
-    for (int r = 0; r < Rows; ++r) {
-      a[r][0] = _mm512_loadu_ps(acc[r] + d0);
-      a[r][1] = _mm512_loadu_ps(acc[r] + d0 + 16);
-    }
-    for (int64_t j = 0; j < count; ++j) {
-      const __m512 low = _mm512_loadu_ps(values[j] + d0), high = _mm512_loadu_ps(values[j] + d0 + 16);
-#pragma GCC unroll 6
-      for (int r = 0; r < Rows; ++r) {
-        const __m512 weight = _mm512_set1_ps(weights[r][j]);
-        a[r][0] = _mm512_fmadd_ps(weight, low, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(weight, high, a[r][1]);
-      }
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < Rows; ++r) {
-      _mm512_storeu_ps(acc[r] + d0, a[r][0]);
-      _mm512_storeu_ps(acc[r] + d0 + 16, a[r][1]);
-    }
-  }
-}
 #else
-template <int Rows>
-inline void score_tile(const float* const* queries, const float* keys, int64_t head_dim, float* const* out,
-                       int64_t column) {
   alignas(32) float partial[8][Rows][kKeyBlock];
   for (int l = 0; l < 8; ++l) {
     __m256 low[Rows], high[Rows];
@@ -505,12 +473,37 @@ inline void score_tile(const float* const* queries, const float* keys, int64_t h
       _mm256_storeu_ps(out[r] + column + half, _mm256_add_ps(first, second));
     }
   }
+#endif
 }
 
 // acc[r][d] = fma(weights[r][j], values[j][d], acc[r][d]) for keys j < count in order, r < Rows.
 template <int Rows>
 inline void value_tile(float* const* weights, const float* const* values, int64_t count, int64_t head_dim,
                        float* const* acc) {
+#if defined(__AVX512F__)
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+    __m512 a[Rows][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < Rows; ++r) {
+      a[r][0] = _mm512_loadu_ps(acc[r] + d0);
+      a[r][1] = _mm512_loadu_ps(acc[r] + d0 + 16);
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const __m512 low = _mm512_loadu_ps(values[j] + d0), high = _mm512_loadu_ps(values[j] + d0 + 16);
+#pragma GCC unroll 6
+      for (int r = 0; r < Rows; ++r) {
+        const __m512 weight = _mm512_set1_ps(weights[r][j]);
+        a[r][0] = _mm512_fmadd_ps(weight, low, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(weight, high, a[r][1]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < Rows; ++r) {
+      _mm512_storeu_ps(acc[r] + d0, a[r][0]);
+      _mm512_storeu_ps(acc[r] + d0 + 16, a[r][1]);
+    }
+  }
+#else
   for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
     __m256 a[Rows][4];
 #pragma GCC unroll 3
@@ -534,8 +527,8 @@ inline void value_tile(float* const* weights, const float* const* values, int64_
 #pragma GCC unroll 4
       for (int w = 0; w < 4; ++w) _mm256_storeu_ps(acc[r] + d0 + 8 * w, a[r][w]);
   }
-}
 #endif
+}
 
 // attend's work for one KV head `g` of a prompt tile, through the register tiles above: the
 // same bits per row. The tile's (row, query head) pairs of that KV head are its rows here,
