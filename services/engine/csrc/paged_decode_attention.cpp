@@ -126,10 +126,6 @@ inline void widen(const at::Half* from, float* to, int64_t n) {
   for (; i < n; ++i) to[i] = static_cast<float>(from[i]);
 }
 
-// Scores of one query head against kGroup key rows (each `stride` floats apart, the head's slice
-// at `key`): out[j] = sum over d of query[d] * key_j[d], in the same order for every j.
-// kStride: the stride where it is known when compiled (0: `stride`); the keys' offsets are then
-// constants, where at run time GCC kept half of them on the stack.
 // Whether an fp32 (or widened) cache of this head_dim takes register tiles for prompt tiles in
 // this build.
 bool register_tiles_fit(int64_t head_dim) {
@@ -141,6 +137,10 @@ bool register_tiles_fit(int64_t head_dim) {
 #endif
 }
 
+// Scores of one query head against kGroup key rows (each `stride` floats apart, the head's slice
+// at `key`): out[j] = sum over d of query[d] * key_j[d], in the same order for every j.
+// kStride: the stride where it is known when compiled (0: `stride`); the keys' offsets are then
+// constants, where at run time GCC kept half of them on the stack.
 template <int64_t kStride = 0>
 inline void score_group(const float* query, const float* key, int64_t stride, int64_t head_dim, float* out) {
   if constexpr (kStride > 0) stride = kStride, head_dim = kStride;
@@ -383,8 +383,8 @@ void attend(const Tile& tile, int64_t split, const Shape& s, const float* querie
 #if defined(__AVX2__) && defined(__FMA__)
 // Prompt tiles (several rows of one request) take register tiles instead: a block of kKeyBlock
 // keys of one KV head is copied out transposed ([head_dim][kKeyBlock]), and the scores of up to
-// kScoreRows query rows against it are 2 x kScoreRows sums in registers, each key read once per
-// tile rather than once per query. The sums keep score_group's order exactly: the dims d with
+// kScoreRows query rows against it are sums in registers, each key read once per tile rather
+// than once per query. The sums keep score_group's order exactly: the dims d with
 // d % 8 == l make one chain of multiply-adds in d's order (score_group's lane l), and the eight
 // chains are added as transpose_sum adds its lanes. The weighted sum of values is a tile of
 // kValueRows rows x 32 dims, each dim's total one chain over the keys in order, as accumulate's;
@@ -478,7 +478,7 @@ inline void score_tile(const float* const* queries, const float* keys, int64_t h
 
 // acc[r][d] = fma(weights[r][j], values[j][d], acc[r][d]) for keys j < count in order, r < Rows.
 template <int Rows>
-inline void value_tile(float* const* weights, const float* const* values, int64_t count, int64_t head_dim,
+inline void value_tile(const float* const* weights, const float* const* values, int64_t count, int64_t head_dim,
                        float* const* acc) {
 #if defined(__AVX512F__)
   for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
