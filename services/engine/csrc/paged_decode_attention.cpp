@@ -747,10 +747,14 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
   // A pass reads one KV head's slice of each key's row (128 of the default model's 384 bytes),
   // through blocks scattered over the pool: the hardware's prefetchers do not follow that, and
   // each group of keys waited on memory (16 decodes' attention read DRAM at 9 GB/s of the 40 this
-  // Zen 5 gives). So each pass asks for its slices two groups of keys ahead, its first three
-  // groups up front (a loop at each pass: through a lambda, GCC 12 dropped the prefetches).
-  // 16 decodes over 224 / 600 keys, 30 layers' KV cycled as in a step: 315 -> 182 / 815 -> 486 us
-  // a layer. Whole rows, or further ahead, were slower (too many lines in flight at once).
+  // Zen 5 gives). So the first KV head's passes ask for whole rows two groups of keys ahead, their
+  // first three groups up front (a loop at each pass: through a lambda, GCC 12 dropped the
+  // prefetches), and the other heads' passes find their slices in L2. 16 decodes over 224 / 600
+  // keys, 30 layers' KV cycled as in a step, each pass asking for its own slices: 315 -> 182 /
+  // 815 -> 486 us a layer. Asking once, for whole rows (a decode's three passes per KV head each
+  // began with a wait on memory), one thread of a Zen 4 EPYC, the default model's decode steps:
+  // 4 requests over 100-1,800 keys 31.4 -> 27.8 ms; two threads, 16 over 1,000 keys 68.6 -> 53.7
+  // ms. Whole rows at every pass, or further ahead, were slower (too many lines in flight).
   //
   // The tile's queries of kv head g: (row, head) in order.
   std::vector<std::pair<int64_t, int64_t>> members;
@@ -770,8 +774,10 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
     const int64_t count = static_cast<int64_t>(members.size());
     // Scores.
     for (int64_t position = begin; position < end; position += kKeyLanes) {
-      for (int64_t j = position == begin ? begin : position + 2 * kKeyLanes; j < std::min(end, position + 3 * kKeyLanes); ++j)
-        prefetch_lines(row_of(k_cache, j) + g * s.head_dim, s.head_dim * 2);
+      if (g == 0) {
+        for (int64_t j = position == begin ? begin : position + 2 * kKeyLanes; j < std::min(end, position + 3 * kKeyLanes); ++j)
+          prefetch_lines(row_of(k_cache, j), stride * sizeof(at::BFloat16));
+      }
       for (int64_t c = 0; c < dim_pairs; c += 16) {
         __m512i rows[16];
         for (int64_t j = 0; j < kKeyLanes; ++j) {
@@ -822,8 +828,10 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
     const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
     for (int64_t t = 0; t < span_pairs; ++t) {
       const int64_t p0 = begin + 2 * t;
-      for (int64_t j = t == 0 ? begin : p0 + 2 * kKeyLanes; j < std::min(end, p0 + 2 * kKeyLanes + 2); ++j)
-        prefetch_lines(row_of(v_cache, j) + g * s.head_dim, s.head_dim * 2);
+      if (g == 0) {
+        for (int64_t j = t == 0 ? begin : p0 + 2 * kKeyLanes; j < std::min(end, p0 + 2 * kKeyLanes + 2); ++j)
+          prefetch_lines(row_of(v_cache, j), stride * sizeof(at::BFloat16));
+      }
       const at::BFloat16* v0 = row_of(v_cache, p0) + g * s.head_dim;
       const at::BFloat16* v1 = p0 + 1 < end ? row_of(v_cache, p0 + 1) + g * s.head_dim : nullptr;
       uint32_t* out = value_pairs + t * s.head_dim;
