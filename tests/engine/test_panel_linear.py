@@ -67,6 +67,22 @@ def test_bf16_activations_sum_in_fp32(kernel, rows: int, in_features: int, out_f
     torch.testing.assert_close(exact, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 13])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_results_are_the_fp32_sums_rounded_once(kernel, rows: int, with_bias: bool) -> None:
+    """Small integers make every fp32 sum exact in any order, so each bf16 result must be that sum
+    (its bias added in fp32) rounded once, to nearest with ties to even, as torch rounds: results
+    past 256 need rounding, and some land on ties."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randint(-8, 9, (96, 64), generator=generator).bfloat16()
+    x = torch.randint(-8, 9, (rows, 64), generator=generator).bfloat16()
+    bias = (torch.randint(-300, 300, (96,), generator=generator) + 0.5).bfloat16() if with_bias else None
+    got = kernel.linear(x, kernel.pack_weight(weight), bias)
+    exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, exact.bfloat16())
+
+
 def test_bf16_activations_and_leading_dimensions_keep_their_shape_and_dtype(kernel) -> None:
     weight = torch.randn(32, 24).bfloat16()
     x = torch.randn(2, 3, 24).bfloat16()
