@@ -98,6 +98,10 @@ def test_a_request_gets_the_same_bits_whatever_shares_its_batch() -> None:
     [
         (torch.float32, 9, 3, 64),
         (torch.bfloat16, 9, 3, 64),
+        # AVX512-BF16 builds: decodes of 2 and of 1 query per KV head weigh their values from
+        # registers at head_dim 128 and 256, tiles through the stored layout.
+        (torch.bfloat16, 8, 4, 128),
+        (torch.bfloat16, 2, 2, 256),
         (torch.float32, 8, 1, 128),
         (torch.float32, 4, 4, 32),
         (torch.float32, 6, 2, 24),
