@@ -838,6 +838,15 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
     for (int64_t r = 0; r < tile.num_rows; ++r)
       for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h) members.emplace_back(r, h);
     const int64_t count = static_cast<int64_t>(members.size());
+    // Member m's query (its head's dims as bf16 pairs) and its scores of this split.
+    auto query_pairs = [&](int64_t m) {
+      const auto [r, h] = members[m];
+      return reinterpret_cast<const uint32_t*>(queries + (tile.first_row + r) * heads_dim + h * s.head_dim);
+    };
+    auto score_row = [&](int64_t m) {
+      const auto [r, h] = members[m];
+      return scores.data() + (r * s.num_heads + h) * kSplitTokens;
+    };
     // Scores.
     for (int64_t position = begin; position < end; position += kKeyLanes) {
       if (g == 0) {
@@ -852,9 +861,8 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
         const uint32_t* qs[4];
         float* outs[4];
         for (int64_t q = 0; q < count; ++q) {
-          const auto [r, h] = members[q];
-          qs[q] = reinterpret_cast<const uint32_t*>(queries + (tile.first_row + r) * heads_dim + h * s.head_dim);
-          outs[q] = scores.data() + (r * s.num_heads + h) * kSplitTokens + (position - begin);
+          qs[q] = query_pairs(q);
+          outs[q] = score_row(q) + (position - begin);
         }
         switch (count) {
           case 1: score_rows<1>(qs, key_rows, dim_pairs, scale, outs); break;
@@ -877,9 +885,8 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
         const uint32_t* qs[kScorePass];
         float* outs[kScorePass];
         for (int q = 0; q < n; ++q) {
-          const auto [r, h] = members[m + q];
-          qs[q] = reinterpret_cast<const uint32_t*>(queries + (tile.first_row + r) * heads_dim + h * s.head_dim);
-          outs[q] = scores.data() + (r * s.num_heads + h) * kSplitTokens + (position - begin);
+          qs[q] = query_pairs(m + q);
+          outs[q] = score_row(m + q) + (position - begin);
         }
         switch (n) {
           case 1: score_keys<1>(qs, key_pairs, dim_pairs, scale, outs); break;
