@@ -279,7 +279,8 @@ constexpr int64_t kPairPanels = 2;  // panels per bf16 dot-product tile
 // at 16 / 32 / 64 / 128 / 512 rows (level with oneDNN's bf16 products at 512, from 1.13x).
 constexpr int64_t kPairTileRows = 12;
 
-// 16 fp32 sums rounded to bf16 (to nearest, ties to even, as torch rounds).
+// 16 fp32 sums rounded to bf16 (to nearest, ties to even, as torch rounds; fp32 denormals, which
+// torch would keep as bf16 denormals, become zero).
 inline void store_bf16(at::BFloat16* to, __m512 sums) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), (__m256i)_mm512_cvtneps_pbh(sums));
 }
@@ -351,7 +352,7 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   if (x.scalar_type() == torch::kBFloat16) {
     // The result in bf16 straight from the tiles, each sum rounded once as the fp32 result's
     // conversion rounded it: a pass over the output and an operator call fewer per product (121
-    // calls a decode step of the default model, ~0.8 ms of 22 on one thread of a Zen 4).
+    // a decode step of the default model).
     const torch::Tensor rows = x.contiguous();
     torch::Tensor out = torch::empty({m, n}, rows.options());
     const torch::Tensor bias_sums = with_bias ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
