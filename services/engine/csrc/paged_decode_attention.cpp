@@ -805,6 +805,8 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
   for (int64_t r = 0; r < tile.num_rows; ++r) end = std::max(end, std::min(begin + kSplitTokens, lens[tile.first_row + r]));
   const int64_t* blocks = table + tile.first_row * s.table_stride;
   const int64_t stride = s.token_stride();
+  // A key's whole K (or V) row, every KV head's slice: what the first KV head's passes ask for.
+  const int64_t row_bytes = stride * static_cast<int64_t>(sizeof(at::BFloat16));
   const int64_t heads_dim = s.num_heads * s.head_dim;
   const int64_t dim_pairs = s.head_dim / 2;
   auto row_of = [&](const at::BFloat16* cache, int64_t position) {
@@ -851,7 +853,7 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
     for (int64_t position = begin; position < end; position += kKeyLanes) {
       if (g == 0) {
         for (int64_t j = position == begin ? begin : position + 2 * kKeyLanes; j < std::min(end, position + 3 * kKeyLanes); ++j)
-          prefetch_lines(row_of(k_cache, j), stride * sizeof(at::BFloat16));
+          prefetch_lines(row_of(k_cache, j), row_bytes);
       }
       // A decode's few queries (up to 4 on this KV head) use a group's transposed keys once: they
       // score them from registers. A tile's dozens store them once for all their passes.
@@ -932,7 +934,7 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
         ws[q] = reinterpret_cast<const uint32_t*>(probabilities + q * probability_stride);
         outs[q] = acc + (row * s.num_splits + split) * heads_dim + h * s.head_dim;
       }
-      const int64_t prefetch_bytes = g == 0 ? stride * static_cast<int64_t>(sizeof(at::BFloat16)) : 0;
+      const int64_t prefetch_bytes = g == 0 ? row_bytes : 0;
       if constexpr (NV <= 4) {
         switch (count) {
           case 1: weigh_value_rows<1, NV>(ws, v_rows, end - begin, longest_pairs, prefetch_bytes, outs); break;
@@ -952,7 +954,7 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
       const int64_t p0 = begin + 2 * t;
       if (g == 0) {
         for (int64_t j = t == 0 ? begin : p0 + 2 * kKeyLanes; j < std::min(end, p0 + 2 * kKeyLanes + 2); ++j)
-          prefetch_lines(row_of(v_cache, j), stride * sizeof(at::BFloat16));
+          prefetch_lines(row_of(v_cache, j), row_bytes);
       }
       const at::BFloat16* v0 = row_of(v_cache, p0) + g * s.head_dim;
       const at::BFloat16* v1 = p0 + 1 < end ? row_of(v_cache, p0 + 1) + g * s.head_dim : nullptr;
