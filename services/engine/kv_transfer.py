@@ -1,7 +1,7 @@
 """Direct KV transfer between replicas (disaggregated prefill): a prefill replica pushes a
 hand-off's blocks straight into the decode replica's memory over torch.distributed
-point-to-point, gloo on a CPU and NCCL on CUDA (the same code, chosen by device). The shared
-file tier (``shared_kv_tier``) stays the transport where no direct path exists.
+point-to-point, NCCL between two GPUs and gloo otherwise (the same code, chosen by device). The
+shared file tier (``shared_kv_tier``) stays the transport where no direct path exists.
 
 Pairing. A replica that takes hand-offs (``CACHET_ENGINE_KV_TRANSFER_PORT``) runs a
 ``KvReceiver`` on each of its ranks: rank 0's holds a ``TCPStore`` on that port, which it
@@ -11,10 +11,16 @@ clients of the same store. Each receiving rank posts its layout key under ``layo
 rank and group size: a block of another layout would be garbage). A sender's rank *r* pairs
 with the receiver's rank *r* alone, shard to shard: it reads ``layout/<r>`` (missing or
 different refuses the pair, and the hand-off falls back to the files), takes a number from
-rank *r*'s counter and names a fresh pair id under it. Both sides then open a two-rank
-process group of their own under that id (sender rank 0, receiver rank 1): no global process
-group, so a tensor-parallel replica's own group is untouched, and one receiver serves many
-senders.
+rank *r*'s counter and names a fresh pair id under it, with the pair's backend. Both sides
+then open a two-rank process group of their own under that id (sender rank 0, receiver rank
+1): no global process group, so a tensor-parallel replica's own group is untouched, and one
+receiver serves many senders.
+
+The backend. Each receiving rank also posts ``device/<rank>``, the physical device its pool is
+on (a GPU by its UUID). NCCL pairs two different GPUs, device memory to device memory; it
+refuses two ranks on one GPU, as a prefill and a decode replica sharing a single-GPU machine
+are, so those pairs, and any pair with a CPU end, use gloo, whose tensors are in host memory:
+the sender copies its blocks out of the GPU (they go to the receiver's host tier in any case).
 
 A transfer. The sender posts the block count and the transfer's id under
 ``signal/<pair>/<n>`` in the store, then sends the blocks' hashes (int64) and the blocks
@@ -86,10 +92,28 @@ def _to_signed(block_hash: int) -> int:
     return block_hash - (1 << _HASH_BITS) if block_hash >= 1 << (_HASH_BITS - 1) else block_hash
 
 
-def _pair_group(store: dist.Store, rank: int, device: torch.device, host: str) -> PairGroup:
-    """A two-rank group over ``store``: NCCL between CUDA devices, else gloo on ``host``'s
-    interface (this replica's own address, not whatever the machine's name resolves to)."""
-    if device.type == "cuda":
+def device_identity(device: torch.device) -> str:
+    """The physical device a rank's pool is on, the same string in every process that sees it."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def pair_backend(sender_device: str, receiver_device: str) -> str:
+    """NCCL between two different GPUs, else gloo (module docstring)."""
+    gpus = sender_device.startswith("cuda:") and receiver_device.startswith("cuda:")
+    return "nccl" if gpus and sender_device != receiver_device else "gloo"
+
+
+def _wire_device(backend: str, device: torch.device) -> torch.device:
+    """Where a pair's tensors must be for its backend: gloo's in host memory."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def _pair_group(store: dist.Store, rank: int, backend: str, host: str) -> PairGroup:
+    """A two-rank group over ``store``: NCCL, or gloo on ``host``'s interface (this replica's
+    own address, not whatever the machine's name resolves to)."""
+    if backend == "nccl":
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = TRANSFER_TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, 2, nccl)
@@ -243,6 +267,7 @@ class KvReceiver:
             self._port = port
             self._store = self._client()
         self._store.set(f"layout/{rank}", layout_key)
+        self._store.set(f"device/{rank}", device_identity(device))
         self.address = f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
         # Keys each waiting thread waits on next; close() sets them to wake the threads.
         self._lock = threading.Lock()
@@ -298,19 +323,21 @@ class KvReceiver:
     def _accept(self) -> None:
         store = self._client()
         peer = 0
-        while (pair_id := self._wait(store, [f"peer/{self.rank}/{peer}"], "")) is not None:
+        while (pairing := self._wait(store, [f"peer/{self.rank}/{peer}"], "")) is not None:
+            pair_id, backend = pairing[0].split(" ", 1)
             thread = threading.Thread(
-                target=self._serve, args=(pair_id[0],), name=f"kv-receiver-{peer}", daemon=True
+                target=self._serve, args=(pair_id, backend), name=f"kv-receiver-{peer}", daemon=True
             )
             with self._lock:
                 self._threads.append(thread)
             thread.start()
             peer += 1
 
-    def _serve(self, pair_id: str) -> None:
+    def _serve(self, pair_id: str, backend: str) -> None:
         store = self._client()
+        wire = _wire_device(backend, self.device)
         try:
-            group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 1, self.device, self._host)
+            group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 1, backend, self._host)
         except Exception as exc:  # a sender that vanished mid-pairing
             log.warning("KV transfer pairing failed", pair=pair_id, error=str(exc))
             return
@@ -318,9 +345,9 @@ class KvReceiver:
         try:
             while (signal := self._wait(store, [f"signal/{pair_id}/{transfer}"], "0")) not in (None, ["0"]):
                 count, transfer_id = signal[0].split(" ", 1)
-                hashes = torch.empty(int(count), dtype=torch.int64, device=self.device)
+                hashes = torch.empty(int(count), dtype=torch.int64, device=wire)
                 group.recv([hashes], 0, 0).wait()
-                blocks = torch.empty(int(count), *self.block_shape, dtype=self.dtype, device=self.device)
+                blocks = torch.empty(int(count), *self.block_shape, dtype=self.dtype, device=wire)
                 group.recv([blocks], 0, 0).wait()
                 if blocks.device.type == "cuda":
                     # Held in host memory, the tier they fill: not beside the GPU's KV pool.
@@ -371,6 +398,8 @@ class _Pair:
     store: dist.TCPStore
     group: PairGroup
     pair_id: str
+    # Where the pair's tensors are sent from (_wire_device).
+    wire: torch.device
     next_transfer: int = 0
 
 
@@ -448,11 +477,9 @@ class KvSender:
             transfer = pair.next_transfer
             pair.next_transfer += 1
             pair.store.set(f"signal/{pair.pair_id}/{transfer}", f"{len(block_hashes)} {transfer_id}")
-            hashes = torch.tensor(
-                [_to_signed(h) for h in block_hashes], dtype=torch.int64, device=self.device
-            )
+            hashes = torch.tensor([_to_signed(h) for h in block_hashes], dtype=torch.int64, device=pair.wire)
             pair.group.send([hashes], 1, 0).wait()
-            pair.group.send([blocks.contiguous()], 1, 0).wait()
+            pair.group.send([blocks.to(pair.wire).contiguous()], 1, 0).wait()
             pair.store.wait([f"ack/{pair.pair_id}/{transfer}"], self.timeout)
             kept = pair.store.get(f"ack/{pair.pair_id}/{transfer}") == b"1"
             pair.store.delete_key(f"ack/{pair.pair_id}/{transfer}")
@@ -486,11 +513,12 @@ class KvSender:
             raise LayoutMismatch(
                 f"the receiver at {address} keeps {theirs!r} blocks at rank {self.rank}, not {self.layout_key!r}"
             )
+        backend = pair_backend(device_identity(self.device), store.get(f"device/{self.rank}").decode())
         peer = store.add(f"peers/{self.rank}", 1) - 1
         pair_id = uuid.uuid4().hex
-        store.set(f"peer/{self.rank}/{peer}", pair_id)
-        group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 0, self.device, self.host)
-        return _Pair(store, group, pair_id)
+        store.set(f"peer/{self.rank}/{peer}", f"{pair_id} {backend}")
+        group = _pair_group(dist.PrefixStore(f"pair/{pair_id}/", store), 0, backend, self.host)
+        return _Pair(store, group, pair_id, _wire_device(backend, self.device))
 
     def _close_pairs(self) -> None:
         for pair in self._pairs.values():

@@ -116,21 +116,35 @@ def test_a_decode_replica_continues_a_prefill_replicas_hand_off_as_one_replica_w
     assert timeline.prefill_chunks == 1  # the partial block and the first token, in one step
 
 
-@pytest.mark.parametrize("family", ["llama", "kimi-k2"])
+@pytest.mark.parametrize(
+    ("family", "device"),
+    [
+        ("llama", "cpu"),
+        ("kimi-k2", "cpu"),
+        # Both replicas on one GPU: the pair is gloo through host memory (NCCL refuses it).
+        pytest.param(
+            "llama", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+        ),
+    ],
+)
 def test_a_hand_off_pushed_straight_to_the_decode_replica_decodes_as_one_replica_would(
-    tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str, device: str
 ) -> None:
-    """No shared folder: the prefill replica sends its blocks over a gloo pair into the decode
-    replica's memory (kv_transfer), and answers only once they are there."""
+    """No shared folder: the prefill replica sends its blocks over a pair of its own into the
+    decode replica's memory (kv_transfer), and answers only once they are there."""
     model_dir = tiny_checkpoints[family]
     per_block = _bytes_per_block(model_dir)
     expected, _, _ = greedy(
-        engine_with_shared_tier(model_dir, tmp_path / "mixed", per_block, "cpu"), "w", PROMPT, 8
+        engine_with_shared_tier(model_dir, tmp_path / "mixed", per_block, device), "w", PROMPT, 8
     )
 
     def runner(**tiers: int) -> ModelRunner:
         return ModelRunner(
-            model_dir, dtype=torch.float32, device=torch.device("cpu"), kv_cache_bytes=32 * per_block, **tiers
+            model_dir,
+            dtype=torch.float32,
+            device=torch.device(device),
+            kv_cache_bytes=32 * per_block,
+            **tiers,
         )
 
     decode = engine_core(runner(host_kv_bytes=32 * per_block, kv_transfer_port=free_loopback_port()))

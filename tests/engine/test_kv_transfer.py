@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from cachet.engine.kv_transfer import KvReceiver, KvSender, LayoutMismatch, ReceivedBlocks
+from cachet.engine.kv_transfer import KvReceiver, KvSender, LayoutMismatch, ReceivedBlocks, pair_backend
 from cachet.loopback_port import free_loopback_port
 
 SHAPE = (2, 2, 4, 1, 3)
@@ -42,6 +42,63 @@ def test_pushed_blocks_arrive_bit_for_bit_under_their_hashes_from_several_sender
     expected = torch.cat([blocks(2, 1), blocks(1, 2), blocks(1, 3)])
     assert all(torch.equal(block, want) for (_, block), want in zip(taken, expected, strict=True))
     assert first.counts == {"sent": 3, "failed": 0} and len(target.blocks) == 0
+
+
+def test_nccl_pairs_two_different_gpus_and_gloo_every_other_pair() -> None:
+    first, second = "cuda:GPU-2b6e", "cuda:GPU-91f0"
+    assert pair_backend(first, second) == "nccl"
+    assert pair_backend(first, first) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert pair_backend(first, "cpu") == pair_backend("cpu", first) == pair_backend("cpu", "cpu") == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("sending", "receiving"),
+    [
+        pytest.param(
+            "cuda:0",
+            "cuda:0",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            id="one-gpu-gloo",
+        ),
+        pytest.param(
+            "cuda:0",
+            "cpu",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            id="gpu-to-cpu-gloo",
+        ),
+        pytest.param(
+            "cuda:0",
+            "cuda:1",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+            id="two-gpus-nccl",
+        ),
+    ],
+)
+def test_blocks_on_a_gpu_arrive_bit_for_bit_in_the_receivers_host_memory(
+    sending: str, receiving: str
+) -> None:
+    target = KvReceiver(
+        "tiny-float32",
+        SHAPE,
+        torch.float32,
+        torch.device(receiving),
+        port=free_loopback_port(),
+        budget_bytes=1 << 20,
+    )
+    sender = KvSender("tiny-float32", torch.device(sending))
+    try:
+        sender.send_later(target.address, [3, 4], blocks(2, 1).to(sending)).result(timeout=60)
+        sender.send_later(target.address, [5], blocks(1, 2).to(sending)).result(timeout=60)
+    finally:
+        sender.close()
+        target.close()
+    taken = target.blocks.take_run([3, 4, 5])
+    expected = torch.cat([blocks(2, 1), blocks(1, 2)])
+    assert [h for h, _ in taken] == [3, 4, 5]
+    assert all(
+        block.device.type == "cpu" and torch.equal(block, want)
+        for (_, block), want in zip(taken, expected, strict=True)
+    )
 
 
 def test_a_receiver_of_another_layout_is_refused() -> None:
