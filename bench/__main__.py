@@ -17,6 +17,7 @@ from bench.disagg_bench import run_disagg_bench
 from bench.engine_bench import run_engine_bench
 from bench.host_tier_copies_bench import run_host_tier_copies_bench
 from bench.kv_tier_bench import run_kv_tier_bench
+from bench.kv_transfer_bench import run_kv_transfer_bench
 from bench.linear_packing_bench import run_linear_packing_bench
 from bench.prompt_kernel_bench import run_prompt_kernel_bench
 from bench.queue_bench import REAL_MODEL_WINDOW_SECONDS, run_queue_bench
@@ -123,6 +124,8 @@ def main() -> None:
         "disaggregated_prefill": lambda: run_disagg_bench(
             quick=args.quick, dtype=args.dtype, model=args.model
         ),
+        # No model: the direct KV transfer alone, a hand-off's blocks in GB/s (CPU; CUDA where there is one).
+        "kv_transfer": lambda: run_kv_transfer_bench(quick=args.quick),
     }
     chosen = [name for name in args.only.split(",") if name] or list(sections)
     unknown = sorted(set(chosen) - set(sections))

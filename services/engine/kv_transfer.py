@@ -110,6 +110,19 @@ def _wire_device(backend: str, device: torch.device) -> torch.device:
     return device if backend == "nccl" else torch.device("cpu")
 
 
+def _host_copy(blocks: torch.Tensor) -> torch.Tensor:
+    """A GPU's blocks copied into pinned host memory (the caching host allocator reuses it): on a
+    lent H200, 172 MB came out at 55 GB/s into pinned memory against 1.3 GB/s into pageable."""
+    return torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True).copy_(blocks)
+
+
+def _on_wire(blocks: torch.Tensor, wire: torch.device) -> torch.Tensor:
+    """``blocks`` where the pair sends from."""
+    if blocks.device.type == "cuda" and wire.type == "cpu":
+        return _host_copy(blocks)
+    return blocks.to(wire).contiguous()
+
+
 def _pair_group(store: dist.Store, rank: int, backend: str, host: str) -> PairGroup:
     """A two-rank group over ``store``: NCCL, or gloo on ``host``'s interface (this replica's
     own address, not whatever the machine's name resolves to)."""
@@ -351,7 +364,7 @@ class KvReceiver:
                 group.recv([blocks], 0, 0).wait()
                 if blocks.device.type == "cuda":
                     # Held in host memory, the tier they fill: not beside the GPU's KV pool.
-                    blocks = blocks.to("cpu", non_blocking=False)
+                    blocks = _host_copy(blocks)
                 kept = self._keep(store, transfer_id, hashes.tolist(), blocks)
                 if kept is None:
                     return
@@ -479,7 +492,7 @@ class KvSender:
             pair.store.set(f"signal/{pair.pair_id}/{transfer}", f"{len(block_hashes)} {transfer_id}")
             hashes = torch.tensor([_to_signed(h) for h in block_hashes], dtype=torch.int64, device=pair.wire)
             pair.group.send([hashes], 1, 0).wait()
-            pair.group.send([blocks.to(pair.wire).contiguous()], 1, 0).wait()
+            pair.group.send([_on_wire(blocks, pair.wire)], 1, 0).wait()
             pair.store.wait([f"ack/{pair.pair_id}/{transfer}"], self.timeout)
             kept = pair.store.get(f"ack/{pair.pair_id}/{transfer}") == b"1"
             pair.store.delete_key(f"ack/{pair.pair_id}/{transfer}")
