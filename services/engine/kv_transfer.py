@@ -279,8 +279,9 @@ class KvReceiver:
         else:
             self._port = port
             self._store = self._client()
-        self._store.set(f"layout/{rank}", layout_key)
+        # The device before the layout: a sender that finds the layout finds the device.
         self._store.set(f"device/{rank}", device_identity(device))
+        self._store.set(f"layout/{rank}", layout_key)
         self.address = f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
         # Keys each waiting thread waits on next; close() sets them to wake the threads.
         self._lock = threading.Lock()
@@ -526,7 +527,12 @@ class KvSender:
             raise LayoutMismatch(
                 f"the receiver at {address} keeps {theirs!r} blocks at rank {self.rank}, not {self.layout_key!r}"
             )
-        backend = pair_backend(device_identity(self.device), store.get(f"device/{self.rank}").decode())
+        device = f"device/{self.rank}"
+        if not store.check([device]):
+            raise LayoutMismatch(
+                f"the receiver at {address} names no device: it predates choosing the backend by device"
+            )
+        backend = pair_backend(device_identity(self.device), store.get(device).decode())
         peer = store.add(f"peers/{self.rank}", 1) - 1
         pair_id = uuid.uuid4().hex
         store.set(f"peer/{self.rank}/{peer}", f"{pair_id} {backend}")

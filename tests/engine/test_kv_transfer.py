@@ -113,6 +113,23 @@ def test_a_receiver_of_another_layout_is_refused() -> None:
     assert len(target.blocks) == 0
 
 
+def test_a_receiver_that_names_no_device_is_refused() -> None:
+    """A receiver of the version before the backend followed the devices: its blocks go through
+    the files rather than a pair the two ends would name differently."""
+    import torch.distributed as dist
+
+    target = receiver()
+    host, port = target.address.rsplit(":", 1)
+    dist.TCPStore(host, int(port), is_master=False).delete_key("device/0")
+    sender = KvSender("tiny-float32", CPU)
+    try:
+        with pytest.raises(LayoutMismatch, match="names no device"):
+            sender.send_later(target.address, [1], blocks(1, 1)).result(timeout=30)
+    finally:
+        sender.close()
+        target.close()
+
+
 def test_a_send_to_a_receiver_that_is_gone_fails_in_its_timeout() -> None:
     sender = KvSender("tiny-float32", CPU, timeout=datetime.timedelta(seconds=2))
     started = time.monotonic()
