@@ -1,6 +1,7 @@
-"""Direct KV transfer (disaggregated prefill): blocks pushed over a two-rank gloo group arrive
-bit for bit under their hashes, from several senders; a receiver of another layout is refused;
-a receiver that is gone fails the send, never hangs it."""
+"""Direct KV transfer (disaggregated prefill): blocks pushed over a two-rank group (gloo; NCCL
+between two GPUs) arrive bit for bit under their hashes, from several senders and from a GPU; a
+receiver of another layout, or one that names no device, is refused; a receiver that is gone
+fails the send, never hangs it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cachet.engine.kv_transfer import KvReceiver, KvSender, LayoutMismatch, ReceivedBlocks, pair_backend
 from cachet.loopback_port import free_loopback_port
@@ -116,8 +118,6 @@ def test_a_receiver_of_another_layout_is_refused() -> None:
 def test_a_receiver_that_names_no_device_is_refused() -> None:
     """A receiver of the version before the backend followed the devices: its blocks go through
     the files rather than a pair the two ends would name differently."""
-    import torch.distributed as dist
-
     target = receiver()
     host, port = target.address.rsplit(":", 1)
     dist.TCPStore(host, int(port), is_master=False).delete_key("device/0")
