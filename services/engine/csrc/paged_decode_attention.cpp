@@ -716,8 +716,8 @@ struct KeyRows {
 // Scores of NQ queries (their head slices as bf16 pairs) against one group's 16 keys, over
 // `pairs` pairs of dims: two chains a query (the first half of the dims, then the second).
 template <int NQ, typename Keys>
-CACHET_ALWAYS_INLINE inline void score_pairs(const uint32_t* const* queries, Keys keys, int64_t pairs, float scale,
-                                float* const* out) {
+CACHET_ALWAYS_INLINE inline void score_pairs(const uint32_t* const* queries, Keys keys, int64_t pairs,
+                                             float scale, float* const* out) {
   __m512 first[NQ], second[NQ];
   for (int q = 0; q < NQ; ++q) first[q] = second[q] = _mm512_setzero_ps();
   // Each half's loop names its own chains: one pointer picking between them kept them in memory.
@@ -795,8 +795,8 @@ struct ValueRows {
 // acc (NV registers of 16 dims per query) += the weighted sum of values over `key_pairs` pairs of
 // keys, for NQ queries: their bf16 probabilities as pairs.
 template <int NQ, int NV, typename Values>
-CACHET_ALWAYS_INLINE inline void weigh_pairs(const uint32_t* const* weights, const Values& values, int64_t key_pairs,
-                                float* const* acc) {
+CACHET_ALWAYS_INLINE inline void weigh_pairs(const uint32_t* const* weights, const Values& values,
+                                             int64_t key_pairs, float* const* acc) {
   __m512 sums[NQ][NV];
   for (int q = 0; q < NQ; ++q)
     for (int v = 0; v < NV; ++v) sums[q][v] = _mm512_loadu_ps(acc[q] + 16 * v);
