@@ -66,16 +66,16 @@ def _prefill(engine: EngineCore, request_id: str) -> int:
             return output.new_token_ids[0]
 
 
-@pytest.mark.parametrize(
-    ("family", "device"),
-    [
-        ("llama", "cpu"),
-        ("kimi-k2", "cpu"),
-        pytest.param(
-            "llama", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-        ),
-    ],
-)
+# Each family on a CPU, the dense one on a GPU too (with both replicas on one GPU, a pushed
+# hand-off's pair is gloo through host memory: NCCL refuses two ranks on one GPU).
+FAMILIES_AND_DEVICES = [
+    ("llama", "cpu"),
+    ("kimi-k2", "cpu"),
+    pytest.param("llama", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+@pytest.mark.parametrize(("family", "device"), FAMILIES_AND_DEVICES)
 def test_a_decode_replica_continues_a_prefill_replicas_hand_off_as_one_replica_would(
     tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str, device: str
 ) -> None:
@@ -116,17 +116,7 @@ def test_a_decode_replica_continues_a_prefill_replicas_hand_off_as_one_replica_w
     assert timeline.prefill_chunks == 1  # the partial block and the first token, in one step
 
 
-@pytest.mark.parametrize(
-    ("family", "device"),
-    [
-        ("llama", "cpu"),
-        ("kimi-k2", "cpu"),
-        # Both replicas on one GPU: the pair is gloo through host memory (NCCL refuses it).
-        pytest.param(
-            "llama", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-        ),
-    ],
-)
+@pytest.mark.parametrize(("family", "device"), FAMILIES_AND_DEVICES)
 def test_a_hand_off_pushed_straight_to_the_decode_replica_decodes_as_one_replica_would(
     tiny_checkpoints: dict[str, Path], tmp_path: Path, family: str, device: str
 ) -> None:

@@ -103,31 +103,30 @@ def test_blocks_on_a_gpu_arrive_bit_for_bit_in_the_receivers_host_memory(
     )
 
 
-def test_a_receiver_of_another_layout_is_refused() -> None:
-    target = receiver("other-layout")
+@pytest.mark.parametrize(
+    ("layout", "names_its_device", "reason"),
+    [
+        ("other-layout", True, "other-layout"),
+        # A receiver of the version before the backend followed the devices: its blocks go
+        # through the files rather than a pair the two ends would name differently.
+        ("tiny-float32", False, "names no device"),
+    ],
+)
+def test_a_receiver_the_sender_cannot_pair_with_is_refused_by_name(
+    layout: str, names_its_device: bool, reason: str
+) -> None:
+    target = receiver(layout)
+    if not names_its_device:
+        host, port = target.address.rsplit(":", 1)
+        dist.TCPStore(host, int(port), is_master=False).delete_key("device/0")
     sender = KvSender("tiny-float32", CPU)
     try:
-        with pytest.raises(LayoutMismatch, match="other-layout"):
+        with pytest.raises(LayoutMismatch, match=reason):
             sender.send_later(target.address, [1], blocks(1, 1)).result(timeout=30)
     finally:
         sender.close()
         target.close()
     assert len(target.blocks) == 0
-
-
-def test_a_receiver_that_names_no_device_is_refused() -> None:
-    """A receiver of the version before the backend followed the devices: its blocks go through
-    the files rather than a pair the two ends would name differently."""
-    target = receiver()
-    host, port = target.address.rsplit(":", 1)
-    dist.TCPStore(host, int(port), is_master=False).delete_key("device/0")
-    sender = KvSender("tiny-float32", CPU)
-    try:
-        with pytest.raises(LayoutMismatch, match="names no device"):
-            sender.send_later(target.address, [1], blocks(1, 1)).result(timeout=30)
-    finally:
-        sender.close()
-        target.close()
 
 
 def test_a_send_to_a_receiver_that_is_gone_fails_in_its_timeout() -> None:
