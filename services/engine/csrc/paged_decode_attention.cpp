@@ -885,6 +885,20 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
       const auto [r, h] = members[m];
       return scores.data() + (r * s.num_heads + h) * kSplitTokens;
     };
+    // Members first .. first + n - 1's probabilities (as bf16 pairs) and accumulators; returns
+    // the most pairs of keys any of them has in this split.
+    auto weighing = [&](int64_t first, int64_t n, const uint32_t** ws, float** outs) {
+      int64_t longest_pairs = 0;
+      for (int64_t q = 0; q < n; ++q) {
+        const auto [r, h] = members[first + q];
+        const int64_t row = tile.first_row + r;
+        const int64_t length = std::max<int64_t>(0, std::min(begin + kSplitTokens, lens[row]) - begin);
+        longest_pairs = std::max(longest_pairs, (length + 1) / 2);
+        ws[q] = reinterpret_cast<const uint32_t*>(probabilities + (first + q) * probability_stride);
+        outs[q] = acc + (row * s.num_splits + split) * heads_dim + h * s.head_dim;
+      }
+      return longest_pairs;
+    };
     // Scores.
     for (int64_t position = begin; position < end; position += kKeyLanes) {
       if (g == 0) {
@@ -961,15 +975,7 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
       for (int64_t j = begin; j < end; ++j) v_rows[j - begin] = row_of(v_cache, j) + g * s.head_dim;
       const uint32_t* ws[4];
       float* outs[4];
-      int64_t longest_pairs = 0;
-      for (int64_t q = 0; q < count; ++q) {
-        const auto [r, h] = members[q];
-        const int64_t row = tile.first_row + r;
-        const int64_t length = std::max<int64_t>(0, std::min(begin + kSplitTokens, lens[row]) - begin);
-        longest_pairs = std::max(longest_pairs, (length + 1) / 2);
-        ws[q] = reinterpret_cast<const uint32_t*>(probabilities + q * probability_stride);
-        outs[q] = acc + (row * s.num_splits + split) * heads_dim + h * s.head_dim;
-      }
+      const int64_t longest_pairs = weighing(0, count, ws, outs);
       const int64_t prefetch_bytes = g == 0 ? row_bytes : 0;
       if constexpr (NV <= 4) {
         switch (count) {
@@ -1006,15 +1012,7 @@ void attend_bf16_dot_impl(const Tile& tile, int64_t split, const Shape& s, const
       const int n = static_cast<int>(std::min<int64_t>(kWeighPass, count - m));
       const uint32_t* ws[kWeighPass];
       float* outs[kWeighPass];
-      int64_t longest_pairs = 0;
-      for (int q = 0; q < n; ++q) {
-        const auto [r, h] = members[m + q];
-        const int64_t row = tile.first_row + r;
-        const int64_t length = std::max<int64_t>(0, std::min(begin + kSplitTokens, lens[row]) - begin);
-        longest_pairs = std::max(longest_pairs, (length + 1) / 2);
-        ws[q] = reinterpret_cast<const uint32_t*>(probabilities + (m + q) * probability_stride);
-        outs[q] = acc + (row * s.num_splits + split) * heads_dim + h * s.head_dim;
-      }
+      const int64_t longest_pairs = weighing(m, n, ws, outs);
       // Only the counts a pass can hold are built: weigh_values<6, 16> would not fit.
       if constexpr (kWeighPass == 1) {
         weigh_values<1, NV>(ws, value_pairs, longest_pairs, s.head_dim, outs);
