@@ -36,7 +36,9 @@ def run_kv_transfer_bench(quick: bool = False) -> dict:
     sends = 3 if quick else 7
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     results = {
-        device: _hand_offs(DEFAULT_MODEL_BLOCK, torch.device(device), ranks=1, sends=sends)
+        f"{device}, default model": _hand_offs(
+            DEFAULT_MODEL_BLOCK, torch.device(device), ranks=1, sends=sends
+        )
         for device in devices
     }
     for ranks in (1, 2):
@@ -117,9 +119,8 @@ def _print_table(results: dict[str, dict[str, dict[str, float]]]) -> None:
     print(f"{'blocks from':<32}{'prompt tokens':>15}{'MB':>10}{'ms':>10}{'GB/s':>8}")
     print("-" * 75)
     for where, rows in results.items():
-        label = f"{where}, default model" if where in ("cpu", "cuda") else where
         for tokens, row in rows.items():
-            print(f"{label:<32}{tokens:>15}{row['mb']:>10.1f}{row['ms']:>10.1f}{row['gb_per_s']:>8.2f}")
+            print(f"{where:<32}{tokens:>15}{row['mb']:>10.1f}{row['ms']:>10.1f}{row['gb_per_s']:>8.2f}")
 
 
 if __name__ == "__main__":
