@@ -1,4 +1,5 @@
-"""fp32 prompt chunks: the CPU prompt kernel against the gather + SDPA path.
+"""Prompt chunks: the CPU prompt kernel against the gather + SDPA path, in fp32 and (on AMX
+hosts, where the kernel has a bf16 path) in bf16.
 
 Two measures, each with its paths in one process, rounds alternated (A B C, C B A) so the
 machine's drift falls on all alike, best round kept:
@@ -7,9 +8,10 @@ machine's drift falls on all alike, best round kept:
   model's heads (9 on 3 KV heads of 64), through ``PagedAttention`` with and without
   ``prefill_kernel`` (the reference gathers the blocks, then SDPA with the causal mask), and
   through the paged decode kernel reading every token, as batch-invariant steps do
-  (``every_token_in_place``: reproducible greedy's prompts);
+  (``every_token_in_place``: reproducible greedy's prompts, and on AVX512-BF16 hosts without
+  AMX every bf16 prompt);
 - the default model's (or ``--model``'s) cold time to first token at 1,800 / 3,800 / 7,500
-  tokens in fp32, one engine (steps not batch-invariant, as the serving bench runs them) with
+  tokens in each dtype, one engine (steps not batch-invariant, as the serving bench runs them) with
   its runner's in-place prompt path on and off: ``prefill_kernel``, or for heads the prompt
   kernel has no tile for (``--model gemma3-270m``) ``prefill_in_place``, the paged decode
   kernel's register tiles.
@@ -54,18 +56,18 @@ def _alternated(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str,
     return best
 
 
-def _layer_rows(rounds: int) -> list[dict]:
+def _layer_rows(rounds: int, dtype: torch.dtype) -> list[dict]:
     rows = []
     generator = torch.Generator().manual_seed(0)
     for cached in CACHED_TOKENS:
         blocks = -(-(cached + CHUNK_TOKENS) // BLOCK_SIZE)
-        cache = allocate_kv_cache(
-            1, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")
-        )[0]
-        cache.normal_(generator=generator)
+        cache = allocate_kv_cache(1, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))[0]
+        cache.copy_(torch.randn(cache.shape, generator=generator))
         block_ids = torch.randperm(blocks, generator=generator).tolist()
-        q = torch.randn(CHUNK_TOKENS, HEADS, HEAD_DIM, generator=generator)
-        k, v = (torch.randn(CHUNK_TOKENS, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
+        q = torch.randn(CHUNK_TOKENS, HEADS, HEAD_DIM, generator=generator).to(dtype)
+        k, v = (
+            torch.randn(CHUNK_TOKENS, KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2)
+        )
         spans = [SequenceSpan(cached, CHUNK_TOKENS, block_ids, sample=True)]
         attention = PagedAttention()
         attention.kv_cache = cache
@@ -80,18 +82,24 @@ def _layer_rows(rounds: int) -> list[dict]:
             ),
         }
         best = _alternated({path: partial(attention, q, k, v, meta) for path, meta in metas.items()}, rounds)
-        row = {"cached_tokens": cached, **{f"{path}_ms": seconds * 1000 for path, seconds in best.items()}}
+        row = {
+            "dtype": _name(dtype),
+            "cached_tokens": cached,
+            **{f"{path}_ms": seconds * 1000 for path, seconds in best.items()},
+        }
         rows.append(row)
         progress(
-            f"  512-token chunk after {cached:,} tokens: SDPA {row['sdpa_ms']:.1f}, kernel {row['kernel_ms']:.1f}, "
+            f"  {_name(dtype)} 512-token chunk after {cached:,} tokens: SDPA {row['sdpa_ms']:.1f}, kernel {row['kernel_ms']:.1f}, "
             f"invariant {row['invariant_ms']:.1f} ms"
         )
     return rows
 
 
-def _ttft_rows(model: str | None, prompt_lengths: tuple[int, ...], rounds: int) -> list[dict]:
+def _ttft_rows(
+    model: str | None, prompt_lengths: tuple[int, ...], rounds: int, dtype: torch.dtype
+) -> list[dict]:
     resolved = ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data")))
-    engine = EngineHarness(resolved.path, resolved.model_id, torch.float32, max_batched_tokens=CHUNK_TOKENS)
+    engine = EngineHarness(resolved.path, resolved.model_id, dtype, max_batched_tokens=CHUNK_TOKENS)
     runner = engine.runner
     # The in-place path the runner took for this model's prompts: the prompt kernel where it has a
     # tile for the heads, else the paged decode kernel's register tiles (Gemma 3's heads).
@@ -117,47 +125,62 @@ def _ttft_rows(model: str | None, prompt_lengths: tuple[int, ...], rounds: int) 
         rows.append(
             {
                 "model": resolved.model_id,
+                "dtype": _name(dtype),
                 "path": path,
                 "prompt_tokens": length,
                 "sdpa_s": best["sdpa"],
                 "kernel_s": best["kernel"],
             }
         )
-        progress(f"  cold TTFT, {length:,} tokens ({path}): {best['sdpa']:.2f} -> {best['kernel']:.2f} s")
+        progress(
+            f"  {_name(dtype)} cold TTFT, {length:,} tokens ({path}): {best['sdpa']:.2f} -> {best['kernel']:.2f} s"
+        )
     return rows
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def run_prompt_kernel_bench(model: str | None = None, quick: bool = False) -> dict:
-    if not prefill_kernel_fits(torch.float32, HEAD_DIM, HEADS // KV_HEADS):
+    dtypes = [
+        dtype
+        for dtype in (torch.float32, torch.bfloat16)
+        if prefill_kernel_fits(dtype, HEAD_DIM, HEADS // KV_HEADS)
+    ]
+    if not dtypes:
         progress("prompt kernel bench skipped: the kernel has no tiles on this CPU")
         return {"skipped": "the prompt kernel has no tiles on this CPU"}
-    progress(f"fp32 prompt chunks, {torch.get_num_threads()} threads: gather + SDPA -> the prompt kernel")
     rounds = 4 if quick else 6
-    result = {
-        "layer": _layer_rows(rounds),
-        "cold_ttft": _ttft_rows(model, QUICK_PROMPT_TOKENS if quick else PROMPT_TOKENS, 2 if quick else 3),
-    }
+    result: dict = {"layer": [], "cold_ttft": []}
+    for dtype in dtypes:
+        progress(
+            f"{_name(dtype)} prompt chunks, {torch.get_num_threads()} threads: gather + SDPA -> the prompt kernel"
+        )
+        result["layer"] += _layer_rows(rounds, dtype)
+        lengths = QUICK_PROMPT_TOKENS if quick else PROMPT_TOKENS
+        result["cold_ttft"] += _ttft_rows(model, lengths, 2 if quick else 3, dtype)
     _print_table(result)
     return result
 
 
 def _print_table(result: dict) -> None:
     print(
-        "\nfp32 prompt chunks: gather + SDPA against the prompt kernel, and the paged decode kernel"
+        "\nPrompt chunks: gather + SDPA against the prompt kernel, and the paged decode kernel"
         " that batch-invariant steps use (same process, best round; ratios to SDPA)"
     )
-    print(f"{'measure':<52}{'SDPA':>10}{'kernel':>10}{'ratio':>8}{'invariant':>11}{'ratio':>8}")
-    print("-" * 99)
+    print(f"{'measure':<62}{'SDPA':>10}{'kernel':>10}{'ratio':>8}{'invariant':>11}{'ratio':>8}")
+    print("-" * 109)
     for row in result["layer"]:
-        label = f"one layer, 512-token chunk after {row['cached_tokens']:,} (ms)"
+        label = f"{row['dtype']}: one layer, 512-token chunk after {row['cached_tokens']:,} (ms)"
         print(
-            f"{label:<52}{row['sdpa_ms']:>10.2f}{row['kernel_ms']:>10.2f}{row['kernel_ms'] / row['sdpa_ms']:>8.2f}"
+            f"{label:<62}{row['sdpa_ms']:>10.2f}{row['kernel_ms']:>10.2f}{row['kernel_ms'] / row['sdpa_ms']:>8.2f}"
             f"{row['invariant_ms']:>11.2f}{row['invariant_ms'] / row['sdpa_ms']:>8.2f}"
         )
     for row in result["cold_ttft"]:
-        label = f"{row['model']} cold TTFT, {row['prompt_tokens']:,} tokens (s)"
+        label = f"{row['dtype']}: {row['model']} cold TTFT, {row['prompt_tokens']:,} tokens (s)"
         print(
-            f"{label:<52}{row['sdpa_s']:>10.2f}{row['kernel_s']:>10.2f}{row['kernel_s'] / row['sdpa_s']:>8.2f}"
+            f"{label:<62}{row['sdpa_s']:>10.2f}{row['kernel_s']:>10.2f}{row['kernel_s'] / row['sdpa_s']:>8.2f}"
         )
 
 

@@ -21,8 +21,8 @@ rather than repeating it for every query head that uses it.
 
 On a CPU, decodes skip the gather: ``paged_decode_kernel`` reads each request's blocks in
 place, all decodes of a step in one call whatever their lengths (``decode_in_place``). In fp32
-on an AVX-512 or AVX2 host prompt chunks do too, through ``prefill_attention_kernel`` (flash attention's
-shape: ``prefill_kernel``). The gather + SDPA path stays as the reference, for the prefill
+on an AVX-512 or AVX2 host, and in bf16 on an AMX host, prompt chunks do too, through
+``prefill_attention_kernel`` (flash attention's shape: ``prefill_kernel``). The gather + SDPA path stays as the reference, for the prefill
 chunks no kernel takes, and for CUDA (whose decode steps are CUDA graphs).
 
 Batch-invariant steps (``every_token_in_place``) send prefill tokens through the same kernel,
@@ -31,8 +31,8 @@ one fixed sum over its keys (256-key pieces from position 0, merged in order) wh
 computed in a prompt chunk, as a decode, or beside other requests, so greedy decoding gives
 the same tokens cold, from the prefix cache and in any batch. SDPA's prefill kernel picks its
 pieces by the call's lengths, so the same token's sum is ordered differently from call to call.
-Where the kernel has AVX512-BF16 dot products for a bf16 cache, every step lays its tokens out so
-(the model runner's ``prefill_in_place``): a prompt chunk attends there in about half of SDPA's
+Where the kernel has AVX512-BF16 dot products for a bf16 cache and the prompt kernel no AMX path,
+every step lays its tokens out so (the model runner's ``prefill_in_place``): a prompt chunk attends there in about half of SDPA's
 time, before counting SDPA's gather. So does an fp32 cache on an AVX2 build where the fp32 prompt
 kernel has no tile for the heads (Gemma 3's 256-dim heads, its sliding layers read by their
 window): the paged kernel's prompt tiles take register tiles there.
@@ -375,11 +375,11 @@ class PagedAttention(nn.Module):
     def _attend_prompts(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
     ) -> torch.Tensor:
-        """The group's prompt chunks (``q``: their tokens, in the group's order) through the fp32
+        """The group's prompt chunks (``q``: their tokens, in the group's order) through the
         prompt kernel, which reads K and V from their blocks."""
         assert group.query_lens is not None  # prefill groups carry them
-        return prefill_attention(
-            q,
+        attended = prefill_attention(
+            q.to(k_cache.dtype),
             k_cache,
             v_cache,
             group.block_table,
@@ -387,6 +387,7 @@ class PagedAttention(nn.Module):
             group.query_lens,
             k_cache.shape[-1] ** -0.5,
         )
+        return attended.to(q.dtype)
 
 
 def _attend_group(

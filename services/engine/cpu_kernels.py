@@ -40,7 +40,7 @@ KERNELS = {
     "paged_decode_attention": "decoding through the gather + SDPA path",
     "panel_linear": "linears run through oneDNN (bfloat16 ones through torch's emulated products where it has none)",
     "fused_token_ops": "RMSNorm, SwiGLU and rotary run as plain torch ops",
-    "prefill_attention": "fp32 prompt chunks attend through SDPA over a gathered copy",
+    "prefill_attention": "prompt chunks attend through SDPA over a gathered copy",
 }
 
 
@@ -51,6 +51,10 @@ _AVX512_BF16_KERNELS = frozenset({"panel_linear", "paged_decode_attention", "fus
 # paged kernel's 16-key register tiles),
 # built with it on an AVX-512 host (one without bf16 instructions, for a kernel of both lists).
 _AVX512_KERNELS = frozenset({"panel_linear", "prefill_attention", "paged_decode_attention"})
+# Kernels with a path for AMX's bf16 tiles (bf16 prompt attention), built with it where the host
+# has it (with AVX512-BF16 and AVX512BW, which the path's softmax and layouts use).
+_AMX_KERNELS = frozenset({"prefill_attention"})
+_AMX_HOST_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"})
 # Flags a kernel needs beyond its instruction set's: the fused ops round where torch's ops round,
 # so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add;
 # the paged attention kernel's fixed orders are the same code on both of its paths only when the
@@ -67,6 +71,8 @@ def _isa_flags(name: str) -> tuple[str, list[str]]:
         return "base", []
     avx2 = ["-mavx2", "-mfma", "-mf16c"]
     extensions = _KERNEL_AVX512_EXTENSIONS.get(name, {})
+    if name in _AMX_KERNELS and flags >= _AMX_HOST_FLAGS:
+        return "amx", [*avx2, "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     if name in _AVX512_BF16_KERNELS and {"avx512f", "avx512_bf16", *extensions} <= flags:
         return "avx512bf16", [*avx2, "-mavx512f", "-mavx512bf16", *extensions.values()]
     if name in _AVX512_KERNELS and "avx512f" in flags:

@@ -1,12 +1,13 @@
-"""The CPU kernel for fp32 prompt chunks' attention over the paged KV cache (``csrc/``).
+"""The CPU kernel for prompt chunks' attention over the paged KV cache (``csrc/``).
 
 Outside batch-invariant steps a prompt chunk attends as one causal query block; the reference
 path (``attention._attend_group``) gathers its request's blocks into a dense copy and runs SDPA
-with a mask. In fp32 on an AVX-512 or AVX2 host the kernel reads the blocks in place, flash
-attention's way (``csrc/prefill_attention.cpp``). Elsewhere (neither, a head_dim it has no tile
-for, a bf16 cache) the paged decode kernel takes prompt tokens where it beats SDPA (bf16 caches
-on AVX512-BF16 hosts, fp32 ones on AVX2 builds: ``paged_decode_kernel.prefill_in_place_is_faster``),
-and the reference path stays elsewhere.
+with a mask. The kernel reads the blocks in place, flash attention's way
+(``csrc/prefill_attention.cpp``): fp32 caches on an AVX-512 or AVX2 host, bf16 ones on a host
+with AMX's bf16 tiles (Sapphire Rapids and later Xeons). Elsewhere (none of these, a head_dim it
+has no tile for, a bf16 cache without AMX) the paged decode kernel takes prompt tokens where it
+beats SDPA (bf16 caches on AVX512-BF16 hosts, fp32 ones on AVX2 builds:
+``paged_decode_kernel.prefill_in_place_is_faster``), and the reference path stays elsewhere.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from cachet.engine.cpu_kernels import load_cpu_kernel
 
 @functools.cache
 def prefill_kernel_fits(dtype: torch.dtype, head_dim: int, group: int) -> bool:
-    """Whether prompt chunks of this cache take the kernel: fp32, and a build with a tile for
-    ``head_dim`` and ``group`` query heads per KV head."""
-    if dtype != torch.float32:
+    """Whether prompt chunks of this cache take the kernel: a build with a tile for ``head_dim``
+    and ``group`` query heads per KV head in this dtype (fp32 on AVX2 or AVX-512, bf16 on AMX)."""
+    if dtype not in (torch.float32, torch.bfloat16):
         return False
     kernel = load_cpu_kernel("prefill_attention")
-    return kernel is not None and bool(kernel.supported(head_dim, group))
+    if kernel is None:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(kernel.supported_bf16(head_dim, group))
+    return bool(kernel.supported(head_dim, group))
 
 
 def prefill_attention(

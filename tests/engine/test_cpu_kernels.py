@@ -35,3 +35,18 @@ def test_a_baton_left_by_a_killed_loader_is_removed_and_the_kernel_loads() -> No
         assert not baton.exists()
     finally:
         baton.unlink(missing_ok=True)
+
+
+def test_each_kernel_is_built_for_the_widest_instruction_set_it_has_a_path_for(monkeypatch) -> None:
+    """An AMX host builds the prompt kernel with the tiles, the others as on an AVX512-BF16 host;
+    a build's name says its set, so a copied environment never loads one the CPU lacks."""
+    from cachet.engine import cpu_kernels
+
+    avx512_bf16 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(avx512_bf16 | {"amx_tile", "amx_bf16"}))
+    assert _isa_flags("prefill_attention")[0] == "amx"
+    assert "-mamx-bf16" in _isa_flags("prefill_attention")[1]
+    assert _isa_flags("paged_decode_attention")[0] == "avx512bf16"
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(avx512_bf16))
+    assert _isa_flags("prefill_attention")[0] == "avx512"
+    assert _isa_flags("paged_decode_attention")[0] == "avx512bf16"

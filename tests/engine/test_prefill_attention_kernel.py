@@ -21,10 +21,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# bf16 chunks take the kernel on AMX hosts only.
+AMX = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= cpu_flags()
+needs_amx = pytest.mark.skipif(not AMX, reason="the kernel's bf16 path runs on AMX tiles")
+
+
 def test_the_kernel_takes_the_shapes_it_has_tiles_for() -> None:
     assert prefill_kernel_fits(torch.float32, 64, 3) and prefill_kernel_fits(torch.float32, 128, 8)
     assert not prefill_kernel_fits(torch.float32, 80, 1)
-    assert not prefill_kernel_fits(torch.bfloat16, 64, 3)
+    assert prefill_kernel_fits(torch.bfloat16, 64, 3) == AMX
+    assert prefill_kernel_fits(torch.bfloat16, 128, 4) == AMX
+    assert not prefill_kernel_fits(torch.bfloat16, 80, 1)
+    assert not prefill_kernel_fits(torch.float16, 64, 3)
 
 
 def causal_reference(
@@ -72,6 +80,45 @@ def test_kernel_matches_causal_sdpa(heads: int, kv_heads: int, head_dim: int, bl
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=0)
 
 
+@needs_amx
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 64, 12), (8, 1, 128, 16), (16, 4, 128, 16), (10, 5, 64, 16)],
+)
+def test_bf16_chunks_on_amx_are_as_close_as_bf16_sdpa(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """bf16 in, bf16 out: against the exact (fp32) attention of the same bf16 inputs, the kernel
+    errs no more than SDPA does in bf16 (the output's rounding dominates both)."""
+    seq_lens, query_lens = [k for k, _ in LAYOUT], [n for _, n in LAYOUT]
+    k_cache, v_cache, table = scattered_cache(seq_lens, block_size, kv_heads, head_dim, torch.bfloat16)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = prefill_attention(
+        q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(query_lens), head_dim**-0.5
+    )
+    assert out.dtype == torch.bfloat16
+    exact = causal_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_lens, query_lens)
+    sdpa = causal_reference(q, k_cache, v_cache, table, seq_lens, query_lens)
+    kernel_error = (out.float() - exact).abs()
+    sdpa_error = (sdpa.float() - exact).abs()
+    assert kernel_error.max() <= 1.5 * sdpa_error.max()
+    assert kernel_error.mean() <= 1.5 * sdpa_error.mean()
+
+
+@needs_amx
+def test_bf16_scores_far_apart_stay_finite() -> None:
+    seq_lens, query_lens = [1200], [64]
+    k_cache, v_cache, table = scattered_cache(seq_lens, 16, 3, 64, torch.bfloat16)
+    k_cache[table[0, 1000 // 16], 1000 % 16] *= 40
+    q = (torch.randn(64, 9, 64, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    out = prefill_attention(
+        q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(query_lens), 0.125
+    )
+    exact = causal_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_lens, query_lens)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), exact, atol=2e-2, rtol=2e-2)
+
+
 def test_scores_far_apart_stay_finite() -> None:
     """Scores hundreds apart (a key that dominates a later chunk): the running maximum moves and
     the earlier sums are rescaled, never overflowing."""
@@ -94,7 +141,7 @@ def test_bad_input_is_a_clear_error() -> None:
         prefill_attention(q, k_cache, v_cache, table, torch.tensor([40]), torch.tensor([7]), 0.125)
     with pytest.raises(RuntimeError, match="among its keys"):
         prefill_attention(q, k_cache, v_cache, table, torch.tensor([4]), torch.tensor([8]), 0.125)
-    with pytest.raises(RuntimeError, match="fp32 only"):
+    with pytest.raises(RuntimeError, match="of one dtype"):
         prefill_attention(q.bfloat16(), k_cache, v_cache, table, torch.tensor([40]), torch.tensor([8]), 0.125)
 
 
@@ -107,8 +154,9 @@ def attend_step(
     kv_heads, head_dim = attn.kv_cache.shape[-2:]
     generator = torch.Generator().manual_seed(3)
     new = sum(n for _, n, _ in layout)
-    q = torch.randn(new, 9, head_dim, generator=generator)
-    k, v = (torch.randn(new, kv_heads, head_dim, generator=generator) for _ in range(2))
+    dtype = attn.kv_cache.dtype  # the model's: queries come in the cache's dtype
+    q = torch.randn(new, 9, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(new, kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
     spans = [SequenceSpan(c, n, blocks, sample=True) for c, n, blocks in layout]
     meta = build_attention_metadata(
         spans, 16, torch.device("cpu"), decode_in_place=True, prefill_kernel=prefill_kernel
@@ -135,6 +183,19 @@ def test_a_steps_prompt_chunks_take_the_kernel_beside_its_decodes() -> None:
         attend_step(windowed, layout, prefill_kernel=True),
         attend_step(windowed, layout, prefill_kernel=False),
     )
+
+
+@needs_amx
+def test_a_bf16_steps_prompt_chunks_take_the_amx_path_beside_its_decodes() -> None:
+    layout = [(0, 40, [4, 9, 1]), (600, 1, list(range(10, 48))), (300, 90, list(range(50, 75)))]
+    torch.manual_seed(0)
+    cache = allocate_kv_cache(1, 80, 16, 3, 64, torch.bfloat16, torch.device("cpu"))[0]
+    cache.normal_()
+    attn = PagedAttention()
+    attn.kv_cache = cache
+    through_sdpa = attend_step(attn, layout, prefill_kernel=False)
+    through_kernel = attend_step(attn, layout, prefill_kernel=True)
+    torch.testing.assert_close(through_kernel, through_sdpa, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the host's own build is the AVX2 one")

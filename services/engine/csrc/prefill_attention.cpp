@@ -1,6 +1,6 @@
-// Prompt chunks' attention over the paged KV cache in fp32, on AVX-512 or AVX2: the prefill groups of
-// steps that are not batch-invariant (attention.py), which otherwise gather their keys into a
-// dense copy and run SDPA with a mask.
+// Prompt chunks' attention over the paged KV cache in fp32, on AVX-512 or AVX2, and in bf16 on AMX
+// (below, `CACHET_PROMPT_AMX`): the prefill groups of steps that are not batch-invariant
+// (attention.py), which otherwise gather their keys into a dense copy and run SDPA with a mask.
 //
 // Flash attention's shape. A work item is one request's KV head and up to kPositions of its
 // prompt positions, with every query head that reads that KV head (rows = positions x group
@@ -49,6 +49,13 @@
 #include "avx512_exp.h"
 #elif defined(CACHET_PROMPT_TILES)
 #include "avx2_exp.h"
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define CACHET_PROMPT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
 #endif
 
 namespace {
@@ -339,7 +346,300 @@ void attend_all(const PromptCall& call, int64_t num_requests) {
 
 #endif  // CACHET_PROMPT_TILES
 
+#if defined(CACHET_PROMPT_AMX)
+// bf16 prompt chunks on AMX: the same items and online softmax as the fp32 tiles above, with both
+// products on the tile unit. Every tile is 16 rows x 64 bytes: 16 rows of 32 bf16 (a product's
+// left side), 16 pairs of rows of 16 bf16 interleaved (its right side, "VNNI"), or 16 rows of 16
+// fp32 sums. Scores are 16 rows x 16 keys per tile, four tiles for a chunk of kAmxKeys keys; the
+// weighted sums of values accumulate onto the rows' fp32 sums, loaded as tiles of 16 rows x 16
+// dims and stored back once per chunk. Keys and values are laid out for the right side once per
+// call and request KV head (`pack_request`), not once per item: every item of a request reads
+// its early chunks. Scores and weights stay fp32 (scaled and exponentiated with AVX-512); the
+// weights are rounded to bf16 only as the second product's input, as flash attention does on GPUs.
+constexpr int64_t kAmxKeys = 64;      // keys per online-softmax update: four score tiles
+constexpr int64_t kAmxPositions = 32; // prompt positions per item (rows = positions x group)
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the tile registers' state only when asked (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); oneDNN asks too, and asking twice is harmless.
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+// This thread's tiles, all 16 x 64 bytes. Set at the start of each thread's share of a call
+// and released after it: oneDNN's products configure the same threads' tiles for their own shapes.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+struct PackedKV {
+  // Per request KV head, chunks of kAmxKeys keys; both in uint32 (a pair of bf16) units.
+  // keys[chunk][tile n of 16 keys][dim pair i][key j]: tile (k-slice kk, n) is 16 dim pairs from 16 kk.
+  // values[chunk][half kk of 32 keys][tile n of 16 dims][key pair i][dim j].
+  std::vector<uint32_t> keys, values;
+  std::vector<int64_t> offsets;  // request * kv_heads + head -> first uint32 of its chunks
+};
+
+// What every item of one bf16 call reads.
+struct AmxCall {
+  const uint16_t* q;
+  uint16_t* out;
+  const PackedKV* packed;
+  int64_t num_heads, num_kv_heads;
+  const int64_t* seq_lens;
+  const int64_t* query_lens;
+  const int64_t* token_bases;
+  float scale;
+};
+
+inline int64_t amx_chunks(int64_t keys) { return (keys + kAmxKeys - 1) / kAmxKeys; }
+
+// One request KV head's keys and values, read from their blocks, into the tiles' right-side layouts.
+template <int HeadDim>
+void pack_request(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t block_size,
+                  int64_t num_kv_heads, int64_t head, int64_t keys, uint32_t* packed_keys, uint32_t* packed_values) {
+  constexpr int64_t kPairs = HeadDim / 2;
+  const int64_t token_stride = num_kv_heads * HeadDim;
+  const int64_t padded = amx_chunks(keys) * kAmxKeys;
+  for (int64_t key = 0; key < padded; ++key) {
+    const int64_t chunk = key / kAmxKeys, within = key % kAmxKeys;
+    uint32_t* to_keys = packed_keys + chunk * kAmxKeys * kPairs + (within / 16) * kPairs * 16 + within % 16;
+    const int64_t half = within / 32, pair = (within % 32) / 2, odd = within % 2;
+    uint16_t* to_values = reinterpret_cast<uint16_t*>(packed_values + chunk * kAmxKeys * kPairs + half * 32 * kPairs) +
+                          pair * 32 + odd;
+    if (key < keys) {
+      const int64_t slot = table[key / block_size] * block_size + key % block_size;
+      const uint32_t* k_row = reinterpret_cast<const uint32_t*>(k_cache + slot * token_stride + head * HeadDim);
+      const uint16_t* v_row = v_cache + slot * token_stride + head * HeadDim;
+      for (int64_t i = 0; i < kPairs; ++i) to_keys[i * 16] = k_row[i];
+      for (int64_t d = 0; d < HeadDim; ++d) to_values[(d / 16) * 16 * 32 + (d % 16) * 2] = v_row[d];
+    } else {
+      for (int64_t i = 0; i < kPairs; ++i) to_keys[i * 16] = 0;
+      for (int64_t d = 0; d < HeadDim; ++d) to_values[(d / 16) * 16 * 32 + (d % 16) * 2] = 0;
+    }
+  }
+}
+
+// One thread's buffers for an item of up to `max_rows` rows (rounded up to whole tiles).
+template <int HeadDim>
+struct AmxScratch {
+  explicit AmxScratch(int64_t max_rows)
+      : queries(max_rows * HeadDim), scores(max_rows * kAmxKeys), weights(max_rows * kAmxKeys),
+        sums(max_rows * HeadDim), running_max(max_rows), running_sum(max_rows) {}
+  std::vector<uint16_t> queries, weights;
+  std::vector<float> scores, sums, running_max, running_sum;
+};
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <int HeadDim>
+void amx_attend_item(const WorkItem& item, const AmxCall& call, AmxScratch<HeadDim>& scratch) {
+  constexpr int64_t kPairs = HeadDim / 2;
+  const int64_t group = call.num_heads / call.num_kv_heads;
+  const int64_t rows = item.positions * group;
+  const int64_t row_tiles = (rows + 15) / 16;
+  const int64_t first_token = call.token_bases[item.request] + item.first_position;
+  const int64_t first_absolute = call.seq_lens[item.request] - call.query_lens[item.request] + item.first_position;
+  const int64_t offset = call.packed->offsets[item.request * call.num_kv_heads + item.kv_head];
+  const uint32_t* keys = call.packed->keys.data() + offset;
+  const uint32_t* values = call.packed->values.data() + offset;
+  uint16_t* queries = scratch.queries.data();
+  uint16_t* weights = scratch.weights.data();
+  float* scores = scratch.scores.data();
+  float* sums = scratch.sums.data();
+  float* running_max = scratch.running_max.data();
+  float* running_sum = scratch.running_sum.data();
+  // Row r is query head kv_head * group + r % group at position first_position + r / group; rows
+  // past the item's are zero queries whose results are dropped.
+  for (int64_t p = 0; p < item.positions; ++p) {
+    const uint16_t* from = call.q + ((first_token + p) * call.num_heads + item.kv_head * group) * HeadDim;
+    std::memcpy(queries + p * group * HeadDim, from, group * HeadDim * sizeof(uint16_t));
+  }
+  std::fill(queries + rows * HeadDim, queries + row_tiles * 16 * HeadDim, uint16_t{0});
+  std::fill(weights, weights + row_tiles * 16 * kAmxKeys, uint16_t{0});
+  std::fill(sums, sums + row_tiles * 16 * HeadDim, 0.f);
+  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(running_sum, running_sum + rows, 0.f);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(call.scale);
+  const int64_t last_key = first_absolute + item.positions - 1;
+  for (int64_t chunk = 0; chunk * kAmxKeys <= last_key; ++chunk) {
+    const uint32_t* chunk_keys = keys + chunk * kAmxKeys * kPairs;
+    const uint32_t* chunk_values = values + chunk * kAmxKeys * kPairs;
+    for (int64_t m = 0; m < row_tiles; ++m) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kk = 0; kk < HeadDim / 32; ++kk) {
+        _tile_loadd(4, queries + m * 16 * HeadDim + kk * 32, HeadDim * 2);
+        _tile_loadd(5, chunk_keys + 0 * kPairs * 16 + kk * 256, 64);
+        _tile_loadd(6, chunk_keys + 1 * kPairs * 16 + kk * 256, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, chunk_keys + 2 * kPairs * 16 + kk * 256, 64);
+        _tile_loadd(6, chunk_keys + 3 * kPairs * 16 + kk * 256, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      float* tile_scores = scores + m * 16 * kAmxKeys;
+      _tile_stored(0, tile_scores, kAmxKeys * 4);
+      _tile_stored(1, tile_scores + 16, kAmxKeys * 4);
+      _tile_stored(2, tile_scores + 32, kAmxKeys * 4);
+      _tile_stored(3, tile_scores + 48, kAmxKeys * 4);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::clamp<int64_t>(first_absolute + r / group + 1 - chunk * kAmxKeys, 0, kAmxKeys);
+      uint16_t* row_weights = weights + r * kAmxKeys;
+      if (visible == 0) {
+        std::fill(row_weights, row_weights + kAmxKeys, uint16_t{0});
+        continue;
+      }
+      const float* row_scores = scores + r * kAmxKeys;
+      __m512 lanes[4];
+      __m512 maxima = minus_inf;
+      for (int w = 0; w < 4; ++w) {
+        const int64_t seen = std::clamp<int64_t>(visible - w * 16, 0, 16);
+        const __mmask16 kept = static_cast<__mmask16>((1u << seen) - 1);
+        lanes[w] = _mm512_mask_mul_ps(minus_inf, kept, _mm512_loadu_ps(row_scores + w * 16), scale);
+        maxima = _mm512_max_ps(maxima, lanes[w]);
+      }
+      const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(maxima));
+      const float rescale = running_max[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(running_max[r] - new_max);
+      const __m512 shift = _mm512_set1_ps(new_max);
+      __m512 total = _mm512_setzero_ps();
+      for (int w = 0; w < 4; ++w) {
+        const int64_t seen = std::clamp<int64_t>(visible - w * 16, 0, 16);
+        const __mmask16 kept = static_cast<__mmask16>((1u << seen) - 1);
+        const __m512 weight = _mm512_maskz_mov_ps(kept, exp16(_mm512_sub_ps(lanes[w], shift)));
+        total = _mm512_add_ps(total, weight);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_weights + w * 16), (__m256i)_mm512_cvtneps_pbh(weight));
+      }
+      running_sum[r] = running_sum[r] * rescale + _mm512_reduce_add_ps(total);
+      running_max[r] = new_max;
+      if (rescale != 1.f) {
+        const __m512 factor = _mm512_set1_ps(rescale);
+        for (int64_t d = 0; d < HeadDim; d += 16) {
+          _mm512_storeu_ps(sums + r * HeadDim + d, _mm512_mul_ps(factor, _mm512_loadu_ps(sums + r * HeadDim + d)));
+        }
+      }
+    }
+    for (int64_t m = 0; m < row_tiles; ++m) {
+      for (int64_t n0 = 0; n0 < HeadDim / 16; n0 += 4) {
+        float* tile_sums = sums + m * 16 * HeadDim + n0 * 16;
+        _tile_loadd(0, tile_sums, HeadDim * 4);
+        _tile_loadd(1, tile_sums + 16, HeadDim * 4);
+        _tile_loadd(2, tile_sums + 32, HeadDim * 4);
+        _tile_loadd(3, tile_sums + 48, HeadDim * 4);
+        for (int64_t kk = 0; kk < kAmxKeys / 32; ++kk) {
+          const uint32_t* half_values = chunk_values + kk * 32 * kPairs + n0 * 256;
+          _tile_loadd(4, weights + m * 16 * kAmxKeys + kk * 32, kAmxKeys * 2);
+          _tile_loadd(5, half_values, 64);
+          _tile_loadd(6, half_values + 256, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(5, half_values + 512, 64);
+          _tile_loadd(6, half_values + 768, 64);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, tile_sums, HeadDim * 4);
+        _tile_stored(1, tile_sums + 16, HeadDim * 4);
+        _tile_stored(2, tile_sums + 32, HeadDim * 4);
+        _tile_stored(3, tile_sums + 48, HeadDim * 4);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inverse = _mm512_set1_ps(1.f / running_sum[r]);
+    uint16_t* to = call.out + ((first_token + r / group) * call.num_heads + item.kv_head * group + r % group) * HeadDim;
+    for (int64_t d = 0; d < HeadDim; d += 16) {
+      const __m512 row = _mm512_mul_ps(_mm512_loadu_ps(sums + r * HeadDim + d), inverse);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + d), (__m256i)_mm512_cvtneps_pbh(row));
+    }
+  }
+}
+
+template <int HeadDim>
+void amx_attend_all(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, const uint16_t* v_cache,
+                    const int64_t* block_table, int64_t table_stride, int64_t block_size, int64_t num_heads,
+                    int64_t num_kv_heads, const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& query_lens,
+                    const std::vector<int64_t>& token_bases, float scale) {
+  const int64_t requests = static_cast<int64_t>(seq_lens.size());
+  const int64_t group = num_heads / num_kv_heads;
+  PackedKV packed;
+  packed.offsets.resize(requests * num_kv_heads);
+  int64_t total = 0;
+  for (int64_t request = 0; request < requests; ++request) {
+    for (int64_t head = 0; head < num_kv_heads; ++head) {
+      packed.offsets[request * num_kv_heads + head] = total;
+      total += amx_chunks(seq_lens[request]) * kAmxKeys * HeadDim / 2;
+    }
+  }
+  packed.keys.resize(total);
+  packed.values.resize(total);
+  at::parallel_for(0, requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t request = unit / num_kv_heads, head = unit % num_kv_heads;
+      const int64_t offset = packed.offsets[unit];
+      pack_request<HeadDim>(k_cache, v_cache, block_table + request * table_stride, block_size, num_kv_heads, head,
+                            seq_lens[request], packed.keys.data() + offset, packed.values.data() + offset);
+    }
+  });
+  std::vector<WorkItem> items;
+  for (int64_t request = 0; request < requests; ++request) {
+    const int64_t queries = query_lens[request];
+    for (int64_t first = 0; first < queries; first += kAmxPositions) {
+      const int64_t positions = std::min(kAmxPositions, queries - first);
+      const int64_t keys_seen = seq_lens[request] - queries + first + positions;
+      for (int64_t head = 0; head < num_kv_heads; ++head) {
+        items.push_back({request, head, first, positions, keys_seen * positions});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  const AmxCall call{q, out, &packed, num_heads, num_kv_heads, seq_lens.data(), query_lens.data(), token_bases.data(), scale};
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    AmxScratch<HeadDim> scratch((kAmxPositions * group + 15) / 16 * 16);
+    configure_tiles();
+    for (int64_t index = next.fetch_add(1); index < static_cast<int64_t>(items.size()); index = next.fetch_add(1)) {
+      amx_attend_item<HeadDim>(items[index], call, scratch);
+    }
+    _tile_release();
+  });
+}
+#endif  // CACHET_PROMPT_AMX
+
 bool supported(int64_t head_dim, int64_t group) { return supported_shape(head_dim, group); }
+
+// Whether this build attends bf16 prompt chunks of this shape: on AMX, where the process may use it.
+bool supported_bf16(int64_t head_dim, int64_t group) {
+#if defined(CACHET_PROMPT_AMX)
+  return supported_shape(head_dim, group) && amx_permitted();
+#else
+  (void)head_dim, (void)group;
+  return false;
+#endif
+}
 
 // q: [tokens, heads, head_dim] fp32, the requests' prompt tokens in request order (query_lens[i]
 // of request i, the last ones of its seq_lens[i] keys); caches: [blocks, block_size, kv_heads,
@@ -349,15 +649,18 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_c
                                 const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                                 const torch::Tensor& query_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-                  v_cache.scalar_type() == torch::kFloat, "the prefill kernel is fp32 only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && k_cache.scalar_type() == dtype &&
+                  v_cache.scalar_type() == dtype, "fp32 or bf16 queries and caches, of one dtype");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(),
               "contiguous tensors only");
   TORCH_CHECK(block_table.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong &&
                   query_lens.scalar_type() == torch::kLong, "int64 block table and lengths");
   const int64_t head_dim = q.size(2), num_heads = q.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "heads do not match the cache");
-  TORCH_CHECK(supported_shape(head_dim, num_heads / num_kv_heads), "shape not supported by this build");
+  TORCH_CHECK(dtype == torch::kFloat ? supported_shape(head_dim, num_heads / num_kv_heads)
+                                     : supported_bf16(head_dim, num_heads / num_kv_heads),
+              "shape not supported by this build");
   const int64_t requests = seq_lens.size(0);
   TORCH_CHECK(query_lens.size(0) == requests && block_table.size(0) == requests, "one length and row per request");
   std::vector<int64_t> seqs(seq_lens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>() + requests);
@@ -372,6 +675,22 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_c
   }
   TORCH_CHECK(tokens == q.size(0), "query_lens must sum to q's tokens");
   auto out = torch::empty_like(q);
+#if defined(CACHET_PROMPT_AMX)
+  if (dtype == torch::kBFloat16) {
+    const auto* q_bits = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+    auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    const auto* k_bits = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+    const auto* v_bits = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+    if (head_dim == 64) {
+      amx_attend_all<64>(q_bits, out_bits, k_bits, v_bits, block_table.data_ptr<int64_t>(), block_table.size(1),
+                         k_cache.size(1), num_heads, num_kv_heads, seqs, queries, bases, static_cast<float>(scale));
+    } else {
+      amx_attend_all<128>(q_bits, out_bits, k_bits, v_bits, block_table.data_ptr<int64_t>(), block_table.size(1),
+                          k_cache.size(1), num_heads, num_kv_heads, seqs, queries, bases, static_cast<float>(scale));
+    }
+    return out;
+  }
+#endif
 #if defined(CACHET_PROMPT_TILES)
   const PromptCall call{q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
                         v_cache.data_ptr<float>(), block_table.data_ptr<int64_t>(), block_table.size(1),
@@ -390,5 +709,6 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "Causal fp32 attention of prompt chunks over the paged KV cache");
-  m.def("supported", &supported, "Whether this build attends this head_dim and query heads per KV head");
+  m.def("supported", &supported, "Whether this build attends fp32 chunks of this head_dim and query heads per KV head");
+  m.def("supported_bf16", &supported_bf16, "Whether this build attends bf16 chunks of this shape (AMX)");
 }
