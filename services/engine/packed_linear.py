@@ -45,7 +45,14 @@ runs up to ``SMALL_BATCH_ROWS`` (128) rows on the panels and the head up to
 ``HEAD_SMALL_BATCH_ROWS`` (16): decode steps 0.83 / 0.84 / 0.85 / 0.88x as long at 24 / 32 / 48 /
 64 decodes, prompt steps of 512 rows level.
 
-Each kernel computes a row's product in one fixed order whatever the batch, but the two orders
+On AMX hosts the same pair panels serve a third path: a pair panel ([in / 2][16][2]) is the
+layout oneDNN's batch-reduce micro-kernel (torch's ``cpublas::brgemm``) takes for a 16-column
+right-hand side, so products past ``SMALL_BATCH_ROWS`` and up to ``TILE_UNIT_ROWS`` rows run on
+the tile unit through it, reading the panels in place (no third copy of the weights): a decode
+step of the default model in process (ABBA, 2 threads) at 8 / 16 / 32 decodes took 40.9 / 54.2 /
+87.3 ms through oneDNN's products and 35.3 / 40.7 / 72.0 through the tile unit.
+
+Each panel kernel computes a row's product in one fixed order whatever the batch, but the two orders
 differ: a token's bf16 product rounds one way among few rows and another among more, so
 greedy tokens would depend on what shares the step. A batch-invariant step (``invariant_rows``:
 a step holding a greedy or seeded request, ``ModelRunner``) therefore runs every product on the
@@ -59,6 +66,7 @@ the embedding keeps the plain table its lookups need.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,6 +87,12 @@ _PANEL = 16
 _AMX = "amx_bf16" in cpu_flags()
 SMALL_BATCH_ROWS = 4 if _AMX else 128
 HEAD_SMALL_BATCH_ROWS = 4 if _AMX else 16
+# Most rows a product runs on the same panels through oneDNN's AMX micro-kernel
+# (``tile_unit_linear``), past the small-batch rows, where the kernel has it (AMX hosts): one
+# step's products of the default model's layers at 5 / 8 / 16 / 32 rows took 0.52 / 0.58 / 0.57
+# / 0.56x oneDNN's time, its head 0.79 / 0.54 / 0.55 / 0.54x; at 64-128 rows the layers
+# 0.79-0.89x but the head 1.5-1.6x, level from 256 (a Sapphire Rapids-class Xeon, 2 threads).
+TILE_UNIT_ROWS = 32
 
 
 class _Products(threading.local):
@@ -116,10 +130,15 @@ class PackableLinear(nn.Linear):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
-        if self.small_batch_panels is not None and (
-            _products.invariant or x.numel() <= self.small_batch_rows * x.shape[-1]
-        ):
-            return _panel_kernel().linear(x, self.small_batch_panels, bias)
+        if self.small_batch_panels is not None:
+            if _products.invariant or x.numel() <= self.small_batch_rows * x.shape[-1]:
+                return _panel_kernel().linear(x, self.small_batch_panels, bias)
+            if (
+                x.numel() <= TILE_UNIT_ROWS * x.shape[-1]
+                and x.dtype == torch.bfloat16
+                and tile_unit_products()
+            ):
+                return _panel_kernel().tile_unit_linear(x, self.small_batch_panels, bias)
         if self.weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
         if self.panels:
@@ -164,6 +183,13 @@ def _panel_kernel():  # noqa: ANN202 - a compiled extension module
     kernel = load_cpu_kernel("panel_linear")
     assert kernel is not None  # weights are packed for it only where it loaded
     return kernel
+
+
+@functools.cache
+def tile_unit_products() -> bool:
+    """Whether the panel kernel runs products on the tile unit here (AMX: ``TILE_UNIT_ROWS``)."""
+    kernel = load_cpu_kernel("panel_linear")
+    return _AMX and kernel is not None and bool(kernel.tile_unit_products())
 
 
 def _small_batch_panels_help(weight: torch.Tensor) -> bool:

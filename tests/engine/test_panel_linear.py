@@ -16,8 +16,10 @@ from cachet.engine.cpu_kernels import load_cpu_kernel
 from cachet.engine.packed_linear import (
     HEAD_SMALL_BATCH_ROWS,
     SMALL_BATCH_ROWS,
+    TILE_UNIT_ROWS,
     invariant_rows,
     packs_linear_weights,
+    tile_unit_products,
 )
 from cachet.engine.tensor_parallel import ColumnParallelLinear
 
@@ -124,7 +126,12 @@ def test_where_onednn_packs_bf16_small_batches_run_on_the_panels_beside_it(kerne
             x = torch.randn(rows, 40).bfloat16()
             expected = kernel.linear(x, kernel.pack_weight(plain_weight), layer.bias)
             assert torch.equal(layer(x), expected)
-        x = torch.randn(SMALL_BATCH_ROWS + 1, 40).bfloat16()
+        # Past the small batches: the tile unit where there is one (AMX), up to its rows.
+        if tile_unit_products():
+            x = torch.randn(TILE_UNIT_ROWS, 40).bfloat16()
+            assert torch.equal(layer(x), kernel.tile_unit_linear(x, layer.small_batch_panels, layer.bias))
+        rows = TILE_UNIT_ROWS + 1 if tile_unit_products() else SMALL_BATCH_ROWS + 1
+        x = torch.randn(rows, 40).bfloat16()
         onednn = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
         assert torch.equal(layer(x), onednn)
 
@@ -144,9 +151,41 @@ def test_the_output_head_leaves_the_panels_for_onednn_at_fewer_rows_than_a_layer
     with torch.inference_mode():
         x = torch.randn(HEAD_SMALL_BATCH_ROWS, 40).bfloat16()
         assert torch.equal(head.project(x), kernel.linear(x, kernel.pack_weight(plain_weight), None))
-        x = torch.randn(HEAD_SMALL_BATCH_ROWS + 1, 40).bfloat16()
+        rows = TILE_UNIT_ROWS + 1 if tile_unit_products() else HEAD_SMALL_BATCH_ROWS + 1
+        x = torch.randn(rows, 40).bfloat16()
         onednn = torch.ops.mkldnn._linear_pointwise(x, head.weight, None, "none", [], "")
         assert torch.equal(head.project(x), onednn)
+
+
+@pytest.mark.skipif(not tile_unit_products(), reason="no AMX tile unit on this CPU")
+@pytest.mark.parametrize("rows", [1, 5, 16, 31, 32, 33, 70])
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(64, 48, True), (576, 1536, False)])
+def test_tile_unit_products_on_the_panels_are_bf16_products(
+    kernel, rows: int, in_features: int, out_features: int, bias: bool
+) -> None:
+    """oneDNN's AMX micro-kernel reads the pair panels as its right-hand side: the fp32 sums of
+    the bf16 products (bias added), rounded to bf16 once, whatever the row blocks."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias_values = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    out = kernel.tile_unit_linear(x, kernel.pack_weight(weight), bias_values)
+    exact = F.linear(x.float(), weight.float(), None if bias_values is None else bias_values.float())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    # Within a bf16 rounding of the exact sums (the tile unit's own fp32 order aside).
+    torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=8e-3)
+
+
+def test_tile_unit_products_need_a_tile_unit_and_pair_panels(kernel) -> None:
+    panels = kernel.pack_weight(torch.randn(32, 64).bfloat16())
+    if not kernel.tile_unit_products():
+        with pytest.raises(RuntimeError, match="no tile-unit products"):
+            kernel.tile_unit_linear(torch.randn(2, 64).bfloat16(), panels, None)
+        return
+    with pytest.raises(RuntimeError, match="pair panels"):
+        kernel.tile_unit_linear(torch.randn(2, 64), panels, None)
+    with pytest.raises(RuntimeError, match="features"):
+        kernel.tile_unit_linear(torch.randn(2, 48).bfloat16(), panels, None)
 
 
 # bf16 activations take the bf16 dot-product path where the kernel was built with one.

@@ -30,6 +30,9 @@
 // are (AVX512-BF16 hosts), for a batch-invariant step's products at every row count: at 16 rows
 // the FMA path was 2.25x slower than oneDNN there.
 //
+// On AMX hosts the pair panels also feed oneDNN's AMX micro-kernel (tile_unit_linear, below): a
+// pair panel is its right-hand side's layout as it stands.
+//
 // fp32 weights (fp32_tile) take the same tile with one chain per output, the features in order:
 // a panel row is two 32-byte loads, read front to back, and even one row is bound by memory, not
 // by the chain's latency. oneDNN's fp32 products on an AVX2 host (Zen 3 EPYC, 2 threads) were
@@ -42,6 +45,9 @@
 // packing a tile's rows of x together, did not help there).
 //
 #include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -509,7 +515,77 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return out;
 }
 
+#if defined(CACHET_DPBF16)
+// Rows of x per tile-unit product: two 16-row tiles of sums per panel.
+constexpr int64_t kTileUnitRows = 32;
+
+// x @ w.T (+ bias) on bf16 pair panels through oneDNN's batch-reduce GEMM micro-kernel (torch's
+// cpublas::brgemm: AMX tiles where the CPU has them). A pair panel, [in / 2][16][2], is that
+// kernel's "VNNI" layout of a 16-column right-hand side as it stands, so this reads the panels
+// the dot-product tiles read, with no copy of the weights. Each thread takes whole panels (each
+// read from memory once per call, kept in cache across the row blocks) and rounds each panel's
+// fp32 sums (bias added) to bf16 as it stores them. Not batch-invariant: a row's sum is ordered
+// by the tile unit, not by the kernel's fixed chains.
+torch::Tensor unit_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  const int64_t panels = packed.size(0), k = packed.size(1), n = panels * kPanel;
+  const torch::Tensor rows = x.contiguous();
+  const int64_t m = rows.size(0);
+  torch::Tensor out = torch::empty({m, n}, rows.options());
+  const bool with_bias = bias.has_value() && bias->defined();
+  const torch::Tensor bias_sums = with_bias ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
+  const float* biases = with_bias ? bias_sums.data_ptr<float>() : nullptr;
+  const auto* w = packed.data_ptr<at::BFloat16>();
+  const auto* xs = rows.data_ptr<at::BFloat16>();
+  auto* ys = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    float sums[kTileUnitRows * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const __m512 panel_bias = biases == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(biases + p * kPanel);
+      for (int64_t r0 = 0; r0 < m; r0 += kTileUnitRows) {
+        const int64_t block = std::min(kTileUnitRows, m - r0);
+        at::native::cpublas::brgemm(block, kPanel, k, k, kPanel, kPanel, false, xs + r0 * k, w + p * k * kPanel, sums);
+        for (int64_t r = 0; r < block; ++r) {
+          store_bf16(ys + (r0 + r) * n + p * kPanel, _mm512_add_ps(_mm512_loadu_ps(sums + r * kPanel), panel_bias));
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+  return out;
+}
+#endif
+
+// Whether unit_linear runs here: bf16 pair panels, and a torch whose oneDNN has a bf16 micro-kernel
+// for this CPU (AMX).
+bool tile_unit_products() {
+#if defined(CACHET_DPBF16)
+  return at::native::cpublas::could_pack(at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
 }  // namespace
+
+// x @ weight.T (+ bias) on the tile unit (tile_unit_products()), for a bf16 weight from pack_weight
+// and bf16 x; the result in bf16.
+torch::Tensor tile_unit_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(tile_unit_products(), "no tile-unit products on this CPU or build");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && x.scalar_type() == torch::kBFloat16 && packed.dim() == 3 &&
+                  packed.size(2) == kPanel && packed.is_contiguous() && packs_pairs(packed.size(1)),
+              "bf16 x and a bf16 weight from pack_weight (pair panels)");
+  TORCH_CHECK(x.device().is_cpu(), "CPU tensors only");
+  const int64_t k = packed.size(1);
+  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
+  auto shape = x.sizes().vec();
+  shape.back() = packed.size(0) * kPanel;
+#if defined(CACHET_DPBF16)
+  return unit_linear(x.reshape({-1, k}), packed, bias).view(shape);
+#else
+  return torch::Tensor();
+#endif
+}
 
 // x @ weight.T (+ bias) for a weight from pack_weight; the result in x's dtype.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
@@ -529,4 +605,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "[out, in] bfloat16 or float32 -> [out / 16, in, 16] panels");
   m.def("linear", &linear, "x @ weight.T (+ bias) on a weight from pack_weight, float32 math");
+  m.def("tile_unit_products", &tile_unit_products, "Whether tile_unit_linear runs on this CPU and build");
+  m.def("tile_unit_linear", &tile_unit_linear, "x @ weight.T (+ bias) on pair panels through oneDNN's AMX micro-kernel");
 }
