@@ -5,8 +5,8 @@ it, into the environment's own extensions folder as DeepSpeed's ops are) and loa
 replica's start. Where one cannot be built (no compiler), the engine says so once and runs the
 reference path that kernel replaces.
 
-A build targets an instruction set the host has (AVX2 with FMA; AVX512-BF16, or AVX-512
-without it, for a kernel with a path for them; or the compiler's baseline)
+A build targets an instruction set the host has (AVX2 with FMA; AMX's bf16 tiles, AVX512-BF16,
+or AVX-512 without it, for a kernel with a path for them; or the compiler's baseline)
 rather than ``-march=native``, and is named by it: an environment copied to an older CPU (a
 container image) then builds its own instead of loading one that faults.
 

@@ -447,13 +447,6 @@ struct AmxScratch {
   std::vector<float> scores, sums, running_max, running_sum;
 };
 
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
 template <int HeadDim>
 void amx_attend_item(const WorkItem& item, const AmxCall& call, AmxScratch<HeadDim>& scratch) {
   constexpr int64_t kPairs = HeadDim / 2;
