@@ -22,8 +22,9 @@ rather than repeating it for every query head that uses it.
 On a CPU, decodes skip the gather: ``paged_decode_kernel`` reads each request's blocks in
 place, all decodes of a step in one call whatever their lengths (``decode_in_place``). In fp32
 on an AVX-512 or AVX2 host, and in bf16 on an AMX host, prompt chunks do too, through
-``prefill_attention_kernel`` (flash attention's shape: ``prefill_kernel``). The gather + SDPA path stays as the reference, for the prefill
-chunks no kernel takes, and for CUDA (whose decode steps are CUDA graphs).
+``prefill_attention_kernel`` (flash attention's shape: ``prefill_kernel``). The gather + SDPA
+path stays as the reference, for the prefill chunks no kernel takes, and for CUDA (whose decode
+steps are CUDA graphs).
 
 Batch-invariant steps (``every_token_in_place``) send prefill tokens through the same kernel,
 each as a query of its own that sees the keys up to its position: a token's attention is then
@@ -31,9 +32,9 @@ one fixed sum over its keys (256-key pieces from position 0, merged in order) wh
 computed in a prompt chunk, as a decode, or beside other requests, so greedy decoding gives
 the same tokens cold, from the prefix cache and in any batch. SDPA's prefill kernel picks its
 pieces by the call's lengths, so the same token's sum is ordered differently from call to call.
-Where the kernel has AVX512-BF16 dot products for a bf16 cache and the prompt kernel no AMX path,
-every step lays its tokens out so (the model runner's ``prefill_in_place``): a prompt chunk attends there in about half of SDPA's
-time, before counting SDPA's gather. So does an fp32 cache on an AVX2 build where the fp32 prompt
+Where the kernel has AVX512-BF16 dot products for a bf16 cache and the prompt kernel no AMX
+path, every step lays its tokens out so (the model runner's ``prefill_in_place``): a prompt
+chunk attends there in about half of SDPA's time, before counting SDPA's gather. So does an fp32 cache on an AVX2 build where the fp32 prompt
 kernel has no tile for the heads (Gemma 3's 256-dim heads, its sliding layers read by their
 window): the paged kernel's prompt tiles take register tiles there.
 """
