@@ -421,23 +421,18 @@ void pack_request(const uint16_t* k_cache, const uint16_t* v_cache, const int64_
                   int64_t num_kv_heads, int64_t head, int64_t keys, uint32_t* packed_keys, uint32_t* packed_values) {
   constexpr int64_t kPairs = HeadDim / 2;
   const int64_t token_stride = num_kv_heads * HeadDim;
-  const int64_t padded = amx_chunks(keys) * kAmxKeys;
-  for (int64_t key = 0; key < padded; ++key) {
+  // Keys past the last (to a whole chunk) stay as the buffers were made: zero.
+  for (int64_t key = 0; key < keys; ++key) {
     const int64_t chunk = key / kAmxKeys, within = key % kAmxKeys;
     uint32_t* to_keys = packed_keys + chunk * kAmxKeys * kPairs + (within / 16) * kPairs * 16 + within % 16;
     const int64_t half = within / 32, pair = (within % 32) / 2, odd = within % 2;
     uint16_t* to_values = reinterpret_cast<uint16_t*>(packed_values + chunk * kAmxKeys * kPairs + half * 32 * kPairs) +
                           pair * 32 + odd;
-    if (key < keys) {
-      const int64_t slot = table[key / block_size] * block_size + key % block_size;
-      const uint32_t* k_row = reinterpret_cast<const uint32_t*>(k_cache + slot * token_stride + head * HeadDim);
-      const uint16_t* v_row = v_cache + slot * token_stride + head * HeadDim;
-      for (int64_t i = 0; i < kPairs; ++i) to_keys[i * 16] = k_row[i];
-      for (int64_t d = 0; d < HeadDim; ++d) to_values[(d / 16) * 16 * 32 + (d % 16) * 2] = v_row[d];
-    } else {
-      for (int64_t i = 0; i < kPairs; ++i) to_keys[i * 16] = 0;
-      for (int64_t d = 0; d < HeadDim; ++d) to_values[(d / 16) * 16 * 32 + (d % 16) * 2] = 0;
-    }
+    const int64_t slot = table[key / block_size] * block_size + key % block_size;
+    const uint32_t* k_row = reinterpret_cast<const uint32_t*>(k_cache + slot * token_stride + head * HeadDim);
+    const uint16_t* v_row = v_cache + slot * token_stride + head * HeadDim;
+    for (int64_t i = 0; i < kPairs; ++i) to_keys[i * 16] = k_row[i];
+    for (int64_t d = 0; d < HeadDim; ++d) to_values[(d / 16) * 16 * 32 + (d % 16) * 2] = v_row[d];
   }
 }
 
@@ -598,7 +593,7 @@ void amx_attend_all(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, c
       total += amx_chunks(seq_lens[request]) * kAmxKeys * HeadDim / 2;
     }
   }
-  packed.keys.resize(total);
+  packed.keys.resize(total);  // zeros: a request's last chunk is padded with zero keys and values
   packed.values.resize(total);
   at::parallel_for(0, requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
