@@ -276,6 +276,8 @@ async def _engine_window(
         / elapsed,
         "batch_tokens_per_s": grew("cachet_engine_generated_tokens_total{priority=batch}") / elapsed,
         "seat_preemptions": grew("cachet_engine_preemptions_total{reason=seat}"),
+        # What batch work may spend of a step beside interactive work as the window ended.
+        "batch_token_budget": after.get("cachet_engine_batch_token_budget", 0.0),
         "kv_preemptions": grew("cachet_engine_preemptions_total{reason=kv_cache}"),
     } | {
         f"loop_lag_{name}_{figure}": value for name, lag in lags.items() for figure, value in lag.items()
@@ -849,7 +851,7 @@ def _print_capacity(result: dict[str, Any]) -> None:
 def _print_engine_windows(windows: dict[str, dict[str, float]]) -> None:
     _print_windows(
         "The engine in each window (its /metrics)",
-        ("busy", "steps/s", "step ms", "req/step", "int tok/s", "batch tok/s", "seat pre."),
+        ("busy", "steps/s", "step ms", "req/step", "int tok/s", "batch tok/s", "seat pre.", "batch cap"),
         {
             name: (
                 f"{figures['busy_share']:.2f}",
@@ -859,6 +861,7 @@ def _print_engine_windows(windows: dict[str, dict[str, float]]) -> None:
                 f"{figures['interactive_tokens_per_s']:.0f}",
                 f"{figures['batch_tokens_per_s']:.0f}",
                 f"{figures['seat_preemptions']:.0f}",
+                f"{figures['batch_token_budget']:.0f}",
             )
             for name, figures in windows.items()
         },

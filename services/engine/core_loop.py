@@ -144,4 +144,5 @@ class CoreLoop:
             kv_block_copy_bytes=scheduler.kv.block_copy_bytes,
             kv_retained_blocks=scheduler.kv.num_retained_blocks,
             kv_block_retentions=scheduler.kv.block_retentions,
+            batch_token_budget=scheduler.batch_token_budget(),
         )

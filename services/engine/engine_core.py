@@ -7,6 +7,7 @@ the caller serialises ``add_request``, ``abort`` and ``step``.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -177,12 +178,16 @@ class EngineCore:
 
         Who runs first, and how much batch work shares a step with interactive requests, is the
         scheduler's choice (priority, per-step token budget, preemption)."""
+        started = time.perf_counter()
         self._reap_failed_grammars()
         plan = self.scheduler.schedule()
         result = StepResult() if plan.is_empty else self._execute(plan)
         if self._handoffs is not None:
             self._handoffs.after_execute()
         outputs = self._postprocess(plan, result)
+        if plan.num_scheduled_tokens:
+            # The whole step, as an arrival waits for it: what sizes batch work beside interactive work.
+            self.scheduler.step_cost.observe(plan.total_scheduled_tokens, time.perf_counter() - started)
         self._check_when_idle()
         return outputs
 

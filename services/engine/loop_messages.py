@@ -76,6 +76,8 @@ class EngineStats:
     # blocks put under retention as their requests ended, since start.
     kv_retained_blocks: dict[str, int] = field(default_factory=dict)
     kv_block_retentions: int = 0
+    # Most tokens of batch work a step carries beside interactive work now (Scheduler.batch_token_budget).
+    batch_token_budget: int = 0
 
     @property
     def num_running(self) -> int:

@@ -68,6 +68,12 @@ class SchedulerCollector(Collector):
         yield GaugeMetricFamily(
             "cachet_engine_kv_host_blocks", "Blocks the host KV tier can hold.", value=stats.host_kv_slots
         )
+        yield GaugeMetricFamily(
+            "cachet_engine_batch_token_budget",
+            "Most tokens of batch (async queue) work a step carries beside interactive work, from "
+            "the step costs measured.",
+            value=stats.batch_token_budget,
+        )
         yield _by_label(
             CounterMetricFamily(
                 "cachet_engine_prefix_cache_hit_tokens",

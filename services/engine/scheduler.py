@@ -7,10 +7,14 @@ budget still holds, so a long prompt is computed in chunks across steps.
 Decoding requests are served first, so a long prompt never stalls them.
 Interactive requests are admitted before batch (async queue) ones. While any
 interactive request is running or waiting, batch work spends at most
-``batch_token_budget`` tokens of a step, and the step that starts
+``batch_token_budget()`` tokens of a step, and the step that starts
 an interactive request carries none of its prompt work (its decodes, a token
-each, go on): a step's time grows with its tokens, and an interactive arrival
-waits for the step in flight and then its own.
+each, go on): an interactive arrival waits for the step in flight and then its
+own, so what batch work adds to a step's time is what it costs interactive
+latency. The budget is that time: tokens that lengthen a step by at most
+``batch_step_allowance`` times its fixed cost, by the step costs measured
+(``step_cost``). On a GPU, where a step barely grows with its tokens, that is the
+whole step; on a CPU a few dozen tokens.
 
 When the KV pool runs dry, the most recently arrived running request (batch
 work before interactive work) is preempted by recompute: its blocks are freed
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field, fields
 from cachet.engine.errors import EngineOverloaded, InvalidRequest, RequestNotFound
 from cachet.engine.kv_cache_manager import KVCacheManager, cdiv
 from cachet.engine.request import Request, RequestStatus
+from cachet.engine.step_cost import StepCostModel
 from cachet.engine.step_plan import (
     KvBlockMoves,
     NewRequest,
@@ -56,20 +61,21 @@ class SchedulerConfig:
     # The model's end-of-sequence ids; ignored by requests with ignore_eos.
     eos_token_ids: tuple[int, ...] = ()
     # Most tokens of batch (async queue) work in one step while interactive requests are
-    # about; None: a quarter of the step's budget. A step's time grows with its tokens, and
-    # an interactive arrival waits for the step in flight: batch prompt chunks must not make
-    # that step long. Enough for a full batch's decodes and a steady stream of short prompts.
+    # about; None: what ``batch_step_allowance`` allows (a quarter of the step's budget until
+    # the step costs are known). An interactive arrival waits for the step in flight: batch
+    # work must not make that step long.
     max_batch_tokens_per_step: int | None = None
+    # While interactive requests are about, batch work may lengthen a step by at most this
+    # many times the step's fixed cost (its time at no tokens, measured). Lower keeps first
+    # tokens nearer their time without a backlog and drains it more slowly: on a 2-core CPU
+    # with the default model (docs/measurements/async_queue.md) the quarter-step budget
+    # before it read first-token p50 / p99 2.81 / 2.91x with the backlog drawing 0.93 of the
+    # free capacity, 1.5 1.53 / 1.89x and 0.73, 0.75 1.33 / 2.06x and 0.52.
+    batch_step_allowance: float = 1.5
     # Batch work starts only while fewer requests than this run (all priorities); None: any
     # free seat. The seats above it stay open to interactive arrivals, and batch requests
     # beyond it wait here, ready to take a seat at the step a batch request ends.
     max_batch_running: int | None = None
-
-    @property
-    def batch_token_budget(self) -> int:
-        if self.max_batch_tokens_per_step is not None:
-            return self.max_batch_tokens_per_step
-        return max(self.max_num_batched_tokens // 4, 1)
 
     def __post_init__(self) -> None:
         if (
@@ -77,6 +83,8 @@ class SchedulerConfig:
             or self.max_waiting < 0
         ):
             raise ValueError(f"scheduler limits must be positive: {self}")
+        if not self.batch_step_allowance > 0:
+            raise ValueError(f"batch_step_allowance must be positive: {self}")
         if self.max_batch_running is not None and not 1 <= self.max_batch_running <= self.max_num_seqs:
             raise ValueError(f"max_batch_running must be within 1..max_num_seqs: {self}")
         # Every decoding request gets its token each step only if the budget covers them all.
@@ -221,6 +229,8 @@ class Scheduler:
         # since is not counted: it joins the next step, as it would on an idle replica.
         self.num_interactive_left_waiting = 0
         self.counts = SchedulerCounts()
+        # The engine reports each step's tokens and time here (EngineCore.step).
+        self.step_cost = StepCostModel()
 
     # ---------------------------------------------------------------- requests
 
@@ -288,7 +298,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # The cap protects interactive traffic; with none about, batch work takes whole steps.
         interactive = self.waiting.num_interactive or any(r.interactive for r in self.running)
-        plan = _PlanBuilder(budget, batch_budget=self.config.batch_token_budget if interactive else budget)
+        plan = _PlanBuilder(budget, batch_budget=self.batch_token_budget() if interactive else budget)
         num_running = len(self.running)
         hold_batch = self._interactive_can_start()
         self._schedule_running(plan, hold_batch=hold_batch)
@@ -304,6 +314,20 @@ class Scheduler:
             return StepPlan()
         finished, self._finished_ids = self._finished_ids, set()
         return plan.build(finished, moves)
+
+    def batch_token_budget(self) -> int:
+        """Most tokens of batch work in a step while interactive requests are about (at least
+        one, so a backlog always moves)."""
+        config = self.config
+        if config.max_batch_tokens_per_step is not None:
+            return config.max_batch_tokens_per_step
+        cost = self.step_cost.estimate()
+        if cost is None:
+            return max(config.max_num_batched_tokens // 4, 1)
+        allowed = cost.tokens_within(
+            config.batch_step_allowance * cost.fixed_seconds, config.max_num_batched_tokens
+        )
+        return max(allowed, 1)
 
     def _interactive_can_start(self) -> bool:
         """True when the next request to admit is interactive and a seat and blocks await it.

@@ -54,8 +54,13 @@ class EngineSettings(ServiceSettings):
     max_num_seqs: int = Field(default=64, ge=1)
     # Unset: cachet.engine_layout's default for the device (512 on a CPU, 2,048 on a GPU).
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
-    # Most tokens of async-queue work in one step (unset: a quarter of max_num_batched_tokens).
+    # Most tokens of async-queue work in one step beside interactive work (unset: what
+    # batch_step_allowance allows).
     max_batch_tokens_per_step: int | None = Field(default=None, ge=1)
+    # Beside interactive work, async-queue work may lengthen a step by at most this many times
+    # the step's fixed cost, by the step costs measured (cachet.engine.step_cost): lower keeps
+    # interactive first tokens closer to their time without a backlog, higher drains it faster.
+    batch_step_allowance: float = Field(default=1.5, gt=0)
     max_waiting: int = Field(default=256, ge=1)
     # Batch (async queue) work starts only while fewer than this share of max_num_seqs run;
     # the seats above stay open to interactive arrivals. Reported to routers, whose

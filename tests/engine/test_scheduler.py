@@ -241,6 +241,42 @@ def test_batch_work_spends_at_most_its_share_of_a_step_beside_interactive_work()
     run_to_completion(scheduler, runner)
 
 
+def _fit_step_costs(scheduler: Scheduler, fixed: float, per_token: float) -> None:
+    for tokens in itertools.islice(itertools.cycle((1, 4, 16, 64)), 64):
+        scheduler.step_cost.observe(tokens, fixed + per_token * tokens)
+
+
+def test_batch_work_beside_interactive_work_gets_what_the_step_costs_measured_allow():
+    # A CPU's steps: 30 ms fixed, 2 ms a token; 1.5 fixed costs are 22 tokens (not a quarter's 16).
+    scheduler, runner = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    _fit_step_costs(scheduler, 0.030, 0.002)
+    assert scheduler.batch_token_budget() == 22
+    scheduler.add_request(make_request("batch", list(range(1, 41)), max_tokens=2, interactive=False))
+    scheduler.add_request(make_request("chat", list(range(50, 54)), max_tokens=4))
+    assert step(scheduler, runner).num_scheduled_tokens == {"chat": 4}
+    assert step(scheduler, runner).num_scheduled_tokens == {"chat": 1, "batch": 22}
+    # A GPU's: tokens add nothing measurable, so batch work takes what the step has left.
+    scheduler, runner = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    _fit_step_costs(scheduler, 0.020, 0.0)
+    assert scheduler.batch_token_budget() == 64
+    scheduler.add_request(make_request("batch", list(range(1, 81)), max_tokens=2, interactive=False))
+    scheduler.add_request(make_request("chat", list(range(90, 94)), max_tokens=4))
+    step(scheduler, runner)
+    assert step(scheduler, runner).num_scheduled_tokens == {"chat": 1, "batch": 63}
+    # A budget set outright wins, and a smaller allowance gives less.
+    scheduler, _ = make_scheduler(max_num_batched_tokens=64, max_batch_tokens_per_step=5)
+    _fit_step_costs(scheduler, 0.030, 0.002)
+    assert scheduler.batch_token_budget() == 5
+    scheduler, _ = make_scheduler(max_num_batched_tokens=64, batch_step_allowance=0.5)
+    _fit_step_costs(scheduler, 0.030, 0.002)
+    assert scheduler.batch_token_budget() == 7
+
+
+def test_batch_step_allowance_must_be_positive():
+    with pytest.raises(ValueError, match="batch_step_allowance"):
+        SchedulerConfig(max_model_len=64, batch_step_allowance=0)
+
+
 def test_an_interactive_request_takes_the_seat_of_the_newest_batch_request():
     scheduler, runner = make_scheduler(max_num_seqs=2)
     older = make_request("older", [1, 2, 3], max_tokens=6, interactive=False)
