@@ -320,3 +320,5 @@ async def test_metrics_count_tokens_by_priority_and_seat_preemptions(engine: Ser
     assert after["cachet_engine_requests_running", (("priority", "batch"),)] == 0
     assert after["cachet_engine_requests_waiting", (("priority", "interactive"),)] == 0
     assert after["cachet_engine_kv_blocks_free", ()] == after["cachet_engine_kv_blocks", ()]
+    # What batch work may spend beside interactive work: at least a token, at most a whole step.
+    assert 1 <= after["cachet_engine_batch_token_budget", ()] <= 64  # CACHET_ENGINE_MAX_NUM_BATCHED_TOKENS
