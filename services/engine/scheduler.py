@@ -70,7 +70,7 @@ class SchedulerConfig:
     # tokens nearer their time without a backlog and drains it more slowly: on a 2-core CPU
     # with the default model (docs/measurements/async_queue.md) the quarter-step budget
     # before it read first-token p50 / p99 2.81 / 2.91x with the backlog drawing 0.93 of the
-    # free capacity, 1.5 1.53 / 1.89x and 0.73, 0.75 1.33 / 2.06x and 0.52.
+    # free capacity, 1.5 1.53-1.71 / 1.74-1.89x and 0.73-0.77, 0.75 1.33 / 2.06x and 0.52.
     batch_step_allowance: float = 1.5
     # Batch work starts only while fewer requests than this run (all priorities); None: any
     # free seat. The seats above it stay open to interactive arrivals, and batch requests
