@@ -258,10 +258,16 @@ inline float exponentiate(float* row, int64_t length, float* max_out) {
   return sum;
 }
 
-// Asks for the cache lines of `bytes` bytes from `start` into L1. Rows of a split sit in blocks
-// scattered over the pool, which the hardware's prefetchers do not follow.
+// Asks for the cache lines of `bytes` bytes from `start` into L2. Rows of a split sit in blocks
+// scattered over the pool, which the hardware's prefetchers do not follow. Into L2, not L1: a
+// group's rows are ~100 lines in flight, more than L1's miss buffers hold, and prefetches into
+// L1 waited on them (or were dropped) where L2's deeper queue takes them all. One thread of a
+// Zen 4 EPYC, the default model's 30 layers with a step's weights read between them, 4 decodes
+// over 150 / 150 / 150 / 1,850 keys: 6.3 -> 5.6 ms a step on a fresh pool's consecutive blocks,
+// 12.9 -> 8.3 ms on blocks taken one by one from a used pool's free list (fp32: 12.9 -> 9.6,
+// 16.7 -> 12.1 ms); two threads, 16 over 1,000 keys on scattered blocks: 42.4 -> 28.0 ms.
 inline void prefetch_lines(const void* start, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(start) + offset, 0, 3);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(start) + offset, 0, 1);
 }
 
 struct Tile {
