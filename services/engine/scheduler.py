@@ -68,10 +68,12 @@ class SchedulerConfig:
     # While interactive requests are about, batch work may lengthen a step by at most this
     # many times the step's fixed cost (its time at no tokens, measured). Lower keeps first
     # tokens nearer their time without a backlog and drains it more slowly: on a 2-core CPU
-    # with the default model (docs/measurements/async_queue.md) the quarter-step budget
-    # before it read first-token p50 / p99 2.81 / 2.91x with the backlog drawing 0.93 of the
-    # free capacity, 1.5 1.53-1.71 / 1.74-1.89x and 0.73-0.77, 0.75 1.33 / 2.06x and 0.52.
-    batch_step_allowance: float = 1.5
+    # with the default model (docs/measurements/async_queue.md), a Zen 4 in bf16: 1.5 read
+    # first-token p50 / p99 1.80 / 2.08x with the backlog drawing 0.61 of the free capacity,
+    # 0.75 1.12-1.22 / 1.18-1.23x and 0.48-0.52; a Zen 3 in fp32: the quarter-step budget
+    # before it 2.81 / 2.91x and 0.93, 1.5 1.53-1.71 / 1.74-1.89x and 0.73-0.77, 0.75 1.33 /
+    # 2.06x and 0.52.
+    batch_step_allowance: float = 0.75
     # Batch work starts only while fewer requests than this run (all priorities); None: any
     # free seat. The seats above it stay open to interactive arrivals, and batch requests
     # beyond it wait here, ready to take a seat at the step a batch request ends.

@@ -248,14 +248,17 @@ def _fit_step_costs(scheduler: Scheduler, fixed: float, per_token: float) -> Non
 
 def test_batch_work_beside_interactive_work_gets_what_the_step_costs_measured_allow():
     # A CPU's steps: 30 ms fixed, 2 ms a token; 1.5 fixed costs are 22 tokens (not a quarter's 16).
-    scheduler, runner = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler, runner = make_scheduler(
+        num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64, batch_step_allowance=1.5
+    )
     _fit_step_costs(scheduler, 0.030, 0.002)
     assert scheduler.batch_token_budget() == 22
     scheduler.add_request(make_request("batch", list(range(1, 41)), max_tokens=2, interactive=False))
     scheduler.add_request(make_request("chat", list(range(50, 54)), max_tokens=4))
     assert step(scheduler, runner).num_scheduled_tokens == {"chat": 4}
     assert step(scheduler, runner).num_scheduled_tokens == {"chat": 1, "batch": 22}
-    # A GPU's: tokens add nothing measurable, so batch work takes what the step has left.
+    # A GPU's: tokens add nothing measurable, so batch work takes what the step has left (at the
+    # default allowance).
     scheduler, runner = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
     _fit_step_costs(scheduler, 0.020, 0.0)
     assert scheduler.batch_token_budget() == 64
