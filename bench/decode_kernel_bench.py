@@ -117,13 +117,13 @@ def _pool_layout_rows(runner: ModelRunner, quick: bool) -> list[dict]:
     # A step's weights, streamed between layers as the products stream them (what evicts the KV).
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     weights = torch.empty(layers, max(weight_bytes // layers // 4, 1), dtype=torch.float32).fill_(1.0)
+    # Random KV, so no value is special; the pool's content is not the engine's concern here.
+    kv_cache.normal_(generator=generator)
     rows = []
     for label, lens in LAYOUT_SCENARIOS:
         needed = [-(-n // block_size) for n in lens]
         if sum(needed) > num_blocks:
             continue
-        # Random KV, so no value is special; the pool's content is not the engine's concern here.
-        kv_cache.normal_(generator=generator)
         q = torch.randn(len(lens), heads, head_dim, generator=generator).to(kv_cache.dtype)
         seq_lens = torch.tensor(lens, dtype=torch.int64)
         tables = {
@@ -149,7 +149,7 @@ def _pool_layout_rows(runner: ModelRunner, quick: bool) -> list[dict]:
                 "ratio": scattered / consecutive,
             }
         )
-    kv_cache.zero_()
+    kv_cache.zero_()  # as the runner allocates it: padded gathers read unused slots
     return rows
 
 
