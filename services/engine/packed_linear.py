@@ -45,9 +45,9 @@ runs up to ``SMALL_BATCH_ROWS`` (128) rows on the panels and the head up to
 ``HEAD_SMALL_BATCH_ROWS`` (16): decode steps 0.83 / 0.84 / 0.85 / 0.88x as long at 24 / 32 / 48 /
 64 decodes, prompt steps of 512 rows level.
 
-On AMX hosts the same pair panels serve a third path: a pair panel ([in / 2][16][2]) is the
-layout oneDNN's batch-reduce micro-kernel (torch's ``cpublas::brgemm``) takes for a 16-column
-right-hand side, so products past ``SMALL_BATCH_ROWS`` and up to ``TILE_UNIT_ROWS`` rows run on
+On AMX hosts the same pair panels serve a third path: a group of two pair panels, interleaved
+pair by pair ([in / 2][2][16][2]), is the layout oneDNN's batch-reduce micro-kernel (torch's
+``cpublas::brgemm``) takes for a 32-column right-hand side, so products past ``SMALL_BATCH_ROWS`` and up to ``TILE_UNIT_ROWS`` rows run on
 the tile unit through it, reading the panels in place (no third copy of the weights): a decode
 step of the default model in process (ABBA, 2 threads) at 8 / 16 / 32 decodes took 40.9 / 54.2 /
 87.3 ms through oneDNN's products and 35.3 / 40.7 / 72.0 through the tile unit.

@@ -23,15 +23,16 @@
 // hardware's bf16 dot products instead: one instruction multiplies a pair of input features by
 // 16 outputs' pair of weights and adds both to fp32 sums, twice the products per cycle of the
 // widening FMA path, with no widening. The panels then hold each pair of input features
-// together, [out / 16][in / 2][16][2] (same size and shape), and a tile is 12 rows x 32 outputs
-// (two panels), 24 sums in registers. Each output is still one chain in one order (pairs of
+// together, [out / 16][in / 2][16][2] (same size and shape), two panels at a time interleaved
+// pair by pair (kPairPanels), and a tile is 12 rows x 32 outputs (a group of two panels), 24
+// sums in registers. Each output is still one chain in one order (pairs of
 // features in turn) whatever the rows or panels beside it, so batch invariance holds; its bits
 // differ from the FMA path's, as any other CPU's kernel does. Used where oneDNN's bf16 products
 // are (AVX512-BF16 hosts), for a batch-invariant step's products at every row count: at 16 rows
 // the FMA path was 2.25x slower than oneDNN there.
 //
 // On AMX hosts the pair panels also feed oneDNN's AMX micro-kernel (tile_unit_linear, below): a
-// pair panel is its right-hand side's layout as it stands.
+// group of two is its 32-column right-hand side's layout as it stands.
 //
 // fp32 weights (fp32_tile) take the same tile with one chain per output, the features in order:
 // a panel row is two 32-byte loads, read front to back, and even one row is bound by memory, not
@@ -63,6 +64,15 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kTileRows = 6;  // rows of x per micro-kernel call
+// Panels per bf16 dot-product tile, and per group of the pair layout: pack_weight stores a
+// group's two panels interleaved by pair of input features ([in / 2][2][16][2]: each pair's 128
+// bytes hold both panels' rows), so a tile streams one run of memory rather than two 18 KB
+// apart, which the hardware's prefetcher follows; a lone last panel stays [in / 2][16][2]. One
+// step's products of the default model, every layer and the head (270 MB), one thread of a Zen 4
+// EPYC, the two layouts timed in turn: 1 / 4 / 8 rows 12.9 / 13.5 / 12.2 -> 9.8 / 10.3 / 11.0
+// ms (16 and 64 rows level); two threads 8.9 / 10.8 / 8.9 / 13.1 -> 8.5 / 9.2 / 7.9 / 11.9 ms
+// at 1 / 4 / 8 / 16 rows (64 level).
+constexpr int64_t kPairPanels = 2;
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -278,7 +288,11 @@ void fp32_wide_tile(const float* panel, int64_t panel_stride, const float* x, in
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define CACHET_DPBF16 1
 
-constexpr int64_t kPairPanels = 2;  // panels per bf16 dot-product tile
+// Fewest rows whose tiles ask for the next group's weights as they go (`next` below): at fewer,
+// the prefetcher alone keeps up with the one stream, and the asks got in its way (one thread,
+// 1 / 2 / 4 rows 9.8 / 9.8 / 10.3 ms without them, 13.6 with them at 2), from 8 rows they pay
+// (13.3 -> 10.8 ms at 8, 19.1 -> 16.6 at 12); level at 6.
+constexpr int64_t kPairPrefetchRows = 5;
 // Rows of x per bf16 dot-product tile: 24 sums in 32 registers, each panel row loaded once for
 // twice the rows of the widening tiles. Against 6 rows, one step's products of the default
 // model's layers (head apart), 2 threads of a Zen 5: 0.91 / 0.83 / 0.89 / 0.88 / 0.91x the time
@@ -300,24 +314,28 @@ inline void store_bf16(at::BFloat16* to, __m512 sums) {
   }
 
 // out[r, 0:16 * Panels] = x[r, :] . panels (+ bias), for r < Rows (<= kPairTileRows), in bf16; x
-// is bf16, k even. `bias`: the tile's first output's bias in fp32, or null. `next`: where the
-// next group's weights start (panels of the same shape), asked for into L2 while this one
-// computes, or null.
+// is bf16, k even; `panel`: a group of two interleaved panels (Panels 2) or a lone one. `bias`:
+// the tile's first output's bias in fp32, or null. `next`: where the next group's weights start
+// (a group of the same shape), asked for into L2 while this one computes, or null.
 template <int Rows, int Panels>
-void pair_tile(const uint16_t* panel, int64_t panel_stride, const uint16_t* x, int64_t k, int64_t x_stride,
-               at::BFloat16* out, int64_t out_stride, const float* bias, const uint16_t* next) {
+void pair_tile(const uint16_t* panel, const uint16_t* x, int64_t k, int64_t x_stride, at::BFloat16* out,
+               int64_t out_stride, const float* bias, const uint16_t* next) {
+  // A pair of input features' row of one panel: 16 outputs x 2, 32 bf16s (64 bytes); a group's
+  // second panel's row follows its first's.
+  constexpr int64_t kPairRow = 2 * kPanel;
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
   __m512 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
   __m512 b6 = a0, b7 = a0, b8 = a0, b9 = a0, b10 = a0, b11 = a0;
   for (int64_t i = 0; i < k; i += 2) {
+    const uint16_t* row = panel + i / 2 * Panels * kPairRow;
     if (next != nullptr) {
-      __builtin_prefetch(next + i * kPanel, 0, 2);
-      if constexpr (Panels > 1) __builtin_prefetch(next + panel_stride + i * kPanel, 0, 2);
+      __builtin_prefetch(next + i / 2 * Panels * kPairRow, 0, 2);
+      if constexpr (Panels > 1) __builtin_prefetch(next + i / 2 * Panels * kPairRow + kPairRow, 0, 2);
     }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + i * kPanel);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row);
     __m512bh w1 = w0;
-    if constexpr (Panels > 1) w1 = (__m512bh)_mm512_loadu_si512(panel + panel_stride + i * kPanel);
+    if constexpr (Panels > 1) w1 = (__m512bh)_mm512_loadu_si512(row + kPairRow);
 #define CACHET_DOT(r)                                           \
   if constexpr (Rows > r) {                                     \
     int32_t pair;                                               \
@@ -367,17 +385,18 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     const auto* xs = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
     at::BFloat16* ys = out.data_ptr<at::BFloat16>();
     const int64_t groups = (panels + kPairPanels - 1) / kPairPanels;
-    // Each tile of a group asks for the next group's weights as it goes: with more rows than one
-    // tile, the later tiles computed from cache while memory sat idle, and asking in the first
-    // tile alone left most of the asks waiting behind each other. The default model's products
-    // of one step, every layer's weights and the head (270 MB), in turn: 16 rows 11.4 -> 9.2 ms
-    // (23 -> 29 GB/s), 8 rows 10.3 -> 8.0, 4 rows 8.4 -> 7.1, 1 row level (about 40 GB/s). Two
-    // groups ahead was slower.
+    // Each tile of a group asks for the next group's weights as it goes (from
+    // kPairPrefetchRows rows): with more rows than one tile, the later tiles computed from cache
+    // while memory sat idle, and asking in the first tile alone left most of the asks waiting
+    // behind each other. The default model's products of one step, every layer's weights and the
+    // head (270 MB), in turn (the panels apart, then): 16 rows 11.4 -> 9.2 ms (23 -> 29 GB/s), 8
+    // rows 10.3 -> 8.0, 4 rows 8.4 -> 7.1. Two groups ahead was slower.
+    const bool ask_ahead = m >= kPairPrefetchRows;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t p = g * kPairPanels;
       const uint16_t* panel = w + p * k * kPanel;
-      const uint16_t* next = p + 2 * kPairPanels <= panels ? panel + kPairPanels * k * kPanel : nullptr;
+      const uint16_t* next = ask_ahead && p + 2 * kPairPanels <= panels ? panel + kPairPanels * k * kPanel : nullptr;
       const float* tile_bias = biases == nullptr ? nullptr : biases + p * kPanel;
       for (int64_t r = 0; r < m; r += kPairTileRows) {
         const int64_t tile_rows = std::min(kPairTileRows, m - r);
@@ -385,9 +404,9 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
         const bool both = panels - p >= 2;
         for_row_count<kPairTileRows>(tile_rows, [&]<int Rows>() {
           if (both) {
-            pair_tile<Rows, 2>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, tile_bias, next);
+            pair_tile<Rows, 2>(panel, xs + r * k, k, k, tile_out, n, tile_bias, next);
           } else {
-            pair_tile<Rows, 1>(panel, k * kPanel, xs + r * k, k, k, tile_out, n, tile_bias, nullptr);
+            pair_tile<Rows, 1>(panel, xs + r * k, k, k, tile_out, n, tile_bias, nullptr);
           }
         });
       }
@@ -404,13 +423,17 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   float* ys = out.data_ptr<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
-    const uint16_t* panel = w + p * k * kPanel;
+    // Where panel p's first pair row is, and how far apart its rows are (pack_weight's groups).
+    const bool grouped = p / kPairPanels * kPairPanels + kPairPanels <= panels;
+    const uint16_t* panel = w + p / kPairPanels * kPairPanels * k * kPanel + (grouped ? p % kPairPanels * 2 * kPanel : 0);
+    const int64_t row_stride = (grouped ? kPairPanels : 1) * 2 * kPanel;
     for (int64_t r = 0; r < m; ++r) {
       float sums[kPanel] = {};
       for (int64_t i = 0; i < k; i += 2) {
         const float even = xs[r * k + i], odd = xs[r * k + i + 1];
+        const uint16_t* row = panel + i / 2 * row_stride;
         for (int64_t j = 0; j < kPanel; ++j) {
-          sums[j] += even * bf16_to_float(panel[i * kPanel + 2 * j]) + odd * bf16_to_float(panel[i * kPanel + 2 * j + 1]);
+          sums[j] += even * bf16_to_float(row[2 * j]) + odd * bf16_to_float(row[2 * j + 1]);
         }
       }
       std::memcpy(ys + r * n + p * kPanel, sums, sizeof(sums));
@@ -423,14 +446,24 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 }  // namespace
 
 // [out, in] -> [out / 16, in, 16] panels (bf16 with AVX512-BF16: pairs of input features
-// together, [out / 16, in / 2, 16, 2] in the same shape): the layout `linear` reads.
+// together, [out / 16, in / 2, 16, 2] in the same shape, two panels at a time interleaved as
+// [in / 2][2][16][2]): the layout `linear` reads.
 torch::Tensor pack_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kBFloat16 || weight.scalar_type() == torch::kFloat32),
               "a bfloat16 or float32 [out, in] weight");
   TORCH_CHECK(weight.size(0) % kPanel == 0, "out features must be a multiple of ", kPanel, ", got ", weight.size(0));
   const int64_t out = weight.size(0), k = weight.size(1);
   if (weight.scalar_type() == torch::kBFloat16 && packs_pairs(k)) {
-    return weight.reshape({out / kPanel, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({out / kPanel, k, kPanel});
+    // Groups of two panels interleaved by pair of input features, a lone last panel as it is.
+    const int64_t whole = out / (kPairPanels * kPanel) * (kPairPanels * kPanel);
+    const torch::Tensor groups = weight.narrow(0, 0, whole)
+                                     .reshape({whole / (kPairPanels * kPanel), kPairPanels, kPanel, k / 2, 2})
+                                     .permute({0, 3, 1, 2, 4})
+                                     .contiguous()
+                                     .view({-1});
+    if (whole == out) return groups.view({out / kPanel, k, kPanel});
+    const torch::Tensor last = weight.narrow(0, whole, kPanel).reshape({kPanel, k / 2, 2}).permute({1, 0, 2}).contiguous();
+    return torch::cat({groups, last.view({-1})}).view({out / kPanel, k, kPanel});
   }
   return weight.reshape({out / kPanel, kPanel, k}).transpose(1, 2).contiguous();
 }
@@ -520,10 +553,11 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 constexpr int64_t kTileUnitRows = 32;
 
 // x @ w.T (+ bias) on bf16 pair panels through oneDNN's batch-reduce GEMM micro-kernel (torch's
-// cpublas::brgemm: AMX tiles where the CPU has them). A pair panel, [in / 2][16][2], is that
-// kernel's "VNNI" layout of a 16-column right-hand side as it stands, so this reads the panels
-// the dot-product tiles read, with no copy of the weights. Each thread takes whole panels (each
-// read from memory once per call, kept in cache across the row blocks) and rounds each panel's
+// cpublas::brgemm: AMX tiles where the CPU has them). A group of two interleaved pair panels,
+// [in / 2][2][16][2], is that kernel's "VNNI" layout of a 32-column right-hand side as it
+// stands (a lone last panel, [in / 2][16][2], of a 16-column one), so this reads the panels the
+// dot-product tiles read, with no copy of the weights. Each thread takes whole groups (each
+// read from memory once per call, kept in cache across the row blocks) and rounds each group's
 // fp32 sums (bias added) to bf16 as it stores them. Not batch-invariant: a row's sum is ordered
 // by the tile unit, not by the kernel's fixed chains.
 torch::Tensor unit_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
@@ -537,15 +571,20 @@ torch::Tensor unit_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const auto* w = packed.data_ptr<at::BFloat16>();
   const auto* xs = rows.data_ptr<at::BFloat16>();
   auto* ys = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    float sums[kTileUnitRows * kPanel];
-    for (int64_t p = begin; p < end; ++p) {
-      const __m512 panel_bias = biases == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(biases + p * kPanel);
+  const int64_t groups = (panels + kPairPanels - 1) / kPairPanels;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    float sums[kTileUnitRows * kPairPanels * kPanel];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p = g * kPairPanels;
+      const int64_t columns = std::min(kPairPanels, panels - p) * kPanel;
       for (int64_t r0 = 0; r0 < m; r0 += kTileUnitRows) {
         const int64_t block = std::min(kTileUnitRows, m - r0);
-        at::native::cpublas::brgemm(block, kPanel, k, k, kPanel, kPanel, false, xs + r0 * k, w + p * k * kPanel, sums);
+        at::native::cpublas::brgemm(block, columns, k, k, columns, columns, false, xs + r0 * k, w + p * k * kPanel, sums);
         for (int64_t r = 0; r < block; ++r) {
-          store_bf16(ys + (r0 + r) * n + p * kPanel, _mm512_add_ps(_mm512_loadu_ps(sums + r * kPanel), panel_bias));
+          for (int64_t c = 0; c < columns; c += kPanel) {
+            const __m512 bias16 = biases == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(biases + p * kPanel + c);
+            store_bf16(ys + (r0 + r) * n + p * kPanel + c, _mm512_add_ps(_mm512_loadu_ps(sums + r * columns + c), bias16));
+          }
         }
       }
     }
