@@ -136,6 +136,7 @@ async def start(settings: RouterSettings, *, metrics_port: int | None = None) ->
             replicas,
             _policy(settings),
             min_tokens=settings.disagg_min_tokens,
+            idle_min_tokens=settings.disagg_idle_min_tokens,
             timeout_seconds=settings.disagg_prefill_timeout_seconds,
         ),
     )

@@ -5,8 +5,15 @@ The decode replica is placed as any request is (session, cached prefix, load). W
 the prompt it does not hold is at least ``min_tokens`` (conditional disaggregation, as Dynamo
 and vLLM's proxy do: a short or mostly cached prompt costs the decode replica little), the
 request first goes to a prefill replica, chosen by its cached prefix and load like any
-placement, as a one-token request that hands its KV off (``hand_off_kv``), naming the decode
-replica's KV receiver (``hand_off_to``) when it has one and both have as many tensor-parallel ranks:
+placement. A shorter prompt, of at least ``idle_min_tokens`` the decode replica does not hold,
+goes to a prefill replica too while the decode replica has requests, when the prefill replica
+lacks less than ``min_tokens`` of it (a session's long prefix that only the decode replica
+holds is not computed again) and holds nothing but such prompts of this router's, under
+``min_tokens`` in all with it: computed on the decode replica it would lengthen its streams'
+steps (on a CPU a ~95-token prompt is ~120 ms of one core, six ~20 ms decode steps), where the
+prefill replica's time between long prompts is free. The prefill goes as a one-token request
+that hands its KV off (``hand_off_kv``), naming the decode replica's KV receiver
+(``hand_off_to``) when it has one and both have as many tensor-parallel ranks:
 the engine pushes the prompt's blocks straight into that replica's memory, and answers once
 every full block is there (and in the shared KV tier, where there is one). The decode replica
 then gets the request with that first token (``PrefilledElsewhere``): it streams the token at
@@ -37,7 +44,7 @@ from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.errors import ResourceExhausted, Unavailable
 from cachet.logs import get_logger
 from cachet.router import metrics
-from cachet.router.placement import PlacementPolicy, choose_replica
+from cachet.router.placement import PlacementPolicy, ReplicaLoad, choose_replica
 from cachet.router.replica_set import Replica, ReplicaSet
 from cachet.tracing import get_tracer
 
@@ -52,31 +59,64 @@ class PrefillHandOff:
     """Runs a request's prefill on a prefill replica when that pays."""
 
     def __init__(
-        self, replicas: ReplicaSet, policy: PlacementPolicy, *, min_tokens: int, timeout_seconds: float
+        self,
+        replicas: ReplicaSet,
+        policy: PlacementPolicy,
+        *,
+        min_tokens: int,
+        idle_min_tokens: int,
+        timeout_seconds: float,
     ) -> None:
         self._replicas = replicas
         self._policy = policy
         self._min_tokens = min_tokens
+        self._idle_min_tokens = idle_min_tokens
         self._timeout = timeout_seconds
+        # Per prefill replica: the prompt tokens it is computing for this router's hand-offs.
+        self._prefilling: dict[str, float] = {}
 
-    def worth_it(self, request: GenerationRequest, cached_on_decode: float) -> bool:
-        """Whether to split: a long uncached prompt, a request whose first token can move."""
+    def candidates(
+        self, request: GenerationRequest, cached: Mapping[str, float], decode: Replica
+    ) -> list[ReplicaLoad]:
+        """The prefill replicas ``request`` may be split onto for the ``decode`` replica; none:
+        it runs whole there. A long uncached prompt may go to any; a shorter one (from
+        ``idle_min_tokens``) only to one with room for it (``_has_room``), and only while
+        ``decode`` has requests to slow down."""
         sampling = request.sampling
-        return (
-            len(request.prompt_token_ids) - cached_on_decode >= self._min_tokens
-            and request.choices == 1
-            and request.response_format.WhichOneof("format") in (None, "text")
-            and not sampling.logprobs
-            and (not sampling.HasField("max_tokens") or sampling.max_tokens >= 2)
-            and bool(self._replicas.available(request.model, role="prefill"))
-        )
+        if (
+            request.choices != 1
+            or request.response_format.WhichOneof("format") not in (None, "text")
+            or sampling.logprobs
+            or (sampling.HasField("max_tokens") and sampling.max_tokens < 2)
+        ):
+            return []
+        loads = [replica.load() for replica in self._replicas.available(request.model, role="prefill")]
+        prompt = len(request.prompt_token_ids)
+        uncached = prompt - cached.get(decode.address, 0.0)
+        if uncached >= self._min_tokens:
+            return loads
+        if uncached < self._idle_min_tokens or decode.load().load == 0:
+            return []
+        return [load for load in loads if self._has_room(load, prompt - cached.get(load.address, 0.0))]
+
+    def _has_room(self, load: ReplicaLoad, tokens: float) -> bool:
+        """Whether a prefill replica can take a short prompt that lacks it ``tokens``: nothing
+        there but short prompts of ours, which with this one stay under a long prompt's worth.
+        (Not only an idle one: an agent's streams that started together ask together, and the
+        first would take the replica from the rest.)"""
+        others = load.load - self._replicas.get(load.address).in_flight
+        return others <= 0 and self._prefilling.get(load.address, 0.0) + tokens < self._min_tokens
 
     async def prefill(
-        self, request: GenerationRequest, cached: Mapping[str, float], decode: Replica
+        self,
+        request: GenerationRequest,
+        cached: Mapping[str, float],
+        decode: Replica,
+        loads: list[ReplicaLoad],
     ) -> engine_pb2.PrefilledElsewhere | None:
-        """Prefill ``request`` on a prefill replica for the ``decode`` replica; what the decode
-        replica is to be told, or None when the request should run whole on it."""
-        loads = [replica.load() for replica in self._replicas.available(request.model, role="prefill")]
+        """Prefill ``request`` on one of the prefill replicas ``loads`` (``candidates``) for the
+        ``decode`` replica; what the decode replica is to be told, or None when the request should
+        run whole on it."""
         try:
             placement = choose_replica(loads, cached, policy=self._policy)
         except (ResourceExhausted, Unavailable):
@@ -94,6 +134,8 @@ class PrefillHandOff:
             },
         ) as span:
             replica.enter(request.priority)
+            computing = len(request.prompt_token_ids) - cached.get(replica.address, 0.0)
+            self._prefilling[replica.address] = self._prefilling.get(replica.address, 0.0) + computing
             try:
                 answer = await asyncio.wait_for(self._call(request, replica.stub, hand_off_to), self._timeout)
                 if answer is None:
@@ -111,6 +153,7 @@ class PrefillHandOff:
                 return None
             finally:
                 replica.leave(request.priority)
+                self._prefilling[replica.address] -= computing
             seconds = time.monotonic() - started
             metrics.PREFILL_HANDOFF_SECONDS.observe(seconds)
             if answer.finish_reason != common_pb2.FINISH_REASON_LENGTH or len(answer.token_ids) != 1:

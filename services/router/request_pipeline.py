@@ -392,8 +392,11 @@ class RequestPipeline:
             if not tried_prefill and self._prefill_handoff is not None:
                 # Once: the prompt's KV waits in the shared tier for whichever replica decodes.
                 tried_prefill = True
-                if self._prefill_handoff.worth_it(request, cached.get(placement.address, 0.0)):
-                    prefilled = await self._prefill_handoff.prefill(request, cached, replica)
+                prefill_replicas = self._prefill_handoff.candidates(request, cached, replica)
+                if prefill_replicas:
+                    prefilled = await self._prefill_handoff.prefill(
+                        request, cached, replica, prefill_replicas
+                    )
             try:
                 generation = await self._open(request, replica, placement, detokenizer, prefilled)
             except _Refused as refusal:

@@ -72,6 +72,12 @@ class RouterSettings(ServiceSettings):
     # prompt whose part the chosen decode replica does not hold is at least this many tokens
     # is prefilled on a prefill replica first; shorter ones go straight to the decode replica.
     disagg_min_tokens: int = Field(default=512, ge=1)
+    # A shorter prompt, of at least this many tokens the decode replica does not hold, is
+    # prefilled on a prefill replica too while the decode replica has requests whose steps it
+    # would lengthen, when the prefill replica lacks less than disagg_min_tokens of it and holds
+    # only such prompts, under disagg_min_tokens in all (at or above disagg_min_tokens, never:
+    # only long prompts are split).
+    disagg_idle_min_tokens: int = Field(default=64, ge=1)
     # How long a prefill replica may take before the decode replica computes the prompt itself.
     disagg_prefill_timeout_seconds: float = Field(default=120.0, gt=0)
     # Account id -> cache group: the accounts of one group (an organisation) share cached

@@ -56,8 +56,8 @@ def _long_chat(nonce: str, max_tokens: int = 8) -> router_pb2.ChatCompletionRequ
     )
 
 
-def _handoffs(stack: CachetStack, outcome: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.processes['router'].metrics_port}/metrics", timeout=5).text
+def _handoffs(stack: CachetStack, outcome: str, router: str = "router") -> float:
+    text = httpx.get(f"http://127.0.0.1:{stack.processes[router].metrics_port}/metrics", timeout=5).text
     for family in text_string_to_metric_families(text):
         if family.name == "cachet_router_prefill_handoffs":
             for sample in family.samples:
@@ -118,6 +118,45 @@ async def test_a_short_prompt_goes_straight_to_the_decode_replica(stack: CachetS
     chunks = await _stream(stack, request)
     assert chunks[-1].usage.completion_tokens == 8
     assert _handoffs(stack, "handed_off") == before
+
+
+async def test_a_shorter_prompt_goes_to_an_idle_prefill_replica_while_the_decode_replica_is_busy(
+    stack: CachetStack,
+) -> None:
+    """Below the split threshold a prompt is prefilled on the prefill replica only while the
+    decode replica has requests whose steps its prefill would lengthen, and the prefill replica
+    none. (Each prompt is new: one the decode replica had cached would leave it nothing to
+    compute.)"""
+    stack._add(
+        stack.start_router(
+            name="router-idle",
+            CACHET_ROUTER_DISAGG_MIN_TOKENS="1000000",
+            CACHET_ROUTER_DISAGG_IDLE_MIN_TOKENS="16",
+        )
+    )
+    before = _handoffs(stack, "handed_off", router="router-idle")
+    alone = await _stream(stack, _long_chat(uuid.uuid4().hex), router="router-idle")
+    assert alone[-1].usage.completion_tokens == 8
+    assert _handoffs(stack, "handed_off", router="router-idle") == before  # nothing to slow down
+
+    started = asyncio.Event()
+
+    async def keep_the_decode_replica_busy() -> None:
+        async with create_channel(stack.address("router-idle")) as channel:
+            inference = router_pb2_grpc.InferenceServiceStub(channel)
+            async for chunk in inference.StreamChatCompletion(
+                _long_chat(uuid.uuid4().hex, max_tokens=1500), timeout=120
+            ):
+                if chunk.content_delta:
+                    started.set()
+
+    busy = asyncio.create_task(keep_the_decode_replica_busy())
+    await asyncio.wait_for(started.wait(), 60)
+    beside = await _stream(stack, _long_chat(uuid.uuid4().hex), router="router-idle")
+    assert not busy.done(), "the busy stream ended before the short prompt was placed"
+    assert _handoffs(stack, "handed_off", router="router-idle") == before + 1
+    assert beside[-1].usage.completion_tokens == 8
+    await busy
 
 
 async def test_killing_the_prefill_replica_mid_hand_off_costs_no_request(stack: CachetStack) -> None:
