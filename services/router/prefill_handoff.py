@@ -102,8 +102,8 @@ class PrefillHandOff:
     def _has_room(self, load: ReplicaLoad, tokens: float) -> bool:
         """Whether a prefill replica can take a short prompt that lacks it ``tokens``: nothing
         there but short prompts of ours, which with this one stay under a long prompt's worth.
-        (Not only an idle one: an agent's streams that started together ask together, and the
-        first would take the replica from the rest.)"""
+        (Not only an idle one: streams that started together ask together, and the first
+        would take an idle replica from the rest.)"""
         others = load.load - self._replicas.get(load.address).in_flight
         return others <= 0 and self._prefilling.get(load.address, 0.0) + tokens < self._min_tokens
 
