@@ -470,7 +470,9 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
     return torch::cat({groups, last.view({-1})}).view({out / kPanel, k, kPanel});
   }
 #ifdef CACHET_FP32_WIDE
-  // The wide tile's groups of two panels interleaved by input feature, as the pairs are.
+  // fp32: the wide tile's groups of two panels interleaved by input feature, as the pairs are
+  // (bf16 weights the build cannot pair are widened a panel at a time, from plain panels).
+  if (weight.scalar_type() == torch::kBFloat16) return weight.reshape({out / kPanel, kPanel, k}).transpose(1, 2).contiguous();
   const int64_t whole = out / (kWidePanels * kPanel) * (kWidePanels * kPanel);
   const torch::Tensor groups = weight.narrow(0, 0, whole)
                                    .reshape({whole / (kWidePanels * kPanel), kWidePanels, kPanel, k})
