@@ -447,44 +447,40 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return out;
 }
 
+// [out, in] -> [out / 16, in, 16]: groups of `group` panels interleaved by runs of `run` input
+// features ([in / run][group][16][run]), so that a tile reading a group streams one run of
+// memory; a lone last panel (out not a multiple of the group) is [in / run][16][run]. One panel
+// a group and one feature a run are the plain panels.
+torch::Tensor interleaved_panels(const torch::Tensor& weight, int64_t group, int64_t run) {
+  const int64_t out = weight.size(0), k = weight.size(1);
+  const int64_t whole = out / (group * kPanel) * (group * kPanel);
+  const torch::Tensor groups = weight.narrow(0, 0, whole)
+                                   .reshape({whole / (group * kPanel), group, kPanel, k / run, run})
+                                   .permute({0, 3, 1, 2, 4})
+                                   .contiguous()
+                                   .view({-1});
+  if (whole == out) return groups.view({out / kPanel, k, kPanel});
+  const torch::Tensor last = weight.narrow(0, whole, kPanel).reshape({kPanel, k / run, run}).permute({1, 0, 2}).contiguous();
+  return torch::cat({groups, last.view({-1})}).view({out / kPanel, k, kPanel});
+}
+
 }  // namespace
 
-// [out, in] -> [out / 16, in, 16] panels (bf16 with AVX512-BF16: pairs of input features
-// together, [out / 16, in / 2, 16, 2] in the same shape, two panels at a time interleaved as
-// [in / 2][2][16][2]): the layout `linear` reads.
+// [out, in] -> the panels `linear` reads: bf16 with AVX512-BF16 in pairs of input features, two
+// panels a group (the dot-product tile); fp32 with AVX-512 by single features, two panels a group
+// (the wide tile); anything else plain, a panel at a time (bf16 weights a build cannot pair are
+// widened from plain panels).
 torch::Tensor pack_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kBFloat16 || weight.scalar_type() == torch::kFloat32),
               "a bfloat16 or float32 [out, in] weight");
   TORCH_CHECK(weight.size(0) % kPanel == 0, "out features must be a multiple of ", kPanel, ", got ", weight.size(0));
-  const int64_t out = weight.size(0), k = weight.size(1);
-  if (weight.scalar_type() == torch::kBFloat16 && packs_pairs(k)) {
-    // Groups of two panels interleaved by pair of input features, a lone last panel as it is.
-    const int64_t whole = out / (kPairPanels * kPanel) * (kPairPanels * kPanel);
-    const torch::Tensor groups = weight.narrow(0, 0, whole)
-                                     .reshape({whole / (kPairPanels * kPanel), kPairPanels, kPanel, k / 2, 2})
-                                     .permute({0, 3, 1, 2, 4})
-                                     .contiguous()
-                                     .view({-1});
-    if (whole == out) return groups.view({out / kPanel, k, kPanel});
-    const torch::Tensor last = weight.narrow(0, whole, kPanel).reshape({kPanel, k / 2, 2}).permute({1, 0, 2}).contiguous();
-    return torch::cat({groups, last.view({-1})}).view({out / kPanel, k, kPanel});
+  if (weight.scalar_type() == torch::kBFloat16 && packs_pairs(weight.size(1))) {
+    return interleaved_panels(weight, kPairPanels, 2);
   }
 #ifdef CACHET_FP32_WIDE
-  // fp32: the wide tile's groups of two panels interleaved by input feature, as the pairs are
-  // (bf16 weights the build cannot pair are widened a panel at a time, from plain panels).
-  if (weight.scalar_type() == torch::kBFloat16) return weight.reshape({out / kPanel, kPanel, k}).transpose(1, 2).contiguous();
-  const int64_t whole = out / (kWidePanels * kPanel) * (kWidePanels * kPanel);
-  const torch::Tensor groups = weight.narrow(0, 0, whole)
-                                   .reshape({whole / (kWidePanels * kPanel), kWidePanels, kPanel, k})
-                                   .permute({0, 3, 1, 2})
-                                   .contiguous()
-                                   .view({-1});
-  if (whole == out) return groups.view({out / kPanel, k, kPanel});
-  const torch::Tensor last = weight.narrow(0, whole, kPanel).transpose(0, 1).contiguous();
-  return torch::cat({groups, last.view({-1})}).view({out / kPanel, k, kPanel});
-#else
-  return weight.reshape({out / kPanel, kPanel, k}).transpose(1, 2).contiguous();
+  if (weight.scalar_type() == torch::kFloat32) return interleaved_panels(weight, kWidePanels, 1);
 #endif
+  return interleaved_panels(weight, 1, 1);
 }
 
 namespace {
