@@ -292,11 +292,17 @@ void fp32_wide_tile(const float* panel, const float* x, int64_t k, int64_t x_str
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define CACHET_DPBF16 1
 
-// Fewest rows whose tiles ask for the next group's weights as they go (`next` below): at fewer,
-// the prefetcher alone keeps up with the one stream, and the asks got in its way (one thread,
-// 1 / 2 / 4 rows 9.8 / 9.8 / 10.3 ms without them, 13.6 with them at 2), from 8 rows they pay
-// (13.3 -> 10.8 ms at 8, 19.1 -> 16.6 at 12); level at 6.
-constexpr int64_t kPairPrefetchRows = 5;
+// Fewest rows whose tiles ask for the next group's weights as they go (`next` below), which
+// depends on the CPU's own prefetcher. On AMD's (a Zen 4 EPYC) the prefetcher alone keeps up
+// with the one stream at a few rows, and the asks got in its way (one thread, 1 / 2 / 4 rows
+// 9.8 / 9.8 / 10.3 ms without them, 13.6 with them at 2); from 8 rows they pay (13.3 -> 10.8 ms
+// at 8, 19.1 -> 16.6 at 12), level at 6. On Intel's (an AMX Xeon, family 6 model 207) they pay
+// at every count: 1 / 2 / 4 rows 33.1 / 37.6 / 46.6 -> 21.7 / 24.1 / 27.5 ms on one thread, 20.4
+// / 24.4 / 27.2 -> 14.8 / 16.2 / 17.2 on two, level at 8 (a VM reading ~11 GB/s on two cores).
+int64_t pair_prefetch_rows() {
+  static const int64_t rows = __builtin_cpu_is("amd") ? 5 : 1;
+  return rows;
+}
 // Rows of x per bf16 dot-product tile: 24 sums in 32 registers, each panel row loaded once for
 // twice the rows of the widening tiles. Against 6 rows, one step's products of the default
 // model's layers (head apart), 2 threads of a Zen 5: 0.91 / 0.83 / 0.89 / 0.88 / 0.91x the time
@@ -390,12 +396,12 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     at::BFloat16* ys = out.data_ptr<at::BFloat16>();
     const int64_t groups = (panels + kPairPanels - 1) / kPairPanels;
     // Each tile of a group asks for the next group's weights as it goes (from
-    // kPairPrefetchRows rows): with more rows than one tile, the later tiles computed from cache
+    // pair_prefetch_rows() rows): with more rows than one tile, the later tiles computed from cache
     // while memory sat idle, and asking in the first tile alone left most of the asks waiting
     // behind each other. The default model's products of one step, every layer's weights and the
     // head (270 MB), in turn (the panels apart, then): 16 rows 11.4 -> 9.2 ms (23 -> 29 GB/s), 8
     // rows 10.3 -> 8.0, 4 rows 8.4 -> 7.1. Two groups ahead was slower.
-    const bool ask_ahead = m >= kPairPrefetchRows;
+    const bool ask_ahead = m >= pair_prefetch_rows();
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t p = g * kPairPanels;
