@@ -56,7 +56,16 @@ Each panel kernel computes a row's product in one fixed order whatever the batch
 differ: a token's bf16 product rounds one way among few rows and another among more, so
 greedy tokens would depend on what shares the step. A batch-invariant step (``invariant_rows``:
 a step holding a greedy or seeded request, ``ModelRunner``) therefore runs every product on the
-panels, at every row count.
+panels, at every row count; on AMX hosts on the tile unit instead. Its rows are the same bits
+alone or in any batch too (the tile unit sums each row over the features in one order whatever
+the rows beside it, and the threads split output columns, never features: checked for every
+row of batches of 1 to 512 rows of the default model's shapes), and a prompt's rows, which the
+dot-product tiles compute at ~60 GFLOP/s a core, run there at 3x the speed. On an AMX Xeon
+(family 6 model 207, two threads) a greedy cold 1,800-token prompt's first token took 5.2 ->
+2.2 s in process, and batch-invariant decode steps of 1 / 4 / 8 decodes 26.9 / 34.1 / 46.4 ->
+31.6 / 37.1 / 41.5 ms (the tile unit reads the weights slower at a row or two). A lone greedy
+request comes out ahead when its uncached prompt is more than ~3x the tokens it decodes (an
+agent's turn: thousands of tokens in, hundreds out), and steps of many decodes always do.
 
 A packed weight cannot be read as a plain tensor (oneDNN's is opaque, of the same shape; the
 panels are [out / 16, in, 16]), so a model that reads a linear's weight itself (absorbed MLA attention)
@@ -131,7 +140,11 @@ class PackableLinear(nn.Linear):
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
         if self.small_batch_panels is not None:
-            if _products.invariant or x.numel() <= self.small_batch_rows * x.shape[-1]:
+            if _products.invariant:
+                if x.dtype == torch.bfloat16 and tile_unit_products():
+                    return _panel_kernel().tile_unit_linear(x, self.small_batch_panels, bias)
+                return _panel_kernel().linear(x, self.small_batch_panels, bias)
+            if x.numel() <= self.small_batch_rows * x.shape[-1]:
                 return _panel_kernel().linear(x, self.small_batch_panels, bias)
             if (
                 x.numel() <= TILE_UNIT_ROWS * x.shape[-1]

@@ -208,13 +208,34 @@ def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(
 @pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU"
 )
-def test_invariant_rows_run_every_product_on_the_panels(kernel) -> None:
+def test_invariant_rows_run_every_product_on_one_kernel(kernel) -> None:
+    """The panels' dot-product tiles, or the tile unit where there is one (AMX): every row
+    count, bias included."""
     layer = ColumnParallelLinear(40, 48, range(48), bias=True).bfloat16()
     assert layer.pack_() and layer.weight.is_mkldnn and layer.small_batch_panels is not None
-    x = torch.randn(9, 40).bfloat16()
+    one_kernel = kernel.tile_unit_linear if tile_unit_products() else kernel.linear
     with torch.inference_mode(), invariant_rows():
-        assert torch.equal(layer(x)[3:4], layer(x[3:4]))
-        assert torch.equal(layer(x), kernel.linear(x, layer.small_batch_panels, layer.bias))
+        for rows in (1, SMALL_BATCH_ROWS + 1, TILE_UNIT_ROWS + 1, 300):
+            x = torch.randn(rows, 40).bfloat16()
+            assert torch.equal(layer(x)[:1], layer(x[:1]))
+            assert torch.equal(layer(x), one_kernel(x, layer.small_batch_panels, layer.bias))
+
+
+@pytest.mark.skipif(not tile_unit_products(), reason="no AMX tile unit on this CPU")
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 960, True), (1536, 576, False), (64, 48, True)])
+def test_a_rows_tile_unit_product_is_the_same_bits_alone_or_in_any_batch(
+    kernel, in_features: int, out_features: int, bias: bool
+) -> None:
+    """What lets batch-invariant steps run on the tile unit: a row's sums do not depend on the
+    rows beside it, in any 32-row block or its remainder."""
+    generator = torch.Generator().manual_seed(out_features)
+    packed = kernel.pack_weight(torch.randn(out_features, in_features, generator=generator).bfloat16())
+    bias_values = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    x = torch.randn(140, in_features, generator=generator).bfloat16()
+    alone = torch.cat([kernel.tile_unit_linear(x[i : i + 1], packed, bias_values) for i in range(140)])
+    for start, rows in ((0, 2), (0, 31), (0, 33), (5, 64), (7, 100), (0, 140)):
+        got = kernel.tile_unit_linear(x[start : start + rows], packed, bias_values)
+        assert torch.equal(got, alone[start : start + rows]), (start, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 40])

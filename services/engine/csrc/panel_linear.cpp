@@ -579,8 +579,9 @@ constexpr int64_t kTileUnitRows = 32;
 // stands (a lone last panel, [in / 2][16][2], of a 16-column one), so this reads the panels the
 // dot-product tiles read, with no copy of the weights. Each thread takes whole groups (each
 // read from memory once per call, kept in cache across the row blocks) and rounds each group's
-// fp32 sums (bias added) to bf16 as it stores them. Not batch-invariant: a row's sum is ordered
-// by the tile unit, not by the kernel's fixed chains.
+// fp32 sums (bias added) to bf16 as it stores them. A row's sums are ordered by the tile unit,
+// not by the dot-product tiles' chains (their bits differ), but in one order whatever the rows
+// beside it: threads split the groups, never the features, so batch-invariant steps may run here.
 torch::Tensor unit_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   const int64_t panels = packed.size(0), k = packed.size(1), n = panels * kPanel;
   const torch::Tensor rows = x.contiguous();
