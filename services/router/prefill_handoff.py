@@ -90,13 +90,14 @@ class PrefillHandOff:
             or (sampling.HasField("max_tokens") and sampling.max_tokens < 2)
         ):
             return []
-        loads = [replica.load() for replica in self._replicas.available(request.model, role="prefill")]
         prompt = len(request.prompt_token_ids)
         uncached = prompt - cached.get(decode.address, 0.0)
-        if uncached >= self._min_tokens:
-            return loads
-        if uncached < self._idle_min_tokens or decode.load().load == 0:
+        long_prompt = uncached >= self._min_tokens
+        if not long_prompt and (uncached < self._idle_min_tokens or decode.load().load == 0):
             return []
+        loads = [replica.load() for replica in self._replicas.available(request.model, role="prefill")]
+        if long_prompt:
+            return loads
         return [load for load in loads if self._has_room(load, prompt - cached.get(load.address, 0.0))]
 
     def _has_room(self, load: ReplicaLoad, tokens: float) -> bool:
