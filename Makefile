@@ -10,7 +10,7 @@ PROTOS := $(shell find protos -name '*.proto')
 
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup protos check-protos model gemma3 run-local test test-fast bench bench-serving lint clean
+.PHONY: setup protos check-protos model gemma3 run-local test test-fast test-kernel-builds bench bench-serving lint clean
 
 setup: $(STAMPS)/setup $(STAMPS)/protos $(STAMPS)/ds-ops-venv $(STAMPS)/cpu-kernels
 
@@ -83,6 +83,16 @@ test: setup check-protos $(STAMPS)/browser
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"
+
+# The kernels' tests against every instruction-set build this host runs (AVX512-BF16, AVX-512,
+# AVX2, the baseline), not only the widest one a replica loads: a path only some hosts take is
+# otherwise built on those hosts alone. ~1.5 min a build, so not part of `make test`.
+KERNEL_TESTS = tests/engine/test_panel_linear.py tests/engine/test_fused_token_ops.py
+test-kernel-builds: setup
+	@for isa in $$($(PY) -c "from cachet.engine.cpu_kernels import host_instruction_sets as sets; print(*dict.fromkeys(i for k in ('panel_linear', 'fused_token_ops') for i, _ in sets(k)))"); do \
+	  echo "== kernels built for $$isa"; \
+	  CACHET_KERNEL_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	done
 
 bench: setup
 	$(PY) -m bench

@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -65,19 +66,43 @@ _KERNEL_FLAGS = {"fused_token_ops": ["-ffp-contract=off"], "paged_decode_attenti
 _KERNEL_AVX512_EXTENSIONS = {"fused_token_ops": {"avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}}
 
 
-def _isa_flags(name: str) -> tuple[str, list[str]]:
+def host_instruction_sets(name: str) -> list[tuple[str, list[str]]]:
+    """The instruction sets kernel ``name`` has a path for that this host runs, each with its
+    compiler flags, widest first: a replica loads the first. ``make test-kernel-builds`` tests
+    every one, since a path only some hosts take would otherwise be built on those hosts alone."""
     flags = cpu_flags()
     if "avx2" not in flags or "fma" not in flags:
-        return "base", []
+        return [("base", [])]
     avx2 = ["-mavx2", "-mfma", "-mf16c"]
     extensions = _KERNEL_AVX512_EXTENSIONS.get(name, {})
+    sets: list[tuple[str, list[str]]] = []
     if name in _AMX_KERNELS and flags >= _AMX_HOST_FLAGS:
-        return "amx", [*avx2, "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+        sets.append(("amx", [*avx2, "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]))
     if name in _AVX512_BF16_KERNELS and {"avx512f", "avx512_bf16", *extensions} <= flags:
-        return "avx512bf16", [*avx2, "-mavx512f", "-mavx512bf16", *extensions.values()]
+        sets.append(("avx512bf16", [*avx2, "-mavx512f", "-mavx512bf16", *extensions.values()]))
     if name in _AVX512_KERNELS and "avx512f" in flags:
-        return "avx512", [*avx2, "-mavx512f"]
-    return "avx2", avx2
+        sets.append(("avx512", [*avx2, "-mavx512f"]))
+    return [*sets, ("avx2", avx2), ("base", [])]
+
+
+def _isa_flags(name: str) -> tuple[str, list[str]]:
+    """The instruction set kernel ``name`` is built for here: the widest the host runs, or the
+    one ``CACHET_KERNEL_ISA`` names (``make test-kernel-builds``: each in turn)."""
+    sets = host_instruction_sets(name)
+    wanted = os.environ.get("CACHET_KERNEL_ISA")
+    if not wanted:
+        return sets[0]
+    for isa, flags in sets:
+        if isa == wanted:
+            return isa, flags
+    # A set this kernel has no path for builds as the widest one below it that it has.
+    order = ["amx", "avx512bf16", "avx512", "avx2", "base"]
+    if wanted not in order:
+        raise ValueError(f"CACHET_KERNEL_ISA={wanted!r}: one of {', '.join(order)}")
+    for isa, flags in sets:
+        if order.index(isa) > order.index(wanted):
+            return isa, flags
+    return sets[-1]
 
 
 @functools.cache

@@ -42,6 +42,7 @@ def test_each_kernel_is_built_for_the_widest_instruction_set_it_has_a_path_for(m
     a build's name says its set, so a copied environment never loads one the CPU lacks."""
     from cachet.engine import cpu_kernels
 
+    monkeypatch.delenv("CACHET_KERNEL_ISA", raising=False)
     avx512_bf16 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(avx512_bf16 | {"amx_tile", "amx_bf16"}))
     assert _isa_flags("prefill_attention")[0] == "amx"
@@ -50,3 +51,26 @@ def test_each_kernel_is_built_for_the_widest_instruction_set_it_has_a_path_for(m
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(avx512_bf16))
     assert _isa_flags("prefill_attention")[0] == "avx512"
     assert _isa_flags("paged_decode_attention")[0] == "avx512bf16"
+
+
+def test_a_named_instruction_set_builds_each_kernel_for_it_or_the_widest_below_it(monkeypatch) -> None:
+    """``CACHET_KERNEL_ISA`` (``make test-kernel-builds``): every set this host runs, in turn; a
+    kernel with no path for the named set takes the next one down."""
+    from cachet.engine import cpu_kernels
+
+    avx512_bf16 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(avx512_bf16))
+    assert [isa for isa, _ in cpu_kernels.host_instruction_sets("panel_linear")] == [
+        "avx512bf16",
+        "avx512",
+        "avx2",
+        "base",
+    ]
+    monkeypatch.setenv("CACHET_KERNEL_ISA", "avx512")
+    assert _isa_flags("panel_linear") == ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f"])
+    assert _isa_flags("fused_token_ops")[0] == "avx2"  # no AVX-512 path without bf16
+    monkeypatch.setenv("CACHET_KERNEL_ISA", "base")
+    assert _isa_flags("panel_linear") == ("base", [])
+    monkeypatch.setenv("CACHET_KERNEL_ISA", "sse9")
+    with pytest.raises(ValueError, match="CACHET_KERNEL_ISA"):
+        _isa_flags("panel_linear")

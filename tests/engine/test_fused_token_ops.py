@@ -24,8 +24,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
-# One bf16 step at most; fp32: the sum of squares' and exp's orders only.
-TOLERANCE = {torch.float32: 4e-6, torch.bfloat16: 2**-7}
+# fp32: the sum of squares' and exp's orders only. bf16: two steps at most, at the bottom of a
+# binade (2 ** -6 relative): after the sum or the exponential a result rounds twice (RMSNorm's
+# normalised value, then its weighing), and where the first rounding flips the second can add a
+# step (the baseline build's serial sum of squares met one such row of 700).
+TOLERANCE = {torch.float32: 4e-6, torch.bfloat16: 2**-6}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -222,7 +222,9 @@ def test_invariant_rows_run_every_product_on_one_kernel(kernel) -> None:
 
 
 @pytest.mark.skipif(not tile_unit_products(), reason="no AMX tile unit on this CPU")
-@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 960, True), (1536, 576, False), (64, 48, True)])
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "bias"), [(576, 960, True), (1536, 576, False), (64, 48, True)]
+)
 def test_a_rows_tile_unit_product_is_the_same_bits_alone_or_in_any_batch(
     kernel, in_features: int, out_features: int, bias: bool
 ) -> None:
