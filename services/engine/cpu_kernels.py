@@ -56,6 +56,8 @@ _AVX512_KERNELS = frozenset({"panel_linear", "prefill_attention", "paged_decode_
 # has it (with AVX512-BF16 and AVX512BW, which the path's softmax and layouts use).
 _AMX_KERNELS = frozenset({"prefill_attention"})
 _AMX_HOST_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"})
+# Every instruction set a build may target, widest first (host_instruction_sets' order).
+_INSTRUCTION_SETS = ("amx", "avx512bf16", "avx512", "avx2", "base")
 # Flags a kernel needs beyond its instruction set's: the fused ops round where torch's ops round,
 # so an fp32 product and the sum after it must stay two roundings, never one fused multiply-add;
 # the paged attention kernel's fixed orders are the same code on both of its paths only when the
@@ -92,17 +94,11 @@ def _isa_flags(name: str) -> tuple[str, list[str]]:
     wanted = os.environ.get("CACHET_KERNEL_ISA")
     if not wanted:
         return sets[0]
-    for isa, flags in sets:
-        if isa == wanted:
-            return isa, flags
-    # A set this kernel has no path for builds as the widest one below it that it has.
-    order = ["amx", "avx512bf16", "avx512", "avx2", "base"]
-    if wanted not in order:
-        raise ValueError(f"CACHET_KERNEL_ISA={wanted!r}: one of {', '.join(order)}")
-    for isa, flags in sets:
-        if order.index(isa) > order.index(wanted):
-            return isa, flags
-    return sets[-1]
+    if wanted not in _INSTRUCTION_SETS:
+        raise ValueError(f"CACHET_KERNEL_ISA={wanted!r}: one of {', '.join(_INSTRUCTION_SETS)}")
+    # The named set, or where this kernel has no path for it, the widest one below it that it has.
+    rank = _INSTRUCTION_SETS.index
+    return next((isa, flags) for isa, flags in sets if rank(isa) >= rank(wanted))
 
 
 @functools.cache
