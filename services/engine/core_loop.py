@@ -106,15 +106,11 @@ class CoreLoop:
     def has_work_now(self) -> bool:
         return self.core.has_work_now()
 
-    def step(self, clock: Callable[[], float]) -> StepReport:
+    def step(self) -> StepReport:
         """One engine step; its time is reported only when it ran the model (a step can find
         nothing to schedule, or only a grammar's refusal to send)."""
-        steps_before = self.core.scheduler.counts.steps
-        started = clock()
         outputs = self.core.step()
-        elapsed = clock() - started
-        ran_model = self.core.scheduler.counts.steps != steps_before
-        return self._report(outputs, elapsed if ran_model else None)
+        return self._report(outputs, self.core.last_step_seconds)
 
     def report_without_step(self) -> StepReport:
         return self._report([], None)
@@ -144,5 +140,5 @@ class CoreLoop:
             kv_block_copy_bytes=scheduler.kv.block_copy_bytes,
             kv_retained_blocks=scheduler.kv.num_retained_blocks,
             kv_block_retentions=scheduler.kv.block_retentions,
-            batch_token_budget=scheduler.batch_token_budget(),
+            batch_token_budget=scheduler.last_batch_token_budget,
         )

@@ -31,7 +31,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -213,7 +212,7 @@ def _serve(loop: CoreLoop, commands: Connection, reports: Connection, wake_reade
             if ran:
                 reports.send(loop.report_without_step())
         if loop.has_work_now():
-            reports.send(loop.step(time.perf_counter))
+            reports.send(loop.step())
 
 
 def runs_loop_process(settings: EngineSettings) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import Callable
 
 from cachet.engine.core_loop import CoreLoop
@@ -64,7 +63,7 @@ class ThreadHost:
                 if self._run_commands(block=not loop.has_work_now(), event_loop=event_loop, deliver=deliver):
                     event_loop.call_soon_threadsafe(deliver, loop.report_without_step())
                 if loop.has_work_now():
-                    event_loop.call_soon_threadsafe(deliver, loop.step(time.perf_counter))
+                    event_loop.call_soon_threadsafe(deliver, loop.step())
         except BaseException as error:  # noqa: BLE001 - a dead loop must be visible, not silent
             log.exception("engine loop died")
             event_loop.call_soon_threadsafe(failed, error)

@@ -73,6 +73,8 @@ class EngineCore:
     # Disaggregated prefill: answers held until their KV is delivered or written (kv_handoff).
     _handoffs: KvHandOffs | None = field(init=False, default=None)
     _sender: KvSender | None = field(init=False, default=None)
+    # The last step's time, start to outputs; None when it ran no model (nothing scheduled).
+    last_step_seconds: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         pool = BlockPool(self.runner.num_kv_blocks, enable_caching=self.enable_prefix_caching)
@@ -185,9 +187,11 @@ class EngineCore:
         if self._handoffs is not None:
             self._handoffs.after_execute()
         outputs = self._postprocess(plan, result)
+        self.last_step_seconds = None
         if plan.num_scheduled_tokens:
+            self.last_step_seconds = time.perf_counter() - started
             # The whole step, as an arrival waits for it: what sizes batch work beside interactive work.
-            self.scheduler.step_cost.observe(plan.total_scheduled_tokens, time.perf_counter() - started)
+            self.scheduler.step_cost.observe(plan.total_scheduled_tokens, self.last_step_seconds)
         self._check_when_idle()
         return outputs
 

@@ -193,7 +193,7 @@ def build_core_loop(
             max_num_batched_tokens=settings.max_num_batched_tokens
             or (GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS),
             max_batch_tokens_per_step=settings.max_batch_tokens_per_step,
-            batch_step_allowance=settings.batch_step_allowance,
+            batch_step_allowance=settings.batch_step_allowance or SchedulerConfig.batch_step_allowance,
             max_num_seqs=settings.max_num_seqs,
             max_batch_running=settings.max_batch_running,
             max_waiting=settings.max_waiting,

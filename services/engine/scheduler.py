@@ -233,6 +233,8 @@ class Scheduler:
         self.counts = SchedulerCounts()
         # The engine reports each step's tokens and time here (EngineCore.step).
         self.step_cost = StepCostModel()
+        # What the last schedule() capped batch work at beside interactive work (the gauge's value).
+        self.last_batch_token_budget = self.batch_token_budget()
 
     # ---------------------------------------------------------------- requests
 
@@ -300,7 +302,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # The cap protects interactive traffic; with none about, batch work takes whole steps.
         interactive = self.waiting.num_interactive or any(r.interactive for r in self.running)
-        plan = _PlanBuilder(budget, batch_budget=self.batch_token_budget() if interactive else budget)
+        self.last_batch_token_budget = self.batch_token_budget()
+        plan = _PlanBuilder(budget, batch_budget=self.last_batch_token_budget if interactive else budget)
         num_running = len(self.running)
         hold_batch = self._interactive_can_start()
         self._schedule_running(plan, hold_batch=hold_batch)

@@ -60,7 +60,8 @@ class EngineSettings(ServiceSettings):
     # Beside interactive work, async-queue work may lengthen a step by at most this many times
     # the step's fixed cost, by the step costs measured (cachet.engine.step_cost): lower keeps
     # interactive first tokens closer to their time without a backlog, higher drains it faster.
-    batch_step_allowance: float = Field(default=0.75, gt=0)
+    # Unset: the scheduler's default (SchedulerConfig, where its measurements are).
+    batch_step_allowance: float | None = Field(default=None, gt=0)
     max_waiting: int = Field(default=256, ge=1)
     # Batch (async queue) work starts only while fewer than this share of max_num_seqs run;
     # the seats above stay open to interactive arrivals. Reported to routers, whose
