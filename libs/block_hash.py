@@ -43,13 +43,21 @@ def _digest(*parts: bytes) -> int:
     return int.from_bytes(hasher.digest(), "little")
 
 
-def hash_seed(model: str, cache_salt: str = "", *, reproducible: bool = False) -> int:
+def hash_seed(model: str, cache_salt: str = "", *, reproducible: str = "") -> int:
     """Seed of a model's hash chain; anything that changes the KV belongs in it.
-    ``reproducible``: KV computed in batch-invariant steps (greedy and seeded requests), which
-    a cold run of the same request computes bit for bit; other steps' KV may differ in its last
-    bits, so the two never share blocks."""
+    ``reproducible``: for KV computed in batch-invariant steps (greedy and seeded requests),
+    what computed it (``EngineInfo.reproducible_kernels``: the device and its kernels' builds).
+    A cold run of the same request on the same kind of host computes it bit for bit; another
+    kind's kernels sum in other orders, and other steps' KV may differ in its last bits, so
+    none of them share blocks. Empty: KV from steps that are not batch-invariant."""
     if reproducible:
-        return _digest(b"cachet-block-hash-v1", model.encode(), cache_salt.encode(), b"batch-invariant")
+        return _digest(
+            b"cachet-block-hash-v1",
+            model.encode(),
+            cache_salt.encode(),
+            b"batch-invariant",
+            reproducible.encode(),
+        )
     return _digest(b"cachet-block-hash-v1", model.encode(), cache_salt.encode())
 
 
@@ -132,7 +140,7 @@ def block_hashes(
     cache_salt: str = "",
     start_parent: int = _NO_PARENT,
     images: Sequence[ImageSpan] = (),
-    reproducible: bool = False,
+    reproducible: str = "",
 ) -> list[int]:
     """Chained hashes of every full block of ``token_ids``, block 0 first; ``images``: the
     prompt's images (their placeholder tokens are in ``token_ids``)."""

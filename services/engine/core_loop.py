@@ -72,6 +72,7 @@ class CoreLoop:
             vocab_size=getattr(runner, "vocab_size", 0),
             image_input=getattr(runner, "image_input", None),
             shared_tier_id=getattr(getattr(runner, "shared_kv", None), "tier_id", ""),
+            reproducible_kernels=getattr(runner, "reproducible_kernels", ""),
         )
 
     def run(self, command_id: int, command: Command) -> Reply:

@@ -101,6 +101,16 @@ def _isa_flags(name: str) -> tuple[str, list[str]]:
     return next((isa, flags) for isa, flags in sets if rank(isa) >= rank(wanted))
 
 
+def kernel_builds() -> str:
+    """Each kernel as this host runs it (``name=isa``, or ``name=torch`` where it did not build
+    and torch's ops serve) and the instruction set torch's own vector ops dispatch to: what
+    fixes the order of a step's sums here, so what names KV from batch-invariant steps."""
+    import torch
+
+    builds = [f"{name}={_isa_flags(name)[0] if load_cpu_kernel(name) else 'torch'}" for name in KERNELS]
+    return ",".join([*builds, f"aten={torch.backends.cpu.get_cpu_capability()}"])
+
+
 @functools.cache
 def load_cpu_kernel(name: str) -> ModuleType | None:
     """Kernel ``name`` of ``KERNELS`` (built first if this environment has none), or None where

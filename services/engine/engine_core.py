@@ -87,7 +87,7 @@ class EngineCore:
             shared_tier=getattr(self.runner, "shared_kv", None),
             received=getattr(getattr(self.runner, "kv_receiver", None), "blocks", None),
             block_bytes=getattr(self.runner, "kv_block_bytes", 0),
-            batch_invariant=getattr(self.runner, "batch_invariant", False),
+            reproducible_kernels=getattr(self.runner, "reproducible_kernels", ""),
         )
         self.scheduler = Scheduler(kv, self.scheduler_config)
         if kv.shared_tier is not None:

@@ -80,15 +80,16 @@ class KVCacheManager:
         received: ReceivedBlocks | None = None,
         block_bytes: int = 0,
         clock: Callable[[], float] = time.time,
-        batch_invariant: bool = False,
+        reproducible_kernels: str = "",
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = pool
         self.model = model
         self.block_size = block_size
-        # Greedy and seeded requests' KV comes from batch-invariant steps: named apart.
-        self.batch_invariant = batch_invariant
+        # Greedy and seeded requests' KV comes from batch-invariant steps, run by these kernels
+        # (ModelRunner.reproducible_kernels; empty: no such steps): named apart.
+        self.reproducible_kernels = reproducible_kernels
         self.host_tier = host_tier if pool.enable_caching else None
         if shared_tier is not None and self.host_tier is None:
             raise ValueError("a shared KV tier loads into the host tier: it needs one")
@@ -514,7 +515,7 @@ class KVCacheManager:
         from the request: a hash names KV, so one the caller chose would serve it whatever
         prompt (or tenant's salt) owns the block, and the only check is to recompute it. The
         router's may differ anyway (it guesses a request left to the model's default temperature
-        as sampled, and does not know whether this replica runs batch-invariant steps), and it
+        as sampled, and hashes with one replica's ``reproducible_kernels`` for all), and it
         hashes only with several replicas. Cost: 0.5 ms per 8,192-token prompt (docs/ARCHITECTURE.md,
         "The prefix block hash")."""
         num_full = request.num_tokens // self.block_size
@@ -530,7 +531,7 @@ class KVCacheManager:
         )
 
     def _hash_seed(self, request: Request) -> int:
-        reproducible = self.batch_invariant and request.sampling.reproducible
+        reproducible = self.reproducible_kernels if request.sampling.reproducible else ""
         return hash_seed(self.model, request.cache_salt, reproducible=reproducible)
 
     # -------------------------------------------------------------- invariants

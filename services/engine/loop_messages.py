@@ -119,6 +119,8 @@ class EngineDescription:
     image_input: ImageInputSpec | None = None
     # The shared KV folder's id and layout key (shared_kv_tier.SharedKvFiles.tier_id); "": none.
     shared_tier_id: str = ""
+    # What runs its batch-invariant steps (ModelRunner.reproducible_kernels); "": none.
+    reproducible_kernels: str = ""
 
 
 Message = Reply | StepReport

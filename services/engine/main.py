@@ -46,6 +46,7 @@ def engine_info(
         device=description.device,
         role=role,
         kv_transfer_address=kv_transfer_address,
+        reproducible_kernels=description.reproducible_kernels,
     )
 
 

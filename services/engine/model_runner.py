@@ -33,6 +33,7 @@ from cachet.engine.attention import (
     kv_cache_bytes_per_block,
 )
 from cachet.engine.cpu_features import cpu_has_native_bf16
+from cachet.engine.cpu_kernels import kernel_builds
 from cachet.engine.cuda_graphs import DecodeGraphs
 from cachet.engine.host_kv_blocks import HostKvBlocks
 from cachet.engine.image_embeddings import ImageEmbeddings, ImageEncoder, ScheduledSpan
@@ -40,7 +41,12 @@ from cachet.engine.kv_cache_budget import KvCacheBudget
 from cachet.engine.kv_transfer import KvReceiver, KvSender
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.models.kimi_vision import normalized_patches
-from cachet.engine.packed_linear import invariant_rows, pack_linear_weights, packs_linear_weights
+from cachet.engine.packed_linear import (
+    invariant_rows,
+    pack_linear_weights,
+    packs_linear_weights,
+    tile_unit_products,
+)
 from cachet.engine.paged_decode_kernel import load_paged_decode_kernel, prefill_in_place_is_faster
 from cachet.engine.prefill_attention_kernel import prefill_kernel_fits
 from cachet.engine.prompt_images import ImageInputSpec, PromptImage
@@ -78,6 +84,16 @@ class _RequestState:
     generator: torch.Generator | None
     num_computed_tokens: int
     images: tuple[PromptImage, ...] = ()
+
+
+def reproducible_kernels(device: torch.device) -> str:
+    """What computes a batch-invariant step's sums on ``device``: a GPU's name, or a CPU's kernel
+    builds and whether products run on AMX's tile unit (``packed_linear``)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type != "cpu":
+        return device.type
+    return f"cpu:{kernel_builds()},tile_unit={int(tile_unit_products())}"
 
 
 class ModelRunner:
@@ -179,6 +195,9 @@ class ModelRunner:
             and prefill_in_place_is_faster(self.dtype, self.config.head_dim)
         )
         self.batch_invariant = batch_invariant
+        # Names this replica's batch-invariant KV (block hashes, EngineInfo): a host of another
+        # kind sums in other orders, so its blocks must never stand in for these.
+        self.reproducible_kernels = reproducible_kernels(self.device) if batch_invariant else ""
         if batch_invariant and not self.decode_in_place:
             log.warning(
                 "greedy decoding is not batch-invariant here: prefill attention runs SDPA, whose "

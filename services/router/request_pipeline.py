@@ -476,15 +476,15 @@ class RequestPipeline:
         reproducible: bool = False,
     ) -> dict[str, float]:
         block_size = engine.block_size or DEFAULT_BLOCK_SIZE
-        # The engine names its blocks with the same salt and images, so the index holds these
-        # very hashes.
+        # The engine names its blocks with the same salt, images and batch-invariant kernels, so
+        # the index holds these very hashes.
         hashes = block_hashes(
             prompt,
             engine.model,
             block_size=block_size,
             cache_salt=cache_salt,
             images=images,
-            reproducible=reproducible,
+            reproducible=engine.reproducible_kernels if reproducible else "",
         )
         if not hashes:
             return {}

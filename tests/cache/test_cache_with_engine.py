@@ -99,7 +99,9 @@ async def test_the_index_mirrors_a_real_engine_and_forgets_it_when_killed(engine
     info = await engine_stub.GetEngineInfo(
         engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120
     )
-    chain = block_hashes(PROMPT, info.model, block_size=info.block_size, reproducible=True)
+    chain = block_hashes(
+        PROMPT, info.model, block_size=info.block_size, reproducible=info.reproducible_kernels
+    )
     assert len(chain) == 64 // info.block_size
 
     # Nothing is cached before the first request. (Whether the cache subscribed before or after
@@ -180,7 +182,7 @@ async def test_the_index_follows_blocks_into_the_host_and_shared_tiers(tmp_path)
         assert info.total_kv_blocks == 5
         first, second = PROMPT, list(range(2000, 2064))
         chains = [
-            block_hashes(p, info.model, block_size=info.block_size, reproducible=True)
+            block_hashes(p, info.model, block_size=info.block_size, reproducible=info.reproducible_kernels)
             for p in (first, second)
         ]
 
@@ -262,7 +264,9 @@ async def test_a_block_one_replica_wrote_to_the_shared_folder_is_credited_to_eve
             engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120
         )
         await stubs[1].GetEngineInfo(engine_pb2.GetEngineInfoRequest(), wait_for_ready=True, timeout=120)
-        chain = block_hashes(PROMPT, info.model, block_size=info.block_size, reproducible=True)
+        chain = block_hashes(
+            PROMPT, info.model, block_size=info.block_size, reproducible=info.reproducible_kernels
+        )
 
         async def generate(stub, request_id: str) -> int:
             request = engine_pb2.GenerateRequest(

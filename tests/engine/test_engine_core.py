@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 from test_block_pool import replay
 from test_scheduler import SimulatedRunner, reference_output

@@ -110,7 +110,9 @@ async def test_kv_events_name_the_blocks_the_engine_stored(engine: ServiceProces
         events.cancel()
         stored = {h for event in snapshot.events for h in event.stored.block_hashes}
         assert snapshot.sequence_number == 0 and snapshot.model == "tiny-llama"
-        assert set(block_hashes(prompt, "tiny-llama", reproducible=True)) <= stored
+        info = await stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest())
+        assert info.reproducible_kernels.startswith("cpu:")  # greedy: batch-invariant steps
+        assert set(block_hashes(prompt, "tiny-llama", reproducible=info.reproducible_kernels)) <= stored
 
 
 async def test_abort_by_cancel_and_by_id(engine: ServiceProcess) -> None:

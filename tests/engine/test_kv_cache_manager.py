@@ -16,18 +16,20 @@ from cachet.engine.sampling_params import SamplingParams
 
 MODEL = "tiny"
 BS = 4
+# What a replica that runs batch-invariant steps names its greedy requests' KV by.
+KERNELS = "cpu:panel_linear=avx2"
 
 
 def make_request(request_id: str, prompt: list[int], salt: str = "") -> Request:
     return Request(request_id, list(prompt), SamplingParams(), max_tokens=16, cache_salt=salt)
 
 
-def make_kv(num_blocks: int, *, caching: bool = True, batch_invariant: bool = False) -> KVCacheManager:
+def make_kv(num_blocks: int, *, caching: bool = True, reproducible_kernels: str = "") -> KVCacheManager:
     return KVCacheManager(
         BlockPool(num_blocks, enable_caching=caching),
         model=MODEL,
         block_size=BS,
-        batch_invariant=batch_invariant,
+        reproducible_kernels=reproducible_kernels,
     )
 
 
@@ -165,7 +167,7 @@ def test_no_copy_from_a_request_whose_block_holds_other_kv(differs):
         first.images = (PromptImage(8, 1, 1, 1, b"", bytes(32)),)
         other.images = (PromptImage(8, 1, 1, 1, b"", bytes([1]) * 32),)
     if differs == "batch-invariant":
-        kv = make_kv(8, batch_invariant=True)
+        kv = make_kv(8, reproducible_kernels=KERNELS)
         first.sampling = SamplingParams(temperature=0.0)
     if differs == "not computed yet":
         hits, _ = kv.get_computed_blocks(first)
@@ -182,13 +184,31 @@ def test_no_copy_from_a_request_whose_block_holds_other_kv(differs):
 
 @pytest.mark.parametrize("differs", ["salt", "batch-invariant"])
 def test_no_copy_of_a_first_block_from_another_chain(differs):
-    kv = make_kv(8, batch_invariant=differs == "batch-invariant")
+    kv = make_kv(8, reproducible_kernels=KERNELS if differs == "batch-invariant" else "")
     first = make_request("choice-0", PROMPT[:3], salt="s" if differs == "salt" else "")
     if differs == "batch-invariant":
         first.sampling = SamplingParams(temperature=0.0)
     admit(kv, first)
     other = make_request("choice-1", PROMPT[:3])
     assert kv.get_computed_blocks(other, [first]) == ([], 0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_only_greedy_blocks_are_named_by_the_kernels_that_computed_them(temperature):
+    # Blocks in a shared tier or pushed between replicas carry their hash: a host whose kernels
+    # sum in other orders must not take a greedy request's, while sampled ones stay shareable.
+    here, there = (
+        make_kv(8, reproducible_kernels=KERNELS),
+        make_kv(8, reproducible_kernels="cpu:panel_linear=avx512"),
+    )
+    names = []
+    for kv in (here, there):
+        request = make_request("r", PROMPT)
+        request.sampling = SamplingParams(temperature=temperature)
+        admit(kv, request)
+        names.append(request.block_hashes)
+    assert len(names[0]) == 2
+    assert (names[0] == names[1]) == (temperature != 0.0)
 
 
 def test_a_request_freed_before_its_plan_drops_its_copy():

@@ -291,11 +291,7 @@ def test_a_tp2_replica_serves_another_ones_prompt_from_its_ranks_shards_in_the_s
     first = _engine(model_dir, tmp_path, 2, "engine-tp2-a", env=env)
     try:
         with grpc.insecure_channel(first.address) as channel:
-            model = (
-                engine_pb2_grpc.EngineServiceStub(channel)
-                .GetEngineInfo(engine_pb2.GetEngineInfoRequest())
-                .model
-            )
+            info = engine_pb2_grpc.EngineServiceStub(channel).GetEngineInfo(engine_pb2.GetEngineInfoRequest())
         want = [_generate_at(first.address, f"cold-{i}", prompt) for i, prompt in enumerate([whole, damaged])]
         rank_folders = sorted(
             (f for f in shared.iterdir() if f.is_dir()), key=lambda folder: folder.name[-6:]
@@ -310,7 +306,7 @@ def test_a_tp2_replica_serves_another_ones_prompt_from_its_ranks_shards_in_the_s
     assert [cached for _, cached in want] == [0, 0]
     # The damaged prompt's second block (greedy: the batch-invariant chain): one byte of rank
     # 1's shard flipped.
-    block_hash = block_hashes(damaged, model, block_size=16, reproducible=True)[1]
+    block_hash = block_hashes(damaged, info.model, block_size=16, reproducible=info.reproducible_kernels)[1]
     shard = rank_folders[1] / f"{block_hash & (2**64 - 1):016x}.kv"
     data = shard.read_bytes()
     broken = data[:-1] + bytes([data[-1] ^ 1])

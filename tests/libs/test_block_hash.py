@@ -124,6 +124,9 @@ def test_images_in_block_takes_every_image_a_block_overlaps_in_order() -> None:
 
 def test_batch_invariant_kv_has_a_chain_of_its_own() -> None:
     tokens = list(range(32))
-    assert block_hashes(tokens, MODEL, reproducible=False) == block_hashes(tokens, MODEL)
-    assert set(block_hashes(tokens, MODEL, reproducible=True)).isdisjoint(block_hashes(tokens, MODEL))
-    assert hash_seed(MODEL, reproducible=True) != hash_seed(MODEL)
+    assert block_hashes(tokens, MODEL, reproducible="") == block_hashes(tokens, MODEL)
+    invariant = block_hashes(tokens, MODEL, reproducible="cpu:a")
+    assert set(invariant).isdisjoint(block_hashes(tokens, MODEL))
+    assert hash_seed(MODEL, reproducible="cpu:a") != hash_seed(MODEL)
+    # Other kernels' batch-invariant steps sum in other orders: a chain of their own too.
+    assert set(invariant).isdisjoint(block_hashes(tokens, MODEL, reproducible="cpu:b"))

@@ -157,7 +157,12 @@ async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cach
     async with (
         create_channel(stack.address("tokenizer")) as tok_channel,
         create_channel(stack.address("cache")) as cache_channel,
+        create_channel(holder) as engine_channel,
     ):
+        engine_info = await engine_pb2_grpc.EngineServiceStub(engine_channel).GetEngineInfo(
+            engine_pb2.GetEngineInfoRequest()
+        )
+        kernels = engine_info.reproducible_kernels  # the request is greedy: batch-invariant steps
         rendered = await tokenizer_pb2_grpc.TokenizerServiceStub(tok_channel).ApplyChatTemplate(
             tokenizer_pb2.ApplyChatTemplateRequest(
                 model=TINY_MODEL_ID, messages=request.messages, add_generation_prompt=True
@@ -165,7 +170,7 @@ async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cach
         )
         # The engine names blocks with the caller's cache salt, so the index holds the salted chain.
         salt = CacheScopes().salt_for(ANONYMOUS_ACCOUNT)
-        hashes = block_hashes(list(rendered.token_ids), TINY_MODEL_ID, cache_salt=salt, reproducible=True)
+        hashes = block_hashes(list(rendered.token_ids), TINY_MODEL_ID, cache_salt=salt, reproducible=kernels)
         cache = cache_pb2_grpc.CacheIndexServiceStub(cache_channel)
 
         async def holders(hashes: list[int]) -> set[str]:
@@ -179,7 +184,7 @@ async def test_second_identical_request_is_placed_on_the_prefix_and_reports_cach
 
         await until(indexed, 10, "the cache index to hold the first prompt")
         # Unsalted, the same prompt names nothing: no other account can find it.
-        assert not await holders(block_hashes(list(rendered.token_ids), TINY_MODEL_ID, reproducible=True))
+        assert not await holders(block_hashes(list(rendered.token_ids), TINY_MODEL_ID, reproducible=kernels))
     # Let a load report (every 200 ms) show the holder idle again: a busy holder may lose on load.
     await asyncio.sleep(0.6)
 

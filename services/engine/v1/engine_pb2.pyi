@@ -664,6 +664,7 @@ class EngineInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _builtins.int
+    REPRODUCIBLE_KERNELS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id."""
     model: _builtins.str
@@ -692,6 +693,12 @@ class EngineInfo(_message.Message):
     CACHET_ENGINE_KV_TRANSFER_PORT; rank 0's, through which every rank pairs); empty: it takes
     KV only through the shared KV tier.
     """
+    reproducible_kernels: _builtins.str
+    """What runs this replica's batch-invariant steps (its device, and on a CPU its kernels'
+    instruction sets), which compute greedy and seeded requests' KV; empty: it runs none. Part
+    of those blocks' hashes: a host of another kind sums in other orders, so replicas share
+    such blocks only where this matches (a router hashing a prompt for placement uses it).
+    """
     def __init__(
         self,
         *,
@@ -706,10 +713,11 @@ class EngineInfo(_message.Message):
         device: _builtins.str = ...,
         role: _builtins.str = ...,
         kv_transfer_address: _builtins.str = ...,
+        reproducible_kernels: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "context_window", b"context_window", "device", b"device", "dtype", b"dtype", "expert_parallel_size", b"expert_parallel_size", "kv_transfer_address", b"kv_transfer_address", "model", b"model", "replica_id", b"replica_id", "role", b"role", "tensor_parallel_size", b"tensor_parallel_size", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "context_window", b"context_window", "device", b"device", "dtype", b"dtype", "expert_parallel_size", b"expert_parallel_size", "kv_transfer_address", b"kv_transfer_address", "model", b"model", "replica_id", b"replica_id", "reproducible_kernels", b"reproducible_kernels", "role", b"role", "tensor_parallel_size", b"tensor_parallel_size", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
