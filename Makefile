@@ -84,12 +84,14 @@ test: setup check-protos $(STAMPS)/browser
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"
 
-# The kernels' tests against every instruction-set build this host runs (AVX512-BF16, AVX-512,
-# AVX2, the baseline), not only the widest one a replica loads: a path only some hosts take is
-# otherwise built on those hosts alone. ~1.5 min a build, so not part of `make test`.
-KERNEL_TESTS = tests/engine/test_panel_linear.py tests/engine/test_fused_token_ops.py
+# The kernels' tests against every instruction-set build this host runs (AMX, AVX512-BF16,
+# AVX-512, AVX2, the baseline), not only the widest one a replica loads: a path only some hosts
+# take is otherwise built on those hosts alone. A kernel without a path for a set builds its
+# widest one below it. ~2.5 min a build, so not part of `make test`.
+KERNEL_TESTS = tests/engine/test_panel_linear.py tests/engine/test_fused_token_ops.py \
+	tests/engine/test_paged_decode_kernel.py tests/engine/test_prefill_attention_kernel.py
 test-kernel-builds: setup
-	@for isa in $$($(PY) -c "from cachet.engine.cpu_kernels import host_instruction_sets as sets; print(*dict.fromkeys(i for k in ('panel_linear', 'fused_token_ops') for i, _ in sets(k)))"); do \
+	@for isa in $$($(PY) -c "from cachet.engine.cpu_kernels import every_host_instruction_set as sets; print(*sets())"); do \
 	  echo "== kernels built for $$isa"; \
 	  CACHET_KERNEL_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
 	done

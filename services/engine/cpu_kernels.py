@@ -87,6 +87,19 @@ def host_instruction_sets(name: str) -> list[tuple[str, list[str]]]:
     return [*sets, ("avx2", avx2), ("base", [])]
 
 
+def every_host_instruction_set() -> list[str]:
+    """Every instruction set some kernel of ``KERNELS`` has a build for on this host, widest
+    first: what ``make test-kernel-builds`` sets ``CACHET_KERNEL_ISA`` to in turn."""
+    sets = {isa for name in KERNELS for isa, _ in host_instruction_sets(name)}
+    return sorted(sets, key=_INSTRUCTION_SETS.index)
+
+
+def instruction_set(name: str) -> str:
+    """The instruction set kernel ``name`` is built for here (``_INSTRUCTION_SETS``): what its
+    paths are, which the host's flags alone do not say under ``CACHET_KERNEL_ISA``."""
+    return _isa_flags(name)[0]
+
+
 def _isa_flags(name: str) -> tuple[str, list[str]]:
     """The instruction set kernel ``name`` is built for here: the widest the host runs, or the
     one ``CACHET_KERNEL_ISA`` names (``make test-kernel-builds``: each in turn)."""
@@ -107,7 +120,7 @@ def kernel_builds() -> str:
     fixes the order of a step's sums here, so what names KV from batch-invariant steps."""
     import torch
 
-    builds = [f"{name}={_isa_flags(name)[0] if load_cpu_kernel(name) else 'torch'}" for name in KERNELS]
+    builds = [f"{name}={instruction_set(name) if load_cpu_kernel(name) else 'torch'}" for name in KERNELS]
     return ",".join([*builds, f"aten={torch.backends.cpu.get_cpu_capability()}"])
 
 

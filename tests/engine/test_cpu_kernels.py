@@ -69,6 +69,12 @@ def test_a_named_instruction_set_builds_each_kernel_for_it_or_the_widest_below_i
     monkeypatch.setenv("CACHET_KERNEL_ISA", "avx512")
     assert _isa_flags("panel_linear") == ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f"])
     assert _isa_flags("fused_token_ops")[0] == "avx2"  # no AVX-512 path without bf16
+    assert cpu_kernels.instruction_set("fused_token_ops") == "avx2"
+    # The sets `make test-kernel-builds` goes through: any kernel's, widest first.
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(avx512_bf16 | {"amx_tile", "amx_bf16"}))
+    assert cpu_kernels.every_host_instruction_set() == ["amx", "avx512bf16", "avx512", "avx2", "base"]
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_kernels.every_host_instruction_set() == ["avx2", "base"]
     monkeypatch.setenv("CACHET_KERNEL_ISA", "base")
     assert _isa_flags("panel_linear") == ("base", [])
     monkeypatch.setenv("CACHET_KERNEL_ISA", "sse9")

@@ -14,17 +14,18 @@ from cachet.engine.attention import PagedAttention, SequenceSpan, allocate_kv_ca
 from cachet.engine.cpu_features import cpu_flags
 from cachet.engine.prefill_attention_kernel import prefill_attention, prefill_kernel_fits
 
-# Built with AVX2 and FMA (or AVX-512) only; elsewhere the engine keeps SDPA, which test_attention
-# covers.
+# Tiles in AVX2 and FMA (or AVX-512) builds only; elsewhere the engine keeps SDPA, which
+# test_attention covers.
 pytestmark = pytest.mark.skipif(
-    not {"avx2", "fma"} <= cpu_flags(), reason="the prompt kernel's tiles are AVX2 or AVX-512"
+    cpu_kernels.instruction_set("prefill_attention") == "base",
+    reason="the prompt kernel's tiles are AVX2 or AVX-512",
 )
 
 
-# bf16 chunks take the kernel on AMX hosts only, where the process may use the tiles (Linux
+# bf16 chunks take the kernel in AMX builds only, where the process may use the tiles (Linux
 # grants their state on request; a sandbox may refuse).
 _kernel = cpu_kernels.load_cpu_kernel("prefill_attention")
-AMX = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= cpu_flags() and bool(
+AMX = cpu_kernels.instruction_set("prefill_attention") == "amx" and bool(
     _kernel is not None and _kernel.supported_bf16(64, 3)
 )
 needs_amx = pytest.mark.skipif(not AMX, reason="the kernel's bf16 path runs on AMX tiles")
