@@ -24,7 +24,7 @@ import fcntl
 import functools
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -114,13 +114,13 @@ def _isa_flags(name: str) -> tuple[str, list[str]]:
     return next((isa, flags) for isa, flags in sets if rank(isa) >= rank(wanted))
 
 
-def kernel_builds() -> str:
-    """Each kernel as this host runs it (``name=isa``, or ``name=torch`` where it did not build
-    and torch's ops serve) and the instruction set torch's own vector ops dispatch to: what
-    fixes the order of a step's sums here, so what names KV from batch-invariant steps."""
+def kernel_builds(names: Iterable[str]) -> str:
+    """Kernels ``names`` as this host runs them (``name=isa``, or ``name=torch`` where one did
+    not build and torch's ops serve) and the instruction set torch's own vector ops dispatch to:
+    what fixes the order of a step's sums here, so what names KV from batch-invariant steps."""
     import torch
 
-    builds = [f"{name}={instruction_set(name) if load_cpu_kernel(name) else 'torch'}" for name in KERNELS]
+    builds = [f"{name}={instruction_set(name) if load_cpu_kernel(name) else 'torch'}" for name in names]
     return ",".join([*builds, f"aten={torch.backends.cpu.get_cpu_capability()}"])
 
 

@@ -86,6 +86,11 @@ class _RequestState:
     images: tuple[PromptImage, ...] = ()
 
 
+# The CPU kernels a batch-invariant step runs: every token's attention through the paged one
+# (never the prompt kernel), products on the panels, the per-token ops.
+_INVARIANT_STEP_KERNELS = ("paged_decode_attention", "panel_linear", "fused_token_ops")
+
+
 def reproducible_kernels(device: torch.device) -> str:
     """What computes a batch-invariant step's sums on ``device``: a GPU's name, or a CPU's kernel
     builds and whether products run on AMX's tile unit (``packed_linear``)."""
@@ -93,7 +98,7 @@ def reproducible_kernels(device: torch.device) -> str:
         return f"cuda:{torch.cuda.get_device_name(device)}"
     if device.type != "cpu":
         return device.type
-    return f"cpu:{kernel_builds()},tile_unit={int(tile_unit_products())}"
+    return f"cpu:{kernel_builds(_INVARIANT_STEP_KERNELS)},tile_unit={int(tile_unit_products())}"
 
 
 class ModelRunner:
