@@ -75,6 +75,7 @@ class EngineHarness:
             cuda_graphs=cuda_graphs,
             paged_decode_kernel=paged_decode_kernel,
             max_decode_batch=max_num_seqs,
+            max_step_tokens=max_batched_tokens,
             host_kv_bytes=int(host_kv_gib * _GIB),
             shared_kv_dir=shared_kv_dir,
             shared_kv_bytes=4 * _GIB,

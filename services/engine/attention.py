@@ -41,6 +41,7 @@ window): the paged kernel's prompt tiles take register tiles there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,10 @@ class AttentionMetadata:
     # Prefill groups do, through the fp32 prompt kernel (``prefill_attention_kernel``), in layers
     # without a sliding window.
     prefill_kernel: bool = False
+    # A padded step whose work between attention calls runs as graphs (``piecewise_graphs``):
+    # each layer's attention hands (itself, q, k, v) here instead of attending, and returns what
+    # this gives back. The step runs attention itself, outside the graphs.
+    split_at: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -326,6 +331,8 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
+        if meta.split_at is not None:
+            return meta.split_at(self, q, k, v)
         if self.kv_cache is None:
             raise RuntimeError("PagedAttention has no KV cache bound; the model runner binds it")
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]

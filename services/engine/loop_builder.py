@@ -130,6 +130,7 @@ def build_runner(
         paged_decode_kernel=settings.paged_decode_kernel,
         batch_invariant=settings.batch_invariant,
         max_decode_batch=settings.max_num_seqs,
+        max_step_tokens=max_step_tokens(settings, device),
         host_kv_bytes=int(settings.kv_host_gb * _GIB / settings.tensor_parallel_size),
         shared_kv_dir=settings.kv_shared_dir,
         shared_kv_bytes=int(settings.kv_shared_gb * _GIB),
@@ -137,6 +138,12 @@ def build_runner(
         kv_transfer_host=settings.host,
     )
     return runner, model, dtype, device
+
+
+def max_step_tokens(settings: EngineSettings, device: torch.device) -> int:
+    """The most tokens one step computes: the scheduler's budget, and what the runner pads to."""
+    default = GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+    return settings.max_num_batched_tokens or default
 
 
 def kv_cache_size(settings: EngineSettings, device: torch.device) -> int | KvCacheBudget:
@@ -190,8 +197,7 @@ def build_core_loop(
         model=model.model_id,
         scheduler_config=SchedulerConfig(
             max_model_len=runner.max_model_len,
-            max_num_batched_tokens=settings.max_num_batched_tokens
-            or (GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS),
+            max_num_batched_tokens=max_step_tokens(settings, device),
             max_batch_tokens_per_step=settings.max_batch_tokens_per_step,
             batch_step_allowance=settings.batch_step_allowance or SchedulerConfig.batch_step_allowance,
             max_num_seqs=settings.max_num_seqs,

@@ -48,6 +48,7 @@ from cachet.engine.packed_linear import (
     tile_unit_products,
 )
 from cachet.engine.paged_decode_kernel import load_paged_decode_kernel, prefill_in_place_is_faster
+from cachet.engine.piecewise_graphs import PiecewiseGraphs
 from cachet.engine.prefill_attention_kernel import prefill_kernel_fits
 from cachet.engine.prompt_images import ImageInputSpec, PromptImage
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
@@ -117,6 +118,7 @@ class ModelRunner:
         paged_decode_kernel: bool = True,
         batch_invariant: bool = False,
         max_decode_batch: int = 64,
+        max_step_tokens: int = 2048,
         host_kv_bytes: int = 0,
         shared_kv_dir: Path | None = None,
         shared_kv_bytes: int = 0,
@@ -127,7 +129,9 @@ class ModelRunner:
         are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
         dtype allow it (``packed_linear``). ``cuda_graphs``: replay decode steps of up to
         ``max_decode_batch`` requests from fixed-shape steps (``cuda_graphs``), captured as
-        CUDA graphs on a CUDA device and run eagerly elsewhere; ignored for models that opt
+        CUDA graphs on a CUDA device and run eagerly elsewhere, and steps of up to
+        ``max_step_tokens`` tokens that hold prompt tokens from padded steps whose work between
+        attention calls is captured likewise (``piecewise_graphs``); ignored for models that opt
         out and for tensor-parallel replicas. ``paged_decode_kernel``: on a CPU, decodes read
         the KV cache in place (``paged_decode_kernel``) rather than through a gather, where the
         kernel builds and the model's cache layout allows, and so do fp32 prompt chunks where the
@@ -230,6 +234,11 @@ class ModelRunner:
             kv_transfer_port, kv_transfer_host, host_kv_bytes, Path(model_dir).name, tp
         )
         self.decode_graphs = self._capture_decode_graphs(max_decode_batch) if use_graphs else None
+        self.step_graphs = (
+            self._capture_step_graphs(max_step_tokens, max_decode_batch)
+            if use_graphs and getattr(self.model, "supports_piecewise_graphs", True)
+            else None
+        )
         self.image_input, self.image_encoder = self._image_input()
 
     def _image_input(self) -> tuple[ImageInputSpec | None, ImageEncoder | None]:
@@ -356,6 +365,13 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
+    def _capture_step_graphs(self, max_step_tokens: int, max_samples: int) -> PiecewiseGraphs:
+        graphs = PiecewiseGraphs(
+            self.model, max_tokens=max_step_tokens, max_samples=max_samples, device=self.device
+        )
+        graphs.capture()
+        return graphs
+
     def _kv_cache_bytes_per_block(self) -> int:
         per_token = self.model.kv_cache_shape_per_token()
         if per_token is not None:
@@ -454,14 +470,23 @@ class ModelRunner:
                 every_token_in_place=self.decode_in_place and (invariant or self.prefill_in_place),
                 prefill_kernel=self.prefill_kernel,
             )
-            products = invariant_rows() if invariant else contextlib.nullcontext()
-            with torch.inference_mode(), products:
-                logits = self.model(
-                    torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                    torch.cat(positions).to(self.device),
-                    meta,
-                    images,
-                )
+            padded = (
+                self.step_graphs.tokens_for(len(input_ids), len(samplers))
+                if self.step_graphs is not None and images is None and not invariant
+                else None
+            )
+            if padded is not None:
+                assert self.step_graphs is not None  # a padded count comes only from the graphs
+                logits = self.step_graphs.run(padded, input_ids, torch.cat(positions), meta)
+            else:
+                products = invariant_rows() if invariant else contextlib.nullcontext()
+                with torch.inference_mode(), products:
+                    logits = self.model(
+                        torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                        torch.cat(positions).to(self.device),
+                        meta,
+                        images,
+                    )
         for rid, num_new in plan.num_scheduled_tokens.items():
             self._requests[rid].num_computed_tokens += num_new
         return logits, samplers

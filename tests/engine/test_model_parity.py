@@ -16,6 +16,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2C
 
 from cachet.engine import cuda_graphs
 from cachet.engine.model_runner import ModelRunner
+from cachet.engine.piecewise_graphs import captured_token_counts
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.step_plan import NewRequest, RunningRequestDiff, StepPlan
 
@@ -316,6 +317,58 @@ def test_decode_steps_outside_the_captured_shapes_run_eagerly(
     assert 0 < runner.decode_graphs.runs < NEW_TOKENS * 3
     for rid, req in reqs.items():
         assert req.output == hf_greedy(checkpoints["llama-tied"], req.prompt), rid
+
+
+def test_captured_token_counts_double_then_step_by_256() -> None:
+    assert captured_token_counts(2048) == [8, 16, 32, 64, 128, 256, *range(512, 2048, 256), 2048]
+    assert captured_token_counts(24) == [8, 16, 24]
+    assert captured_token_counts(600) == [8, 16, 32, 64, 128, 256, 512, 600]
+
+
+@pytest.mark.parametrize("variant", ["llama-untied", "qwen2-bias", "rope-dynamic"])
+def test_prompt_steps_padded_and_split_at_attention_match_hf(
+    checkpoints: dict[str, Path], variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What piecewise CUDA graphs replay, run eagerly on the CPU: prompt and mixed steps padded to
+    # 8, 16 or 24 tokens, attention taken out of each layer and run on the real tokens only.
+    # Request b's 30-token prompt comes in 8-token chunks beside a's and c's decodes; c's whole
+    # 17-token prompt fits 24; decode steps of 3 go to the decode graphs' batch of 4.
+    monkeypatch.setattr(cuda_graphs, "MIN_CAPTURED_KV_LEN", 16)
+    runner = runner_for(
+        checkpoints[variant], block_size=8, cuda_graphs=True, max_decode_batch=4, max_step_tokens=24
+    )
+    assert runner.step_graphs is not None
+    assert runner.step_graphs.token_counts == [8, 16, 24]
+    reqs = staggered_decoders()
+    reqs["d"] = SimRequest(prompt(15, 40), start_step=6)  # 40 tokens at once: past 24, eager
+    drive(runner, reqs)
+    assert runner.step_graphs.runs >= 4
+    for rid, req in reqs.items():
+        assert req.output == hf_greedy(checkpoints[variant], req.prompt), rid
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["llama-untied", "rope-dynamic"])
+def test_cuda_piecewise_graph_steps_match_hf(
+    checkpoints: dict[str, Path], variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cuda_graphs, "MIN_CAPTURED_KV_LEN", 16)
+    runner = runner_for(
+        checkpoints[variant],
+        block_size=8,
+        device="cuda",
+        cuda_graphs=True,
+        max_decode_batch=4,
+        max_step_tokens=24,
+    )
+    reqs = staggered_decoders()
+    reqs["d"] = SimRequest(prompt(15, 40), start_step=6)
+    drive(runner, reqs)
+    assert runner.step_graphs is not None
+    assert runner.step_graphs.replays >= 4
+    assert runner.step_graphs.replays == runner.step_graphs.runs
+    for rid, req in reqs.items():
+        assert req.output == hf_greedy(checkpoints[variant], req.prompt), rid
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -151,6 +151,10 @@ class Gemma3Model(DecoderModel):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    # Its forward bands the step's metadata for the sliding layers outside attention, which a
+    # step replayed between attention calls would not redo (piecewise_graphs).
+    supports_piecewise_graphs = False
+
     def __init__(self, config: ModelConfig, tp: TensorParallelRank = SINGLE_RANK) -> None:
         if config.gemma3 is None:
             raise ValueError(f"model_type {config.model_type!r} has no Gemma 3 settings")
