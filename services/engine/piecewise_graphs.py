@@ -53,8 +53,8 @@ def captured_token_counts(max_tokens: int) -> list[int]:
 
 @dataclass
 class _Split:
-    """One attention call between two pieces: its module, the q/k/v the piece before it leaves
-    in place, and the buffer the piece after it reads the output from."""
+    """One attention call between two pieces: its module, where the piece before it leaves
+    q/k/v, and where the piece after it reads the output from."""
 
     attention: nn.Module
     q: torch.Tensor
@@ -67,6 +67,33 @@ class _Split:
         self.out[:n].copy_(self.attention(self.q[:n], self.k[:n], self.v[:n], meta))
 
 
+class _SharedBuffers:
+    """The tensors that cross a piece's edge, one set for every layer and token count.
+
+    Each piece copies its q/k/v into these and reads the attention's output from here, so what
+    a capture leaves in the graphs' memory pool is only what lives inside one piece, which the
+    other token counts' captures reuse. A set per layer and count would hold every count's q/k/v
+    and output at once: gigabytes for an 8B model. One set is safe because a step replays its
+    pieces in order, and a piece reads the output before its own attention overwrites it."""
+
+    def __init__(self, max_tokens: int, max_samples: int) -> None:
+        self.max_tokens = max_tokens
+        self.max_samples = max_samples
+        self._tensors: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    def token_rows(self, role: str, like: torch.Tensor) -> torch.Tensor:
+        return self._rows(role, like, self.max_tokens)
+
+    def sample_rows(self, like: torch.Tensor) -> torch.Tensor:
+        return self._rows("logits", like, self.max_samples)
+
+    def _rows(self, role: str, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        key = (role, tuple(like.shape[1:]), like.dtype)
+        if key not in self._tensors:
+            self._tensors[key] = torch.zeros(capacity, *like.shape[1:], dtype=like.dtype, device=like.device)
+        return self._tensors[key][: like.shape[0]]
+
+
 class _PaddedStep:
     """One token count's fixed buffers, the metadata the pieces read, and once captured its graphs.
 
@@ -74,9 +101,12 @@ class _PaddedStep:
     copy; the tokens' sequence lengths (dynamic RoPE reads them) and the sampled rows come
     from the step's own metadata, already on the device."""
 
-    def __init__(self, model: nn.Module, tokens: int, samples: int, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, tokens: int, samples: int, shared: _SharedBuffers, device: torch.device
+    ) -> None:
         self.model = model
         self.tokens = tokens
+        self.shared = shared
         self.inputs = torch.zeros(2 * tokens, dtype=torch.int64, device=device)
         self.host_inputs = torch.zeros_like(self.inputs, device="cpu")
         if device.type == "cuda":
@@ -94,53 +124,70 @@ class _PaddedStep:
         self.splits: list[_Split] = []
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.logits: torch.Tensor | None = None
-        # The real step's token count and metadata while it runs eagerly; None: a warm-up pass.
+        # The real step's token count and metadata while it runs eagerly; None: a pass that
+        # leaves attention out (warming up, or naming the shared buffers' shapes).
         self._step: tuple[int, AttentionMetadata] | None = None
-
-    def _forward(self) -> None:
-        self.splits = []
-        self.logits = self.model(self.input_ids, self.positions, self.meta)
 
     def _split_eagerly(
         self, attention: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         split = _Split(attention, q, k, v, torch.zeros_like(q))
-        self.splits.append(split)
         if self._step is not None:
             split.attend(*self._step)
         return split.out
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> torch.Tensor:
         """One pass with attention left out, so lazy state (cuBLAS handles, rotary tables) exists
-        before a capture, which may not create it."""
+        before a capture, which may not create it. Returns the logits it made."""
         self._step = None
-        self._forward()
+        return self.model(self.input_ids, self.positions, self.meta)
+
+    def allocate_shared(self) -> None:
+        """Create the shared buffers at this count's shapes (call it on the largest count, before
+        any capture, so that they are allocated outside the graphs' pool)."""
+
+        def name_shapes(
+            attention: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            for role, tensor in (("q", q), ("k", k), ("v", v), ("out", q)):
+                self.shared.token_rows(role, tensor)
+            return torch.zeros_like(q)
+
+        self.meta.split_at = name_shapes
+        try:
+            self.shared.sample_rows(self.warm_up())
+        finally:
+            self.meta.split_at = self._split_eagerly
 
     def capture(self, pool: tuple[int, int]) -> None:
-        """Record the pieces: each attention call ends the graph in progress and starts the next.
-
-        The output buffer of each split is allocated between captures, outside the pool: the
-        piece after it reads it, and nothing the pool hands out later may overlap it."""
+        """Record the pieces: each attention call ends the graph in progress and starts the next."""
+        shared = self.shared
         graphs = [torch.cuda.CUDAGraph()]
+        splits: list[_Split] = []
 
         def split_into_next_graph(
             attention: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
+            q_in, k_in, v_in = shared.token_rows("q", q), shared.token_rows("k", k), shared.token_rows("v", v)
+            q_in.copy_(q)
+            k_in.copy_(k)
+            v_in.copy_(v)
             graphs[-1].capture_end()
-            split = _Split(attention, q, k, v, torch.zeros_like(q))
-            self.splits.append(split)
+            splits.append(_Split(attention, q_in, k_in, v_in, shared.token_rows("out", q)))
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=pool)
-            return split.out
+            return splits[-1].out
 
         self.meta.split_at = split_into_next_graph
         try:
             graphs[0].capture_begin(pool=pool)
-            self._forward()
+            made = self.model(self.input_ids, self.positions, self.meta)
+            logits = shared.sample_rows(made)
+            logits.copy_(made)
             graphs[-1].capture_end()
         finally:
             self.meta.split_at = self._split_eagerly
-        self.graphs = graphs
+        self.graphs, self.splits, self.logits = graphs, splits, logits
 
     def load(self, input_ids: list[int], positions: torch.Tensor, meta: AttentionMetadata) -> None:
         n, samples = len(input_ids), meta.sample_indices.numel()
@@ -153,18 +200,20 @@ class _PaddedStep:
         self.sample_indices[:samples].copy_(meta.sample_indices)
         self.sample_indices[samples:].zero_()
 
-    def run(self, num_tokens: int, meta: AttentionMetadata) -> None:
+    def run(self, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The logits of every sampled row, padding rows included (``len(sample_indices)``)."""
         if not self.graphs:
             self._step = (num_tokens, meta)
             try:
-                self._forward()
+                return self.model(self.input_ids, self.positions, self.meta)
             finally:
                 self._step = None
-            return
         for graph, split in zip(self.graphs, self.splits, strict=False):
             graph.replay()
             split.attend(num_tokens, meta)
         self.graphs[-1].replay()
+        assert self.logits is not None  # captured with the graphs
+        return self.logits
 
 
 class PiecewiseGraphs:
@@ -174,8 +223,9 @@ class PiecewiseGraphs:
     def __init__(self, model: nn.Module, *, max_tokens: int, max_samples: int, device: torch.device) -> None:
         self.device = device
         self.token_counts = captured_token_counts(max_tokens)
+        shared = _SharedBuffers(max_tokens, max_samples)
         self._steps = {
-            tokens: _PaddedStep(model, tokens, min(tokens, max_samples), device)
+            tokens: _PaddedStep(model, tokens, min(tokens, max_samples), shared, device)
             for tokens in self.token_counts
         }
         # Steps run padded, and how many of them were graph replays.
@@ -195,6 +245,7 @@ class PiecewiseGraphs:
         with torch.inference_mode(), torch.cuda.stream(side):
             for tokens in counts:
                 self._steps[tokens].warm_up()
+            self._steps[counts[0]].allocate_shared()
             torch.cuda.synchronize(self.device)
             for tokens in counts:
                 self._steps[tokens].capture(pool)
@@ -222,8 +273,7 @@ class PiecewiseGraphs:
         step = self._steps[tokens]
         step.load(input_ids, positions, meta)
         with torch.inference_mode():
-            step.run(len(input_ids), meta)
+            logits = step.run(len(input_ids), meta)
         self.runs += 1
         self.replays += bool(step.graphs)
-        assert step.logits is not None  # every run sets them
-        return step.logits[: meta.sample_indices.numel()]
+        return logits[: meta.sample_indices.numel()]
