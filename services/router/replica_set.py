@@ -245,6 +245,15 @@ class ReplicaSet:
         """Configured replicas last known to serve ``model``, up or not (a session's home set)."""
         return [r.address for r in self._replicas.values() if r.info is not None and r.info.model == model]
 
+    def reproducible_kernels_serving(self, model: str) -> set[str]:
+        """The batch-invariant kernels (``EngineInfo.reproducible_kernels``) of the replicas last
+        known to serve ``model``: one value where every host is of one kind."""
+        return {
+            r.info.reproducible_kernels
+            for r in self._replicas.values()
+            if r.info is not None and r.info.model == model
+        }
+
     def engine_info(self, model: str) -> engine_pb2.EngineInfo | None:
         """Facts of some replica serving ``model`` (replicas of one model share them)."""
         for replica in self._replicas.values():

@@ -475,16 +475,37 @@ class RequestPipeline:
         images: Sequence[ImageSpan] = (),
         reproducible: bool = False,
     ) -> dict[str, float]:
-        block_size = engine.block_size or DEFAULT_BLOCK_SIZE
         # The engine names its blocks with the same salt, images and batch-invariant kernels, so
-        # the index holds these very hashes.
+        # the index holds these very hashes. A greedy prompt's blocks are named by the kernels
+        # that computed them: replicas on hosts of other kinds hold other chains, one query each.
+        kinds = {engine.reproducible_kernels} if reproducible else {""}
+        if reproducible and self._replicas is not None:
+            kinds |= self._replicas.reproducible_kernels_serving(engine.model)
+        matched = await asyncio.gather(
+            *(self._match_prefix(engine, prompt, cache_salt, images, kind) for kind in sorted(kinds))
+        )
+        cached: dict[str, float] = {}
+        for by_address in matched:
+            for address, value in by_address.items():
+                cached[address] = max(value, cached.get(address, 0.0))
+        return cached
+
+    async def _match_prefix(
+        self,
+        engine: engine_pb2.EngineInfo,
+        prompt: Sequence[int],
+        cache_salt: str,
+        images: Sequence[ImageSpan],
+        reproducible_kernels: str,
+    ) -> dict[str, float]:
+        block_size = engine.block_size or DEFAULT_BLOCK_SIZE
         hashes = block_hashes(
             prompt,
             engine.model,
             block_size=block_size,
             cache_salt=cache_salt,
             images=images,
-            reproducible=engine.reproducible_kernels if reproducible else "",
+            reproducible=reproducible_kernels,
         )
         if not hashes:
             return {}

@@ -21,6 +21,7 @@ from cachet.engine.v1 import engine_pb2, engine_pb2_grpc
 from cachet.grpc_channel import create_channel
 from cachet.grpc_server import create_server
 from cachet.router.placement import PlacementPolicy, ReplicaLoad, choose_replica
+from cachet.router.replica_set import ReplicaSet
 from cachet.router.request_pipeline import RequestPipeline
 
 MODEL = "tiny-llama"
@@ -99,3 +100,51 @@ async def test_host_tier_beats_nothing_and_the_pool_beats_the_host_tier(placed_b
     assert await place([host, nothing]) == host
     assert await place([host, pool]) == pool
     assert await place([pool, host, nothing]) == pool
+
+
+async def test_a_greedy_prompt_is_matched_on_each_kind_of_host() -> None:
+    # Greedy requests' blocks are named by the kernels that computed them (reproducible_kernels):
+    # two replicas on hosts of two kinds hold the same prompt under two chains. The router asks
+    # the index for each kind its replicas report, not only for the one whose facts it holds.
+    kinds = {"avx512": "cpu:paged_decode_attention=avx512bf16", "gpu": "cuda:NVIDIA H200"}
+    chains = {name: block_hashes(PROMPT, MODEL, reproducible=kind) for name, kind in kinds.items()}
+    engines = [
+        await start_engine([stored(chains["avx512"], engine_pb2.KV_TIER_ENGINE)]),
+        await start_engine([stored(chains["gpu"], engine_pb2.KV_TIER_HOST)]),
+        await start_engine([stored(CHAIN, engine_pb2.KV_TIER_ENGINE)]),  # the sampled chain only
+    ]
+    avx512, gpu, sampled = addresses = [engine.address for engine in engines]
+    cache = await start(CacheSettings(port=0, engine_addresses=addresses), metrics_port=0)
+    channel = create_channel(cache.address)
+    stub = cache_pb2_grpc.CacheIndexServiceStub(channel)
+    replicas = ReplicaSet(addresses)
+    infos = {
+        address: engine_pb2.EngineInfo(model=MODEL, block_size=16, reproducible_kernels=kind)
+        for address, kind in ((avx512, kinds["avx512"]), (gpu, kinds["gpu"]), (sampled, ""))
+    }
+    for address, info in infos.items():
+        replicas.get(address).info = info
+    try:
+        deadline = time.monotonic() + 10
+        while (
+            sum(r.connected for r in (await stub.ListReplicas(cache_pb2.ListReplicasRequest())).replicas) < 3
+        ):
+            assert time.monotonic() < deadline, "the cache service never followed the three engines"
+            await asyncio.sleep(0.02)
+        pipeline = RequestPipeline(replicas, None, None, stub, None, PlacementPolicy(), 5.0)  # type: ignore[arg-type]
+        greedy = await pipeline._cached_prefix_tokens(infos[avx512], PROMPT, "", reproducible=True)
+        # The third replica runs no batch-invariant steps: its greedy blocks are the sampled chain.
+        assert greedy == {avx512: 128, gpu: pytest.approx(0.98 * 128), sampled: 128}
+        sampled_only = await pipeline._cached_prefix_tokens(infos[avx512], PROMPT, "", reproducible=False)
+        assert sampled_only == {sampled: 128}
+        # Without the replicas' facts only the one kind is asked for (what the router did before).
+        alone = RequestPipeline(None, None, None, stub, None, PlacementPolicy(), 5.0)  # type: ignore[arg-type]
+        assert await alone._cached_prefix_tokens(infos[avx512], PROMPT, "", reproducible=True) == {
+            avx512: 128
+        }
+    finally:
+        await replicas.close()
+        await channel.close()
+        await cache.stop(grace=None)
+        for engine in engines:
+            await engine.stop(grace=None)
