@@ -92,8 +92,9 @@ class EngineSettings(ServiceSettings):
     # Reorder linear weights once for oneDNN on a CPU (bit-identical in bf16, 1.3-1.6x faster
     # products at the batch sizes serving runs; see cachet.engine.packed_linear).
     pack_linear_weights: bool = True
-    # On a CUDA device, replay decode steps as CUDA graphs (cachet.engine.cuda_graphs); no
-    # effect on a CPU, for models that opt out, or in a tensor-parallel replica.
+    # On a CUDA device, replay decode steps as CUDA graphs (cachet.engine.cuda_graphs), and the
+    # work between attention calls of steps holding prompt tokens (cachet.engine.piecewise_graphs);
+    # no effect on a CPU, for models that opt out, or in a tensor-parallel replica.
     cuda_graphs: bool = True
     # On a CPU, decodes read the paged KV cache in place through a C++ kernel
     # (cachet.engine.paged_decode_kernel) rather than gathering it for SDPA; false: the
