@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 from torch import nn
 
 from cachet.engine.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from torch.cuda.graphs import _POOL_HANDLE
 
 log = structlog.get_logger(__name__)
 
@@ -159,7 +163,7 @@ class _PaddedStep:
         finally:
             self.meta.split_at = self._split_eagerly
 
-    def capture(self, pool: tuple[int, int]) -> None:
+    def capture(self, pool: _POOL_HANDLE) -> None:
         """Record the pieces: each attention call ends the graph in progress and starts the next."""
         shared = self.shared
         graphs = [torch.cuda.CUDAGraph()]

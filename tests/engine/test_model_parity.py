@@ -325,48 +325,43 @@ def test_captured_token_counts_double_then_step_by_256() -> None:
     assert captured_token_counts(600) == [8, 16, 32, 64, 128, 256, 512, 600]
 
 
-@pytest.mark.parametrize("variant", ["llama-untied", "qwen2-bias", "rope-dynamic"])
+_NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    ("variant", "device"),
+    [
+        ("llama-untied", "cpu"),
+        ("qwen2-bias", "cpu"),
+        ("rope-dynamic", "cpu"),
+        pytest.param("llama-untied", "cuda", marks=_NEEDS_CUDA),
+        pytest.param("rope-dynamic", "cuda", marks=_NEEDS_CUDA),
+    ],
+)
 def test_prompt_steps_padded_and_split_at_attention_match_hf(
-    checkpoints: dict[str, Path], variant: str, monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], variant: str, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # What piecewise CUDA graphs replay, run eagerly on the CPU: prompt and mixed steps padded to
-    # 8, 16 or 24 tokens, attention taken out of each layer and run on the real tokens only.
+    # Prompt and mixed steps padded to 8, 16 or 24 tokens, attention taken out of each layer and
+    # run on the real tokens only: replayed from piecewise graphs on CUDA, run eagerly on the CPU.
     # Request b's 30-token prompt comes in 8-token chunks beside a's and c's decodes; c's whole
     # 17-token prompt fits 24; decode steps of 3 go to the decode graphs' batch of 4.
     monkeypatch.setattr(cuda_graphs, "MIN_CAPTURED_KV_LEN", 16)
     runner = runner_for(
-        checkpoints[variant], block_size=8, cuda_graphs=True, max_decode_batch=4, max_step_tokens=24
-    )
-    assert runner.step_graphs is not None
-    assert runner.step_graphs.token_counts == [8, 16, 24]
-    reqs = staggered_decoders()
-    reqs["d"] = SimRequest(prompt(15, 40), start_step=6)  # 40 tokens at once: past 24, eager
-    drive(runner, reqs)
-    assert runner.step_graphs.runs >= 4
-    for rid, req in reqs.items():
-        assert req.output == hf_greedy(checkpoints[variant], req.prompt), rid
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("variant", ["llama-untied", "rope-dynamic"])
-def test_cuda_piecewise_graph_steps_match_hf(
-    checkpoints: dict[str, Path], variant: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(cuda_graphs, "MIN_CAPTURED_KV_LEN", 16)
-    runner = runner_for(
         checkpoints[variant],
         block_size=8,
-        device="cuda",
+        device=device,
         cuda_graphs=True,
         max_decode_batch=4,
         max_step_tokens=24,
     )
+    graphs = runner.step_graphs
+    assert graphs is not None
+    assert graphs.token_counts == [8, 16, 24]
     reqs = staggered_decoders()
-    reqs["d"] = SimRequest(prompt(15, 40), start_step=6)
+    reqs["d"] = SimRequest(prompt(15, 40), start_step=6)  # 40 tokens at once: past 24, eager
     drive(runner, reqs)
-    assert runner.step_graphs is not None
-    assert runner.step_graphs.replays >= 4
-    assert runner.step_graphs.replays == runner.step_graphs.runs
+    assert graphs.runs >= 4
+    assert graphs.replays == (graphs.runs if device == "cuda" else 0)
     for rid, req in reqs.items():
         assert req.output == hf_greedy(checkpoints[variant], req.prompt), rid
 
