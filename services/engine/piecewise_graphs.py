@@ -4,8 +4,9 @@ A decode step is replayed whole (``cuda_graphs``): its shapes can be fixed in ad
 a request and keys padded to a captured length. A step holding prompt chunks cannot be: how its
 queries split between requests, and how many keys each sees, change from step to step. Run
 eagerly, such a step launches every operator of every layer from the host; for the default
-model's 30 layers that is about 1,100 kernels, ~37 ms of host time on an H200 host's CPU for
-~2.5 ms of GPU work. A GPU serving any prompt traffic then spends most of its steps launching.
+model's 30 layers that is about 1,100 kernels, 23-37 ms of host time on the H200 and H100 hosts
+measured, for a few ms of GPU work. A GPU serving any prompt traffic then spends most of its
+steps launching.
 
 Everything but attention depends on the number of tokens only: embeddings, norms, projections,
 rotary, the MLP, and the head's rows for the sampled tokens. So a step's tokens are padded to
@@ -17,8 +18,9 @@ on. This is vLLM's piecewise CUDA graphs, with the split made at the attention m
 (``AttentionMetadata.split_at``) rather than by a compiler.
 
 Padding tokens (id 0, position 0) flow through the pieces and are never attended: attention
-takes the first ``n`` rows only and the padding rows' output stays zero. Their logits are not
-read. Models whose forward derives per-step state from the metadata outside attention
+takes the first ``n`` rows only, and the padding rows' output is whatever its buffer held. Every
+operator but attention works row by row, so nothing of a padding row reaches a real token, and
+the padding rows' logits are not read. Models whose forward derives per-step state from the metadata outside attention
 (Gemma 3 bands it for its sliding layers) opt out with ``supports_piecewise_graphs = False``.
 
 Off CUDA the same padded steps run eagerly, the attention calls split out the same way: that is
