@@ -87,6 +87,10 @@ class _SharedBuffers:
         self.max_samples = max_samples
         self._tensors: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self._tensors.values())
+
     def token_rows(self, role: str, like: torch.Tensor) -> torch.Tensor:
         return self._rows(role, like, self.max_tokens)
 
@@ -229,7 +233,7 @@ class PiecewiseGraphs:
     def __init__(self, model: nn.Module, *, max_tokens: int, max_samples: int, device: torch.device) -> None:
         self.device = device
         self.token_counts = captured_token_counts(max_tokens)
-        shared = _SharedBuffers(max_tokens, max_samples)
+        self._shared = shared = _SharedBuffers(max_tokens, max_samples)
         self._steps = {
             tokens: _PaddedStep(model, tokens, min(tokens, max_samples), shared, device)
             for tokens in self.token_counts
@@ -261,8 +265,15 @@ class PiecewiseGraphs:
             "prompt steps captured as piecewise CUDA graphs",
             token_counts=self.token_counts,
             graphs=sum(len(step.graphs) for step in self._steps.values()),
+            edge_buffer_mib=round(self.edge_buffer_bytes / 2**20, 1),
             seconds=round(time.perf_counter() - start, 2),
         )
+
+    @property
+    def edge_buffer_bytes(self) -> int:
+        """Memory of the tensors that cross the pieces' edges, one set for every count (0 until
+        captured): q/k/v and the attention's output at the largest count, the logits' rows."""
+        return self._shared.nbytes
 
     def tokens_for(self, num_tokens: int, num_samples: int) -> int | None:
         """The smallest captured token count this step fits, or None where it must run eagerly."""

@@ -362,6 +362,10 @@ def test_prompt_steps_padded_and_split_at_attention_match_hf(
     drive(runner, reqs)
     assert graphs.runs >= 4
     assert graphs.replays == (graphs.runs if device == "cuda" else 0)
+    if device == "cuda":
+        # One set of edge tensors for both layers and every count: q (4 heads), k and v (2 each)
+        # and the output (4) of 16-wide heads at 24 tokens, fp32, and the logits' 4 rows.
+        assert graphs.edge_buffer_bytes == (4 + 2 + 2 + 4) * 16 * 24 * 4 + 4 * 512 * 4
     for rid, req in reqs.items():
         assert req.output == hf_greedy(checkpoints[variant], req.prompt), rid
 
