@@ -515,8 +515,7 @@ class KVCacheManager:
         from the request: a hash names KV, so one the caller chose would serve it whatever
         prompt (or tenant's salt) owns the block, and the only check is to recompute it. The
         router's may differ anyway (it guesses a request left to the model's default temperature
-        as sampled, and hashes with one replica's ``reproducible_kernels`` for all), and it
-        hashes only with several replicas. Cost: 0.5 ms per 8,192-token prompt (docs/ARCHITECTURE.md,
+        as sampled), and it hashes only with several replicas. Cost: 0.5 ms per 8,192-token prompt (docs/ARCHITECTURE.md,
         "The prefix block hash")."""
         num_full = request.num_tokens // self.block_size
         if len(request.block_hashes) >= num_full:
