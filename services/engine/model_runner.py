@@ -57,6 +57,7 @@ from cachet.engine.shared_kv_tier import ShardLayout, SharedKvFiles, layout_key
 from cachet.engine.step_plan import KvBlockMoves, NewRequest, StepPlan, StepResult
 from cachet.engine.tensor_parallel import SINGLE_RANK
 from cachet.engine.weights import load_model
+from cachet.engine_layout import GPU_MAX_NUM_BATCHED_TOKENS
 
 if TYPE_CHECKING:
     from cachet.engine.distributed import TensorParallel
@@ -118,7 +119,7 @@ class ModelRunner:
         paged_decode_kernel: bool = True,
         batch_invariant: bool = False,
         max_decode_batch: int = 64,
-        max_step_tokens: int = 2048,
+        max_step_tokens: int = GPU_MAX_NUM_BATCHED_TOKENS,
         host_kv_bytes: int = 0,
         shared_kv_dir: Path | None = None,
         shared_kv_bytes: int = 0,

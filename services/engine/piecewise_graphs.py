@@ -253,9 +253,10 @@ class PiecewiseGraphs:
         pool = torch.cuda.graph_pool_handle()
         # Captures run on a side stream, as torch.cuda.graph's do: the default stream cannot capture.
         with torch.inference_mode(), torch.cuda.stream(side):
-            for tokens in counts:
-                self._steps[tokens].warm_up()
+            # The largest count's pass names the shared buffers' shapes and warms up as it does.
             self._steps[counts[0]].allocate_shared()
+            for tokens in counts[1:]:
+                self._steps[tokens].warm_up()
             torch.cuda.synchronize(self.device)
             for tokens in counts:
                 self._steps[tokens].capture(pool)

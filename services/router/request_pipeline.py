@@ -478,9 +478,11 @@ class RequestPipeline:
         # The engine names its blocks with the same salt, images and batch-invariant kernels, so
         # the index holds these very hashes. A greedy prompt's blocks are named by the kernels
         # that computed them: replicas on hosts of other kinds hold other chains, one query each.
-        kinds = {engine.reproducible_kernels} if reproducible else {""}
-        if reproducible and self._replicas is not None:
-            kinds |= self._replicas.reproducible_kernels_serving(engine.model)
+        kinds = (
+            self._replicas.reproducible_kernels_serving(engine.model) or {engine.reproducible_kernels}
+            if reproducible
+            else {""}
+        )
         matched = await asyncio.gather(
             *(self._match_prefix(engine, prompt, cache_salt, images, kind) for kind in sorted(kinds))
         )

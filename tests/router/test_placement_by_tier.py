@@ -137,9 +137,11 @@ async def test_a_greedy_prompt_is_matched_on_each_kind_of_host() -> None:
         assert greedy == {avx512: 128, gpu: pytest.approx(0.98 * 128), sampled: 128}
         sampled_only = await pipeline._cached_prefix_tokens(infos[avx512], PROMPT, "", reproducible=False)
         assert sampled_only == {sampled: 128}
-        # Without the replicas' facts only the one kind is asked for (what the router did before).
-        alone = RequestPipeline(None, None, None, stub, None, PlacementPolicy(), 5.0)  # type: ignore[arg-type]
-        assert await alone._cached_prefix_tokens(infos[avx512], PROMPT, "", reproducible=True) == {
+        # A kind no replica reports is not asked for: with only the first replica's facts known
+        # (the others not yet reported), only its chain is matched.
+        for address in (gpu, sampled):
+            replicas.get(address).info = None
+        assert await pipeline._cached_prefix_tokens(infos[avx512], PROMPT, "", reproducible=True) == {
             avx512: 128
         }
     finally:
