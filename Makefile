@@ -89,7 +89,8 @@ test-fast: setup
 # take is otherwise built on those hosts alone. A kernel without a path for a set builds its
 # widest one below it. ~2.5 min a build, so not part of `make test`.
 KERNEL_TESTS = tests/engine/test_panel_linear.py tests/engine/test_fused_token_ops.py \
-	tests/engine/test_paged_decode_kernel.py tests/engine/test_prefill_attention_kernel.py
+	tests/engine/test_paged_decode_kernel.py tests/engine/test_prefill_attention_kernel.py \
+	tests/engine/test_block_q4_weights.py
 test-kernel-builds: setup
 	@for isa in $$($(PY) -c "from cachet.engine.cpu_kernels import every_host_instruction_set as sets; print(*sets())"); do \
 	  echo "== kernels built for $$isa"; \

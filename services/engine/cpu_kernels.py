@@ -42,12 +42,15 @@ KERNELS = {
     "panel_linear": "linears run through oneDNN (bfloat16 ones through torch's emulated products where it has none)",
     "fused_token_ops": "RMSNorm, SwiGLU and rotary run as plain torch ops",
     "prefill_attention": "prompt chunks attend through SDPA over a gathered copy",
+    "block_q4_linear": "Q4_1 checkpoint weights are served as bf16, as everywhere without AVX512-BF16",
 }
 
 
 # Kernels with a path for AVX512-BF16 (dot products, or rounding to bf16), built with it where
 # the host has it (all but the prompt kernel, whose tiles are fp32 only).
-_AVX512_BF16_KERNELS = frozenset({"panel_linear", "paged_decode_attention", "fused_token_ops"})
+_AVX512_BF16_KERNELS = frozenset(
+    {"panel_linear", "paged_decode_attention", "fused_token_ops", "block_q4_linear"}
+)
 # Kernels with a path for AVX-512 alone (the panels' 16-wide fp32 tile, fp32 prefill attention, the
 # paged kernel's 16-key register tiles),
 # built with it on an AVX-512 host (one without bf16 instructions, for a kernel of both lists).

@@ -126,6 +126,7 @@ def build_runner(
         max_model_len=settings.max_model_len,
         tp=tp,
         pack_weights=settings.pack_linear_weights,
+        block_weights=settings.block_q4_weights,
         cuda_graphs=settings.cuda_graphs and device.type == "cuda",
         paged_decode_kernel=settings.paged_decode_kernel,
         batch_invariant=settings.batch_invariant,
@@ -190,6 +191,7 @@ def build_core_loop(
         host_kv_blocks=runner.num_host_kv_blocks,
         max_model_len=runner.max_model_len,
         packed_linears=runner.packed_linears,
+        block_q4_linears=runner.block_q4_linears,
     )
     tokenizer = model_tokenizer(Path(model.path))
     core = EngineCore(

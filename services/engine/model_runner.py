@@ -32,6 +32,7 @@ from cachet.engine.attention import (
     build_attention_metadata,
     kv_cache_bytes_per_block,
 )
+from cachet.engine.block_q4_weights import serves_blocks
 from cachet.engine.cpu_features import cpu_has_native_bf16
 from cachet.engine.cpu_kernels import kernel_builds
 from cachet.engine.cuda_graphs import DecodeGraphs
@@ -42,6 +43,7 @@ from cachet.engine.kv_transfer import KvReceiver, KvSender
 from cachet.engine.models.config import ModelConfig, load_eos_token_ids
 from cachet.engine.models.kimi_vision import normalized_patches
 from cachet.engine.packed_linear import (
+    PackableLinear,
     invariant_rows,
     pack_linear_weights,
     packs_linear_weights,
@@ -115,6 +117,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         tp: TensorParallel | None = None,
         pack_weights: bool = True,
+        block_weights: bool = True,
         cuda_graphs: bool = False,
         paged_decode_kernel: bool = True,
         batch_invariant: bool = False,
@@ -128,7 +131,8 @@ class ModelRunner:
     ) -> None:
         """``kv_cache_bytes``: the KV pool's size, or a budget it is sized by once the weights
         are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
-        dtype allow it (``packed_linear``). ``cuda_graphs``: replay decode steps of up to
+        dtype allow it (``packed_linear``); ``block_weights``: and multiply by the checkpoint's
+        Q4_1 blocks where they allow it (``block_q4_weights``). ``cuda_graphs``: replay decode steps of up to
         ``max_decode_batch`` requests from fixed-shape steps (``cuda_graphs``), captured as
         CUDA graphs on a CUDA device and run eagerly elsewhere, and steps of up to
         ``max_step_tokens`` tokens that hold prompt tokens from padded steps whose work between
@@ -162,6 +166,11 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
             tp=tp.model_rank if tp is not None else SINGLE_RANK,
+            block_weights=pack_weights and block_weights and serves_blocks(self.device, dtype),
+        )
+        self.block_q4_linears = sum(
+            isinstance(module, PackableLinear) and module.block_q4 is not None
+            for module in self.model.modules()
         )
         self.packed_linears = (
             pack_linear_weights(self.model)

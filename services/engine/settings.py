@@ -92,6 +92,10 @@ class EngineSettings(ServiceSettings):
     # Reorder linear weights once for oneDNN on a CPU (bit-identical in bf16, 1.3-1.6x faster
     # products at the batch sizes serving runs; see cachet.engine.packed_linear).
     pack_linear_weights: bool = True
+    # A bf16 replica on an AVX512-BF16 CPU (without AMX) multiplies by the checkpoint's own
+    # Q4_1 blocks where its weights are exactly such blocks (the default model's are): the few
+    # rows of decoding stream a third of the bytes (cachet.engine.block_q4_weights).
+    block_q4_weights: bool = True
     # On a CUDA device, replay decode steps as CUDA graphs (cachet.engine.cuda_graphs), and the
     # work between attention calls of steps holding prompt tokens (cachet.engine.piecewise_graphs);
     # no effect on a CPU, for models that opt out, or in a tensor-parallel replica.

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from cachet.engine.block_q4_weights import BlockRecovery
 from cachet.engine.checkpoint_names import (
     PACKED_INT,
     PACKED_INT_PARTS,
@@ -84,8 +85,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallelRank = SINGLE_RANK,
+    block_weights: bool = False,
 ) -> CausalLM:
-    """This rank's part of the model (all of it for a lone rank), filled from the checkpoint."""
+    """This rank's part of the model (all of it for a lone rank), filled from the checkpoint.
+
+    ``block_weights``: keep the Q4_1 blocks found in linears' fp32 weights beside them
+    (``block_q4_weights``)."""
     if isinstance(config.quantization, PackedIntQuantization) and int4_kernel_available(device, dtype):
         config = replace(config, quantization=replace(config.quantization, keep_packed=True))
     with torch.device("meta"):
@@ -97,18 +102,21 @@ def load_model(
         model.keep_fp32_()  # type: ignore[operator]  # parameters whose precision decides behaviour (MoE routing biases)
     model = model.to_empty(device=device)
     model.tie_weights()
-    load_weights(model, model_dir)
+    recovery = BlockRecovery(model) if block_weights else None
+    load_weights(model, model_dir, recovery)
+    if recovery is not None:
+        recovery.attach()
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.pack_for_kernel_()
     return model.eval()
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
+def load_weights(model: nn.Module, model_dir: Path, recovery: BlockRecovery | None = None) -> None:
     """Fill every parameter from the checkpoint tensor of the same name (or the slice of it this
     rank holds), casting to its dtype; quantized weights are dequantized first (see
     ``checkpoint_names`` for how stored names become the model's). A checkpoint that does not
-    match is refused before any weight is read."""
+    match is refused before any weight is read. ``recovery`` sees each tensor before the cast."""
     config: ModelConfig = model.config  # type: ignore[assignment]
     params = dict(model.named_parameters())
     with _StoredTensors(model_dir) as store:
@@ -123,7 +131,10 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             target: torch.Tensor = params[fill.param]
             if fill.rows is not None:
                 target = target.narrow(0, fill.rows[0], fill.rows[1] - fill.rows[0])
-            _copy(target, store.read(fill.stored, config, fill.part), fill.stored.name)
+            tensor = store.read(fill.stored, config, fill.part)
+            if recovery is not None:
+                recovery.offer(fill.param, fill.rows, tensor)
+            _copy(target, tensor, fill.stored.name)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,172 @@
+"""Linear weights kept as the checkpoint's 4-bit blocks, for bf16 products of a few rows (CPU).
+
+The default model is published as a GGUF whose projections are Q4_1: every 32 inputs of an
+output share an fp16 scale ``d`` and offset ``m``, and each weight is ``d * q + m`` for a 4-bit
+``q``. Conversion writes those values out in fp32 (``libs/models/convert_gguf``), exactly, and a
+bf16 replica then rounds them to 16 bits: 213 MB of projections that a decode step streams
+whole, where the blocks are 73 MB. ``csrc/block_q4_linear.cpp`` multiplies bf16 rows by the
+blocks directly, on AVX512-BF16's dot products, and computes with the checkpoint's exact weights.
+
+The loader finds the blocks in the fp32 values it reads, before they are cast: in each block
+of 32, the smallest value is ``m`` (q = 0) and the largest ``15 d + m``; the fp16 ``d`` that
+gives the largest back, and the codes ``q``, are then checked against every value of the block,
+so a weight is kept as blocks only when they give back each of its values bit for bit
+(``recover_q4_1``). Any other checkpoint's weights fail that check and stay as they were.
+
+Where: bf16 replicas on CPUs whose kernel build has AVX512-BF16, without AMX. AMX hosts keep
+their tile-unit products, which a batch-invariant step's prompts need for speed
+(``packed_linear``). A linear with blocks runs on them every product of up to its
+``small_batch_rows`` rows, and, in a batch-invariant step, every product; larger products of
+other steps stay on oneDNN's bf16 weight.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cachet.engine.cpu_features import cpu_flags
+from cachet.engine.cpu_kernels import load_cpu_kernel
+from cachet.engine.packed_linear import PackableLinear
+
+BLOCK = 32
+_PANEL = 16
+_LEVELS = 15
+# The kernel multiplies by 128 + q, a bf16 made from q's bits alone (csrc/block_q4_linear.cpp).
+_CODE_OFFSET = 128
+
+
+@dataclass(frozen=True)
+class Q4_1Blocks:  # noqa: N801 - the format's own name
+    """A weight ``[out, in]`` as ``d[r, b] * codes[r, c] + m[r, b]`` with ``b = c // 32``."""
+
+    codes: torch.Tensor  # uint8 [out, in], 0..15
+    scales: torch.Tensor  # fp16 [out, in / 32]: d
+    offsets: torch.Tensor  # fp16 [out, in / 32]: m
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in fp32, as the checkpoint's converter computed it (``d * q`` is exact)."""
+        rows, columns = self.codes.shape
+        blocks = self.codes.view(rows, columns // BLOCK, BLOCK).float()
+        values = self.scales.float()[..., None] * blocks + self.offsets.float()[..., None]
+        return values.view(rows, columns)
+
+
+def recover_q4_1(weight: torch.Tensor) -> Q4_1Blocks | None:
+    """The Q4_1 blocks whose values are exactly ``weight`` (fp32 ``[out, in]``), or None where
+    any block's values are not ``d * q + m`` for fp16 ``d``, ``m`` and 4-bit ``q``."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
+        return None
+    rows, columns = weight.shape
+    blocks = weight.reshape(rows, columns // BLOCK, BLOCK)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    offsets = low.to(torch.float16)
+    if not torch.equal(offsets.float(), low):
+        return None
+    nearest = ((high - low) / _LEVELS).to(torch.float16)
+    # The stored d rounds to within an fp16 step of (max - min) / 15; the candidate that gives
+    # every value back is the one. Bit patterns of positive fp16 values order as the values do.
+    bits = nearest.view(torch.int16)
+    codes = torch.zeros_like(blocks, dtype=torch.uint8)
+    found = torch.zeros_like(low, dtype=torch.bool)
+    scales = torch.zeros_like(nearest)
+    for step in (0, 1, -1):
+        candidate = (bits + step).clamp(min=0).view(torch.float16)
+        scale = candidate.float()[..., None]
+        q = torch.where(scale > 0, torch.round((blocks - low[..., None]) / scale), torch.zeros_like(blocks))
+        q = q.clamp(0, _LEVELS)
+        exact = (scale * q + offsets.float()[..., None] == blocks).all(dim=-1) & ~found
+        codes = torch.where(exact[..., None], q.to(torch.uint8), codes)
+        scales = torch.where(exact, candidate, scales)
+        found |= exact
+    if not bool(found.all()):
+        return None
+    return Q4_1Blocks(codes.view(rows, columns), scales, offsets)
+
+
+def concatenate(parts: list[Q4_1Blocks]) -> Q4_1Blocks:
+    """Blocks of row ranges, stacked in order (a merged projection's parts)."""
+    return Q4_1Blocks(
+        torch.cat([part.codes for part in parts]),
+        torch.cat([part.scales for part in parts]),
+        torch.cat([part.offsets for part in parts]),
+    )
+
+
+def pack_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
+    """The kernel's layout: uint8 ``[out / 16, in / 32, 352]``, pairs of panels interleaved by
+    block (``csrc/block_q4_linear.cpp``): codes, d (fp16) and m - 128 d (fp32) a block."""
+    rows, columns = blocks.codes.shape
+    if rows % _PANEL or columns % BLOCK:
+        raise ValueError(f"blocks of a {rows}x{columns} weight: outputs by {_PANEL}, inputs by {BLOCK}")
+    panels, per_row = rows // _PANEL, columns // BLOCK
+    # codes[panel, output j, block, word c, nibble n, parity p] for feature 8c + 2n + p; the
+    # 16-bit lane 2j + p of word c holds nibble n at bits 4n.
+    nibbles = blocks.codes.view(panels, _PANEL, per_row, BLOCK // 8, 4, 2).to(torch.int32)
+    nibbles = nibbles.permute(0, 2, 3, 1, 5, 4)  # [panel, block, word, j, p, n]
+    lanes = (nibbles << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(dim=-1)
+    codes = lanes.to(torch.int16).reshape(panels, per_row, -1).view(torch.uint8)
+
+    def per_block(values: torch.Tensor) -> torch.Tensor:
+        return values.view(panels, _PANEL, per_row).transpose(1, 2).contiguous().view(torch.uint8)
+
+    shifted_offsets = blocks.offsets.float() - _CODE_OFFSET * blocks.scales.float()
+    packed = torch.cat((codes, per_block(blocks.scales), per_block(shifted_offsets)), dim=-1)
+    # Pairs of panels interleaved block by block: the kernel's tile of two streams one run.
+    whole = panels // 2 * 2
+    pairs = packed[:whole].view(whole // 2, 2, per_row, -1).transpose(1, 2).reshape(whole, per_row, -1)
+    return torch.cat((pairs, packed[whole:])).contiguous()
+
+
+@functools.cache
+def block_q4_products() -> bool:
+    """The block kernel runs on bf16 dot products here (AVX512-BF16 build)."""
+    kernel = load_cpu_kernel("block_q4_linear")
+    return kernel is not None and bool(kernel.block_q4_products())
+
+
+def serves_blocks(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a replica of ``dtype`` on ``device`` keeps Q4_1 weights as blocks (module docstring)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and "amx_bf16" not in cpu_flags()
+        and block_q4_products()
+    )
+
+
+class BlockRecovery:
+    """Collects, while a model loads, the blocks of each packable linear's weight from the fp32
+    tensors that fill it (a merged weight from several, by rows), and hands them to the linears."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._linears = {
+            f"{name}.weight": module
+            for name, module in model.named_modules()
+            if isinstance(module, PackableLinear) and module.pack_weight
+        }
+        self._parts: dict[str, dict[int, Q4_1Blocks | None]] = {}
+
+    def offer(self, param: str, rows: tuple[int, int] | None, tensor: torch.Tensor) -> None:
+        if param not in self._linears:
+            return
+        self._parts.setdefault(param, {})[0 if rows is None else rows[0]] = recover_q4_1(tensor)
+
+    def attach(self) -> int:
+        """Give each linear whose every row was recovered its packed blocks; how many got them."""
+        attached = 0
+        for param, parts in self._parts.items():
+            linear = self._linears[param]
+            found = [parts[start] for start in sorted(parts)]
+            if any(part is None for part in found):
+                continue
+            blocks = concatenate([part for part in found if part is not None])
+            if tuple(blocks.codes.shape) != tuple(linear.weight.shape) or blocks.codes.shape[0] % _PANEL:
+                continue
+            linear.block_q4 = pack_blocks(blocks)
+            attached += 1
+        self._parts.clear()
+        return attached

@@ -1,0 +1,310 @@
+// y = x @ w.T (+ bias) for bf16 activations on a weight kept as the checkpoint's 4-bit blocks
+// (GGUF's Q4_1: every 32 inputs of an output share an fp16 scale d and offset m, and a weight is
+// d * q + m for its 4-bit q), for the few rows of decoding.
+//
+// A decode step streams every weight once, so its time is the weights' bytes: the default model's
+// projections are 213 MB in bf16 and 73 MB as blocks. The blocks also hold the checkpoint's
+// weights exactly, where bf16 rounds them.
+//
+// For a row x and one block, w = d * (q + 128) + m' with m' = m - 128 d, so
+// x . w = d * (x . (q + 128)) + m' * sum(x). 128 + q (128..143) is a bf16 whose bits are
+// 0x4300 | q, so a code becomes a bf16 with one and-or instruction, no shuffles; x . (q + 128)
+// runs on the hardware's bf16 dot products, every product exact, only the fp32 sums rounding.
+// sum(x) is the row's own, shared by every output. The block's two terms are then added to the
+// output's running sum with two fused multiply-adds. m' is computed once, in fp32, when packing.
+//
+// Layout (pack_blocks in block_q4_weights.py): panels of 16 outputs, [out / 16][in / 32][352 bytes],
+// whose pairs of panels are interleaved block by block ([out / 32][in / 32][2][352]; a lone last
+// panel stays [in / 32][352]). A block's 352 bytes are its codes (256), the 16 outputs' d (fp16, 32
+// bytes) and m' (fp32, 64 bytes). The codes are 4 words of 64 bytes, word c holding input features
+// 8c..8c+7: its 16-bit lane L is output L / 2, and the lane's nibble n (bits 4n..4n+3) is feature
+// 8c + 2n + L % 2. So nibble n of every lane, shifted down, is one register of the dot product's
+// layout (16 outputs x a pair of features).
+//
+// Every output is summed in one order whatever the rows beside it (blocks in turn; within a block
+// pairs of features in turn; then d's term, then m''s), so a row's result is the same bits alone or
+// in any batch: what a batch-invariant step needs. A product of more rows than one tile widens a
+// group's codes to bf16 once into a buffer and runs every tile on it, the same values in the same
+// order, so the same bits.
+//
+// Built without AVX512-BF16, the kernel computes the same sums one at a time (a reference for
+// tests: the engine keeps these weights in bf16 on such hosts, block_q4_products() says which).
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define CACHET_Q4_DPBF16 1
+#endif
+
+#include "row_count.h"
+
+namespace {
+
+constexpr int64_t kPanel = 16;        // outputs per panel
+constexpr int64_t kBlock = 32;        // inputs per block
+constexpr int64_t kCodeBytes = kPanel * kBlock / 2;
+constexpr int64_t kScaleBytes = kPanel * 2;                           // d, fp16
+constexpr int64_t kBlockBytes = kCodeBytes + kScaleBytes + kPanel * 4;  // codes, d, m' (fp32)
+constexpr int64_t kWords = kCodeBytes / 64;
+constexpr int64_t kPairs = kBlock / 2;  // dot-product registers a panel's block widens to
+constexpr int64_t kTileRows = 12;
+// Panels a tile computes together, stored interleaved block by block (pack_blocks): a tile then
+// streams one run of memory.
+constexpr int64_t kGroupPanels = 2;
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+inline float half_to_float(const uint8_t* at) {
+  at::Half half;
+  std::memcpy(&half, at, sizeof(half));
+  return static_cast<float>(half);
+}
+
+// sum(x) over each block of each row: [rows][blocks]. Summed as a tree (feature i with i + 16, and
+// so on by halves), the same order in every build, which vectorizes: summed in feature order, one
+// chain a block, this took a third of a 512-row product's time.
+std::vector<float> block_sums(const uint16_t* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  std::vector<float> sums(rows * blocks);
+#pragma omp parallel for schedule(static) if (rows > kTileRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t* block = x + r * k + b * kBlock;
+      float lanes[kBlock / 2];
+      for (int64_t i = 0; i < kBlock / 2; ++i) lanes[i] = bf16_to_float(block[i]) + bf16_to_float(block[i + kBlock / 2]);
+      for (int64_t width = kBlock / 4; width >= 1; width /= 2) {
+        for (int64_t i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+      }
+      sums[r * blocks + b] = lanes[0];
+    }
+  }
+  return sums;
+}
+
+// 128 + the 4-bit code of output j, input feature f (< 32) of a block's codes.
+inline float offset_code(const uint8_t* codes, int64_t j, int64_t f) {
+  const int64_t word = f / 8, nibble = (f % 8) / 2, lane = 2 * j + f % 2;
+  uint16_t bits;
+  std::memcpy(&bits, codes + word * 64 + lane * 2, sizeof(bits));
+  return static_cast<float>(128 + ((bits >> (4 * nibble)) & 0x0F));
+}
+
+#ifdef CACHET_Q4_DPBF16
+inline void store_bf16(at::BFloat16* to, __m512 sums) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+// Nibble `shift / 4` of every lane as bf16 128 + q: (lane >> shift) & 0xF | 0x4300.
+inline __m512bh offset_codes(__m512i word, int shift) {
+  return (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(word, shift), _mm512_set1_epi16(0x000F),
+                                             _mm512_set1_epi16(0x4300), 0xEA);  // (a & b) | c
+}
+
+// A block's codes as 16 registers of bf16 pairs, in the order the tile reads them.
+inline void widen_block(const uint8_t* codes, uint16_t* to) {
+  for (int64_t w = 0; w < kWords; ++w) {
+    const __m512i word = _mm512_loadu_si512(codes + w * 64);
+    for (int n = 0; n < 4; ++n) _mm512_storeu_si512(to + (4 * w + n) * 32, (__m512i)offset_codes(word, 4 * n));
+  }
+}
+
+// out[r, 0:16 * Panels] for r < Rows: a group's outputs (Panels panels, interleaved block by
+// block) for a tile of rows. Widened: the group's codes come from `widened` (widen_block's, block
+// after block, panel after panel), else from the group itself. The running sums live in L1, read
+// and written once a block, so that the registers hold a block's dot products for 12 rows x 2
+// panels: chains enough to cover a dot product's latency, and each broadcast pair of x feeds two.
+template <int Rows, int Panels, bool Widened>
+void tile(const uint8_t* group, const uint16_t* widened, int64_t blocks, const uint16_t* x, int64_t k,
+          const float* sums, at::BFloat16* out, int64_t out_stride, const float* bias) {
+  constexpr int64_t kWidenedBlock = kPairs * 32;  // 16-bit words of a panel's widened block
+  alignas(64) float totals[Rows][Panels][kPanel] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = group + b * Panels * kBlockBytes;
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0,
+           c9 = c0, c10 = c0, c11 = c0;
+    __m512 e0 = c0, e1 = c0, e2 = c0, e3 = c0, e4 = c0, e5 = c0, e6 = c0, e7 = c0, e8 = c0, e9 = c0, e10 = c0,
+           e11 = c0;
+    for (int64_t w = 0; w < kWords; ++w) {
+      __m512i word0, word1;
+      if constexpr (!Widened) {
+        word0 = _mm512_loadu_si512(block + w * 64);
+        if constexpr (Panels > 1) word1 = _mm512_loadu_si512(block + kBlockBytes + w * 64);
+      }
+      for (int n = 0; n < 4; ++n) {
+        __m512bh codes0, codes1;
+        if constexpr (Widened) {
+          const uint16_t* at = widened + b * Panels * kWidenedBlock + (4 * w + n) * 32;
+          codes0 = (__m512bh)_mm512_loadu_si512(at);
+          if constexpr (Panels > 1) codes1 = (__m512bh)_mm512_loadu_si512(at + kWidenedBlock);
+        } else {
+          codes0 = offset_codes(word0, 4 * n);
+          if constexpr (Panels > 1) codes1 = offset_codes(word1, 4 * n);
+        }
+        const int64_t feature = b * kBlock + 8 * w + 2 * n;
+#define CACHET_DOT(r)                                                         \
+  if constexpr (Rows > r) {                                                   \
+    int32_t pair;                                                             \
+    std::memcpy(&pair, x + r * k + feature, sizeof(pair));                    \
+    const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);                    \
+    c##r = _mm512_dpbf16_ps(c##r, xr, codes0);                                \
+    if constexpr (Panels > 1) e##r = _mm512_dpbf16_ps(e##r, xr, codes1);      \
+  }
+        CACHET_DOT(0) CACHET_DOT(1) CACHET_DOT(2) CACHET_DOT(3) CACHET_DOT(4) CACHET_DOT(5)
+        CACHET_DOT(6) CACHET_DOT(7) CACHET_DOT(8) CACHET_DOT(9) CACHET_DOT(10) CACHET_DOT(11)
+#undef CACHET_DOT
+      }
+    }
+    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kCodeBytes)));
+    const __m512 m0 = _mm512_loadu_ps(block + kCodeBytes + kScaleBytes);
+    __m512 d1 = d0, m1 = m0;
+    if constexpr (Panels > 1) {
+      const uint8_t* next = block + kBlockBytes;
+      d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(next + kCodeBytes)));
+      m1 = _mm512_loadu_ps(next + kCodeBytes + kScaleBytes);
+    }
+#define CACHET_SCALE(r)                                                                                  \
+  if constexpr (Rows > r) {                                                                              \
+    const __m512 sum = _mm512_set1_ps(sums[r * blocks + b]);                                             \
+    _mm512_store_ps(totals[r][0], _mm512_fmadd_ps(sum, m0, _mm512_fmadd_ps(c##r, d0, _mm512_load_ps(totals[r][0])))); \
+    if constexpr (Panels > 1)                                                                            \
+      _mm512_store_ps(totals[r][Panels - 1],                                                             \
+                      _mm512_fmadd_ps(sum, m1, _mm512_fmadd_ps(e##r, d1, _mm512_load_ps(totals[r][Panels - 1])))); \
+  }
+    CACHET_SCALE(0) CACHET_SCALE(1) CACHET_SCALE(2) CACHET_SCALE(3) CACHET_SCALE(4) CACHET_SCALE(5)
+    CACHET_SCALE(6) CACHET_SCALE(7) CACHET_SCALE(8) CACHET_SCALE(9) CACHET_SCALE(10) CACHET_SCALE(11)
+#undef CACHET_SCALE
+  }
+  for (int64_t r = 0; r < Rows; ++r) {
+    for (int64_t p = 0; p < Panels; ++p) {
+      __m512 sums16 = _mm512_load_ps(totals[r][p]);
+      if (bias != nullptr) sums16 = _mm512_add_ps(sums16, _mm512_loadu_ps(bias + p * kPanel));
+      store_bf16(out + r * out_stride + p * kPanel, sums16);
+    }
+  }
+}
+
+#endif
+
+// The same sums one at a time, in the same order (a build without AVX512-BF16).
+// `block_stride`: bytes from one of the panel's blocks to its next (a group's panels interleave).
+void reference_panel(const uint8_t* panel, int64_t block_stride, int64_t blocks, const uint16_t* x, int64_t rows,
+                     int64_t k, const float* sums, float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < kPanel; ++j) {
+      float total = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = panel + b * block_stride;
+        float dot = 0.0f;
+        for (int64_t f = 0; f < kBlock; f += 2) {
+          // One dot-product instruction: the odd feature's product, then the even one's.
+          dot += bf16_to_float(x[r * k + b * kBlock + f + 1]) * offset_code(block, j, f + 1);
+          dot += bf16_to_float(x[r * k + b * kBlock + f]) * offset_code(block, j, f);
+        }
+        float offset;
+        std::memcpy(&offset, block + kCodeBytes + kScaleBytes + 4 * j, sizeof(offset));
+        total = std::fma(dot, half_to_float(block + kCodeBytes + 2 * j), total);
+        total = std::fma(sums[r * blocks + b], offset, total);
+      }
+      out[r * out_stride + j] = total;
+    }
+  }
+}
+
+}  // namespace
+
+bool block_q4_products() {
+#ifdef CACHET_Q4_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == kBlockBytes &&
+                  packed.is_contiguous(),
+              "the weight must come from pack_blocks: uint8 [out / 16, in / 32, ", kBlockBytes, "]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "bfloat16 activations, got ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+  const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlock, n = panels * kPanel;
+  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
+  const bool with_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!with_bias || bias->numel() == n, "bias has ", with_bias ? bias->numel() : 0, " values for ", n, " outputs");
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t m = rows.size(0);
+  const auto* xs = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
+  const auto* w = packed.data_ptr<uint8_t>();
+  const std::vector<float> sums = block_sums(xs, m, k);
+  const torch::Tensor bias_sums = with_bias ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
+  const float* biases = with_bias ? bias_sums.data_ptr<float>() : nullptr;
+#ifdef CACHET_Q4_DPBF16
+  torch::Tensor out = torch::empty({m, n}, rows.options());
+  auto* ys = out.data_ptr<at::BFloat16>();
+  // Widening once pays where a group meets more than one tile of rows.
+  const bool widen = m > kTileRows;
+  const int64_t groups = (panels + kGroupPanels - 1) / kGroupPanels;
+#pragma omp parallel
+  {
+    std::vector<uint16_t> widened(widen ? kGroupPanels * blocks * kPairs * 32 : 0);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t p = g * kGroupPanels, width = std::min(kGroupPanels, panels - p);
+      const uint8_t* group = w + p * blocks * kBlockBytes;
+      if (widen) {
+        for (int64_t b = 0; b < blocks * width; ++b) {
+          widen_block(group + b * kBlockBytes, widened.data() + b * kPairs * 32);
+        }
+      }
+      const uint16_t* codes = widen ? widened.data() : nullptr;
+      const float* tile_bias = biases == nullptr ? nullptr : biases + p * kPanel;
+      for (int64_t r = 0; r < m; r += kTileRows) {
+        const int64_t tile_rows = std::min(kTileRows, m - r);
+        at::BFloat16* tile_out = ys + r * n + p * kPanel;
+        for_row_count<kTileRows>(tile_rows, [&]<int Rows>() {
+          const float* tile_sums = sums.data() + r * blocks;
+          if (width == kGroupPanels && widen) {
+            tile<Rows, 2, true>(group, codes, blocks, xs + r * k, k, tile_sums, tile_out, n, tile_bias);
+          } else if (width == kGroupPanels) {
+            tile<Rows, 2, false>(group, codes, blocks, xs + r * k, k, tile_sums, tile_out, n, tile_bias);
+          } else if (widen) {
+            tile<Rows, 1, true>(group, codes, blocks, xs + r * k, k, tile_sums, tile_out, n, tile_bias);
+          } else {
+            tile<Rows, 1, false>(group, codes, blocks, xs + r * k, k, tile_sums, tile_out, n, tile_bias);
+          }
+        });
+      }
+    }
+  }
+  return out.view(shape);
+#else
+  torch::Tensor out = torch::empty({m, n}, rows.options().dtype(torch::kFloat32));
+  float* ys = out.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t first = p / kGroupPanels * kGroupPanels;
+    const bool grouped = first + kGroupPanels <= panels;
+    const uint8_t* panel = w + first * blocks * kBlockBytes + (grouped ? (p - first) * kBlockBytes : 0);
+    reference_panel(panel, (grouped ? kGroupPanels : 1) * kBlockBytes, blocks, xs, m, k, sums.data(), ys + p * kPanel, n);
+  }
+  if (with_bias) out.add_(bias_sums);
+  return out.to(torch::kBFloat16).view(shape);
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_q4_products", &block_q4_products, "Whether this build runs the blocks on bf16 dot products");
+  m.def("linear", &linear, "x @ weight.T (+ bias), bf16 x, on a weight from pack_blocks");
+}

@@ -1,0 +1,187 @@
+"""Q4_1 checkpoint weights kept as their blocks (block_q4_weights, csrc/block_q4_linear.cpp): found
+exactly or not at all, multiplied by as the fp32 weights are, a row's bits whatever the batch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cachet.engine.block_q4_weights import (
+    Q4_1Blocks,
+    block_q4_products,
+    pack_blocks,
+    recover_q4_1,
+    serves_blocks,
+)
+from cachet.engine.cpu_features import cpu_flags
+from cachet.engine.cpu_kernels import load_cpu_kernel
+from cachet.engine.engine_core import EngineCore
+from cachet.engine.model_runner import ModelRunner
+from cachet.engine.packed_linear import PackableLinear, invariant_rows
+from cachet.engine.request import Request
+from cachet.engine.sampling_params import SamplingParams
+from cachet.engine.scheduler import SchedulerConfig
+
+CPU = torch.device("cpu")
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the kernel with"
+)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> Q4_1Blocks:
+    """What llama.cpp's Q4_1 quantizer stores for an fp32 weight: per 32 inputs, the minimum as
+    m and (max - min) / 15 as d, both fp16, and each value's nearest code from the unrounded pair."""
+    rows, columns = weight.shape
+    blocks = weight.view(rows, columns // 32, 32)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    step = (high - low) / 15
+    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    codes = ((blocks - low[..., None]) * inverse[..., None] + 0.5).floor().clamp(0, 15)
+    return Q4_1Blocks(codes.to(torch.uint8).view(rows, columns), step.half(), low.half())
+
+
+def test_blocks_are_found_exactly_in_dequantized_weights() -> None:
+    torch.manual_seed(0)
+    quantized = quantize_q4_1(torch.randn(96, 256) * 0.05)
+    weight = quantized.dequantize()
+    found = recover_q4_1(weight)
+    assert found is not None
+    assert torch.equal(found.dequantize(), weight)
+    # A constant block (d = 0) is a block too.
+    weight[3, :32] = weight[3, 0]
+    constant = recover_q4_1(weight)
+    assert constant is not None and torch.equal(constant.dequantize(), weight)
+
+
+def test_weights_that_are_not_blocks_stay_as_they_are() -> None:
+    torch.manual_seed(1)
+    weight = quantize_q4_1(torch.randn(32, 64)).dequantize()
+    assert recover_q4_1(torch.randn(32, 64)) is None  # plain fp32 values
+    assert recover_q4_1(weight.bfloat16()) is None  # already rounded: not the checkpoint's values
+    assert recover_q4_1(weight[:, :48]) is None  # no whole blocks
+    one_off = weight.clone()
+    one_off[5, 7] = torch.nextafter(one_off[5, 7], torch.tensor(1.0))
+    assert recover_q4_1(one_off) is None  # one value off in one block
+    with_nan = weight.clone()
+    with_nan[0, 0] = float("nan")
+    assert recover_q4_1(with_nan) is None
+
+
+def test_packing_refuses_shapes_the_kernel_cannot_take() -> None:
+    blocks = quantize_q4_1(torch.randn(24, 64))
+    with pytest.raises(ValueError, match="outputs by 16"):
+        pack_blocks(blocks)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = load_cpu_kernel("block_q4_linear")
+    assert built is not None, "see the engine's warning above for the compiler's message"
+    return built
+
+
+def _weight(rows: int, columns: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    blocks = quantize_q4_1(torch.randn(rows, columns, generator=generator) * 0.05)
+    return blocks.dequantize(), pack_blocks(blocks)
+
+
+# Rows: a decode, every remainder of the 12-row tile, products that widen the codes first;
+# outputs: 80 is two panel pairs and a lone panel.
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 40])
+@pytest.mark.parametrize("outputs", [80, 96])
+def test_products_are_the_fp32_weights_products(kernel, rows: int, outputs: int) -> None:
+    weight, packed = _weight(outputs, 192, seed=rows)
+    bias = torch.randn(outputs)
+    x = torch.randn(rows, 192).bfloat16()
+    expected = x.float() @ weight.T + bias
+    got = kernel.linear(x, packed, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
+    # fp32 sums in another order, then one rounding to bf16: a bf16 step at most.
+    torch.testing.assert_close(got.float(), expected, rtol=8e-3, atol=1e-3)
+
+
+@needs_compiler
+def test_a_rows_bits_do_not_depend_on_the_batch(kernel) -> None:
+    weight, packed = _weight(96, 320, seed=7)
+    x = torch.randn(40, 320).bfloat16()
+    alone = torch.cat([kernel.linear(x[i : i + 1], packed, None) for i in range(40)])
+    for rows in (5, 12, 13, 40):
+        assert torch.equal(kernel.linear(x[:rows], packed, None), alone[:rows])
+
+
+@needs_compiler
+def test_bad_inputs_are_refused_with_a_message(kernel) -> None:
+    _, packed = _weight(32, 64, seed=3)
+    with pytest.raises(RuntimeError, match="bfloat16 activations"):
+        kernel.linear(torch.randn(2, 64), packed, None)
+    with pytest.raises(RuntimeError, match="x has 96 features, the weight 64"):
+        kernel.linear(torch.randn(2, 96).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="must come from pack_blocks"):
+        kernel.linear(torch.randn(2, 64).bfloat16(), packed.view(-1), None)
+
+
+def _blocks_checkpoint(source: Path, target: Path) -> Path:
+    """The tiny checkpoint with every linear weight replaced by its Q4_1 blocks' values."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight") and tensor.shape[1] % 32 == 0:
+            tensors[name] = quantize_q4_1(tensor.float()).dequantize().to(tensor.dtype)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def _sampled_tokens(runner: ModelRunner) -> dict[str, list[int]]:
+    core = EngineCore(runner, model="tiny", scheduler_config=SchedulerConfig(max_model_len=128))
+    for index in range(3):
+        prompt = [(7 * index + 3 * position) % 200 + 10 for position in range(5 + 9 * index)]
+        sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        core.add_request(Request(f"r{index}", prompt, sampling, max_tokens=8))
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
+
+
+@pytest.mark.skipif(not serves_blocks(CPU, torch.bfloat16), reason="bf16 replicas keep no blocks on this CPU")
+def test_a_replica_multiplies_by_the_blocks_it_found(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    model_dir = _blocks_checkpoint(tiny_checkpoints["llama"], tmp_path / "llama-q4")
+
+    def runner(block_weights: bool) -> ModelRunner:
+        return ModelRunner(
+            model_dir, dtype=torch.bfloat16, device=CPU, kv_cache_bytes=8 << 20, max_model_len=128,
+            block_weights=block_weights,
+        )  # fmt: skip
+
+    with_blocks, without = runner(True), runner(False)
+    linears = [module for module in with_blocks.model.modules() if isinstance(module, PackableLinear)]
+    held = [module for module in linears if module.block_q4 is not None]
+    assert with_blocks.block_q4_linears == len(held) > 0 and without.block_q4_linears == 0
+    # The tied head's weight is the embedding's, which is no Q4_1 weight here.
+    assert with_blocks.model.lm_head.block_q4 is None
+    name = "model.layers.0.self_attn.o_proj"  # stored as it is, not merged with others
+    layer = with_blocks.model.get_submodule(name)
+    assert layer.block_q4 is not None
+    x = torch.randn(3, layer.in_features).bfloat16()
+    with torch.inference_mode():
+        exact = x.float() @ load_file(str(model_dir / "model.safetensors"))[f"{name}.weight"].float().T
+        torch.testing.assert_close(layer(x).float(), exact, rtol=8e-3, atol=1e-3)
+        with invariant_rows():  # a batch-invariant step keeps the panels' bits
+            assert torch.equal(layer(x), without.model.get_submodule(name)(x))
+    assert _sampled_tokens(with_blocks) == _sampled_tokens(without)
+
+
+def test_blocks_serve_only_bf16_on_a_cpu_with_the_kernel() -> None:
+    assert not serves_blocks(torch.device("cuda"), torch.bfloat16)
+    assert not serves_blocks(CPU, torch.float32)
+    assert serves_blocks(CPU, torch.bfloat16) == (block_q4_products() and "amx_bf16" not in cpu_flags())
