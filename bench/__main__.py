@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from bench.batch_invariance_bench import run_batch_invariance_bench
+from bench.block_q4_bench import run_block_q4_bench
 from bench.cache_index_bench import run_cache_index_bench
 from bench.cuda_graph_bench import run_cuda_graph_bench
 from bench.decode_kernel_bench import run_decode_kernel_bench
@@ -89,6 +90,9 @@ def main() -> None:
         "prompt_kernel": lambda: run_prompt_kernel_bench(model=args.model, quick=args.quick),
         # Packed linear weights against plain ones, same process (default model unless --model).
         "linear_packing": lambda: run_linear_packing_bench(model=args.model, quick=args.quick),
+        # Decoding on the checkpoint's Q4_1 blocks against its bf16 weights, same process (bf16,
+        # AVX512-BF16 CPUs without AMX; says it is skipped elsewhere).
+        "block_q4": lambda: run_block_q4_bench(model=args.model, quick=args.quick),
         "structured_output": lambda: run_structured_output_bench(
             model=args.model, dtype=args.dtype, quick=args.quick
         ),

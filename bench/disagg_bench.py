@@ -44,7 +44,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -106,6 +106,8 @@ class Setup:
     name: str
     replicas: int  # CACHET_REPLICAS: mixed, or decode when there are prefill replicas
     prefill_replicas: int
+    # More of run-local's environment (--env), e.g. an engine setting for one setup alone.
+    env: tuple[tuple[str, str], ...] = ()
 
 
 SETUPS = (Setup("mixed", 2, 0), Setup("disaggregated", 1, 1))
@@ -459,7 +461,7 @@ def server_env(setup: Setup, port: int, data_dir: Path, model_dir: Path, dtype: 
     }
     if dtype != "auto":
         env["CACHET_DTYPE"] = dtype
-    return env
+    return env | dict(setup.env)
 
 
 @contextmanager
@@ -573,10 +575,10 @@ def pooled(runs: list[Run]) -> dict:
     }
 
 
-def round_order(rounds: int) -> list[list[Setup]]:
+def round_order(rounds: int, setups: tuple[Setup, ...] = SETUPS) -> list[list[Setup]]:
     """Each round runs both setups; every other round the other one first (ABBA), so a machine
     that drifts over the run weighs on both alike."""
-    return [list(SETUPS) if r % 2 == 0 else list(reversed(SETUPS)) for r in range(rounds)]
+    return [list(setups) if r % 2 == 0 else list(reversed(setups)) for r in range(rounds)]
 
 
 # --- the section -----------------------------------------------------------------------------
@@ -599,9 +601,14 @@ def run_disagg_bench(
     model: str | None = None,
     json_path: Path = DEFAULT_JSON,
     rounds: int | None = None,
+    setup_env: dict[str, dict[str, str]] | None = None,
 ) -> dict:
     """The section `python -m bench` runs: both setups back to back (``rounds`` times, default 1
-    quick, 2 full), table printed, JSON written."""
+    quick, 2 full), table printed, JSON written. ``setup_env``: setup name -> more of its
+    run-local environment."""
+    setups = tuple(
+        replace(setup, env=tuple(sorted((setup_env or {}).get(setup.name, {}).items()))) for setup in SETUPS
+    )
     resolved = ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data")))
     model_dir = resolved.path.resolve()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -621,7 +628,7 @@ def run_disagg_bench(
             "cores": os.cpu_count(),
             "mix": asdict(the_mix),
             "prompt_tokens": _token_counts(tokenizer, prompts),
-            "setups": [asdict(s) for s in SETUPS],
+            "setups": [asdict(s) for s in setups],
         },
         "rounds": [],
         "setups": {},
@@ -632,12 +639,12 @@ def run_disagg_bench(
             progress(f"disagg: another bench runs run-local (it holds {SERVER_LOCK}): skipped")
             report["error"] = "another run-local bench was running"
         else:
-            for number, order in enumerate(round_order(rounds), start=1):
+            for number, order in enumerate(round_order(rounds, setups), start=1):
                 progress(f"disagg: round {number} of {rounds}: {', then '.join(s.name for s in order)}")
                 done = [measure_setup(setup, the_mix, prompts, words, model_dir, dtype) for setup in order]
                 report["rounds"].append({run.setup: run.figures() for run in done})
                 runs += done
-    report["setups"] = {s.name: pooled([run for run in runs if run.setup == s.name]) for s in SETUPS}
+    report["setups"] = {s.name: pooled([run for run in runs if run.setup == s.name]) for s in setups}
     report["table"] = table_rows(report["setups"])
     report["round_ratios"] = [round_ratios(one) for one in report["rounds"]]
     report["last_round_requests"] = {run.setup: _request_records(run.timed) for run in runs[-2:]}
@@ -823,9 +830,30 @@ def main() -> None:
         "--model", default=None, help="model id or checkpoint dir (default: the default model)"
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="SETUP:KEY=VALUE",
+        help="more of one setup's run-local environment (mixed or disaggregated), e.g. an engine setting",
+    )
     args = parser.parse_args()
+    setup_env: dict[str, dict[str, str]] = {}
+    for entry in args.env:
+        name, _, assignment = entry.partition(":")
+        key, equals, value = assignment.partition("=")
+        if name not in {setup.name for setup in SETUPS} or not key or not equals:
+            parser.error(
+                f"--env {entry!r}: SETUP:KEY=VALUE with SETUP one of {', '.join(s.name for s in SETUPS)}"
+            )
+        setup_env.setdefault(name, {})[key] = value
     report = run_disagg_bench(
-        quick=args.quick, dtype=args.dtype, model=args.model, json_path=args.json, rounds=args.rounds
+        quick=args.quick,
+        dtype=args.dtype,
+        model=args.model,
+        json_path=args.json,
+        rounds=args.rounds,
+        setup_env=setup_env,
     )
     failed = report.get("error") or any(entry.get("error") for entry in report["setups"].values())
     sys.exit(1 if failed else 0)

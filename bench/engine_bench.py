@@ -28,6 +28,7 @@ from cachet.engine.prompt_images import PromptImage
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
+from cachet.engine.settings import BlockQ4Use
 from cachet.models.catalog import ensure_model
 
 _GIB = 1024**3
@@ -58,7 +59,7 @@ class EngineHarness:
         max_num_seqs: int = 64,
         max_batch_running: int | None = None,
         pack_weights: bool = True,
-        block_weights: bool = True,
+        block_weights: BlockQ4Use = "small_batches",
         device: str = "cpu",
         cuda_graphs: bool = False,
         paged_decode_kernel: bool = True,

@@ -34,7 +34,7 @@ from cachet.engine.attention import (
 )
 from cachet.engine.block_q4_weights import serves_blocks
 from cachet.engine.cpu_features import cpu_has_native_bf16
-from cachet.engine.cpu_kernels import kernel_builds
+from cachet.engine.cpu_kernels import instruction_set, kernel_builds
 from cachet.engine.cuda_graphs import DecodeGraphs
 from cachet.engine.host_kv_blocks import HostKvBlocks
 from cachet.engine.image_embeddings import ImageEmbeddings, ImageEncoder, ScheduledSpan
@@ -55,6 +55,7 @@ from cachet.engine.prefill_attention_kernel import prefill_kernel_fits
 from cachet.engine.prompt_images import ImageInputSpec, PromptImage
 from cachet.engine.sampler import SamplingRow, sample, skip_draws
 from cachet.engine.sampling_params import SamplingParams
+from cachet.engine.settings import BlockQ4Use
 from cachet.engine.shared_kv_tier import ShardLayout, SharedKvFiles, layout_key
 from cachet.engine.step_plan import KvBlockMoves, NewRequest, StepPlan, StepResult
 from cachet.engine.tensor_parallel import SINGLE_RANK
@@ -117,7 +118,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         tp: TensorParallel | None = None,
         pack_weights: bool = True,
-        block_weights: bool = True,
+        block_weights: BlockQ4Use = "small_batches",
         cuda_graphs: bool = False,
         paged_decode_kernel: bool = True,
         batch_invariant: bool = False,
@@ -131,8 +132,8 @@ class ModelRunner:
     ) -> None:
         """``kv_cache_bytes``: the KV pool's size, or a budget it is sized by once the weights
         are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
-        dtype allow it (``packed_linear``); ``block_weights``: and multiply by the checkpoint's
-        Q4_1 blocks where they allow it (``block_q4_weights``). ``cuda_graphs``: replay decode steps of up to
+        dtype allow it (``packed_linear``); ``block_weights``: and which products run on the
+        checkpoint's Q4_1 blocks where they allow it (``EngineSettings.block_q4_weights``). ``cuda_graphs``: replay decode steps of up to
         ``max_decode_batch`` requests from fixed-shape steps (``cuda_graphs``), captured as
         CUDA graphs on a CUDA device and run eagerly elsewhere, and steps of up to
         ``max_step_tokens`` tokens that hold prompt tokens from padded steps whose work between
@@ -166,12 +167,16 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
             tp=tp.model_rank if tp is not None else SINGLE_RANK,
-            block_weights=pack_weights and block_weights and serves_blocks(self.device, dtype),
+            block_weights=pack_weights and block_weights != "off" and serves_blocks(self.device, dtype),
         )
-        self.block_q4_linears = sum(
-            isinstance(module, PackableLinear) and module.block_q4 is not None
+        block_linears = [
+            module
             for module in self.model.modules()
-        )
+            if isinstance(module, PackableLinear) and module.block_q4 is not None
+        ]
+        for module in block_linears:
+            module.block_q4_in_invariant_steps = block_weights == "all_steps"
+        self.block_q4_linears = len(block_linears)
         self.packed_linears = (
             pack_linear_weights(self.model)
             if pack_weights and packs_linear_weights(self.device, dtype)
@@ -217,6 +222,9 @@ class ModelRunner:
         # Names this replica's batch-invariant KV (block hashes, EngineInfo): a host of another
         # kind sums in other orders, so its blocks must never stand in for these.
         self.reproducible_kernels = reproducible_kernels(self.device) if batch_invariant else ""
+        if self.reproducible_kernels and block_linears and block_weights == "all_steps":
+            # The blocks hold other weights than the panels' bf16: other bits, another kind.
+            self.reproducible_kernels += ",block_q4=" + instruction_set("block_q4_linear")
         if batch_invariant and not self.decode_in_place:
             log.warning(
                 "greedy decoding is not batch-invariant here: prefill attention runs SDPA, whose "

@@ -139,15 +139,21 @@ class PackableLinear(nn.Linear):
     small_batch_panels: torch.Tensor | None = None
     small_batch_rows: int = SMALL_BATCH_ROWS
     # The checkpoint's Q4_1 blocks of the weight (``block_q4_weights``): products of up to
-    # BLOCK_Q4_ROWS rows outside batch-invariant steps.
+    # BLOCK_Q4_ROWS rows outside batch-invariant steps, and with block_q4_in_invariant_steps
+    # every product of those steps.
     block_q4: torch.Tensor | None = None
+    block_q4_in_invariant_steps: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
-        if self.block_q4 is not None and not _products.invariant and x.numel() <= BLOCK_Q4_ROWS * x.shape[-1]:
+        if self.block_q4 is not None and (
+            self.block_q4_in_invariant_steps
+            if _products.invariant
+            else x.numel() <= BLOCK_Q4_ROWS * x.shape[-1]
+        ):
             return _block_kernel().linear(x, self.block_q4, bias)
         if self.small_batch_panels is not None:
             if _products.invariant:

@@ -16,6 +16,9 @@ from pydantic_settings import SettingsConfigDict
 
 from cachet.config import ServiceSettings, shared_alias
 
+# Which products run on a checkpoint's Q4_1 blocks (EngineSettings.block_q4_weights).
+BlockQ4Use = Literal["small_batches", "all_steps", "off"]
+
 
 class EngineSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CACHET_ENGINE_")
@@ -95,7 +98,10 @@ class EngineSettings(ServiceSettings):
     # A bf16 replica on an AVX512-BF16 CPU (without AMX) multiplies by the checkpoint's own
     # Q4_1 blocks where its weights are exactly such blocks (the default model's are): the few
     # rows of decoding stream a third of the bytes (cachet.engine.block_q4_weights).
-    block_q4_weights: bool = True
+    # small_batches: products of a few rows outside batch-invariant steps; all_steps: those, and
+    # every product of batch-invariant steps too (greedy decoding of few streams faster, greedy
+    # prompts slower: a decode replica's choice, with its prefill replicas'); off.
+    block_q4_weights: BlockQ4Use = "small_batches"
     # On a CUDA device, replay decode steps as CUDA graphs (cachet.engine.cuda_graphs), and the
     # work between attention calls of steps holding prompt tokens (cachet.engine.piecewise_graphs);
     # no effect on a CPU, for models that opt out, or in a tensor-parallel replica.

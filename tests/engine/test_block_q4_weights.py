@@ -26,6 +26,7 @@ from cachet.engine.packed_linear import PackableLinear, invariant_rows
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
+from cachet.engine.settings import BlockQ4Use
 
 CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(
@@ -157,13 +158,13 @@ def test_a_replica_multiplies_by_the_blocks_it_found(
 ) -> None:
     model_dir = _blocks_checkpoint(tiny_checkpoints["llama"], tmp_path / "llama-q4")
 
-    def runner(block_weights: bool) -> ModelRunner:
+    def runner(block_weights: BlockQ4Use) -> ModelRunner:
         return ModelRunner(
             model_dir, dtype=torch.bfloat16, device=CPU, kv_cache_bytes=8 << 20, max_model_len=128,
             block_weights=block_weights,
         )  # fmt: skip
 
-    with_blocks, without = runner(True), runner(False)
+    with_blocks, without = runner("small_batches"), runner("off")
     linears = [module for module in with_blocks.model.modules() if isinstance(module, PackableLinear)]
     held = [module for module in linears if module.block_q4 is not None]
     assert with_blocks.block_q4_linears == len(held) > 0 and without.block_q4_linears == 0
@@ -185,3 +186,53 @@ def test_blocks_serve_only_bf16_on_a_cpu_with_the_kernel() -> None:
     assert not serves_blocks(torch.device("cuda"), torch.bfloat16)
     assert not serves_blocks(CPU, torch.float32)
     assert serves_blocks(CPU, torch.bfloat16) == (block_q4_products() and "amx_bf16" not in cpu_flags())
+
+
+def _greedy(
+    core: EngineCore, batch: list[list[int]], first_id: int
+) -> list[tuple[list[tuple[int, float | None]], int]]:
+    """Each prompt's (greedy tokens with their logprobs, cached prompt tokens), run together."""
+    ids = [f"r{first_id + index}" for index in range(len(batch))]
+    for request_id, prompt in zip(ids, batch, strict=True):
+        sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=True)
+        core.add_request(Request(request_id, prompt, sampling, max_tokens=16))
+    tokens: dict[str, list[tuple[int, float | None]]] = {request_id: [] for request_id in ids}
+    cached = dict.fromkeys(ids, 0)
+    while core.has_unfinished_requests():
+        for output in core.step():
+            tokens[output.request_id] += [(t.token_id, t.logprob) for t in output.logprobs]
+            cached[output.request_id] = max(cached[output.request_id], output.num_cached_tokens)
+    return [(tokens[request_id], cached[request_id]) for request_id in ids]
+
+
+@pytest.mark.skipif(not serves_blocks(CPU, torch.bfloat16), reason="bf16 replicas keep no blocks on this CPU")
+def test_all_steps_keeps_greedy_the_same_cold_cached_and_in_a_batch(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    model_dir = _blocks_checkpoint(tiny_checkpoints["llama"], tmp_path / "llama-q4")
+
+    def engine(use: BlockQ4Use) -> tuple[ModelRunner, EngineCore]:
+        runner = ModelRunner(
+            model_dir, dtype=torch.bfloat16, device=CPU, kv_cache_bytes=64 << 20, batch_invariant=True,
+            block_weights=use,
+        )  # fmt: skip
+        # 64-token chunks: the target's prompt is computed in several, others' chunks beside it.
+        config = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=16)
+        return runner, EngineCore(runner, model="tiny", scheduler_config=config)
+
+    runner, core = engine("all_steps")
+    panels_runner, panels_core = engine("small_batches")
+    assert "block_q4=" in runner.reproducible_kernels
+    assert runner.reproducible_kernels.startswith(panels_runner.reproducible_kernels)
+    generator = torch.Generator().manual_seed(1)
+    target = torch.randint(3, runner.vocab_size, (150,), generator=generator).tolist()
+    others = [torch.randint(3, runner.vocab_size, (40 + i,), generator=generator).tolist() for i in range(7)]
+    ((cold, cached_before),) = _greedy(core, [target], 0)
+    ((again, cached_again),) = _greedy(core, [target], 1)
+    batched = _greedy(core, others[:3] + [target] + others[3:], 2)
+    fresh = _greedy(engine("all_steps")[1], others[:3] + [target] + others[3:], 0)
+    assert cached_before == 0 and cached_again >= 144 and batched[3][1] >= 144 and fresh[3][1] == 0
+    assert again == cold and batched[3][0] == cold and fresh[3][0] == cold
+    # The panels' bf16 weights are not the blocks' exact ones: the steps really ran on the blocks.
+    ((on_panels, _),) = _greedy(panels_core, [target], 0)
+    assert [logprob for _, logprob in on_panels] != [logprob for _, logprob in cold]

@@ -1,0 +1,110 @@
+"""Decoding on a checkpoint's own Q4_1 blocks against its bf16 weights, same process.
+
+A bf16 replica on an AVX512-BF16 CPU multiplies by the default model's Q4_1 blocks for products
+of a few rows outside batch-invariant steps (``cachet.engine.block_q4_weights``). Two engines of
+the same checkpoint, one keeping the blocks and one not, take turns round by round (these CPUs
+drift between runs minutes apart, so only in-run ratios mean anything):
+
+- decode tok/s at 1, 2, 4, 8 and 16 streams (128-token prompts), steps outside batch invariance
+  (what sampled requests run);
+- time to first token of a 512-token prompt, which the blocks do not run (level expected).
+
+`python -m bench.block_q4_bench [--quick]`; the ``block_q4`` section of ``make bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from bench.engine_bench import EngineHarness, _prompts
+from bench.progress import progress
+from cachet.engine.block_q4_weights import serves_blocks
+from cachet.models.catalog import ensure_model
+
+STREAMS = (1, 2, 4, 8, 16)
+PROMPT_TOKENS = 128
+CPU = torch.device("cpu")
+
+
+def _measure(engine: EngineHarness, tokenizer: Tokenizer, new_tokens: int, seed: int) -> dict[str, float]:
+    row = {}
+    for streams in STREAMS:
+        for prompt in _prompts(tokenizer, streams, PROMPT_TOKENS, seed=seed + streams):
+            engine.submit(prompt, new_tokens)
+        generated, seconds = engine.run_until_done()
+        row[f"decode_{streams}_tok_s"] = generated / seconds
+    engine.reset_cache()
+    ttft, _ = engine.time_to_first_token(_prompts(tokenizer, 1, 512, seed=seed)[0])
+    row["ttft_512_ms"] = ttft * 1000
+    return row
+
+
+def run_block_q4_bench(model: str | None = None, quick: bool = False) -> dict[str, Any]:
+    resolved = ensure_model(model, Path(os.environ.get("CACHET_DATA_DIR", "data")))
+    if not serves_blocks(CPU, torch.bfloat16):
+        progress("block_q4: this CPU keeps no blocks (no AVX512-BF16 build, or AMX): skipped")
+        return {"model": resolved.model_id, "skipped": True}
+    tokenizer = Tokenizer.from_file(str(resolved.path / "tokenizer.json"))
+    rounds, new_tokens = (2, 16) if quick else (4, 48)
+    progress(f"block_q4: {resolved.model_id}, bf16, {torch.get_num_threads()} threads, {rounds} rounds")
+    engines = {
+        name: EngineHarness(resolved.path, resolved.model_id, torch.bfloat16, 512, block_weights=use)
+        for name, use in (("blocks", "small_batches"), ("bf16", "off"))
+    }
+    if engines["blocks"].runner.block_q4_linears == 0:
+        progress("block_q4: this checkpoint's weights are no Q4_1 blocks: skipped")
+        return {"model": resolved.model_id, "skipped": True}
+    for engine in engines.values():
+        engine.submit(_prompts(tokenizer, 1, 32, seed=0)[0], 4)
+        engine.run_until_done()
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    for round_ in range(rounds):
+        for name in engines if round_ % 2 == 0 else reversed(engines):
+            progress(f"block_q4: round {round_ + 1}/{rounds}, {name}")
+            samples[name].append(_measure(engines[name], tokenizer, new_tokens, seed=round_))
+    medians = {
+        name: {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+        for name, rows in samples.items()
+    }
+    result = {
+        "model": resolved.model_id,
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "blocks_linears": engines["blocks"].runner.block_q4_linears,
+        "median": medians,
+    }
+    _print(result)
+    return result
+
+
+def _print(result: dict[str, Any]) -> None:
+    blocks, bf16 = result["median"]["blocks"], result["median"]["bf16"]
+    print(f"\nQ4_1 blocks against bf16 weights ({result['model']}, {result['threads']} threads, medians)")
+    header = f"{'measure':<26}{'bf16':>10}{'blocks':>10}{'ratio':>9}"
+    print(header)
+    print("-" * len(header))
+    for key in bf16:
+        print(f"{key:<26}{bf16[key]:>10.1f}{blocks[key]:>10.1f}{blocks[key] / bf16[key]:>8.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    result = run_block_q4_bench(model=args.model, quick=args.quick)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
