@@ -7,7 +7,9 @@ drift between runs minutes apart, so only in-run ratios mean anything):
 
 - decode tok/s at 1, 2, 4, 8 and 16 streams (128-token prompts), steps outside batch invariance
   (what sampled requests run);
-- time to first token of a 512-token prompt, which the blocks do not run (level expected).
+- time to first token of a 512-token prompt, which the blocks do not run (level expected);
+- one step's products of every layer (the head apart) at 1 to 512 rows, on the blocks against
+  the bf16 panels batch-invariant steps run (and ``all_steps`` would run on the blocks).
 
 `python -m bench.block_q4_bench [--quick]`; the ``block_q4`` section of ``make bench``.
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,12 @@ from tokenizers import Tokenizer
 from bench.engine_bench import EngineHarness, _prompts
 from bench.progress import progress
 from cachet.engine.block_q4_weights import serves_blocks
+from cachet.engine.cpu_kernels import load_cpu_kernel
+from cachet.engine.packed_linear import PackableLinear
 from cachet.models.catalog import ensure_model
 
 STREAMS = (1, 2, 4, 8, 16)
+PRODUCT_ROWS = (1, 4, 8, 16, 64, 512)
 PROMPT_TOKENS = 128
 CPU = torch.device("cpu")
 
@@ -45,6 +51,33 @@ def _measure(engine: EngineHarness, tokenizer: Tokenizer, new_tokens: int, seed:
     ttft, _ = engine.time_to_first_token(_prompts(tokenizer, 1, 512, seed=seed)[0])
     row["ttft_512_ms"] = ttft * 1000
     return row
+
+
+def _products_ms(engine: EngineHarness, rows: int, repeats: int) -> dict[str, float]:
+    """Best of ``repeats`` of one step's layer products at ``rows`` rows, blocks then panels."""
+    blocks_kernel, panels_kernel = load_cpu_kernel("block_q4_linear"), load_cpu_kernel("panel_linear")
+    assert blocks_kernel is not None and panels_kernel is not None  # serves_blocks saw both build
+    linears = [
+        module
+        for module in engine.runner.model.modules()
+        if isinstance(module, PackableLinear)
+        and module.block_q4 is not None
+        and module.small_batch_panels is not None
+    ]
+    inputs = {module.in_features: torch.randn(rows, module.in_features).bfloat16() for module in linears}
+    best = {}
+    for name, run in (
+        ("blocks", lambda m: blocks_kernel.linear(inputs[m.in_features], m.block_q4, None)),
+        ("panels", lambda m: panels_kernel.linear(inputs[m.in_features], m.small_batch_panels, None)),
+    ):
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for module in linears:
+                run(module)
+            times.append((time.perf_counter() - started) * 1000)
+        best[name] = min(times)
+    return best
 
 
 def run_block_q4_bench(model: str | None = None, quick: bool = False) -> dict[str, Any]:
@@ -74,12 +107,16 @@ def run_block_q4_bench(model: str | None = None, quick: bool = False) -> dict[st
         name: {key: statistics.median(row[key] for row in rows) for key in rows[0]}
         for name, rows in samples.items()
     }
+    progress("block_q4: one step's layer products")
+    with torch.inference_mode():
+        products = {rows: _products_ms(engines["blocks"], rows, 3 if quick else 7) for rows in PRODUCT_ROWS}
     result = {
         "model": resolved.model_id,
         "threads": torch.get_num_threads(),
         "rounds": rounds,
         "blocks_linears": engines["blocks"].runner.block_q4_linears,
         "median": medians,
+        "layer_products_ms": products,
     }
     _print(result)
     return result
@@ -93,6 +130,14 @@ def _print(result: dict[str, Any]) -> None:
     print("-" * len(header))
     for key in bf16:
         print(f"{key:<26}{bf16[key]:>10.1f}{blocks[key]:>10.1f}{blocks[key] / bf16[key]:>8.2f}x")
+    print("\nOne step's layer products (best ms), blocks against the bf16 panels")
+    header = f"{'rows':<26}{'panels':>10}{'blocks':>10}{'ratio':>9}"
+    print(header)
+    print("-" * len(header))
+    for rows, times in result["layer_products_ms"].items():
+        print(
+            f"{rows:<26}{times['panels']:>10.2f}{times['blocks']:>10.2f}{times['blocks'] / times['panels']:>8.2f}x"
+        )
 
 
 def main() -> None:

@@ -144,6 +144,8 @@ class Setup:
     checkpoint: Path
     data_dir: Path
     dtype: str
+    # More of Cachet's run-local environment (--cachet-env), e.g. an engine setting to compare.
+    cachet_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,7 @@ def measure_servers(servers: list[str], setup: Setup, plan: list[Scenario]) -> d
             _progress(f"{server}: starting on port {port}, load average {load:.1f} (log: {log})")
             started = time.monotonic()
             context = (
-                cachet_server(port, setup.data_dir, log, setup.dtype)
+                cachet_server(port, setup.data_dir, log, setup.dtype, dict(setup.cachet_env))
                 if server == "cachet"
                 else vllm_server(setup.python, setup.checkpoint, port, log, setup.dtype)
             )
@@ -305,7 +307,11 @@ def _cpu_lacks_bf16() -> bool:
 
 
 def run_serving_bench(
-    quick: bool = False, only: str | None = None, json_path: Path = DEFAULT_JSON, dtype: str = "auto"
+    quick: bool = False,
+    only: str | None = None,
+    json_path: Path = DEFAULT_JSON,
+    dtype: str = "auto",
+    cachet_env: dict[str, str] | None = None,
 ) -> dict:
     """The section `python -m bench` runs: table printed, everything returned and written to json_path."""
     data_dir = Path(os.environ.get("CACHET_DATA_DIR", "data")).resolve()
@@ -322,6 +328,7 @@ def run_serving_bench(
             "checkpoint": str(checkpoint),
             "dtype": dtype,
             "quick": quick,
+            "cachet_env": cachet_env or {},
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "scenarios": [asdict(s) for s in scenarios(quick)],
         },
@@ -334,7 +341,7 @@ def run_serving_bench(
     else:
         with one_run_at_a_time(RUN_DIR / "lock") as alone, stopping_servers_on_sigterm():
             if alone:
-                setup = Setup(python, checkpoint, data_dir, dtype)
+                setup = Setup(python, checkpoint, data_dir, dtype, tuple(sorted((cachet_env or {}).items())))
                 report["servers"] = measure_servers(servers, setup, scenarios(quick))
             else:
                 _progress(f"another serving bench is running (it holds {RUN_DIR / 'lock'}): skipped")
@@ -362,8 +369,23 @@ def main() -> None:
         choices=["auto", "bfloat16", "float32"],
         help="both servers' (default: bfloat16 where the CPU has bf16 instructions, else float32)",
     )
+    parser.add_argument(
+        "--cachet-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more of Cachet's run-local environment, e.g. an engine setting to compare",
+    )
     args = parser.parse_args()
-    report = run_serving_bench(quick=args.quick, only=args.only, json_path=args.json, dtype=args.dtype)
+    cachet_env = {}
+    for entry in args.cachet_env:
+        key, equals, value = entry.partition("=")
+        if not key or not equals:
+            parser.error(f"--cachet-env {entry!r}: KEY=VALUE")
+        cachet_env[key] = value
+    report = run_serving_bench(
+        quick=args.quick, only=args.only, json_path=args.json, dtype=args.dtype, cachet_env=cachet_env
+    )
     sys.exit(1 if report.get("error") or any(e["error"] for e in report["servers"].values()) else 0)
 
 

@@ -137,8 +137,11 @@ def answers(url: str) -> bool:
         return False
 
 
-def cachet_server(port: int, data_dir: Path, log: Path, dtype: str) -> Iterator[subprocess.Popen]:
-    """``cachet run-local`` as ``make run-local`` starts it, in ``dtype`` on ``port``."""
+def cachet_server(
+    port: int, data_dir: Path, log: Path, dtype: str, extra_env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """``cachet run-local`` as ``make run-local`` starts it, in ``dtype`` on ``port``, with
+    ``extra_env`` (a setting the caller compares) on top."""
     # Settings from the caller's shell (API keys, another model) would change what is measured.
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHET_")}
     env |= {"CACHET_PORT": str(port), "CACHET_DTYPE": dtype, "CACHET_DATA_DIR": str(data_dir)}
@@ -146,6 +149,7 @@ def cachet_server(port: int, data_dir: Path, log: Path, dtype: str) -> Iterator[
     # mode is opt-in): like against like. What Cachet's reproducible greedy costs is the
     # batch_invariance section's.
     env["CACHET_ENGINE_BATCH_INVARIANT"] = "false"
+    env |= extra_env or {}
     announced = re.compile(rf"Cachet REST API on http://127\.0\.0\.1:{port}\b")
 
     def ready() -> bool:
