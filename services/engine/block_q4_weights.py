@@ -15,9 +15,10 @@ so a weight is kept as blocks only when they give back each of its values bit fo
 
 Where: bf16 replicas on CPUs whose kernel build has AVX512-BF16, without AMX. AMX hosts keep
 their tile-unit products, which a batch-invariant step's prompts need for speed
-(``packed_linear``). A linear with blocks runs on them every product of up to its
-``small_batch_rows`` rows, and, in a batch-invariant step, every product; larger products of
-other steps stay on oneDNN's bf16 weight.
+(``packed_linear``). A linear with blocks runs on them its products of up to ``BLOCK_Q4_ROWS``
+rows outside batch-invariant steps, and with ``all_steps`` (``EngineSettings.block_q4_weights``)
+every product of batch-invariant steps too; its other products stay on the bf16 panels or
+oneDNN's bf16 weight, which the linear keeps beside the blocks.
 """
 
 from __future__ import annotations

@@ -133,9 +133,9 @@ class ModelRunner:
         """``kv_cache_bytes``: the KV pool's size, or a budget it is sized by once the weights
         are loaded. ``pack_weights``: reorder linear weights for oneDNN where this device and
         dtype allow it (``packed_linear``); ``block_weights``: and which products run on the
-        checkpoint's Q4_1 blocks where they allow it (``EngineSettings.block_q4_weights``). ``cuda_graphs``: replay decode steps of up to
-        ``max_decode_batch`` requests from fixed-shape steps (``cuda_graphs``), captured as
-        CUDA graphs on a CUDA device and run eagerly elsewhere, and steps of up to
+        checkpoint's Q4_1 blocks where they allow it (``EngineSettings.block_q4_weights``).
+        ``cuda_graphs``: replay decode steps of up to ``max_decode_batch`` requests from
+        fixed-shape steps (``cuda_graphs``), captured as CUDA graphs on a CUDA device and run eagerly elsewhere, and steps of up to
         ``max_step_tokens`` tokens that hold prompt tokens from padded steps whose work between
         attention calls is captured likewise (``piecewise_graphs``); ignored for models that opt
         out and for tensor-parallel replicas. ``paged_decode_kernel``: on a CPU, decodes read

@@ -103,9 +103,10 @@ HEAD_SMALL_BATCH_ROWS = 4 if _AMX else 16
 # 0.79-0.89x but the head 1.5-1.6x, level from 256 (a Sapphire Rapids-class Xeon, 2 threads).
 TILE_UNIT_ROWS = 32
 # Most rows a product runs on a checkpoint's 4-bit blocks where a linear has them
-# (``block_q4_weights``): the default model's layers' products at 1 / 4 / 8 / 16 rows took
-# 0.44 / 0.53 / 0.93 / 1.39x the bf16 panels' time (a Zen 4 EPYC, 2 threads). Past a few rows the
-# products are bound by the dot products, not by reading the weights, and the blocks add work.
+# (``block_q4_weights``): one step's products of the default model's layers at 1 / 4 / 8 / 16
+# rows took 0.42 / 0.45 / 0.93 / 1.36x the bf16 panels' time (a Zen 4 EPYC, 2 threads, the
+# ``block_q4`` bench). Past a few rows the products are bound by the dot products, not by
+# reading the weights, and the blocks add work.
 BLOCK_Q4_ROWS = 4
 
 
