@@ -1,4 +1,4 @@
-"""Linear weights kept as the checkpoint's 4-bit blocks, for bf16 products of a few rows (CPU).
+"""Linear weights kept as the checkpoint's 4-bit blocks, for products of a few rows (CPU).
 
 The default model is published as a GGUF whose projections are Q4_1: every 32 inputs of an
 output share an fp16 scale ``d`` and offset ``m``, and each weight is ``d * q + m`` for a 4-bit
@@ -13,7 +13,11 @@ gives the largest back, and the codes ``q``, are then checked against every valu
 so a weight is kept as blocks only when they give back each of its values bit for bit
 (``recover_q4_1``). Any other checkpoint's weights fail that check and stay as they were.
 
-Where: bf16 replicas on CPUs whose kernel build has AVX512-BF16, without AMX. AMX hosts keep
+fp32 replicas (the default on AVX2-only CPUs) keep them too, on any host with AVX2 and FMA: the
+kernel rebuilds each weight as ``fma(d, q, m)``, the checkpoint's fp32 value, and sums as the fp32
+panels do, so its products are the panels' bits and it serves a few rows in any step.
+
+Where (bf16): replicas on CPUs whose kernel build has AVX512-BF16, without AMX. AMX hosts keep
 their tile-unit products, which a batch-invariant step's prompts need for speed
 (``packed_linear``). A linear with blocks runs on them its products of up to ``BLOCK_Q4_ROWS``
 rows outside batch-invariant steps, and with ``all_steps`` (``EngineSettings.block_q4_weights``)
@@ -30,7 +34,7 @@ import torch
 from torch import nn
 
 from cachet.engine.cpu_features import cpu_flags
-from cachet.engine.cpu_kernels import load_cpu_kernel
+from cachet.engine.cpu_kernels import instruction_set, load_cpu_kernel
 from cachet.engine.packed_linear import PackableLinear
 
 BLOCK = 32
@@ -122,6 +126,24 @@ def pack_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
     return torch.cat((pairs, packed[whole:])).contiguous()
 
 
+def pack_fp32_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
+    """The kernel's layout for fp32 rows: uint8 ``[out / 16, in / 32, 320]``, a feature's 16 codes
+    in 8 bytes (output b low, b + 8 high), then d and m (fp16) a block (``fp32_linear``)."""
+    rows, columns = blocks.codes.shape
+    if rows % _PANEL or columns % BLOCK:
+        raise ValueError(f"blocks of a {rows}x{columns} weight: outputs by {_PANEL}, inputs by {BLOCK}")
+    panels, per_row = rows // _PANEL, columns // BLOCK
+    # codes[panel, half h, output b, block, feature f] for output 8h + b.
+    nibbles = blocks.codes.view(panels, 2, _PANEL // 2, per_row, BLOCK)
+    nibbles = nibbles.permute(0, 3, 4, 2, 1)  # [panel, block, f, b, h]
+    codes = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(panels, per_row, -1)
+
+    def per_block(values: torch.Tensor) -> torch.Tensor:
+        return values.view(panels, _PANEL, per_row).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat((codes, per_block(blocks.scales), per_block(blocks.offsets)), dim=-1).contiguous()
+
+
 @functools.cache
 def block_q4_products() -> bool:
     """The block kernel runs on bf16 dot products here (AVX512-BF16 build)."""
@@ -131,12 +153,16 @@ def block_q4_products() -> bool:
 
 def serves_blocks(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a replica of ``dtype`` on ``device`` keeps Q4_1 weights as blocks (module docstring)."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and "amx_bf16" not in cpu_flags()
-        and block_q4_products()
-    )
+    if device.type != "cpu":
+        return False
+    if dtype == torch.float32:
+        # The fp32 panels' hosts, and a build with the kernel's AVX2 path.
+        return (
+            {"avx2", "fma"} <= cpu_flags()
+            and load_cpu_kernel("block_q4_linear") is not None
+            and instruction_set("block_q4_linear") != "base"
+        )
+    return dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags() and block_q4_products()
 
 
 class BlockRecovery:
@@ -167,7 +193,8 @@ class BlockRecovery:
             blocks = concatenate([part for part in found if part is not None])
             if tuple(blocks.codes.shape) != tuple(linear.weight.shape) or blocks.codes.shape[0] % _PANEL:
                 continue
-            linear.block_q4 = pack_blocks(blocks)
+            fp32 = linear.weight.dtype == torch.float32
+            linear.block_q4 = pack_fp32_blocks(blocks) if fp32 else pack_blocks(blocks)
             attached += 1
         self._parts.clear()
         return attached

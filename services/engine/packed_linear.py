@@ -108,6 +108,11 @@ TILE_UNIT_ROWS = 32
 # ``block_q4`` bench). Past a few rows the products are bound by the dot products, not by
 # reading the weights, and the blocks add work.
 BLOCK_Q4_ROWS = 4
+# The same for fp32 rows, whose products on the blocks are the fp32 panels' bits: one step's
+# layer products at 1 / 4 / 8 rows took 0.88 / 0.89 / 1.30x the panels' time on a Zen 4 (the
+# AVX-512 panels, 64 GB/s from two threads), 0.54 / 0.58 / 0.89x against the AVX2 panels that
+# AVX2-only hosts run (the same box, CACHET_KERNEL_ISA=avx2; the ``block_q4`` bench).
+BLOCK_Q4_FP32_ROWS = 4
 
 
 class _Products(threading.local):
@@ -150,7 +155,11 @@ class PackableLinear(nn.Linear):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
-        if self.block_q4 is not None and (
+        if self.block_q4 is not None and x.dtype == torch.float32:
+            # The fp32 panels' bits either way: the choice is speed alone, in any step.
+            if x.numel() <= BLOCK_Q4_FP32_ROWS * x.shape[-1]:
+                return _block_kernel().fp32_linear(x, self.block_q4, bias)
+        elif self.block_q4 is not None and (
             self.block_q4_in_invariant_steps
             if _products.invariant
             else x.numel() <= BLOCK_Q4_ROWS * x.shape[-1]

@@ -15,6 +15,7 @@ from cachet.engine.block_q4_weights import (
     Q4_1Blocks,
     block_q4_products,
     pack_blocks,
+    pack_fp32_blocks,
     recover_q4_1,
     serves_blocks,
 )
@@ -118,6 +119,20 @@ def test_a_rows_bits_do_not_depend_on_the_batch(kernel) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 40])
+def test_fp32_products_are_the_fp32_panels_bits(kernel, rows: int) -> None:
+    panel_kernel = load_cpu_kernel("panel_linear")
+    assert panel_kernel is not None
+    generator = torch.Generator().manual_seed(rows)
+    blocks = quantize_q4_1(torch.randn(80, 192, generator=generator) * 0.05)
+    weight, bias = blocks.dequantize(), torch.randn(80, generator=generator)
+    x = torch.randn(rows, 192, generator=generator)
+    got = kernel.fp32_linear(x, pack_fp32_blocks(blocks), bias)
+    assert torch.equal(got, panel_kernel.linear(x, panel_kernel.pack_weight(weight), bias))
+    torch.testing.assert_close(got, x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
 def test_bad_inputs_are_refused_with_a_message(kernel) -> None:
     _, packed = _weight(32, 64, seed=3)
     with pytest.raises(RuntimeError, match="bfloat16 activations"):
@@ -126,6 +141,11 @@ def test_bad_inputs_are_refused_with_a_message(kernel) -> None:
         kernel.linear(torch.randn(2, 96).bfloat16(), packed, None)
     with pytest.raises(RuntimeError, match="must come from pack_blocks"):
         kernel.linear(torch.randn(2, 64).bfloat16(), packed.view(-1), None)
+    fp32_packed = pack_fp32_blocks(quantize_q4_1(torch.randn(32, 64)))
+    with pytest.raises(RuntimeError, match="float32 activations"):
+        kernel.fp32_linear(torch.randn(2, 64).bfloat16(), fp32_packed, None)
+    with pytest.raises(RuntimeError, match="must come from pack_fp32_blocks"):
+        kernel.fp32_linear(torch.randn(2, 64), packed, None)
 
 
 def _blocks_checkpoint(source: Path, target: Path) -> Path:
@@ -182,10 +202,39 @@ def test_a_replica_multiplies_by_the_blocks_it_found(
     assert _sampled_tokens(with_blocks) == _sampled_tokens(without)
 
 
-def test_blocks_serve_only_bf16_on_a_cpu_with_the_kernel() -> None:
+def test_blocks_serve_only_on_a_cpu_with_the_kernel() -> None:
     assert not serves_blocks(torch.device("cuda"), torch.bfloat16)
-    assert not serves_blocks(CPU, torch.float32)
-    assert serves_blocks(CPU, torch.bfloat16) == (block_q4_products() and "amx_bf16" not in cpu_flags())
+    assert not serves_blocks(CPU, torch.float16)
+    if "amx_bf16" in cpu_flags() or not block_q4_products():
+        assert not serves_blocks(CPU, torch.bfloat16)  # AMX's tile unit, or no bf16 dot products
+    if not {"avx2", "fma"} <= cpu_flags():
+        assert not serves_blocks(CPU, torch.float32)
+
+
+@pytest.mark.skipif(not serves_blocks(CPU, torch.float32), reason="fp32 replicas keep no blocks on this CPU")
+def test_an_fp32_replica_on_the_blocks_gives_the_same_bits(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    model_dir = _blocks_checkpoint(tiny_checkpoints["llama"], tmp_path / "llama-q4")
+
+    def engine(use: BlockQ4Use) -> tuple[ModelRunner, EngineCore]:
+        runner = ModelRunner(
+            model_dir, dtype=torch.float32, device=CPU, kv_cache_bytes=64 << 20, batch_invariant=True,
+            block_weights=use,
+        )  # fmt: skip
+        config = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=16)
+        return runner, EngineCore(runner, model="tiny", scheduler_config=config)
+
+    (with_blocks, blocks_core), (without, plain_core) = engine("small_batches"), engine("off")
+    assert with_blocks.block_q4_linears > 0 and without.block_q4_linears == 0
+    # Same bits, so the same reproducible kind: the blocks are a way to read the weights, no more.
+    assert with_blocks.reproducible_kernels == without.reproducible_kernels
+    generator = torch.Generator().manual_seed(3)
+    batch = [
+        torch.randint(3, with_blocks.vocab_size, (20 + 9 * i,), generator=generator).tolist()
+        for i in range(5)
+    ]
+    assert _greedy(blocks_core, batch, 0) == _greedy(plain_core, batch, 0)
 
 
 def _greedy(

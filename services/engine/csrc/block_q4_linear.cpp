@@ -29,6 +29,15 @@
 //
 // Built without AVX512-BF16, the kernel computes the same sums one at a time (a reference for
 // tests: the engine keeps these weights in bf16 on such hosts, block_q4_products() says which).
+//
+// fp32 activations (fp32_linear) take the blocks in another layout (pack_fp32_blocks): per panel
+// and block, 32 input features of 8 bytes, byte b holding output b's code in its low nibble and
+// output b + 8's in its high one, then d and m (fp16). Each weight is rebuilt in registers as
+// fma(d, q, m), which is the checkpoint's fp32 value exactly (d * q is exact in fp32, so one
+// rounding either way), and multiplied in as the fp32 panels do (panel_linear.cpp): one chain of
+// fused multiply-adds per output, the features in order, from zero. So the result is the fp32
+// panels' bits, at every row count, read from a seventh of the bytes: the engine picks either
+// freely, by row count, even in batch-invariant steps.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -37,8 +46,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef __AVX2__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define CACHET_Q4_DPBF16 1
 #endif
 
@@ -53,6 +64,11 @@ constexpr int64_t kScaleBytes = kPanel * 2;                           // d, fp16
 constexpr int64_t kBlockBytes = kCodeBytes + kScaleBytes + kPanel * 4;  // codes, d, m' (fp32)
 constexpr int64_t kWords = kCodeBytes / 64;
 constexpr int64_t kPairs = kBlock / 2;  // dot-product registers a panel's block widens to
+// fp32 layout: a feature's 16 codes in 8 bytes, then d and m (fp16) a block.
+constexpr int64_t kFp32FeatureBytes = kPanel / 2;
+constexpr int64_t kFp32CodeBytes = kBlock * kFp32FeatureBytes;
+constexpr int64_t kFp32BlockBytes = kFp32CodeBytes + 2 * kPanel * 2;
+constexpr int64_t kFp32TileRows = 4;
 constexpr int64_t kTileRows = 12;
 // Panels a tile computes together, stored interleaved block by block (pack_blocks): a tile then
 // streams one run of memory.
@@ -221,6 +237,62 @@ void reference_panel(const uint8_t* panel, int64_t block_stride, int64_t blocks,
   }
 }
 
+
+// out[r, 0:16] for r < Rows, fp32 rows on one panel of fp32-layout blocks: the fp32 panels' chains.
+template <int Rows>
+void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k, float* out, int64_t out_stride) {
+#ifdef __AVX2__
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * kFp32BlockBytes;
+    const auto* halves = reinterpret_cast<const __m128i*>(block + kFp32CodeBytes);
+    const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128(halves)), d_high = _mm256_cvtph_ps(_mm_loadu_si128(halves + 1));
+    const __m256 m_low = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2)), m_high = _mm256_cvtph_ps(_mm_loadu_si128(halves + 3));
+    for (int64_t f = 0; f < kBlock; ++f) {
+      const __m256i bytes =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + f * kFp32FeatureBytes)));
+      const __m256 w_low = _mm256_fmadd_ps(d_low, _mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), m_low);
+      const __m256 w_high = _mm256_fmadd_ps(d_high, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), m_high);
+      const int64_t feature = b * kBlock + f;
+#define CACHET_FMA(r)                                               \
+  if constexpr (Rows > r) {                                         \
+    const __m256 a = _mm256_broadcast_ss(x + r * k + feature);      \
+    l##r = _mm256_fmadd_ps(a, w_low, l##r);                         \
+    h##r = _mm256_fmadd_ps(a, w_high, h##r);                        \
+  }
+      CACHET_FMA(0) CACHET_FMA(1) CACHET_FMA(2) CACHET_FMA(3)
+#undef CACHET_FMA
+    }
+  }
+#define CACHET_STORE(r)                                       \
+  if constexpr (Rows > r) {                                   \
+    _mm256_storeu_ps(out + r * out_stride, l##r);             \
+    _mm256_storeu_ps(out + r * out_stride + 8, h##r);         \
+  }
+  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3)
+#undef CACHET_STORE
+#else
+  for (int64_t r = 0; r < Rows; ++r) {
+    float sums[kPanel] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = panel + b * kFp32BlockBytes;
+      for (int64_t f = 0; f < kBlock; ++f) {
+        const float a = x[r * k + b * kBlock + f];
+        for (int64_t j = 0; j < kPanel; ++j) {
+          const uint8_t byte = block[f * kFp32FeatureBytes + j % kFp32FeatureBytes];
+          const int code = j < kFp32FeatureBytes ? byte & 0x0F : byte >> 4;
+          const float weight = std::fma(half_to_float(block + kFp32CodeBytes + 2 * j), static_cast<float>(code),
+                                        half_to_float(block + kFp32CodeBytes + 2 * kPanel + 2 * j));
+          sums[j] = std::fma(a, weight, sums[j]);
+        }
+      }
+    }
+    std::memcpy(out + r * out_stride, sums, sizeof(sums));
+  }
+#endif
+}
+
 }  // namespace
 
 bool block_q4_products() {
@@ -304,7 +376,39 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 #endif
 }
 
+torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == kFp32BlockBytes &&
+                  packed.is_contiguous(),
+              "the weight must come from pack_fp32_blocks: uint8 [out / 16, in / 32, ", kFp32BlockBytes, "]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32 activations, got ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+  const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlock, n = panels * kPanel;
+  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
+  const bool with_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!with_bias || bias->numel() == n, "bias has ", with_bias ? bias->numel() : 0, " values for ", n, " outputs");
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t m = rows.size(0);
+  torch::Tensor out = torch::empty({m, n}, rows.options());
+  const float* xs = rows.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+  const auto* w = packed.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t r = 0; r < m; r += kFp32TileRows) {
+      for_row_count<kFp32TileRows>(std::min(kFp32TileRows, m - r), [&]<int Rows>() {
+        fp32_tile<Rows>(w + p * blocks * kFp32BlockBytes, blocks, xs + r * k, k, ys + r * n + p * kPanel, n);
+      });
+    }
+  }
+  // As the fp32 panels add it: after the products, in fp32.
+  if (with_bias) out.add_(bias->to(torch::kFloat32));
+  return out.view(shape);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_q4_products", &block_q4_products, "Whether this build runs the blocks on bf16 dot products");
   m.def("linear", &linear, "x @ weight.T (+ bias), bf16 x, on a weight from pack_blocks");
+  m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias), fp32 x, on a weight from pack_fp32_blocks: the fp32 panels' bits");
 }
