@@ -216,16 +216,8 @@ def test_an_fp32_replica_on_the_blocks_gives_the_same_bits(
     tiny_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     model_dir = _blocks_checkpoint(tiny_checkpoints["llama"], tmp_path / "llama-q4")
-
-    def engine(use: BlockQ4Use) -> tuple[ModelRunner, EngineCore]:
-        runner = ModelRunner(
-            model_dir, dtype=torch.float32, device=CPU, kv_cache_bytes=64 << 20, batch_invariant=True,
-            block_weights=use,
-        )  # fmt: skip
-        config = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=16)
-        return runner, EngineCore(runner, model="tiny", scheduler_config=config)
-
-    (with_blocks, blocks_core), (without, plain_core) = engine("small_batches"), engine("off")
+    with_blocks, blocks_core = _invariant_engine(model_dir, torch.float32, "small_batches")
+    without, plain_core = _invariant_engine(model_dir, torch.float32, "off")
     assert with_blocks.block_q4_linears > 0 and without.block_q4_linears == 0
     # Same bits, so the same reproducible kind: the blocks are a way to read the weights, no more.
     assert with_blocks.reproducible_kernels == without.reproducible_kernels
@@ -235,6 +227,16 @@ def test_an_fp32_replica_on_the_blocks_gives_the_same_bits(
         for i in range(5)
     ]
     assert _greedy(blocks_core, batch, 0) == _greedy(plain_core, batch, 0)
+
+
+def _invariant_engine(model_dir: Path, dtype: torch.dtype, use: BlockQ4Use) -> tuple[ModelRunner, EngineCore]:
+    """A runner with batch-invariant steps, and 64-token chunks: a long prompt is computed in
+    several, others' chunks beside it."""
+    runner = ModelRunner(
+        model_dir, dtype=dtype, device=CPU, kv_cache_bytes=64 << 20, batch_invariant=True, block_weights=use
+    )
+    config = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=16)
+    return runner, EngineCore(runner, model="tiny", scheduler_config=config)
 
 
 def _greedy(
@@ -259,18 +261,8 @@ def test_all_steps_keeps_greedy_the_same_cold_cached_and_in_a_batch(
     tiny_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     model_dir = _blocks_checkpoint(tiny_checkpoints["llama"], tmp_path / "llama-q4")
-
-    def engine(use: BlockQ4Use) -> tuple[ModelRunner, EngineCore]:
-        runner = ModelRunner(
-            model_dir, dtype=torch.bfloat16, device=CPU, kv_cache_bytes=64 << 20, batch_invariant=True,
-            block_weights=use,
-        )  # fmt: skip
-        # 64-token chunks: the target's prompt is computed in several, others' chunks beside it.
-        config = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=16)
-        return runner, EngineCore(runner, model="tiny", scheduler_config=config)
-
-    runner, core = engine("all_steps")
-    panels_runner, panels_core = engine("small_batches")
+    runner, core = _invariant_engine(model_dir, torch.bfloat16, "all_steps")
+    panels_runner, panels_core = _invariant_engine(model_dir, torch.bfloat16, "small_batches")
     assert "block_q4=" in runner.reproducible_kernels
     assert runner.reproducible_kernels.startswith(panels_runner.reproducible_kernels)
     generator = torch.Generator().manual_seed(1)
@@ -279,7 +271,9 @@ def test_all_steps_keeps_greedy_the_same_cold_cached_and_in_a_batch(
     ((cold, cached_before),) = _greedy(core, [target], 0)
     ((again, cached_again),) = _greedy(core, [target], 1)
     batched = _greedy(core, others[:3] + [target] + others[3:], 2)
-    fresh = _greedy(engine("all_steps")[1], others[:3] + [target] + others[3:], 0)
+    fresh = _greedy(
+        _invariant_engine(model_dir, torch.bfloat16, "all_steps")[1], others[:3] + [target] + others[3:], 0
+    )
     assert cached_before == 0 and cached_again >= 144 and batched[3][1] >= 144 and fresh[3][1] == 0
     assert again == cold and batched[3][0] == cold and fresh[3][0] == cold
     # The panels' bf16 weights are not the blocks' exact ones: the steps really ran on the blocks.

@@ -303,20 +303,43 @@ bool block_q4_products() {
 #endif
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == kBlockBytes &&
+namespace {
+
+// One product's operands, checked: x as [m, k] rows, the weight's panels and blocks, the bias.
+struct Product {
+  torch::Tensor rows;
+  int64_t m, k, n, panels, blocks;
+  bool with_bias;
+  std::vector<int64_t> shape;  // the output's: x's with n features
+};
+
+Product checked_product(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                        int64_t block_bytes, const char* packer, torch::ScalarType activations) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == block_bytes &&
                   packed.is_contiguous(),
-              "the weight must come from pack_blocks: uint8 [out / 16, in / 32, ", kBlockBytes, "]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "bfloat16 activations, got ", x.scalar_type());
+              "the weight must come from ", packer, ": uint8 [out / 16, in / 32, ", block_bytes, "]");
+  TORCH_CHECK(x.scalar_type() == activations, activations == torch::kBFloat16 ? "bfloat16" : "float32",
+              " activations, got ", x.scalar_type());
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
-  const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlock, n = panels * kPanel;
-  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
-  const bool with_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!with_bias || bias->numel() == n, "bias has ", with_bias ? bias->numel() : 0, " values for ", n, " outputs");
-  auto shape = x.sizes().vec();
-  shape.back() = n;
-  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m = rows.size(0);
+  Product product;
+  product.panels = packed.size(0), product.blocks = packed.size(1);
+  product.k = product.blocks * kBlock, product.n = product.panels * kPanel;
+  TORCH_CHECK(x.size(-1) == product.k, "x has ", x.size(-1), " features, the weight ", product.k);
+  product.with_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!product.with_bias || bias->numel() == product.n, "bias has ", product.with_bias ? bias->numel() : 0,
+              " values for ", product.n, " outputs");
+  product.shape = x.sizes().vec();
+  product.shape.back() = product.n;
+  product.rows = x.reshape({-1, product.k}).contiguous();
+  product.m = product.rows.size(0);
+  return product;
+}
+
+}  // namespace
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  const Product product = checked_product(x, packed, bias, kBlockBytes, "pack_blocks", torch::kBFloat16);
+  const auto& [rows, m, k, n, panels, blocks, with_bias, shape] = product;
   const auto* xs = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
   const auto* w = packed.data_ptr<uint8_t>();
   const std::vector<float> sums = block_sums(xs, m, k);
@@ -377,19 +400,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 }
 
 torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == kFp32BlockBytes &&
-                  packed.is_contiguous(),
-              "the weight must come from pack_fp32_blocks: uint8 [out / 16, in / 32, ", kFp32BlockBytes, "]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32 activations, got ", x.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
-  const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlock, n = panels * kPanel;
-  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
-  const bool with_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!with_bias || bias->numel() == n, "bias has ", with_bias ? bias->numel() : 0, " values for ", n, " outputs");
-  auto shape = x.sizes().vec();
-  shape.back() = n;
-  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m = rows.size(0);
+  const Product product = checked_product(x, packed, bias, kFp32BlockBytes, "pack_fp32_blocks", torch::kFloat32);
+  const auto& [rows, m, k, n, panels, blocks, with_bias, shape] = product;
   torch::Tensor out = torch::empty({m, n}, rows.options());
   const float* xs = rows.data_ptr<float>();
   float* ys = out.data_ptr<float>();
