@@ -56,6 +56,7 @@ from bench.progress import progress
 from bench.serving_bench import RUN_DIR as SERVING_RUN_DIR
 from bench.serving_servers import (
     ServerFailed,
+    environment_assignment,
     one_run_at_a_time,
     running_server,
     stopping_servers_on_sigterm,
@@ -841,11 +842,14 @@ def main() -> None:
     setup_env: dict[str, dict[str, str]] = {}
     for entry in args.env:
         name, _, assignment = entry.partition(":")
-        key, equals, value = assignment.partition("=")
-        if name not in {setup.name for setup in SETUPS} or not key or not equals:
-            parser.error(
-                f"--env {entry!r}: SETUP:KEY=VALUE with SETUP one of {', '.join(s.name for s in SETUPS)}"
-            )
+        try:
+            if name not in {setup.name for setup in SETUPS}:
+                raise ValueError(
+                    f"{entry!r}: SETUP:KEY=VALUE with SETUP one of {', '.join(s.name for s in SETUPS)}"
+                )
+            key, value = environment_assignment(assignment)
+        except ValueError as error:
+            parser.error(f"--env {error}")
         setup_env.setdefault(name, {})[key] = value
     report = run_disagg_bench(
         quick=args.quick,

@@ -54,6 +54,7 @@ from bench.serving_report import (
 from bench.serving_servers import (
     ServerFailed,
     cachet_server,
+    environment_assignment,
     one_run_at_a_time,
     stopping_servers_on_sigterm,
     tree_cpu_seconds,
@@ -377,12 +378,10 @@ def main() -> None:
         help="more of Cachet's run-local environment, e.g. an engine setting to compare",
     )
     args = parser.parse_args()
-    cachet_env = {}
-    for entry in args.cachet_env:
-        key, equals, value = entry.partition("=")
-        if not key or not equals:
-            parser.error(f"--cachet-env {entry!r}: KEY=VALUE")
-        cachet_env[key] = value
+    try:
+        cachet_env = dict(environment_assignment(entry) for entry in args.cachet_env)
+    except ValueError as error:
+        parser.error(f"--cachet-env {error}")
     report = run_serving_bench(
         quick=args.quick, only=args.only, json_path=args.json, dtype=args.dtype, cachet_env=cachet_env
     )

@@ -167,3 +167,11 @@ def vllm_server(
     env = dict(os.environ) | {"VLLM_CPU_KVCACHE_SPACE": "2"}
     command = vllm_server_command(python, checkpoint, port, dtype)
     return running_server("vllm", command, env, log, lambda: answers(f"http://127.0.0.1:{port}/v1/models"))
+
+
+def environment_assignment(entry: str) -> tuple[str, str]:
+    """``KEY=VALUE`` from a bench's command line, for a server's environment; ValueError if not one."""
+    key, equals, value = entry.partition("=")
+    if not key or not equals:
+        raise ValueError(f"{entry!r}: KEY=VALUE")
+    return key, value

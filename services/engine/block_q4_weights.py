@@ -104,22 +104,15 @@ def concatenate(parts: list[Q4_1Blocks]) -> Q4_1Blocks:
 def pack_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
     """The kernel's layout: uint8 ``[out / 16, in / 32, 352]``, pairs of panels interleaved by
     block (``csrc/block_q4_linear.cpp``): codes, d (fp16) and m - 128 d (fp32) a block."""
-    rows, columns = blocks.codes.shape
-    if rows % _PANEL or columns % BLOCK:
-        raise ValueError(f"blocks of a {rows}x{columns} weight: outputs by {_PANEL}, inputs by {BLOCK}")
-    panels, per_row = rows // _PANEL, columns // BLOCK
+    panels, per_row = _panels_and_blocks(blocks)
     # codes[panel, output j, block, word c, nibble n, parity p] for feature 8c + 2n + p; the
     # 16-bit lane 2j + p of word c holds nibble n at bits 4n.
     nibbles = blocks.codes.view(panels, _PANEL, per_row, BLOCK // 8, 4, 2).to(torch.int32)
     nibbles = nibbles.permute(0, 2, 3, 1, 5, 4)  # [panel, block, word, j, p, n]
     lanes = (nibbles << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(dim=-1)
     codes = lanes.to(torch.int16).reshape(panels, per_row, -1).view(torch.uint8)
-
-    def per_block(values: torch.Tensor) -> torch.Tensor:
-        return values.view(panels, _PANEL, per_row).transpose(1, 2).contiguous().view(torch.uint8)
-
     shifted_offsets = blocks.offsets.float() - _CODE_OFFSET * blocks.scales.float()
-    packed = torch.cat((codes, per_block(blocks.scales), per_block(shifted_offsets)), dim=-1)
+    packed = torch.cat((codes, _by_block(blocks.scales), _by_block(shifted_offsets)), dim=-1)
     # Pairs of panels interleaved block by block: the kernel's tile of two streams one run.
     whole = panels // 2 * 2
     pairs = packed[:whole].view(whole // 2, 2, per_row, -1).transpose(1, 2).reshape(whole, per_row, -1)
@@ -129,19 +122,26 @@ def pack_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
 def pack_fp32_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
     """The kernel's layout for fp32 rows: uint8 ``[out / 16, in / 32, 320]``, a feature's 16 codes
     in 8 bytes (output b low, b + 8 high), then d and m (fp16) a block (``fp32_linear``)."""
-    rows, columns = blocks.codes.shape
-    if rows % _PANEL or columns % BLOCK:
-        raise ValueError(f"blocks of a {rows}x{columns} weight: outputs by {_PANEL}, inputs by {BLOCK}")
-    panels, per_row = rows // _PANEL, columns // BLOCK
+    panels, per_row = _panels_and_blocks(blocks)
     # codes[panel, half h, output b, block, feature f] for output 8h + b.
     nibbles = blocks.codes.view(panels, 2, _PANEL // 2, per_row, BLOCK)
     nibbles = nibbles.permute(0, 3, 4, 2, 1)  # [panel, block, f, b, h]
     codes = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(panels, per_row, -1)
+    return torch.cat((codes, _by_block(blocks.scales), _by_block(blocks.offsets)), dim=-1).contiguous()
 
-    def per_block(values: torch.Tensor) -> torch.Tensor:
-        return values.view(panels, _PANEL, per_row).transpose(1, 2).contiguous().view(torch.uint8)
 
-    return torch.cat((codes, per_block(blocks.scales), per_block(blocks.offsets)), dim=-1).contiguous()
+def _panels_and_blocks(blocks: Q4_1Blocks) -> tuple[int, int]:
+    """(panels of 16 outputs, blocks of 32 inputs) of a weight the kernel can take."""
+    rows, columns = blocks.codes.shape
+    if rows % _PANEL or columns % BLOCK:
+        raise ValueError(f"blocks of a {rows}x{columns} weight: outputs by {_PANEL}, inputs by {BLOCK}")
+    return rows // _PANEL, columns // BLOCK
+
+
+def _by_block(values: torch.Tensor) -> torch.Tensor:
+    """Per-block values ``[out, in / 32]`` as each panel's block's bytes: ``[out / 16, in / 32, 16 values]``."""
+    rows, per_row = values.shape
+    return values.view(rows // _PANEL, _PANEL, per_row).transpose(1, 2).contiguous().view(torch.uint8)
 
 
 @functools.cache

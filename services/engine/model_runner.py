@@ -96,14 +96,16 @@ class _RequestState:
 _INVARIANT_STEP_KERNELS = ("paged_decode_attention", "panel_linear", "fused_token_ops")
 
 
-def reproducible_kernels(device: torch.device) -> str:
+def reproducible_kernels(device: torch.device, block_q4: bool = False) -> str:
     """What computes a batch-invariant step's sums on ``device``: a GPU's name, or a CPU's kernel
-    builds and whether products run on AMX's tile unit (``packed_linear``)."""
+    builds and whether products run on AMX's tile unit (``packed_linear``), or on a checkpoint's
+    Q4_1 blocks in bf16 (``block_q4``: other weights than the panels' bf16, so other bits)."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     if device.type != "cpu":
         return device.type
-    return f"cpu:{kernel_builds(_INVARIANT_STEP_KERNELS)},tile_unit={int(tile_unit_products())}"
+    kind = f"cpu:{kernel_builds(_INVARIANT_STEP_KERNELS)},tile_unit={int(tile_unit_products())}"
+    return kind + (f",block_q4={instruction_set('block_q4_linear')}" if block_q4 else "")
 
 
 class ModelRunner:
@@ -221,10 +223,11 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         # Names this replica's batch-invariant KV (block hashes, EngineInfo): a host of another
         # kind sums in other orders, so its blocks must never stand in for these.
-        self.reproducible_kernels = reproducible_kernels(self.device) if batch_invariant else ""
-        if self.reproducible_kernels and block_linears and block_weights == "all_steps":
-            # The blocks hold other weights than the panels' bf16: other bits, another kind.
-            self.reproducible_kernels += ",block_q4=" + instruction_set("block_q4_linear")
+        # fp32 products on the blocks are the panels' bits: only bf16 ones in these steps differ.
+        invariant_blocks = bool(block_linears) and block_weights == "all_steps" and dtype == torch.bfloat16
+        self.reproducible_kernels = (
+            reproducible_kernels(self.device, block_q4=invariant_blocks) if batch_invariant else ""
+        )
         if batch_invariant and not self.decode_in_place:
             log.warning(
                 "greedy decoding is not batch-invariant here: prefill attention runs SDPA, whose "
