@@ -42,7 +42,7 @@ KERNELS = {
     "panel_linear": "linears run through oneDNN (bfloat16 ones through torch's emulated products where it has none)",
     "fused_token_ops": "RMSNorm, SwiGLU and rotary run as plain torch ops",
     "prefill_attention": "prompt chunks attend through SDPA over a gathered copy",
-    "block_q4_linear": "Q4_1 checkpoint weights are served as bf16, as everywhere without AVX512-BF16",
+    "block_q4_linear": "Q4_1 checkpoint weights are read whole, in the serving dtype, at every row count",
 }
 
 
