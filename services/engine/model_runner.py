@@ -368,6 +368,11 @@ class ModelRunner:
             raise ValueError(
                 f"CACHET_ENGINE_KV_TRANSFER_PORT={port}: cannot listen on {host}:{port} ({exc})"
             ) from exc
+        if tp is not None and ranks > 1:
+            # Rank 0 announces the address (EngineInfo) once it serves: by then every rank's
+            # layout must be posted, or a sending rank that looks first finds no such rank
+            # here and its shard of those hand-offs is refused (the decode side recomputes).
+            tp.gather_from_ranks(receiver.address)
         log.info("KV receiver listening", address=receiver.address, rank=rank)
         return sender, receiver
 
