@@ -205,8 +205,7 @@ def test_a_replica_multiplies_by_the_blocks_it_found(
 def test_blocks_serve_only_on_a_cpu_with_the_kernel() -> None:
     assert not serves_blocks(torch.device("cuda"), torch.bfloat16)
     assert not serves_blocks(CPU, torch.float16)
-    if "amx_bf16" in cpu_flags() or not block_q4_products():
-        assert not serves_blocks(CPU, torch.bfloat16)  # AMX's tile unit, or no bf16 dot products
+    assert serves_blocks(CPU, torch.bfloat16) == block_q4_products()  # AVX512-BF16's dot products
     if not {"avx2", "fma"} <= cpu_flags():
         assert not serves_blocks(CPU, torch.float32)
 
