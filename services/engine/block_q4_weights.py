@@ -19,10 +19,11 @@ panels do, so its products are the panels' bits and it serves a few rows in any 
 
 Where (bf16): replicas on CPUs whose kernel build has AVX512-BF16, AMX hosts among them (their
 products of more rows keep the tile unit, ``packed_linear``; on an AMX Xeon one step's layer
-products at 1 / 4 / 8 rows took 0.48 / 0.88 / 1.10x the bf16 panels' time). A linear with blocks
-runs on them its products of up to ``BLOCK_Q4_ROWS`` rows outside batch-invariant steps, and with ``all_steps`` (``EngineSettings.block_q4_weights``)
-every product of batch-invariant steps too; its other products stay on the bf16 panels or
-oneDNN's bf16 weight, which the linear keeps beside the blocks.
+products at 1 / 4 / 8 rows took 0.48 / 0.88 / 1.10x the bf16 panels' time). A linear with
+blocks runs on them its products of up to ``BLOCK_Q4_ROWS`` rows outside batch-invariant steps,
+and with ``all_steps`` (``EngineSettings.block_q4_weights``) every product of batch-invariant
+steps too; its other products stay on the bf16 panels or oneDNN's bf16 weight, which the linear
+keeps beside the blocks.
 """
 
 from __future__ import annotations
