@@ -842,11 +842,11 @@ def main() -> None:
     setup_env: dict[str, dict[str, str]] = {}
     for entry in args.env:
         name, _, assignment = entry.partition(":")
+        if name not in {setup.name for setup in SETUPS}:
+            parser.error(
+                f"--env {entry!r}: SETUP:KEY=VALUE with SETUP one of {', '.join(s.name for s in SETUPS)}"
+            )
         try:
-            if name not in {setup.name for setup in SETUPS}:
-                raise ValueError(
-                    f"{entry!r}: SETUP:KEY=VALUE with SETUP one of {', '.join(s.name for s in SETUPS)}"
-                )
             key, value = environment_assignment(assignment)
         except ValueError as error:
             parser.error(f"--env {error}")

@@ -95,9 +95,9 @@ class EngineSettings(ServiceSettings):
     # Reorder linear weights once for oneDNN on a CPU (bit-identical in bf16, 1.3-1.6x faster
     # products at the batch sizes serving runs; see cachet.engine.packed_linear).
     pack_linear_weights: bool = True
-    # A bf16 replica on an AVX512-BF16 CPU, or an fp32 one on an AVX2 CPU,
-    # multiplies by the checkpoint's own Q4_1 blocks where its weights are exactly such blocks
-    # (the default model's are): the few rows of decoding stream a fraction of the bytes
+    # A bf16 replica on an AVX512-BF16 CPU, or an fp32 one on an AVX2 CPU, multiplies by the
+    # checkpoint's own Q4_1 blocks where its weights are exactly such blocks (the default
+    # model's are): the few rows of decoding stream a fraction of the bytes
     # (cachet.engine.block_q4_weights). fp32 products on them are the fp32 panels' bits.
     # small_batches: products of a few rows outside batch-invariant steps; all_steps: those, and
     # every product of batch-invariant steps too (greedy decoding of few streams faster, greedy
