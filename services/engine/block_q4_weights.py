@@ -15,7 +15,8 @@ so a weight is kept as blocks only when they give back each of its values bit fo
 
 fp32 replicas (the default on AVX2-only CPUs) keep them too, on any host with AVX2 and FMA: the
 kernel rebuilds each weight as ``fma(d, q, m)``, the checkpoint's fp32 value, and sums as the fp32
-panels do, so its products are the panels' bits and it serves a few rows in any step.
+panels do, so its products are the panels' bits and it serves them in any step: every product
+where the fp32 panels are the AVX2 build's, a few rows beside AVX-512's (``fp32_block_rows``).
 
 Where (bf16): replicas on CPUs whose kernel build has AVX512-BF16, AMX hosts among them (their
 products of more rows keep the tile unit, ``packed_linear``; on an AMX Xeon one step's layer

@@ -85,7 +85,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cachet.engine.cpu_features import cpu_flags
-from cachet.engine.cpu_kernels import load_cpu_kernel
+from cachet.engine.cpu_kernels import instruction_set, load_cpu_kernel
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Output features per panel of the bf16 kernel's layout.
@@ -108,10 +108,10 @@ TILE_UNIT_ROWS = 32
 # ``block_q4`` bench). Past a few rows the products are bound by the dot products, not by
 # reading the weights, and the blocks add work.
 BLOCK_Q4_ROWS = 4
-# The same for fp32 rows, whose products on the blocks are the fp32 panels' bits: one step's
-# layer products at 1 / 4 / 8 rows took 0.88 / 0.89 / 1.30x the panels' time on a Zen 4 (the
-# AVX-512 panels, 64 GB/s from two threads), 0.54 / 0.58 / 0.89x against the AVX2 panels that
-# AVX2-only hosts run (the same box, CACHET_KERNEL_ISA=avx2; the ``block_q4`` bench).
+# The same for fp32 rows, whose products on the blocks are the fp32 panels' bits, on a build whose
+# fp32 panels take AVX-512's 16-wide tile: one step's layer products at 1 / 4 / 8 rows took 0.88 /
+# 0.89 / 1.30x the panels' time on a Zen 4 (64 GB/s from two threads; the ``block_q4`` bench).
+# Against the AVX2 panels the blocks are faster at every row count (``fp32_block_rows``).
 BLOCK_Q4_FP32_ROWS = 4
 
 
@@ -157,7 +157,8 @@ class PackableLinear(nn.Linear):
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
         if self.block_q4 is not None and x.dtype == torch.float32:
             # The fp32 panels' bits either way: the choice is speed alone, in any step.
-            if x.numel() <= BLOCK_Q4_FP32_ROWS * x.shape[-1]:
+            most = fp32_block_rows()
+            if most is None or x.numel() <= most * x.shape[-1]:
                 return _block_kernel().fp32_linear(x, self.block_q4, bias)
         elif self.block_q4 is not None and (
             self.block_q4_in_invariant_steps
@@ -231,6 +232,16 @@ def _block_kernel():  # noqa: ANN202 - a compiled extension module
 
 
 @functools.cache
+@functools.cache
+def fp32_block_rows() -> int | None:
+    """Most rows an fp32 product runs on a linear's blocks; None: every product. Where the fp32
+    panels are the AVX2 build's, the blocks' kernel runs the panels' own tile on weights it
+    rebuilds from a seventh of the bytes: one step's layer products of the default model at 1 / 8
+    / 16 / 64 / 512 rows took 0.29 / 0.62 / 0.82 / 0.93 / 0.98x the panels' time (a Zen 3 EPYC,
+    two threads, the two kernels alternated in one process)."""
+    return None if instruction_set("panel_linear") == "avx2" else BLOCK_Q4_FP32_ROWS
+
+
 def tile_unit_products() -> bool:
     """Whether the panel kernel runs products on the tile unit here (AMX: ``TILE_UNIT_ROWS``)."""
     kernel = load_cpu_kernel("panel_linear")

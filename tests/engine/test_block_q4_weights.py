@@ -119,7 +119,7 @@ def test_a_rows_bits_do_not_depend_on_the_batch(kernel) -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 10, 11, 13, 40, 100])
 def test_fp32_products_are_the_fp32_panels_bits(kernel, rows: int) -> None:
     panel_kernel = load_cpu_kernel("panel_linear")
     assert panel_kernel is not None

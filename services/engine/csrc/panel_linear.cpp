@@ -58,11 +58,13 @@
 #include <immintrin.h>
 #endif
 
+#include "fp32_panel_tile.h"
 #include "row_count.h"
 
 namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel
+static_assert(kPanel == kFp32PanelOutputs, "the fp32 tile's panels are these");
 constexpr int64_t kTileRows = 6;  // rows of x per micro-kernel call
 // Panels per bf16 dot-product tile, and per group of the pair layout: pack_weight stores a
 // group's two panels interleaved by pair of input features ([in / 2][2][16][2]: each pair's 128
@@ -185,52 +187,12 @@ void tile_any(const uint16_t* panel, const float* x, int64_t rows, int64_t k, in
 #endif
 }
 
-// out[r, 0:16] = x[r, :] . panel for r < Rows (<= kTileRows), fp32 weights: one chain per output,
-// the features in order, so a row's sums are the same bits in a tile of any size. `ahead`: where
-// the weights asked for into L2 as this panel streams start (row i asks for ahead's row i), or
-// null.
-template <int Rows>
-void fp32_tile(const float* panel, const float* x, int64_t k, int64_t x_stride, float* out, int64_t out_stride,
-               const float* ahead) {
-#ifdef __AVX2__
-  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0,
-         h4 = l0, l5 = l0, h5 = l0;
-  for (int64_t i = 0; i < k; ++i) {
-    if (ahead != nullptr) __builtin_prefetch(ahead + i * kPanel, 0, 2);
-    const __m256 w_low = _mm256_loadu_ps(panel + i * kPanel), w_high = _mm256_loadu_ps(panel + i * kPanel + 8);
-#define CACHET_FMA(r)                                               \
-  if constexpr (Rows > r) {                                         \
-    const __m256 a = _mm256_broadcast_ss(x + r * x_stride + i);     \
-    l##r = _mm256_fmadd_ps(a, w_low, l##r);                         \
-    h##r = _mm256_fmadd_ps(a, w_high, h##r);                        \
-  }
-    CACHET_FMA(0) CACHET_FMA(1) CACHET_FMA(2) CACHET_FMA(3) CACHET_FMA(4) CACHET_FMA(5)
-#undef CACHET_FMA
-  }
-#define CACHET_STORE(r)                                   \
-  if constexpr (Rows > r) {                               \
-    _mm256_storeu_ps(out + r * out_stride, l##r);         \
-    _mm256_storeu_ps(out + r * out_stride + 8, h##r);     \
-  }
-  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
-#undef CACHET_STORE
-#else
-  (void)ahead;
-  for (int64_t r = 0; r < Rows; ++r) {
-    float sums[kPanel] = {};
-    for (int64_t i = 0; i < k; ++i) {
-      const float a = x[r * x_stride + i];
-      for (int64_t j = 0; j < kPanel; ++j) sums[j] = std::fma(a, panel[i * kPanel + j], sums[j]);
-    }
-    std::memcpy(out + r * out_stride, sums, sizeof(sums));
-  }
-#endif
-}
-
 #ifndef __AVX512F__  // an AVX-512 build's fp32 products take the 16-wide tile below
 void fp32_tile_any(const float* panel, const float* x, int64_t rows, int64_t k, int64_t x_stride, float* out,
                    int64_t out_stride, const float* ahead) {
-  for_row_count<kTileRows>(rows, [&]<int Rows>() { fp32_tile<Rows>(panel, x, k, x_stride, out, out_stride, ahead); });
+  for_row_count<kFp32PanelTileRows>(rows, [&]<int Rows>() {
+    fp32_panel_tile<Rows>(panel, x, k, x_stride, out, out_stride, ahead);
+  });
 }
 #endif
 
@@ -555,13 +517,13 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     }
   }
 #else
-  const int64_t ahead_rows = m == 1 ? 0 : m <= kTileRows ? 16 : k;
+  const int64_t ahead_rows = m == 1 ? 0 : m <= kFp32PanelTileRows ? 16 : k;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     const float* panel = w + p * k * kPanel;
     const float* ahead = ahead_rows == 0 || (ahead_rows == k && p + 1 == panels) ? nullptr : panel + ahead_rows * kPanel;
-    for (int64_t r = 0; r < m; r += kTileRows) {
-      fp32_tile_any(panel, xs + r * k, std::min(kTileRows, m - r), k, k, ys + r * n + p * kPanel, n, ahead);
+    for (int64_t r = 0; r < m; r += kFp32PanelTileRows) {
+      fp32_tile_any(panel, xs + r * k, std::min(kFp32PanelTileRows, m - r), k, k, ys + r * n + p * kPanel, n, ahead);
     }
   }
 #endif
