@@ -192,6 +192,7 @@ def build_core_loop(
         max_model_len=runner.max_model_len,
         packed_linears=runner.packed_linears,
         block_q4_linears=runner.block_q4_linears,
+        block_q8_linears=runner.block_q8_linears,
     )
     tokenizer = model_tokenizer(Path(model.path))
     core = EngineCore(

@@ -179,6 +179,11 @@ class ModelRunner:
         for module in block_linears:
             module.block_q4_in_invariant_steps = block_weights == "all_steps"
         self.block_q4_linears = len(block_linears)
+        self.block_q8_linears = sum(
+            1
+            for module in self.model.modules()
+            if isinstance(module, PackableLinear) and module.block_q8 is not None
+        )
         self.packed_linears = (
             pack_linear_weights(self.model)
             if pack_weights and packs_linear_weights(self.device, dtype)

@@ -149,17 +149,22 @@ class PackableLinear(nn.Linear):
     # every product of those steps.
     block_q4: torch.Tensor | None = None
     block_q4_in_invariant_steps: bool = False
+    # The checkpoint's Q8_0 blocks of the weight (fp32 replicas; ``block_q4_weights``), used as
+    # the fp32 Q4_1 blocks are: the same bits as the panels.
+    block_q8: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed weight when there is one."""
-        if self.block_q4 is not None and x.dtype == torch.float32:
+        if x.dtype == torch.float32 and (self.block_q4 is not None or self.block_q8 is not None):
             # The fp32 panels' bits either way: the choice is speed alone, in any step.
             most = fp32_block_rows()
             if most is None or x.numel() <= most * x.shape[-1]:
-                return _block_kernel().fp32_linear(x, self.block_q4, bias)
+                if self.block_q4 is not None:
+                    return _block_kernel().fp32_linear(x, self.block_q4, bias)
+                return _block_kernel().fp32_q8_linear(x, self.block_q8, bias)
         elif self.block_q4 is not None and (
             self.block_q4_in_invariant_steps
             if _products.invariant

@@ -13,10 +13,13 @@ from safetensors.torch import load_file, save_file
 
 from cachet.engine.block_q4_weights import (
     Q4_1Blocks,
+    Q8_0Blocks,
     block_q4_products,
     pack_blocks,
     pack_fp32_blocks,
+    pack_fp32_q8_blocks,
     recover_q4_1,
+    recover_q8_0,
     serves_blocks,
 )
 from cachet.engine.cpu_features import cpu_flags
@@ -132,6 +135,45 @@ def test_fp32_products_are_the_fp32_panels_bits(kernel, rows: int) -> None:
     torch.testing.assert_close(got, x @ weight.T + bias, rtol=1e-5, atol=1e-5)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> Q8_0Blocks:
+    """What llama.cpp's Q8_0 quantizer stores for an fp32 weight: per 32 inputs, d = the largest
+    magnitude / 127 (kept as fp16) and each code rounded with the fp32 d."""
+    rows, columns = weight.shape
+    blocks = weight.view(rows, columns // 32, 32)
+    step = blocks.abs().amax(dim=-1) / 127
+    codes = torch.where(step[..., None] > 0, torch.round(blocks / step[..., None]), torch.zeros_like(blocks))
+    return Q8_0Blocks(codes.to(torch.int8).view(rows, columns), step.half())
+
+
+def test_q8_0_blocks_are_recovered_exactly_or_not_at_all() -> None:
+    generator = torch.Generator().manual_seed(5)
+    blocks = quantize_q8_0(torch.randn(48, 96, generator=generator) * 0.1)
+    blocks.codes[0, :32] = 0  # a block of zeros: d = 0
+    blocks.scales[0, 0] = 0
+    found = recover_q8_0(blocks.dequantize())
+    assert found is not None
+    assert torch.equal(found.codes, blocks.codes) and torch.equal(found.dequantize(), blocks.dequantize())
+    assert recover_q8_0(torch.randn(32, 64)) is None  # plain fp32 values
+    assert recover_q8_0(torch.randn(32, 48)) is None  # no whole blocks
+    assert recover_q4_1(blocks.dequantize()) is None  # more than 16 levels a block
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 11, 40, 100])
+def test_fp32_products_on_q8_0_blocks_are_the_fp32_panels_bits(kernel, rows: int) -> None:
+    panel_kernel = load_cpu_kernel("panel_linear")
+    assert panel_kernel is not None
+    generator = torch.Generator().manual_seed(rows)
+    blocks = quantize_q8_0(torch.randn(80, 192, generator=generator) * 0.05)
+    weight, bias = blocks.dequantize(), torch.randn(80, generator=generator)
+    x = torch.randn(rows, 192, generator=generator)
+    got = kernel.fp32_q8_linear(x, pack_fp32_q8_blocks(blocks), bias)
+    assert torch.equal(got, panel_kernel.linear(x, panel_kernel.pack_weight(weight), bias))
+    torch.testing.assert_close(got, x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="must come from pack_fp32_q8_blocks"):
+        kernel.fp32_q8_linear(x, pack_fp32_blocks(quantize_q4_1(weight)), None)
+
+
 @needs_compiler
 def test_bad_inputs_are_refused_with_a_message(kernel) -> None:
     _, packed = _weight(32, 64, seed=3)
@@ -149,12 +191,15 @@ def test_bad_inputs_are_refused_with_a_message(kernel) -> None:
 
 
 def _blocks_checkpoint(source: Path, target: Path) -> Path:
-    """The tiny checkpoint with every linear weight replaced by its Q4_1 blocks' values."""
+    """The tiny checkpoint with every linear weight replaced by its Q4_1 blocks' values, and the
+    embedding (which the head is tied to) by its Q8_0 blocks', as the default model's GGUF has them."""
     shutil.copytree(source, target)
     tensors = load_file(str(target / "model.safetensors"))
     for name, tensor in tensors.items():
         if name.endswith("proj.weight") and tensor.shape[1] % 32 == 0:
             tensors[name] = quantize_q4_1(tensor.float()).dequantize().to(tensor.dtype)
+        elif name.endswith("embed_tokens.weight"):
+            tensors[name] = quantize_q8_0(tensor.float()).dequantize().to(tensor.dtype)
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
 
@@ -218,6 +263,10 @@ def test_an_fp32_replica_on_the_blocks_gives_the_same_bits(
     with_blocks, blocks_core = _invariant_engine(model_dir, torch.float32, "small_batches")
     without, plain_core = _invariant_engine(model_dir, torch.float32, "off")
     assert with_blocks.block_q4_linears > 0 and without.block_q4_linears == 0
+    heads = [
+        m for m in with_blocks.model.modules() if isinstance(m, PackableLinear) and m.block_q8 is not None
+    ]
+    assert len(heads) == 1, "the tied head's Q8_0 blocks, found in the embedding's values"
     # Same bits, so the same reproducible kind: the blocks are a way to read the weights, no more.
     assert with_blocks.reproducible_kernels == without.reproducible_kernels
     generator = torch.Generator().manual_seed(3)

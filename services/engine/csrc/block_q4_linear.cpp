@@ -40,6 +40,7 @@
 // freely, by row count, even in batch-invariant steps. Past one tile of rows the first tile also
 // stores the weights it rebuilds, and the other rows run the fp32 panels' tile (fp32_panel_tile.h)
 // on them; rebuilt in every tile instead, the blocks took 1.4x the AVX2 panels' time at 512 rows.
+// fp32_q8_linear does the same on Q8_0 blocks (d * q for an 8-bit q; pack_fp32_q8_blocks).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -68,10 +69,6 @@ constexpr int64_t kScaleBytes = kPanel * 2;                           // d, fp16
 constexpr int64_t kBlockBytes = kCodeBytes + kScaleBytes + kPanel * 4;  // codes, d, m' (fp32)
 constexpr int64_t kWords = kCodeBytes / 64;
 constexpr int64_t kPairs = kBlock / 2;  // dot-product registers a panel's block widens to
-// fp32 layout: a feature's 16 codes in 8 bytes, then d and m (fp16) a block.
-constexpr int64_t kFp32FeatureBytes = kPanel / 2;
-constexpr int64_t kFp32CodeBytes = kBlock * kFp32FeatureBytes;
-constexpr int64_t kFp32BlockBytes = kFp32CodeBytes + 2 * kPanel * 2;
 constexpr int64_t kFp32TileRows = 4;
 constexpr int64_t kTileRows = 12;
 // Panels a tile computes together, stored interleaved block by block (pack_blocks): a tile then
@@ -242,25 +239,78 @@ void reference_panel(const uint8_t* panel, int64_t block_stride, int64_t blocks,
 }
 
 
-// out[r, 0:16] for r < Rows, fp32 rows on one panel of fp32-layout blocks: the fp32 panels' chains.
-// With Keep, the weights it rebuilds are also stored to `kept` in the fp32 panels' layout
+// The fp32 layouts' formats: how fp32_tile rebuilds a block's weights. `start` loads what a
+// block's features share, `rebuild` gives feature f's 16 weights (outputs 0-7 low, 8-15 high),
+// `weight` one of them without vectors.
+//
+// Q4_1 (pack_fp32_blocks): a feature's 16 codes in 8 bytes (output b low nibble, b + 8 high),
+// then d and m (fp16) a block; a weight is fma(d, q, m).
+struct Q4_1Fp32 {
+  static constexpr int64_t kFeatureBytes = kPanel / 2;
+  static constexpr int64_t kCodeBytes = kBlock * kFeatureBytes;
+  static constexpr int64_t kBlockBytes = kCodeBytes + 2 * kPanel * 2;
+#ifdef __AVX2__
+  __m256 d_low, d_high, m_low, m_high;
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  void start(const uint8_t* block) {
+    const auto* halves = reinterpret_cast<const __m128i*>(block + kCodeBytes);
+    d_low = _mm256_cvtph_ps(_mm_loadu_si128(halves)), d_high = _mm256_cvtph_ps(_mm_loadu_si128(halves + 1));
+    m_low = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2)), m_high = _mm256_cvtph_ps(_mm_loadu_si128(halves + 3));
+  }
+  void rebuild(const uint8_t* block, int64_t f, __m256& low, __m256& high) const {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + f * kFeatureBytes)));
+    low = _mm256_fmadd_ps(d_low, _mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), m_low);
+    high = _mm256_fmadd_ps(d_high, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), m_high);
+  }
+#endif
+  static float weight(const uint8_t* block, int64_t f, int64_t j) {
+    const uint8_t byte = block[f * kFeatureBytes + j % kFeatureBytes];
+    const int code = j < kFeatureBytes ? byte & 0x0F : byte >> 4;
+    return std::fma(half_to_float(block + kCodeBytes + 2 * j), static_cast<float>(code),
+                    half_to_float(block + kCodeBytes + 2 * kPanel + 2 * j));
+  }
+};
+
+// Q8_0 (pack_fp32_q8_blocks; GGUF's 8-bit blocks, the default model's embedding and tied head): a
+// feature's 16 signed codes in 16 bytes, then d (fp16) a block; a weight is d * q, exact in fp32
+// (an fp16 d times a code of 8 bits), so the converter's fp32 value.
+struct Q8_0Fp32 {
+  static constexpr int64_t kFeatureBytes = kPanel;
+  static constexpr int64_t kCodeBytes = kBlock * kFeatureBytes;
+  static constexpr int64_t kBlockBytes = kCodeBytes + kPanel * 2;
+#ifdef __AVX2__
+  __m256 d_low, d_high;
+  void start(const uint8_t* block) {
+    const auto* halves = reinterpret_cast<const __m128i*>(block + kCodeBytes);
+    d_low = _mm256_cvtph_ps(_mm_loadu_si128(halves)), d_high = _mm256_cvtph_ps(_mm_loadu_si128(halves + 1));
+  }
+  void rebuild(const uint8_t* block, int64_t f, __m256& low, __m256& high) const {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + f * kFeatureBytes));
+    low = _mm256_mul_ps(d_low, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
+    high = _mm256_mul_ps(d_high, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(codes, codes))));
+  }
+#endif
+  static float weight(const uint8_t* block, int64_t f, int64_t j) {
+    return half_to_float(block + kCodeBytes + 2 * j) * static_cast<float>(static_cast<int8_t>(block[f * kFeatureBytes + j]));
+  }
+};
+
+// out[r, 0:16] for r < Rows, fp32 rows on one panel of a fp32 layout's blocks: the fp32 panels'
+// chains. With Keep, the weights it rebuilds are also stored to `kept` in the fp32 panels' layout
 // ([k][16]), for the tiles of the rows after these.
-template <int Rows, bool Keep = false>
+template <typename Format, int Rows, bool Keep = false>
 void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k, float* out, int64_t out_stride,
                float* kept = nullptr) {
 #ifdef __AVX2__
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
-  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  Format format;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * kFp32BlockBytes;
-    const auto* halves = reinterpret_cast<const __m128i*>(block + kFp32CodeBytes);
-    const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128(halves)), d_high = _mm256_cvtph_ps(_mm_loadu_si128(halves + 1));
-    const __m256 m_low = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2)), m_high = _mm256_cvtph_ps(_mm_loadu_si128(halves + 3));
+    const uint8_t* block = panel + b * Format::kBlockBytes;
+    format.start(block);
     for (int64_t f = 0; f < kBlock; ++f) {
-      const __m256i bytes =
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + f * kFp32FeatureBytes)));
-      const __m256 w_low = _mm256_fmadd_ps(d_low, _mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), m_low);
-      const __m256 w_high = _mm256_fmadd_ps(d_high, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), m_high);
+      __m256 w_low, w_high;
+      format.rebuild(block, f, w_low, w_high);
       const int64_t feature = b * kBlock + f;
       if constexpr (Keep) {
         _mm256_storeu_ps(kept + feature * kPanel, w_low);
@@ -287,14 +337,11 @@ void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k, 
   for (int64_t r = 0; r < Rows; ++r) {
     float sums[kPanel] = {};
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = panel + b * kFp32BlockBytes;
+      const uint8_t* block = panel + b * Format::kBlockBytes;
       for (int64_t f = 0; f < kBlock; ++f) {
         const float a = x[r * k + b * kBlock + f];
         for (int64_t j = 0; j < kPanel; ++j) {
-          const uint8_t byte = block[f * kFp32FeatureBytes + j % kFp32FeatureBytes];
-          const int code = j < kFp32FeatureBytes ? byte & 0x0F : byte >> 4;
-          const float weight = std::fma(half_to_float(block + kFp32CodeBytes + 2 * j), static_cast<float>(code),
-                                        half_to_float(block + kFp32CodeBytes + 2 * kPanel + 2 * j));
+          const float weight = Format::weight(block, f, j);
           if constexpr (Keep) kept[(b * kBlock + f) * kPanel + j] = weight;
           sums[j] = std::fma(a, weight, sums[j]);
         }
@@ -411,8 +458,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 #endif
 }
 
-torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  const Product product = checked_product(x, packed, bias, kFp32BlockBytes, "pack_fp32_blocks", torch::kFloat32);
+namespace {
+
+template <typename Format>
+torch::Tensor fp32_blocks_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                 const c10::optional<torch::Tensor>& bias, const char* packer) {
+  const Product product = checked_product(x, packed, bias, Format::kBlockBytes, packer, torch::kFloat32);
   const auto& [rows, m, k, n, panels, blocks, with_bias, shape] = product;
   torch::Tensor out = torch::empty({m, n}, rows.options());
   const float* xs = rows.data_ptr<float>();
@@ -422,7 +473,7 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       for_row_count<kFp32TileRows>(m, [&]<int Rows>() {
-        fp32_tile<Rows>(w + p * blocks * kFp32BlockBytes, blocks, xs, k, ys + p * kPanel, n);
+        fp32_tile<Format, Rows>(w + p * blocks * Format::kBlockBytes, blocks, xs, k, ys + p * kPanel, n);
       });
     }
   } else {
@@ -434,8 +485,8 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
       std::vector<float> weights(k * kPanel);
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < panels; ++p) {
-        fp32_tile<kFp32TileRows, true>(w + p * blocks * kFp32BlockBytes, blocks, xs, k, ys + p * kPanel, n,
-                                       weights.data());
+        fp32_tile<Format, kFp32TileRows, true>(w + p * blocks * Format::kBlockBytes, blocks, xs, k, ys + p * kPanel,
+                                               n, weights.data());
         const int64_t rest = m - kFp32TileRows;
         const int64_t tiles = (rest + kFp32PanelTileRows - 1) / kFp32PanelTileRows;
         const int64_t tile_rows = (rest + tiles - 1) / tiles;
@@ -452,8 +503,21 @@ torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return out.view(shape);
 }
 
+}  // namespace
+
+torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  return fp32_blocks_linear<Q4_1Fp32>(x, packed, bias, "pack_fp32_blocks");
+}
+
+torch::Tensor fp32_q8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                             const c10::optional<torch::Tensor>& bias) {
+  return fp32_blocks_linear<Q8_0Fp32>(x, packed, bias, "pack_fp32_q8_blocks");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_q4_products", &block_q4_products, "Whether this build runs the blocks on bf16 dot products");
   m.def("linear", &linear, "x @ weight.T (+ bias), bf16 x, on a weight from pack_blocks");
   m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias), fp32 x, on a weight from pack_fp32_blocks: the fp32 panels' bits");
+  m.def("fp32_q8_linear", &fp32_q8_linear,
+        "x @ weight.T (+ bias), fp32 x, on a weight from pack_fp32_q8_blocks: the fp32 panels' bits");
 }
