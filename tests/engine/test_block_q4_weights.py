@@ -121,20 +121,6 @@ def test_a_rows_bits_do_not_depend_on_the_batch(kernel) -> None:
         assert torch.equal(kernel.linear(x[:rows], packed, None), alone[:rows])
 
 
-@needs_compiler
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 10, 11, 13, 40, 100])
-def test_fp32_products_are_the_fp32_panels_bits(kernel, rows: int) -> None:
-    panel_kernel = load_cpu_kernel("panel_linear")
-    assert panel_kernel is not None
-    generator = torch.Generator().manual_seed(rows)
-    blocks = quantize_q4_1(torch.randn(80, 192, generator=generator) * 0.05)
-    weight, bias = blocks.dequantize(), torch.randn(80, generator=generator)
-    x = torch.randn(rows, 192, generator=generator)
-    got = kernel.fp32_linear(x, pack_fp32_blocks(blocks), bias)
-    assert torch.equal(got, panel_kernel.linear(x, panel_kernel.pack_weight(weight), bias))
-    torch.testing.assert_close(got, x @ weight.T + bias, rtol=1e-5, atol=1e-5)
-
-
 def quantize_q8_0(weight: torch.Tensor) -> Q8_0Blocks:
     """What llama.cpp's Q8_0 quantizer stores for an fp32 weight: per 32 inputs, d = the largest
     magnitude / 127 (kept as fp16) and each code rounded with the fp32 d."""
@@ -159,19 +145,25 @@ def test_q8_0_blocks_are_recovered_exactly_or_not_at_all() -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 11, 40, 100])
-def test_fp32_products_on_q8_0_blocks_are_the_fp32_panels_bits(kernel, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 10, 11, 13, 40, 100])
+@pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
+def test_fp32_products_are_the_fp32_panels_bits(kernel, block_format: str, rows: int) -> None:
+    """At every row count (one register tile, then the kept weights' tiles of even sizes)."""
     panel_kernel = load_cpu_kernel("panel_linear")
     assert panel_kernel is not None
     generator = torch.Generator().manual_seed(rows)
-    blocks = quantize_q8_0(torch.randn(80, 192, generator=generator) * 0.05)
-    weight, bias = blocks.dequantize(), torch.randn(80, generator=generator)
+    original = torch.randn(80, 192, generator=generator) * 0.05
+    if block_format == "q4_1":
+        q4 = quantize_q4_1(original)
+        weight, packed, product = q4.dequantize(), pack_fp32_blocks(q4), kernel.fp32_linear
+    else:
+        q8 = quantize_q8_0(original)
+        weight, packed, product = q8.dequantize(), pack_fp32_q8_blocks(q8), kernel.fp32_q8_linear
+    bias = torch.randn(80, generator=generator)
     x = torch.randn(rows, 192, generator=generator)
-    got = kernel.fp32_q8_linear(x, pack_fp32_q8_blocks(blocks), bias)
+    got = product(x, packed, bias)
     assert torch.equal(got, panel_kernel.linear(x, panel_kernel.pack_weight(weight), bias))
     torch.testing.assert_close(got, x @ weight.T + bias, rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="must come from pack_fp32_q8_blocks"):
-        kernel.fp32_q8_linear(x, pack_fp32_blocks(quantize_q4_1(weight)), None)
 
 
 @needs_compiler
@@ -188,6 +180,8 @@ def test_bad_inputs_are_refused_with_a_message(kernel) -> None:
         kernel.fp32_linear(torch.randn(2, 64).bfloat16(), fp32_packed, None)
     with pytest.raises(RuntimeError, match="must come from pack_fp32_blocks"):
         kernel.fp32_linear(torch.randn(2, 64), packed, None)
+    with pytest.raises(RuntimeError, match="must come from pack_fp32_q8_blocks"):
+        kernel.fp32_q8_linear(torch.randn(2, 64), fp32_packed, None)
 
 
 def _blocks_checkpoint(source: Path, target: Path) -> Path:

@@ -14,6 +14,18 @@
 constexpr int64_t kFp32PanelOutputs = 16;  // a panel row: one input feature's 16 outputs
 constexpr int64_t kFp32PanelTileRows = 6;  // 12 sums in registers, of 16
 
+// Stores rows r < Rows of a tile whose sums are named l<r> (outputs 0-7) and h<r> (8-15), r < 6,
+// as the 8-wide tiles keep them (named variables: GCC kept an array of vectors in memory).
+#define CACHET_STORE_TILE_ROW(r, out, out_stride)                 \
+  if constexpr (Rows > r) {                                       \
+    _mm256_storeu_ps((out) + r * (out_stride), l##r);             \
+    _mm256_storeu_ps((out) + r * (out_stride) + 8, h##r);         \
+  }
+#define CACHET_STORE_TILE_ROWS(out, out_stride)                                                 \
+  CACHET_STORE_TILE_ROW(0, out, out_stride) CACHET_STORE_TILE_ROW(1, out, out_stride)           \
+  CACHET_STORE_TILE_ROW(2, out, out_stride) CACHET_STORE_TILE_ROW(3, out, out_stride)           \
+  CACHET_STORE_TILE_ROW(4, out, out_stride) CACHET_STORE_TILE_ROW(5, out, out_stride)
+
 // out[r, 0:16] = x[r, :] . panel for r < Rows (<= kFp32PanelTileRows), fp32 weights: one chain per output,
 // the features in order, so a row's sums are the same bits in a tile of any size. `ahead`: where
 // the weights asked for into L2 as this panel streams start (row i asks for ahead's row i), or
@@ -36,13 +48,7 @@ inline void fp32_panel_tile(const float* panel, const float* x, int64_t k, int64
     CACHET_FMA(0) CACHET_FMA(1) CACHET_FMA(2) CACHET_FMA(3) CACHET_FMA(4) CACHET_FMA(5)
 #undef CACHET_FMA
   }
-#define CACHET_STORE(r)                                   \
-  if constexpr (Rows > r) {                               \
-    _mm256_storeu_ps(out + r * out_stride, l##r);         \
-    _mm256_storeu_ps(out + r * out_stride + 8, h##r);     \
-  }
-  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
-#undef CACHET_STORE
+  CACHET_STORE_TILE_ROWS(out, out_stride)
 #else
   (void)ahead;
   for (int64_t r = 0; r < Rows; ++r) {

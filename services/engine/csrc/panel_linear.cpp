@@ -160,13 +160,7 @@ void tile(const uint16_t* panel, const float* x, int64_t k, int64_t x_stride, fl
 #undef CACHET_JOIN
   }
 #undef CACHET_FMA
-#define CACHET_STORE(r)                                               \
-  if constexpr (Rows > r) {                                           \
-    _mm256_storeu_ps(out + r * out_stride, l##r);                     \
-    _mm256_storeu_ps(out + r * out_stride + 8, h##r);                 \
-  }
-  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
-#undef CACHET_STORE
+  CACHET_STORE_TILE_ROWS(out, out_stride)
 }
 #endif
 
