@@ -237,7 +237,6 @@ def _block_kernel():  # noqa: ANN202 - a compiled extension module
 
 
 @functools.cache
-@functools.cache
 def fp32_block_rows() -> int | None:
     """Most rows an fp32 product runs on a linear's blocks; None: every product. Where the fp32
     panels are the AVX2 build's, the blocks' kernel runs the panels' own tile on weights it
@@ -247,6 +246,7 @@ def fp32_block_rows() -> int | None:
     return None if instruction_set("panel_linear") == "avx2" else BLOCK_Q4_FP32_ROWS
 
 
+@functools.cache
 def tile_unit_products() -> bool:
     """Whether the panel kernel runs products on the tile unit here (AMX: ``TILE_UNIT_ROWS``)."""
     kernel = load_cpu_kernel("panel_linear")
