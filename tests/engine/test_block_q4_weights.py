@@ -145,10 +145,11 @@ def test_q8_0_blocks_are_recovered_exactly_or_not_at_all() -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 10, 11, 13, 40, 100])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 6, 10, 11, 13, 40, 100])
 @pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
 def test_fp32_products_are_the_fp32_panels_bits(kernel, block_format: str, rows: int) -> None:
-    """At every row count (one register tile, then the kept weights' tiles of even sizes)."""
+    """At every row count (one register tile, then the kept weights' tiles of even sizes), none
+    included: a tied head's product in a step where no request samples."""
     panel_kernel = load_cpu_kernel("panel_linear")
     assert panel_kernel is not None
     generator = torch.Generator().manual_seed(rows)
@@ -269,6 +270,9 @@ def test_an_fp32_replica_on_the_blocks_gives_the_same_bits(
         for i in range(5)
     ]
     assert _greedy(blocks_core, batch, 0) == _greedy(plain_core, batch, 0)
+    # Alone, a long prompt's first chunks sample nothing: the head's product has no rows.
+    alone = [torch.randint(3, with_blocks.vocab_size, (150,), generator=generator).tolist()]
+    assert _greedy(blocks_core, alone, 10) == _greedy(plain_core, alone, 10)
 
 
 def _invariant_engine(model_dir: Path, dtype: torch.dtype, use: BlockQ4Use) -> tuple[ModelRunner, EngineCore]:

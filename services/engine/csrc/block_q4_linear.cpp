@@ -469,7 +469,9 @@ torch::Tensor fp32_blocks_linear(const torch::Tensor& x, const torch::Tensor& pa
   const float* xs = rows.data_ptr<float>();
   float* ys = out.data_ptr<float>();
   const auto* w = packed.data_ptr<uint8_t>();
-  if (m <= kFp32TileRows) {
+  if (m == 0) {
+    // No rows (a head in a step where no request samples): for_row_count's least tile is one row.
+  } else if (m <= kFp32TileRows) {
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       for_row_count<kFp32TileRows>(m, [&]<int Rows>() {
