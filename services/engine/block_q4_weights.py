@@ -131,13 +131,14 @@ def recover_q8_0(weight: torch.Tensor) -> Q8_0Blocks | None:
     return Q8_0Blocks(codes.to(torch.int8).view(rows, columns), scales)
 
 
-def concatenate(parts: list[Q4_1Blocks]) -> Q4_1Blocks:
-    """Blocks of row ranges, stacked in order (a merged projection's parts)."""
-    return Q4_1Blocks(
-        torch.cat([part.codes for part in parts]),
-        torch.cat([part.scales for part in parts]),
-        torch.cat([part.offsets for part in parts]),
-    )
+def concatenate(parts: list[Q4_1Blocks] | list[Q8_0Blocks]) -> Q4_1Blocks | Q8_0Blocks:
+    """Blocks of row ranges, all of one format, stacked in order (a merged projection's parts)."""
+    codes, scales = torch.cat([part.codes for part in parts]), torch.cat([part.scales for part in parts])
+    if all(isinstance(part, Q4_1Blocks) for part in parts):
+        return Q4_1Blocks(
+            codes, scales, torch.cat([part.offsets for part in parts if isinstance(part, Q4_1Blocks)])
+        )
+    return Q8_0Blocks(codes, scales)
 
 
 def pack_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
@@ -248,22 +249,27 @@ class BlockRecovery:
         for param, parts in self._parts.items():
             linear = self._linears[param]
             found = [parts[start] for start in sorted(parts)]
-            fp32 = linear.weight.dtype == torch.float32
-            if all(isinstance(part, Q4_1Blocks) for part in found):
-                blocks = concatenate([part for part in found if isinstance(part, Q4_1Blocks)])
-                if _fits(blocks, linear):
-                    linear.block_q4 = pack_fp32_blocks(blocks) if fp32 else pack_blocks(blocks)
-                    attached += 1
-            elif fp32 and all(isinstance(part, Q8_0Blocks) for part in found):
-                q8 = [part for part in found if isinstance(part, Q8_0Blocks)]
-                stacked = Q8_0Blocks(torch.cat([p.codes for p in q8]), torch.cat([p.scales for p in q8]))
-                if _fits(stacked, linear):
-                    linear.block_q8 = pack_fp32_q8_blocks(stacked)
-                    attached += 1
+            q4 = [part for part in found if isinstance(part, Q4_1Blocks)]
+            q8 = [part for part in found if isinstance(part, Q8_0Blocks)]
+            # Q8_0 parts come only for fp32 linears (offer).
+            blocks = (
+                concatenate(q4)
+                if len(q4) == len(found)
+                else concatenate(q8)
+                if len(q8) == len(found)
+                else None
+            )
+            if (
+                blocks is None
+                or tuple(blocks.codes.shape) != tuple(linear.weight.shape)
+                or blocks.codes.shape[0] % _PANEL
+            ):
+                continue
+            if isinstance(blocks, Q8_0Blocks):
+                linear.block_q8 = pack_fp32_q8_blocks(blocks)
+            else:
+                fp32 = linear.weight.dtype == torch.float32
+                linear.block_q4 = pack_fp32_blocks(blocks) if fp32 else pack_blocks(blocks)
+            attached += 1
         self._parts.clear()
         return attached
-
-
-def _fits(blocks: Q4_1Blocks | Q8_0Blocks, linear: PackableLinear) -> bool:
-    """Whether ``blocks`` are the whole of ``linear``'s weight, in whole panels."""
-    return tuple(blocks.codes.shape) == tuple(linear.weight.shape) and blocks.codes.shape[0] % _PANEL == 0
