@@ -190,11 +190,26 @@ class PackableLinear(nn.Linear):
             return _panel_kernel().linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
+    def blocks_serve_every_product(self) -> bool:
+        """An fp32 linear with blocks, on a host where every fp32 product runs on them."""
+        return (
+            self.weight.dtype == torch.float32
+            and (self.block_q4 is not None or self.block_q8 is not None)
+            and fp32_block_rows() is None
+        )
+
     def pack_(self) -> bool:
-        """Pack the weight for oneDNN or the panel kernel, once (``pack_weight`` allowing);
-        whether it was now."""
-        if not self.pack_weight or self.weight.is_mkldnn or self.panels:
+        """Pack the weight for oneDNN or the panel kernel, once (``pack_weight`` allowing), or
+        free it where the blocks serve every product; whether it was now."""
+        if not self.pack_weight or self.weight.is_mkldnn or self.panels or self.weight.is_meta:
             return False
+        if self.blocks_serve_every_product():
+            # Nothing reads the fp32 values again (``project``): packed, they were the default
+            # model's 425 MB of layer panels and a 113 MB copy of the tied head, beside 96 MB of
+            # blocks. The shape stays, on the meta device, so a reader that was missed fails
+            # loudly rather than reading garbage.
+            self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+            return True
         weight = self.weight.detach().contiguous()
         # A new parameter, not a write into the old one: a tied head's old one is the
         # embedding's table, which lookups still read plain.

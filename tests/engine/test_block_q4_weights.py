@@ -26,7 +26,7 @@ from cachet.engine.cpu_features import cpu_flags
 from cachet.engine.cpu_kernels import load_cpu_kernel
 from cachet.engine.engine_core import EngineCore
 from cachet.engine.model_runner import ModelRunner
-from cachet.engine.packed_linear import PackableLinear, invariant_rows
+from cachet.engine.packed_linear import PackableLinear, fp32_block_rows, invariant_rows
 from cachet.engine.request import Request
 from cachet.engine.sampling_params import SamplingParams
 from cachet.engine.scheduler import SchedulerConfig
@@ -262,6 +262,15 @@ def test_an_fp32_replica_on_the_blocks_gives_the_same_bits(
         m for m in with_blocks.model.modules() if isinstance(m, PackableLinear) and m.block_q8 is not None
     ]
     assert len(heads) == 1, "the tied head's Q8_0 blocks, found in the embedding's values"
+    # Where the blocks take every fp32 product, the fp32 weights they replace are freed (the
+    # embedding's table, which lookups read, stays); elsewhere the panels serve the larger batches.
+    linears = [m for m in with_blocks.model.modules() if isinstance(m, PackableLinear)]
+    held = [m for m in linears if m.block_q4 is not None or m.block_q8 is not None]
+    freed = [m for m in linears if m.weight.is_meta]
+    assert (
+        freed == (held if fp32_block_rows() is None else []) and len(held) == with_blocks.block_q4_linears + 1
+    )
+    assert not with_blocks.model.model.embed_tokens.weight.is_meta
     # Same bits, so the same reproducible kind: the blocks are a way to read the weights, no more.
     assert with_blocks.reproducible_kernels == without.reproducible_kernels
     generator = torch.Generator().manual_seed(3)
