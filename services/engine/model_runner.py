@@ -59,7 +59,7 @@ from cachet.engine.settings import BlockQ4Use
 from cachet.engine.shared_kv_tier import ShardLayout, SharedKvFiles, layout_key
 from cachet.engine.step_plan import KvBlockMoves, NewRequest, StepPlan, StepResult
 from cachet.engine.tensor_parallel import SINGLE_RANK
-from cachet.engine.weights import load_model
+from cachet.engine.weights import load_model, return_freed_memory
 from cachet.engine_layout import GPU_MAX_NUM_BATCHED_TOKENS
 
 if TYPE_CHECKING:
@@ -189,6 +189,8 @@ class ModelRunner:
             if pack_weights and packs_linear_weights(self.device, dtype)
             else 0
         )
+        # Before the KV budget below reads the free memory.
+        return_freed_memory()
         if isinstance(kv_cache_bytes, KvCacheBudget):
             window = max_model_len or self.config.max_position_embeddings
             per_token = self._kv_cache_bytes_per_block() // block_size
