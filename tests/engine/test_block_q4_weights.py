@@ -71,7 +71,7 @@ def test_weights_that_are_not_blocks_stay_as_they_are() -> None:
     assert recover_q4_1(weight[:, :48]) is None  # no whole blocks
     one_off = weight.clone()
     one_off[5, 7] = torch.nextafter(one_off[5, 7], torch.tensor(1.0))
-    assert recover_q4_1(one_off) is None  # one value off in one block
+    assert recover_q4_1(one_off) is None  # one value off in one block, past the first row
     with_nan = weight.clone()
     with_nan[0, 0] = float("nan")
     assert recover_q4_1(with_nan) is None
@@ -140,6 +140,9 @@ def test_q8_0_blocks_are_recovered_exactly_or_not_at_all() -> None:
     assert found is not None
     assert torch.equal(found.codes, blocks.codes) and torch.equal(found.dequantize(), blocks.dequantize())
     assert recover_q8_0(torch.randn(32, 64)) is None  # plain fp32 values
+    later_row_off = blocks.dequantize()
+    later_row_off[7, 3] = torch.nextafter(later_row_off[7, 3], torch.tensor(1.0))
+    assert recover_q8_0(later_row_off) is None  # its first row alone is blocks, the weight is not
     assert recover_q8_0(torch.randn(32, 48)) is None  # no whole blocks
     assert recover_q4_1(blocks.dequantize()) is None  # more than 16 levels a block
 
