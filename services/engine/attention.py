@@ -322,10 +322,31 @@ class PagedAttention(nn.Module):
 
     def __init__(self, window: int = 0) -> None:
         super().__init__()
-        self.kv_cache: torch.Tensor | None = None
+        self._kv_cache: torch.Tensor | None = None
+        # K's and V's caches, and the same as one row per token slot ([slots, kv_heads, head_dim]),
+        # where a step's new K and V land: views taken once, when the cache is bound, rather than
+        # in every layer of every step (they were a fifth of a decode's attention call, beside
+        # the kernel's own time, with the dtype casts below).
+        self._caches: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
         # A sliding-window layer's: the kernel reads a token's last ``window`` keys only; groups
         # attended by SDPA come with the band in their mask (``models.sliding_window``).
         self.window = window
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, kv_cache: torch.Tensor | None) -> None:
+        self._kv_cache = kv_cache
+        if kv_cache is None:
+            self._caches = self._slots = None
+            return
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        self._caches = (k_cache, v_cache)
+        self._slots = (k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -333,12 +354,12 @@ class PagedAttention(nn.Module):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
         if meta.split_at is not None:
             return meta.split_at(self, q, k, v)
-        if self.kv_cache is None:
+        if self._caches is None or self._slots is None:
             raise RuntimeError("PagedAttention has no KV cache bound; the model runner binds it")
-        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_cache, v_cache = self._caches
+        k_slots, v_slots = self._slots
+        k_slots.index_copy_(0, meta.slot_mapping, _as_dtype(k, k_cache.dtype))
+        v_slots.index_copy_(0, meta.slot_mapping, _as_dtype(v, v_cache.dtype))
         in_place = [meta.decode_in_place and group.max_query_len == 1 for group in meta.groups]
         if len(meta.groups) == 1 and in_place[0] and meta.groups[0].leads_step:
             # Every token of the step, in order (a decode step, or every token read in place).
@@ -370,7 +391,7 @@ class PagedAttention(nn.Module):
         decode kernel, which reads K and V from their blocks."""
         head_dim = k_cache.shape[-1]
         attended = paged_decode_attention(
-            q.to(k_cache.dtype),
+            _as_dtype(q, k_cache.dtype),
             k_cache,
             v_cache,
             group.block_table,
@@ -378,7 +399,7 @@ class PagedAttention(nn.Module):
             head_dim**-0.5,
             self.window,
         )
-        return attended.to(q.dtype)
+        return _as_dtype(attended, q.dtype)
 
     def _attend_prompts(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
@@ -387,7 +408,7 @@ class PagedAttention(nn.Module):
         prompt kernel, which reads K and V from their blocks."""
         assert group.query_lens is not None  # prefill groups carry them
         attended = prefill_attention(
-            q.to(k_cache.dtype),
+            _as_dtype(q, k_cache.dtype),
             k_cache,
             v_cache,
             group.block_table,
@@ -395,7 +416,13 @@ class PagedAttention(nn.Module):
             group.query_lens,
             k_cache.shape[-1] ** -0.5,
         )
-        return attended.to(q.dtype)
+        return _as_dtype(attended, q.dtype)
+
+
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # ``Tensor.to`` returns the tensor itself when nothing changes, after a trip through the
+    # dispatcher that cost more than the comparison, four times a layer.
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _attend_group(

@@ -192,7 +192,9 @@ def test_attention_infers_local_heads_from_sharded_weights() -> None:
         ]
         return module
 
-    expected = bound(full, 2)(x, cos, sin, meta)
+    # As the runner calls the model: the cache's in-place writes stay out of autograd.
+    with torch.inference_mode():
+        expected = bound(full, 2)(x, cos, sin, meta)
     total = torch.zeros_like(expected)
     full_q, full_k, full_v = full.qkv_proj.weight.split(full.qkv_proj.output_sizes)
     for rank in range(2):
@@ -203,5 +205,6 @@ def test_attention_infers_local_heads_from_sharded_weights() -> None:
         shard.o_proj = torch.nn.Linear(32, 64, bias=False)
         shard.o_proj.weight = torch.nn.Parameter(full.o_proj.weight[:, q_rows].detach().clone())
         assert shard.num_local_kv_heads == 1
-        total += bound(shard, 1)(x, cos, sin, meta)
+        with torch.inference_mode():
+            total += bound(shard, 1)(x, cos, sin, meta)
     torch.testing.assert_close(total, expected, atol=1e-5, rtol=0)
