@@ -323,12 +323,12 @@ class PagedAttention(nn.Module):
     def __init__(self, window: int = 0) -> None:
         super().__init__()
         self._kv_cache: torch.Tensor | None = None
-        # K's and V's caches, and the same as one row per token slot ([slots, kv_heads, head_dim]),
-        # where a step's new K and V land: views taken once, when the cache is bound, rather than
-        # in every layer of every step (with casts that changed nothing, they took 23 us of a
-        # decode layer's 61-us attention call beside a 25-us kernel, on a Zen 3).
-        self._caches: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The bound cache's views: K's and V's caches, then the same as one row per token slot
+        # ([slots, kv_heads, head_dim]), where a step's new K and V land. Taken once, when the
+        # cache is bound, rather than in every layer of every step (with casts that changed
+        # nothing, they took 23 us of a decode layer's 61-us attention call beside a 25-us
+        # kernel, on a Zen 3).
+        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # A sliding-window layer's: the kernel reads a token's last ``window`` keys only; groups
         # attended by SDPA come with the band in their mask (``models.sliding_window``).
         self.window = window
@@ -341,12 +341,11 @@ class PagedAttention(nn.Module):
     def kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         self._kv_cache = kv_cache
         if kv_cache is None:
-            self._caches = self._slots = None
+            self._views = None
             return
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        self._caches = (k_cache, v_cache)
-        self._slots = (k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim))
+        per_slot = (-1, *k_cache.shape[-2:])
+        self._views = (k_cache, v_cache, k_cache.view(per_slot), v_cache.view(per_slot))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -354,10 +353,9 @@ class PagedAttention(nn.Module):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
         if meta.split_at is not None:
             return meta.split_at(self, q, k, v)
-        if self._caches is None or self._slots is None:
+        if self._views is None:
             raise RuntimeError("PagedAttention has no KV cache bound; the model runner binds it")
-        k_cache, v_cache = self._caches
-        k_slots, v_slots = self._slots
+        k_cache, v_cache, k_slots, v_slots = self._views
         k_slots.index_copy_(0, meta.slot_mapping, _as_dtype(k, k_cache.dtype))
         v_slots.index_copy_(0, meta.slot_mapping, _as_dtype(v, v_cache.dtype))
         in_place = [meta.decode_in_place and group.max_query_len == 1 for group in meta.groups]
