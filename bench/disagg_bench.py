@@ -401,6 +401,15 @@ def transfer_figures(grown: dict[str, Figures], client: dict) -> dict:
     }
 
 
+def decoding_step_figures(grown: dict[str, Figures]) -> dict:
+    """The steps of the replicas that decode the streams (every mixed replica; a setup's decode
+    replicas): a stream's time per token less their mean step is time spent between steps."""
+    decoding = [name for name in grown if _is_engine(name) and not name.startswith("prefill")]
+    count = sum(_sample(grown[n], "cachet_engine_step_duration_seconds_count") for n in decoding)
+    seconds = sum(_sample(grown[n], "cachet_engine_step_duration_seconds_sum") for n in decoding)
+    return {"steps": count, "step_seconds_mean": seconds / count if count else None}
+
+
 # --- where the cores went ---------------------------------------------------------------------
 
 
@@ -521,6 +530,7 @@ class Run:
             "load_average_before": self.load_average_before,
             "client": client,
             "transfer": transfer_figures(self.grown, client),
+            "decoding_steps": decoding_step_figures(self.grown),
             "cpu_seconds": self.cpu_seconds,
         }
 
@@ -572,6 +582,7 @@ def pooled(runs: list[Run]) -> dict:
         "load_average_before": max(run.load_average_before for run in done),
         "client": client,
         "transfer": transfer_figures(add_growth([run.grown for run in done]), client),
+        "decoding_steps": decoding_step_figures(add_growth([run.grown for run in done])),
         "cpu_seconds": cpu,
     }
 
@@ -682,6 +693,12 @@ MEASURES = (
     ("stream token gap p50 (ms, per chunk)", ("client", "stream_chunk_gap_seconds", "p50"), 1000, "lower"),
     ("stream token gap p90 (ms, per chunk)", ("client", "stream_chunk_gap_seconds", "p90"), 1000, "lower"),
     ("stream token gap p99 (ms, per chunk)", ("client", "stream_chunk_gap_seconds", "p99"), 1000, "lower"),
+    (
+        "streams' replicas: step, mean (ms)",
+        ("decoding_steps", "step_seconds_mean"),
+        1000,
+        "lower",
+    ),
     ("short-prompt TTFT p50 (ms)", ("client", "stream_ttft_seconds", "p50"), 1000, "lower"),
     ("short-prompt TTFT p99 (ms)", ("client", "stream_ttft_seconds", "p99"), 1000, "lower"),
     ("long-prompt TTFT p50 (ms)", ("client", "long_ttft_seconds", "p50"), 1000, "lower"),

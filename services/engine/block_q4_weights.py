@@ -162,6 +162,16 @@ def concatenate(parts: list[Q4_1Blocks] | list[Q8_0Blocks]) -> Q4_1Blocks | Q8_0
     return Q8_0Blocks(codes, scales)
 
 
+def _stacked_if_one_format(found: list[Q4_1Blocks | Q8_0Blocks]) -> Q4_1Blocks | Q8_0Blocks | None:
+    """A linear's recovered parts stacked in order, or None where they mix formats (one
+    kernel reads one format; Q8_0 parts come only for fp32 linears: ``offer``)."""
+    for blocks_format in (Q4_1Blocks, Q8_0Blocks):
+        same = [part for part in found if isinstance(part, blocks_format)]
+        if len(same) == len(found):
+            return concatenate(same)
+    return None
+
+
 def pack_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
     """The kernel's layout: uint8 ``[out / 16, in / 32, 352]``, pairs of panels interleaved by
     block (``csrc/block_q4_linear.cpp``): codes, d (fp16) and m - 128 d (fp32) a block."""
@@ -269,17 +279,7 @@ class BlockRecovery:
         attached = 0
         for param, parts in self._parts.items():
             linear = self._linears[param]
-            found = [parts[start] for start in sorted(parts)]
-            q4 = [part for part in found if isinstance(part, Q4_1Blocks)]
-            q8 = [part for part in found if isinstance(part, Q8_0Blocks)]
-            # Q8_0 parts come only for fp32 linears (offer).
-            blocks = (
-                concatenate(q4)
-                if len(q4) == len(found)
-                else concatenate(q8)
-                if len(q8) == len(found)
-                else None
-            )
+            blocks = _stacked_if_one_format([parts[start] for start in sorted(parts)])
             if (
                 blocks is None
                 or tuple(blocks.codes.shape) != tuple(linear.weight.shape)

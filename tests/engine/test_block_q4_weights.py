@@ -148,7 +148,7 @@ def test_q8_0_blocks_are_recovered_exactly_or_not_at_all() -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 6, 10, 11, 13, 40, 100])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 6, 7, 10, 11, 13, 40, 100])
 @pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
 def test_fp32_products_are_the_fp32_panels_bits(kernel, block_format: str, rows: int) -> None:
     """At every row count (one register tile, then the kept weights' tiles of even sizes), none

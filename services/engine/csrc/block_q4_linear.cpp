@@ -37,9 +37,10 @@
 // rounding either way), and multiplied in as the fp32 panels do (panel_linear.cpp): one chain of
 // fused multiply-adds per output, the features in order, from zero. So the result is the fp32
 // panels' bits, at every row count, read from a seventh of the bytes: the engine picks either
-// freely, by row count, even in batch-invariant steps. Past one tile of rows the first tile also
-// stores the weights it rebuilds, and the other rows run the fp32 panels' tile (fp32_panel_tile.h)
-// on them; rebuilt in every tile instead, the blocks took 1.4x the AVX2 panels' time at 512 rows.
+// freely, by row count, even in batch-invariant steps. Up to kFp32TileRows rows take one tile;
+// past that a first tile of kFp32KeepTileRows also stores the weights it rebuilds, and the other
+// rows run the fp32 panels' tile (fp32_panel_tile.h) on them; rebuilt in every tile instead, the
+// blocks took 1.4x the AVX2 panels' time at 512 rows.
 // fp32_q8_linear does the same on Q8_0 blocks (d * q for an 8-bit q; pack_fp32_q8_blocks).
 #include <torch/extension.h>
 
@@ -69,7 +70,15 @@ constexpr int64_t kScaleBytes = kPanel * 2;                           // d, fp16
 constexpr int64_t kBlockBytes = kCodeBytes + kScaleBytes + kPanel * 4;  // codes, d, m' (fp32)
 constexpr int64_t kWords = kCodeBytes / 64;
 constexpr int64_t kPairs = kBlock / 2;  // dot-product registers a panel's block widens to
-constexpr int64_t kFp32TileRows = 4;
+// Most fp32 rows one tile rebuilding the weights takes. A second pass, even of one row over
+// weights kept in L2, costs about as much as a first one: the default model's layer products at 5
+// / 6 rows took 0.65 / 0.83x the time of a 4-row tile and its second pass, level at 1-4 (a Zen 3
+// EPYC, one thread, alternated in one process). Its 12 sums and the rebuild's registers spill
+// past 16, so the tile is its own function (noinline): inlined into the loop, 6 rows took 1.1x.
+constexpr int64_t kFp32TileRows = 6;
+// The first tile's rows past kFp32TileRows, which also stores what it rebuilds: at 7-16 rows a
+// first tile of 6 took 1.07-1.24x a first tile of 4 (the kept weights' pass took the rest).
+constexpr int64_t kFp32KeepTileRows = 4;
 constexpr int64_t kTileRows = 12;
 // Panels a tile computes together, stored interleaved block by block (pack_blocks): a tile then
 // streams one run of memory.
@@ -300,10 +309,12 @@ struct Q8_0Fp32 {
 // chains. With Keep, the weights it rebuilds are also stored to `kept` in the fp32 panels' layout
 // ([k][16]), for the tiles of the rows after these.
 template <typename Format, int Rows, bool Keep = false>
-void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k, float* out, int64_t out_stride,
+__attribute__((noinline)) void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k, float* out, int64_t out_stride,
                float* kept = nullptr) {
 #ifdef __AVX2__
-  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  static_assert(Rows <= kFp32TileRows);
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0,
+         l5 = l0, h5 = l0;
   Format format;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = panel + b * Format::kBlockBytes;
@@ -322,7 +333,7 @@ void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k, 
     l##r = _mm256_fmadd_ps(a, w_low, l##r);                         \
     h##r = _mm256_fmadd_ps(a, w_high, h##r);                        \
   }
-      CACHET_FMA(0) CACHET_FMA(1) CACHET_FMA(2) CACHET_FMA(3)
+      CACHET_FMA(0) CACHET_FMA(1) CACHET_FMA(2) CACHET_FMA(3) CACHET_FMA(4) CACHET_FMA(5)
 #undef CACHET_FMA
     }
   }
@@ -331,7 +342,7 @@ void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k, 
     _mm256_storeu_ps(out + r * out_stride, l##r);             \
     _mm256_storeu_ps(out + r * out_stride + 8, h##r);         \
   }
-  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3)
+  CACHET_STORE(0) CACHET_STORE(1) CACHET_STORE(2) CACHET_STORE(3) CACHET_STORE(4) CACHET_STORE(5)
 #undef CACHET_STORE
 #else
   for (int64_t r = 0; r < Rows; ++r) {
@@ -487,12 +498,12 @@ torch::Tensor fp32_blocks_linear(const torch::Tensor& x, const torch::Tensor& pa
       std::vector<float> weights(k * kPanel);
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < panels; ++p) {
-        fp32_tile<Format, kFp32TileRows, true>(w + p * blocks * Format::kBlockBytes, blocks, xs, k, ys + p * kPanel,
-                                               n, weights.data());
-        const int64_t rest = m - kFp32TileRows;
+        fp32_tile<Format, kFp32KeepTileRows, true>(w + p * blocks * Format::kBlockBytes, blocks, xs, k,
+                                                   ys + p * kPanel, n, weights.data());
+        const int64_t rest = m - kFp32KeepTileRows;
         const int64_t tiles = (rest + kFp32PanelTileRows - 1) / kFp32PanelTileRows;
         const int64_t tile_rows = (rest + tiles - 1) / tiles;
-        for (int64_t r = kFp32TileRows; r < m; r += tile_rows) {
+        for (int64_t r = kFp32KeepTileRows; r < m; r += tile_rows) {
           for_row_count<kFp32PanelTileRows>(std::min(tile_rows, m - r), [&]<int Rows>() {
             fp32_panel_tile<Rows>(weights.data(), xs + r * k, k, k, ys + r * n + p * kPanel, n, nullptr);
           });
