@@ -72,12 +72,12 @@ constexpr int64_t kWords = kCodeBytes / 64;
 constexpr int64_t kPairs = kBlock / 2;  // dot-product registers a panel's block widens to
 // Most fp32 rows one tile rebuilding the weights takes. A second pass, even of one row over
 // weights kept in L2, costs about as much as a first one: the default model's layer products at 5
-// / 6 rows took 0.65 / 0.83x the time of a 4-row tile and its second pass, level at 1-4 (a Zen 3
+// / 6 rows took 0.65 / 0.78x the time of a 4-row tile and its second pass, level at 1-4 (a Zen 3
 // EPYC, one thread, alternated in one process). Its 12 sums and the rebuild's registers spill
 // past 16, so the tile is its own function (noinline): inlined into the loop, 6 rows took 1.1x.
 constexpr int64_t kFp32TileRows = 6;
-// The first tile's rows past kFp32TileRows, which also stores what it rebuilds: at 7-16 rows a
-// first tile of 6 took 1.07-1.24x a first tile of 4 (the kept weights' pass took the rest).
+// Past kFp32TileRows rows, the rows of the first tile, the one that also stores what it
+// rebuilds: at 7-16 rows a first tile of 6 took 1.07-1.24x a first tile of 4.
 constexpr int64_t kFp32KeepTileRows = 4;
 constexpr int64_t kTileRows = 12;
 // Panels a tile computes together, stored interleaved block by block (pack_blocks): a tile then
@@ -309,8 +309,8 @@ struct Q8_0Fp32 {
 // chains. With Keep, the weights it rebuilds are also stored to `kept` in the fp32 panels' layout
 // ([k][16]), for the tiles of the rows after these.
 template <typename Format, int Rows, bool Keep = false>
-__attribute__((noinline)) void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k, float* out, int64_t out_stride,
-               float* kept = nullptr) {
+__attribute__((noinline)) void fp32_tile(const uint8_t* panel, int64_t blocks, const float* x, int64_t k,
+                                         float* out, int64_t out_stride, float* kept = nullptr) {
 #ifdef __AVX2__
   static_assert(Rows <= kFp32TileRows);
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0,
