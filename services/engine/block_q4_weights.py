@@ -33,6 +33,7 @@ keeps beside the blocks.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -162,14 +163,14 @@ def concatenate(parts: list[Q4_1Blocks] | list[Q8_0Blocks]) -> Q4_1Blocks | Q8_0
     return Q8_0Blocks(codes, scales)
 
 
-def _stacked_if_one_format(found: list[Q4_1Blocks | Q8_0Blocks]) -> Q4_1Blocks | Q8_0Blocks | None:
+def _stacked_if_one_format(found: Sequence[object]) -> Q4_1Blocks | Q8_0Blocks | None:
     """A linear's recovered parts stacked in order, or None where they mix formats (one
     kernel reads one format; Q8_0 parts come only for fp32 linears: ``offer``)."""
-    for blocks_format in (Q4_1Blocks, Q8_0Blocks):
-        same = [part for part in found if isinstance(part, blocks_format)]
-        if len(same) == len(found):
-            return concatenate(same)
-    return None
+    q4 = [part for part in found if isinstance(part, Q4_1Blocks)]
+    if len(q4) == len(found):
+        return concatenate(q4)
+    q8 = [part for part in found if isinstance(part, Q8_0Blocks)]
+    return concatenate(q8) if len(q8) == len(found) else None
 
 
 def pack_blocks(blocks: Q4_1Blocks) -> torch.Tensor:
