@@ -577,12 +577,13 @@ def pooled(runs: list[Run]) -> dict:
     for run in done:
         for name, value in run.cpu_seconds.items():
             cpu[name] = cpu.get(name, 0.0) + value
+    grown = add_growth([run.grown for run in done])
     return {
         "error": None,
         "load_average_before": max(run.load_average_before for run in done),
         "client": client,
-        "transfer": transfer_figures(add_growth([run.grown for run in done]), client),
-        "decoding_steps": decoding_step_figures(add_growth([run.grown for run in done])),
+        "transfer": transfer_figures(grown, client),
+        "decoding_steps": decoding_step_figures(grown),
         "cpu_seconds": cpu,
     }
 

@@ -163,7 +163,9 @@ def concatenate(parts: list[Q4_1Blocks] | list[Q8_0Blocks]) -> Q4_1Blocks | Q8_0
     return Q8_0Blocks(codes, scales)
 
 
-def _stacked_if_one_format(found: Sequence[object]) -> Q4_1Blocks | Q8_0Blocks | None:
+def _stacked_if_one_format(
+    found: Sequence[Q4_1Blocks | Q8_0Blocks | None],
+) -> Q4_1Blocks | Q8_0Blocks | None:
     """A linear's recovered parts stacked in order, or None where they mix formats (one
     kernel reads one format; Q8_0 parts come only for fp32 linears: ``offer``)."""
     q4 = [part for part in found if isinstance(part, Q4_1Blocks)]
