@@ -696,18 +696,11 @@ inline void transpose_16x16(__m512i* rows) {
 // attention over the default model's shapes took 1.05-1.1x the time.
 #define CACHET_ALWAYS_INLINE __attribute__((always_inline))
 
-// Where a score pass reads its keys as pairs of dims, 16 keys a register (lane k: key k's dims
-// 2i and 2i + 1): pair i of a chunk of 16 (begin(c), then pair(i) for pairs c .. c + 15).
-// StoredKeys: a group's keys stored pair-major once for a tile's many queries. KeyRows: a
-// decode's few queries use a group's keys once, so each chunk is transposed in registers from
-// the 16 key rows (null past the split's end) and used at once.
-struct StoredKeys {
-  const uint32_t* keys;
-  const uint32_t* chunk = nullptr;
-  CACHET_ALWAYS_INLINE void begin(int64_t c) { chunk = keys + c * kKeyLanes; }
-  CACHET_ALWAYS_INLINE __m512i pair(int64_t i) const { return _mm512_loadu_si512(chunk + i * kKeyLanes); }
-};
-
+// Where a decode's score pass reads its keys as pairs of dims, 16 keys a register (lane k: key
+// k's dims 2i and 2i + 1): pair i of a chunk of 16 (begin(c), then pair(i) for pairs c .. c +
+// 15). A decode's few queries use a group's keys once, so each chunk is transposed in registers
+// from the 16 key rows (null past the split's end) and used at once; a tile's many queries read
+// them stored pair-major once (score_keys).
 struct KeyRows {
   const at::BFloat16* const* rows;
   __m512i chunk[kKeyLanes];
@@ -721,8 +714,8 @@ struct KeyRows {
 
 // Scores of NQ queries (their head slices as bf16 pairs) against one group's 16 keys, over
 // `pairs` pairs of dims: two chains a query (the first half of the dims, then the second).
-template <int NQ, typename Keys>
-CACHET_ALWAYS_INLINE inline void score_pairs(const uint32_t* const* queries, Keys keys, int64_t pairs,
+template <int NQ>
+CACHET_ALWAYS_INLINE inline void score_pairs(const uint32_t* const* queries, KeyRows keys, int64_t pairs,
                                              float scale, float* const* out) {
   __m512 first[NQ], second[NQ];
   for (int q = 0; q < NQ; ++q) first[q] = second[q] = _mm512_setzero_ps();
@@ -747,7 +740,7 @@ CACHET_ALWAYS_INLINE inline void score_pairs(const uint32_t* const* queries, Key
 // A tile's queries against a group's keys stored pair-major (pair p at keys + 16 p): the same two
 // chains a query as score_pairs, each chain's additions in the same order, so the same bits; but
 // both halves advance in one loop, 2 x NQ chains in flight where NQ waited on each other's
-// latency, and each query's pair is broadcast from memory within its dot product.
+// latency.
 template <int NQ>
 inline void score_keys(const uint32_t* const* queries, const uint32_t* keys, int64_t pairs, float scale,
                        float* const* out) {
@@ -758,9 +751,9 @@ inline void score_keys(const uint32_t* const* queries, const uint32_t* keys, int
     const __m512i k0 = _mm512_loadu_si512(keys + i * kKeyLanes);
     const __m512i k1 = _mm512_loadu_si512(keys + (half + i) * kKeyLanes);
     for (int q = 0; q < NQ; ++q) {
-      first[q] = _mm512_dpbf16_ps(first[q], as_bh(k0), as_bh(_mm512_set1_epi32(static_cast<int>(queries[q][i]))));
+      first[q] = _mm512_dpbf16_ps(first[q], as_bh(_mm512_set1_epi32(static_cast<int>(queries[q][i]))), as_bh(k0));
       second[q] =
-          _mm512_dpbf16_ps(second[q], as_bh(k1), as_bh(_mm512_set1_epi32(static_cast<int>(queries[q][half + i]))));
+          _mm512_dpbf16_ps(second[q], as_bh(_mm512_set1_epi32(static_cast<int>(queries[q][half + i]))), as_bh(k1));
     }
   }
   const __m512 scaled = _mm512_set1_ps(scale);
