@@ -1,5 +1,6 @@
-"""Prompt chunks: the CPU prompt kernel against the gather + SDPA path, in fp32 and (on AMX
-hosts, where the kernel has a bf16 path) in bf16.
+"""Prompt chunks: the CPU prompt kernel against the gather + SDPA path, in fp32 and in bf16 (on
+AMX hosts, where the prompt kernel has a bf16 path, and on AVX512-BF16 hosts, where the paged
+decode kernel's dot products take every bf16 prompt token).
 
 Two measures, each with its paths in one process, rounds alternated (A B C, C B A) so the
 machine's drift falls on all alike, best round kept:
@@ -17,7 +18,7 @@ machine's drift falls on all alike, best round kept:
   kernel's register tiles.
 
 ``python -m bench.prompt_kernel_bench [--model DIR] [--quick]`` or the ``prompt_kernel`` section
-of ``make bench``. Skipped where the kernel has no tiles (no AVX2 or AVX-512).
+of ``make bench``. Skipped where neither kernel takes a prompt (no AVX2 or AVX-512).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from bench.engine_bench import EngineHarness
 from bench.progress import progress
 from cachet.engine.attention import PagedAttention, SequenceSpan, allocate_kv_cache, build_attention_metadata
+from cachet.engine.paged_decode_kernel import prefill_in_place_is_faster
 from cachet.engine.prefill_attention_kernel import prefill_kernel_fits
 from cachet.models.catalog import ensure_model
 
@@ -74,22 +76,25 @@ def _layer_rows(rounds: int, dtype: torch.dtype) -> list[dict]:
         cpu = torch.device("cpu")
         metas = {
             "sdpa": build_attention_metadata(spans, BLOCK_SIZE, cpu, decode_in_place=True),
-            "kernel": build_attention_metadata(
-                spans, BLOCK_SIZE, cpu, decode_in_place=True, prefill_kernel=True
-            ),
             "invariant": build_attention_metadata(
                 spans, BLOCK_SIZE, cpu, decode_in_place=True, every_token_in_place=True
             ),
         }
+        if prefill_kernel_fits(dtype, HEAD_DIM, HEADS // KV_HEADS):
+            metas["kernel"] = build_attention_metadata(
+                spans, BLOCK_SIZE, cpu, decode_in_place=True, prefill_kernel=True
+            )
         best = _alternated({path: partial(attention, q, k, v, meta) for path, meta in metas.items()}, rounds)
         row = {
             "dtype": _name(dtype),
             "cached_tokens": cached,
+            "kernel_ms": None,  # no prompt kernel for this dtype here
             **{f"{path}_ms": seconds * 1000 for path, seconds in best.items()},
         }
         rows.append(row)
+        kernel = f"{row['kernel_ms']:.1f}" if row["kernel_ms"] is not None else "-"
         progress(
-            f"  {_name(dtype)} 512-token chunk after {cached:,} tokens: SDPA {row['sdpa_ms']:.1f}, kernel {row['kernel_ms']:.1f}, "
+            f"  {_name(dtype)} 512-token chunk after {cached:,} tokens: SDPA {row['sdpa_ms']:.1f}, kernel {kernel}, "
             f"invariant {row['invariant_ms']:.1f} ms"
         )
     return rows
@@ -146,11 +151,11 @@ def run_prompt_kernel_bench(model: str | None = None, quick: bool = False) -> di
     dtypes = [
         dtype
         for dtype in (torch.float32, torch.bfloat16)
-        if prefill_kernel_fits(dtype, HEAD_DIM, HEADS // KV_HEADS)
+        if prefill_kernel_fits(dtype, HEAD_DIM, HEADS // KV_HEADS) or prefill_in_place_is_faster(dtype, HEAD_DIM)
     ]
     if not dtypes:
-        progress("prompt kernel bench skipped: the kernel has no tiles on this CPU")
-        return {"skipped": "the prompt kernel has no tiles on this CPU"}
+        progress("prompt kernel bench skipped: no kernel takes prompt chunks on this CPU")
+        return {"skipped": "no kernel takes prompt chunks on this CPU"}
     rounds = 4 if quick else 6
     result: dict = {"layer": [], "cold_ttft": []}
     for dtype in dtypes:
@@ -173,8 +178,13 @@ def _print_table(result: dict) -> None:
     print("-" * 109)
     for row in result["layer"]:
         label = f"{row['dtype']}: one layer, 512-token chunk after {row['cached_tokens']:,} (ms)"
+        kernel = (
+            f"{row['kernel_ms']:>10.2f}{row['kernel_ms'] / row['sdpa_ms']:>8.2f}"
+            if row["kernel_ms"] is not None
+            else f"{'-':>10}{'-':>8}"
+        )
         print(
-            f"{label:<62}{row['sdpa_ms']:>10.2f}{row['kernel_ms']:>10.2f}{row['kernel_ms'] / row['sdpa_ms']:>8.2f}"
+            f"{label:<62}{row['sdpa_ms']:>10.2f}{kernel}"
             f"{row['invariant_ms']:>11.2f}{row['invariant_ms'] / row['sdpa_ms']:>8.2f}"
         )
     for row in result["cold_ttft"]:

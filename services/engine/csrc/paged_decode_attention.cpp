@@ -1122,6 +1122,25 @@ bool continues(const int64_t* table, int64_t table_stride, const int64_t* lens, 
   return std::equal(table + first * table_stride, table + first * table_stride + needed, table + row * table_stride);
 }
 
+// Room for every row's partial results per split (merged at the end of a call), kept between a
+// thread's calls up to kKeptPartialFloats. Past glibc's largest mmap threshold (32 MB: a 512-token
+// chunk after about 7,000 cached tokens) a fresh allocation is mapped anew at each call and each
+// of its pages faults in at first touch: one layer of a bf16 chunk after 7,000 cached tokens took
+// 38 ms that way against 24 ms on kept room (two threads of a Zen 5, same bits). Past the cap
+// (chunks after ~55,000 tokens) a call allocates its own, so one very long context does not pin
+// its room for the life of the process.
+constexpr int64_t kKeptPartialFloats = int64_t{64} << 20;  // 256 MB
+
+float* split_partials(int64_t floats, std::unique_ptr<float[]>& fresh) {
+  if (floats > kKeptPartialFloats) {
+    fresh.reset(new float[floats]);
+    return fresh.get();
+  }
+  thread_local std::vector<float> kept;
+  if (static_cast<int64_t>(kept.size()) < floats) kept.resize(floats);
+  return kept.data();
+}
+
 template <typename T>
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -1185,9 +1204,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t heads_dim = s.num_heads * s.head_dim;
   // Left uninitialised: each item writes the slots it owns before anything reads them (a
   // 512-token chunk's would be ~10 MB to clear per layer).
-  const std::unique_ptr<float[]> acc(new float[batch * s.num_splits * heads_dim]);
-  const std::unique_ptr<float[]> maxes(new float[batch * s.num_splits * s.num_heads]);
-  const std::unique_ptr<float[]> sums(new float[batch * s.num_splits * s.num_heads]);
+  const int64_t acc_floats = batch * s.num_splits * heads_dim, stat_floats = batch * s.num_splits * s.num_heads;
+  std::unique_ptr<float[]> fresh;
+  float* const acc = split_partials(acc_floats + 2 * stat_floats, fresh);
+  float* const maxes = acc + acc_floats;
+  float* const sums = maxes + stat_floats;
   const T* k_data = k_cache.data_ptr<T>();
   const T* v_data = v_cache.data_ptr<T>();
 
@@ -1205,13 +1226,13 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
           const Tile& tile = tiles[items[i].tile];
           if (s.head_dim == 64) {
             attend_bf16_dot_impl<4>(tile, items[i].split, s, bf16_queries, static_cast<float>(scale), k_data, v_data,
-                                    table, lens, acc.get(), maxes.get(), sums.get(), scores, pairs);
+                                    table, lens, acc, maxes, sums, scores, pairs);
           } else if (s.head_dim == 128) {
             attend_bf16_dot_impl<8>(tile, items[i].split, s, bf16_queries, static_cast<float>(scale), k_data, v_data,
-                                    table, lens, acc.get(), maxes.get(), sums.get(), scores, pairs);
+                                    table, lens, acc, maxes, sums, scores, pairs);
           } else {
             attend_bf16_dot_impl<16>(tile, items[i].split, s, bf16_queries, static_cast<float>(scale), k_data, v_data,
-                                     table, lens, acc.get(), maxes.get(), sums.get(), scores, pairs);
+                                     table, lens, acc, maxes, sums, scores, pairs);
           }
         }
         return;
@@ -1228,12 +1249,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 #if defined(__AVX2__) && defined(__FMA__)
       if (items[i].kv_head >= 0) {
         if (!tiled) tiled = std::make_unique<TiledScratch>(s.group, s.head_dim);
-        attend_tiled<T>(tile, items[i].split, items[i].kv_head, s, queries, k_data, v_data, table, lens, acc.get(),
-                        maxes.get(), sums.get(), *tiled);
+        attend_tiled<T>(tile, items[i].split, items[i].kv_head, s, queries, k_data, v_data, table, lens, acc, maxes,
+                        sums, *tiled);
         continue;
       }
 #endif
-      attend<T>(tile, items[i].split, s, queries, k_data, v_data, table, lens, acc.get(), maxes.get(), sums.get(),
+      attend<T>(tile, items[i].split, s, queries, k_data, v_data, table, lens, acc, maxes, sums,
                 scores, rows);
     }
   });
@@ -1256,7 +1277,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
           const int64_t slot = row * s.num_splits + p;
           const float weight = std::exp(maxes[slot * s.num_heads + h] - max_score);
           total += weight * sums[slot * s.num_heads + h];
-          const float* part = acc.get() + slot * heads_dim + h * s.head_dim;
+          const float* part = acc + slot * heads_dim + h * s.head_dim;
           for (int64_t d = 0; d < s.head_dim; ++d) merged[d] += weight * part[d];
         }
         T* destination = out_data + (row * s.num_heads + h) * s.head_dim;
