@@ -151,7 +151,8 @@ def run_prompt_kernel_bench(model: str | None = None, quick: bool = False) -> di
     dtypes = [
         dtype
         for dtype in (torch.float32, torch.bfloat16)
-        if prefill_kernel_fits(dtype, HEAD_DIM, HEADS // KV_HEADS) or prefill_in_place_is_faster(dtype, HEAD_DIM)
+        if prefill_kernel_fits(dtype, HEAD_DIM, HEADS // KV_HEADS)
+        or prefill_in_place_is_faster(dtype, HEAD_DIM)
     ]
     if not dtypes:
         progress("prompt kernel bench skipped: no kernel takes prompt chunks on this CPU")
