@@ -80,7 +80,8 @@ def test_terminate_stops_every_child_and_what_it_started(tmp_path: Path) -> None
         ),
         {},
     )
-    assert run_until(supervisor, grandchild_pid.exists) == 0
+    # The file exists from its open, before its pid is written: wait for the pid itself.
+    assert run_until(supervisor, lambda: grandchild_pid.exists() and grandchild_pid.read_text() != "") == 0
     pid = int(grandchild_pid.read_text())
     deadline = time.monotonic() + 10
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
