@@ -88,7 +88,7 @@ def _layer_rows(rounds: int, dtype: torch.dtype) -> list[dict]:
         row = {
             "dtype": _name(dtype),
             "cached_tokens": cached,
-            "kernel_ms": None,  # no prompt kernel for this dtype here
+            "kernel_ms": None,  # set below where the prompt kernel has a path for this dtype
             **{f"{path}_ms": seconds * 1000 for path, seconds in best.items()},
         }
         rows.append(row)
