@@ -712,6 +712,15 @@ struct KeyRows {
   CACHET_ALWAYS_INLINE __m512i pair(int64_t i) const { return chunk[i]; }
 };
 
+// A score is its two chains' sum, scaled: what both score loops store, so a token's score has the
+// same bits from either.
+template <int NQ>
+CACHET_ALWAYS_INLINE inline void store_scores(const __m512 (&first)[NQ], const __m512 (&second)[NQ], float scale,
+                                              float* const* out) {
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int q = 0; q < NQ; ++q) _mm512_storeu_ps(out[q], _mm512_mul_ps(_mm512_add_ps(first[q], second[q]), scaled));
+}
+
 // Scores of NQ queries (their head slices as bf16 pairs) against one group's 16 keys, over
 // `pairs` pairs of dims: two chains a query (the first half of the dims, then the second).
 template <int NQ>
@@ -733,8 +742,7 @@ CACHET_ALWAYS_INLINE inline void score_pairs(const uint32_t* const* queries, Key
   const int64_t half = pairs / 2;  // a multiple of 16 for every head_dim built
   run(first, 0, half);
   run(second, half, pairs);
-  const __m512 scaled = _mm512_set1_ps(scale);
-  for (int q = 0; q < NQ; ++q) _mm512_storeu_ps(out[q], _mm512_mul_ps(_mm512_add_ps(first[q], second[q]), scaled));
+  store_scores<NQ>(first, second, scale, out);
 }
 
 // A tile's queries against a group's keys stored pair-major (pair p at keys + 16 p): the same two
@@ -756,8 +764,7 @@ inline void score_keys(const uint32_t* const* queries, const uint32_t* keys, int
           _mm512_dpbf16_ps(second[q], as_bh(_mm512_set1_epi32(static_cast<int>(queries[q][half + i]))), as_bh(k1));
     }
   }
-  const __m512 scaled = _mm512_set1_ps(scale);
-  for (int q = 0; q < NQ; ++q) _mm512_storeu_ps(out[q], _mm512_mul_ps(_mm512_add_ps(first[q], second[q]), scaled));
+  store_scores<NQ>(first, second, scale, out);
 }
 
 template <int NQ>
