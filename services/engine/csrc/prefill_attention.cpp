@@ -6,12 +6,12 @@
 // prompt positions, with every query head that reads that KV head (rows = positions x group
 // size, so each key read serves them all). It walks the keys its last position may see in
 // chunks of kKeyChunk, keeping a running maximum, sum and weighted sum of values per row (the
-// online softmax). A chunk's keys are first copied out of their blocks transposed, 32 keys x
-// head_dim at a time, so scores come from register tiles of 12 rows x 32 keys: two loads and 12
-// broadcasts feed 24 fused multiply-adds (AVX2: 6 rows x 16 keys, 12 sums in its 16 registers).
-// The weighted sum of values reads V rows in place, a tile of 6 rows x 64 dims held in registers
-// across the chunk's keys (AVX2: 3 rows x 32). Causality costs only the chunk on the diagonal,
-// whose keys past a row's position are given no weight.
+// online softmax). A chunk's keys are first copied out of their blocks transposed (eight keys at
+// a time, through registers), 32 keys x head_dim a block, so scores come from register tiles of
+// 12 rows x 32 keys: two loads and 12 broadcasts feed 24 fused multiply-adds (AVX2: 6 rows x 16
+// keys, 12 sums in its 16 registers). The weighted sum of values reads V rows in place, a tile of
+// 6 rows x 64 dims held in registers across the chunk's keys (AVX2: 3 rows x 32). Causality costs
+// only the chunk on the diagonal, whose keys past a row's position are given no weight.
 //
 // Items are taken heaviest first from a shared counter: a causal prompt's later positions see
 // more keys, and a contiguous split of the items can leave one of two threads with far more.
@@ -199,14 +199,23 @@ inline void value_tile(const float* p, int64_t p_stride, const float* const* val
 inline float softmax_update(float* s, int64_t visible, int64_t width, float& running_max, float& running_sum) {
   const V minus_inf = Lanes::broadcast(-std::numeric_limits<float>::infinity());
   V maxima = minus_inf;
-  for (int64_t j = 0; j < visible; j += Lanes::kWidth) {
-    maxima = Lanes::max(maxima, Lanes::first(Lanes::load(s + j), visible - j, minus_inf));
+  // Only the register that holds the last visible key needs a mask.
+  const int64_t whole = visible / Lanes::kWidth * Lanes::kWidth;
+  for (int64_t j = 0; j < whole; j += Lanes::kWidth) maxima = Lanes::max(maxima, Lanes::load(s + j));
+  if (whole < visible) {
+    maxima = Lanes::max(maxima, Lanes::first(Lanes::load(s + whole), visible - whole, minus_inf));
   }
   const float new_max = std::max(running_max, Lanes::reduce_max(maxima));
   const float rescale = running_max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(running_max - new_max);
   const V shift = Lanes::broadcast(new_max);
   V sums = Lanes::zero();
-  for (int64_t j = 0; j < width; j += Lanes::kWidth) {
+  int64_t j = 0;
+  for (; j < whole; j += Lanes::kWidth) {
+    const V weights = Lanes::exp(Lanes::sub(Lanes::load(s + j), shift));
+    Lanes::store(s + j, weights);
+    sums = Lanes::add(sums, weights);
+  }
+  for (; j < width; j += Lanes::kWidth) {
     const V weights = Lanes::first(Lanes::exp(Lanes::sub(Lanes::load(s + j), shift)), visible - j, Lanes::zero());
     Lanes::store(s + j, weights);
     sums = Lanes::add(sums, weights);
@@ -214,6 +223,34 @@ inline float softmax_update(float* s, int64_t visible, int64_t width, float& run
   running_sum = running_sum * rescale + Lanes::reduce_add(sums);
   running_max = new_max;
   return rescale;
+}
+
+// Eight keys' rows into a score block's transposed layout: to[d * kKeyBlock + i] = rows[i][d], eight
+// dims at a time through registers (an 8 x 8 transpose of fp32 lanes), not one scalar at a time.
+template <int HeadDim>
+inline void transpose_keys(const float* const* rows, float* to) {
+  for (int64_t d0 = 0; d0 < HeadDim; d0 += 8) {
+    __m256 r[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + d0);
+    // Interleave pairs, then quads, then swap 128-bit halves: lane i of t[d] is rows[i][d0 + d].
+    const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+    const __m256 t[8] = {
+        _mm256_permute2f128_ps(b0, b4, 0x20), _mm256_permute2f128_ps(b1, b5, 0x20),
+        _mm256_permute2f128_ps(b2, b6, 0x20), _mm256_permute2f128_ps(b3, b7, 0x20),
+        _mm256_permute2f128_ps(b0, b4, 0x31), _mm256_permute2f128_ps(b1, b5, 0x31),
+        _mm256_permute2f128_ps(b2, b6, 0x31), _mm256_permute2f128_ps(b3, b7, 0x31),
+    };
+#pragma GCC unroll 8
+    for (int d = 0; d < 8; ++d) _mm256_storeu_ps(to + (d0 + d) * kKeyBlock, t[d]);
+  }
 }
 
 struct WorkItem {
@@ -272,17 +309,20 @@ void attend_item(const WorkItem& item, const PromptCall& call, Scratch<HeadDim>&
   for (int64_t chunk = 0; chunk <= last_key; chunk += kKeyChunk) {
     const int64_t chunk_len = std::min(kKeyChunk, last_key + 1 - chunk);
     const int64_t key_blocks = (chunk_len + kKeyBlock - 1) / kKeyBlock;
-    for (int64_t j = 0; j < key_blocks * kKeyBlock; ++j) {
+    const float* key_rows[kKeyChunk];
+    for (int64_t j = 0; j < chunk_len; ++j) {
+      const int64_t position = chunk + j;
+      const int64_t slot = table[position / call.block_size] * call.block_size + position % call.block_size;
+      key_rows[j] = call.k_cache + slot * token_stride + item.kv_head * HeadDim;
+      scratch.value_rows[j] = call.v_cache + slot * token_stride + item.kv_head * HeadDim;
+    }
+    const int64_t whole_eights = chunk_len / 8 * 8;
+    for (int64_t j = 0; j < whole_eights; j += 8) {
+      transpose_keys<HeadDim>(key_rows + j, keys + (j / kKeyBlock) * HeadDim * kKeyBlock + j % kKeyBlock);
+    }
+    for (int64_t j = whole_eights; j < key_blocks * kKeyBlock; ++j) {
       float* to = keys + (j / kKeyBlock) * HeadDim * kKeyBlock + j % kKeyBlock;
-      if (j < chunk_len) {
-        const int64_t position = chunk + j;
-        const int64_t slot = table[position / call.block_size] * call.block_size + position % call.block_size;
-        const float* key = call.k_cache + slot * token_stride + item.kv_head * HeadDim;
-        scratch.value_rows[j] = call.v_cache + slot * token_stride + item.kv_head * HeadDim;
-        for (int64_t d = 0; d < HeadDim; ++d) to[d * kKeyBlock] = key[d];
-      } else {
-        for (int64_t d = 0; d < HeadDim; ++d) to[d * kKeyBlock] = 0.f;
-      }
+      for (int64_t d = 0; d < HeadDim; ++d) to[d * kKeyBlock] = j < chunk_len ? key_rows[j][d] : 0.f;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
       for_row_count<kScoreRows>(std::min<int64_t>(kScoreRows, rows - r0), [&]<int Rows>() {
