@@ -199,7 +199,9 @@ inline void value_tile(const float* p, int64_t p_stride, const float* const* val
 inline float softmax_update(float* s, int64_t visible, int64_t width, float& running_max, float& running_sum) {
   const V minus_inf = Lanes::broadcast(-std::numeric_limits<float>::infinity());
   V maxima = minus_inf;
-  // Only the register that holds the last visible key needs a mask.
+  // Only the register that holds the last visible key needs a mask, so whole registers run in a
+  // loop of their own (a mask on every register was a third of the softmax's time; one loop
+  // with a branch per register instead took 1.05-1.11x this one's time).
   const int64_t whole = visible / Lanes::kWidth * Lanes::kWidth;
   for (int64_t j = 0; j < whole; j += Lanes::kWidth) maxima = Lanes::max(maxima, Lanes::load(s + j));
   if (whole < visible) {
